@@ -1,0 +1,172 @@
+// SPDX-License-Identifier: Apache-2.0
+//
+// Mask fitting. Both methods start from a bit census of the sample; the greedy method then makes
+// one more pass to count, per chunk position, how many rows agree with the majority on each
+// prefix of the agreement ranking.
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "ibpembed/bits.h"
+#include "ibpembed/codec.h"
+
+namespace ibpembed {
+namespace {
+
+// ones[b * 8 + t] = number of sample rows whose byte b has bit t set. Counted through per-byte
+// value histograms (one increment per byte instead of one per bit).
+std::vector<int64_t> bit_census(const uint8_t* rows, int64_t num_rows, int64_t row_bytes) {
+  std::vector<uint32_t> hist(static_cast<size_t>(row_bytes) * 256, 0);
+  std::vector<int64_t> ones(static_cast<size_t>(row_bytes) * 8, 0);
+  // uint32 histograms: flush before any bin could overflow.
+  constexpr int64_t kFlushRows = int64_t{1} << 31;
+  auto flush = [&] {
+    for (int64_t b = 0; b < row_bytes; ++b) {
+      for (int v = 0; v < 256; ++v) {
+        const uint32_t c = hist[b * 256 + v];
+        if (c == 0) continue;
+        for (int t = 0; t < 8; ++t) {
+          if ((v >> t) & 1) ones[b * 8 + t] += c;
+        }
+      }
+    }
+    std::fill(hist.begin(), hist.end(), 0u);
+  };
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const uint8_t* row = rows + r * row_bytes;
+    for (int64_t b = 0; b < row_bytes; ++b) ++hist[b * 256 + row[b]];
+    if ((r + 1) % kFlushRows == 0) flush();
+  }
+  flush();
+  return ones;
+}
+
+// Count of ones of bit t of chunk j; bits past the row end are padding (always zero).
+int64_t chunk_bit_ones(const std::vector<int64_t>& ones, int64_t row_bytes, int chunk_bits, int j,
+                       int t) {
+  const int64_t bit = static_cast<int64_t>(j) * chunk_bits + t;
+  return bit < row_bytes * 8 ? ones[bit] : 0;
+}
+
+uint64_t load_chunk_any(const uint8_t* row, int64_t row_bytes, int chunk_bits, int j) {
+  switch (chunk_bits) {
+    case 16: return load_chunk<16>(row, row_bytes, j);
+    case 32: return load_chunk<32>(row, row_bytes, j);
+    default: return load_chunk<64>(row, row_bytes, j);
+  }
+}
+
+ChunkMasks fit_greedy(const uint8_t* rows, int64_t n, int64_t row_bytes, int w) {
+  const int v = chunks_per_row(row_bytes, w);
+  const std::vector<int64_t> ones = bit_census(rows, n, row_bytes);
+  ChunkMasks out{std::vector<uint64_t>(v, 0), std::vector<uint64_t>(v, 0)};
+
+  // Per position: majority word and the bit ranking (most agreeing first; ties by bit index).
+  std::vector<uint64_t> majority(v, 0);
+  std::vector<std::array<uint8_t, 64>> ranking(v);
+  for (int j = 0; j < v; ++j) {
+    std::array<int64_t, 64> agree{};
+    for (int t = 0; t < w; ++t) {
+      const int64_t c = chunk_bit_ones(ones, row_bytes, w, j, t);
+      if (2 * c > n) majority[j] |= uint64_t{1} << t;
+      agree[t] = std::max(c, n - c);
+    }
+    std::array<uint8_t, 64>& order = ranking[j];
+    std::iota(order.begin(), order.begin() + w, 0);
+    std::stable_sort(order.begin(), order.begin() + w,
+                     [&](uint8_t a, uint8_t b) { return agree[a] > agree[b]; });
+  }
+
+  // prefix_rows[j][L] = rows whose chunk j agrees with the majority on exactly the first L
+  // ranked bits (L = w: agrees on all of them).
+  std::vector<int64_t> prefix_rows(static_cast<size_t>(v) * (w + 1), 0);
+  for (int64_t r = 0; r < n; ++r) {
+    const uint8_t* row = rows + r * row_bytes;
+    for (int j = 0; j < v; ++j) {
+      const uint64_t diff = load_chunk_any(row, row_bytes, w, j) ^ majority[j];
+      const uint8_t* order = ranking[j].data();
+      int len = 0;
+      while (len < w && !((diff >> order[len]) & 1)) ++len;
+      ++prefix_rows[static_cast<size_t>(j) * (w + 1) + len];
+    }
+  }
+
+  for (int j = 0; j < v; ++j) {
+    // saving(k) = k * rows agreeing on the top-k bits; keep the smallest k of maximal saving
+    // (fewer mask bits let more unseen rows participate at equal sample saving).
+    int64_t matching = 0;
+    std::vector<int64_t> match_at(w + 1, 0);
+    for (int k = w; k >= 0; --k) {
+      matching += prefix_rows[static_cast<size_t>(j) * (w + 1) + k];
+      match_at[k] = matching;
+    }
+    int best_k = 0;
+    int64_t best_saving = 0;
+    for (int k = 1; k <= w; ++k) {
+      const int64_t saving = static_cast<int64_t>(k) * match_at[k];
+      if (saving > best_saving) {
+        best_saving = saving;
+        best_k = k;
+      }
+    }
+    uint64_t mask = 0;
+    for (int i = 0; i < best_k; ++i) mask |= uint64_t{1} << ranking[j][i];
+    out.mask[j] = mask;
+    out.bitval[j] = majority[j] & mask;
+  }
+  return out;
+}
+
+ChunkMasks fit_paper(const uint8_t* rows, int64_t n, int64_t row_bytes, int w) {
+  const int v = chunks_per_row(row_bytes, w);
+  const std::vector<int64_t> ones = bit_census(rows, n, row_bytes);
+  ChunkMasks best{std::vector<uint64_t>(v, 0), std::vector<uint64_t>(v, 0)};
+  int64_t best_net = -1;
+  // The published sweep: T from 0.70 in float32 steps of 0.05 while T <= 1.0.
+  for (float threshold = 0.70f; threshold <= 1.0f; threshold += 0.05f) {
+    ChunkMasks cand{std::vector<uint64_t>(v, 0), std::vector<uint64_t>(v, 0)};
+    const double hi = static_cast<double>(threshold) * static_cast<double>(n);
+    const double lo = (1.0 - static_cast<double>(threshold)) * static_cast<double>(n);
+    for (int j = 0; j < v; ++j) {
+      for (int t = 0; t < w; ++t) {
+        const double c = static_cast<double>(chunk_bit_ones(ones, row_bytes, w, j, t));
+        if (c > hi) {
+          cand.mask[j] |= uint64_t{1} << t;
+          cand.bitval[j] |= uint64_t{1} << t;
+        } else if (c < lo) {
+          cand.mask[j] |= uint64_t{1} << t;
+        }
+      }
+    }
+    // Realised net saving: per row, saved bits minus the one-bit-per-chunk header, rows with a
+    // positive net only (the paper's scoring; padding ignored).
+    int64_t net = 0;
+    for (int64_t r = 0; r < n; ++r) {
+      const uint8_t* row = rows + r * row_bytes;
+      int64_t saved = 0;
+      for (int j = 0; j < v; ++j) {
+        if ((load_chunk_any(row, row_bytes, w, j) & cand.mask[j]) == cand.bitval[j]) {
+          saved += popcount64(cand.mask[j]);
+        }
+      }
+      if (saved > v) net += saved - v;
+    }
+    if (net > best_net) {
+      best_net = net;
+      best = std::move(cand);
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+ChunkMasks fit_masks(const uint8_t* rows, int64_t num_rows, int64_t row_bytes, int chunk_bits,
+                     FitMethod method) {
+  return method == FitMethod::kPaper ? fit_paper(rows, num_rows, row_bytes, chunk_bits)
+                                     : fit_greedy(rows, num_rows, row_bytes, chunk_bits);
+}
+
+}  // namespace ibpembed

@@ -1,0 +1,131 @@
+// SPDX-License-Identifier: Apache-2.0
+//
+// The ibpembed compact table layout (format version 1). Torch-free: this header is compiled by
+// g++ for the CPU codec and by nvcc for the CUDA kernels, so both read the very same index math.
+//
+// A table has N rows of R bytes. It is cut into chunks of W bits (W in {16, 32, 64}, S = W / 8
+// bytes), V = ceil(R / S) chunks per row; a row whose width is not a multiple of S is read as if
+// zero-padded to V * S bytes (the padding bits are always zero, so the fit makes them invariant and
+// they cost nothing). Chunks are little-endian W-bit integers.
+//
+// Per chunk position j the table keeps mask[j] and bitval[j] (low W bits of a uint64, with
+// bitval & ~mask == 0). Chunk x of a row *participates* iff (x & mask[j]) == bitval[j]; it then
+// stores only its k_j = W - popcount(mask[j]) free bits, pext(x, ~mask[j]).
+//
+// Compressed row = one LSB-first bit stream (stream bit p is bit p % 8 of byte p / 8):
+//   bits [0, V)  participation bit of chunk j at bit j;
+//   then, chunk after chunk, k_j bits (participating) or all W bits of x (not participating).
+// Its byte size is ceil((V + sum(len_j)) / 8). A raw row is the R source bytes verbatim.
+//
+// Rows are stored back to back in one payload. Each row occupies a *slot* of a whole number of
+// units of U bytes (U a power of two, chosen so that a raw slot is at most 255 units), and a row
+// is stored compressed iff its compressed slot is strictly smaller than its raw slot.
+// Random access uses a 1.25 byte/row index:
+//   row_units[r]     uint8, slot size of row r in units (padded with zeros to a multiple of 32);
+//   block_base[b]    int64, payload byte offset of row 32 * b (one extra entry: payload end);
+//   offset(r) = block_base[r / 32] + U * sum(row_units[32 * (r / 32) .. r - 1]).
+// The compressed bitmask has one bit per row (bit r % 32 of int32 word r / 32, set = compressed).
+// The payload carries kPayloadPad zero bytes past its end so decoders may read 8 bytes ahead.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define IBP_HD __host__ __device__ __forceinline__
+#define IBP_HD_METHOD __host__ __device__ __forceinline__
+#else
+// NOTE(codec): internal linkage on the host. Every translation unit keeps its own copies of these
+// helpers, so the linker can never pick the copy compiled with -mbmi2 for code that runs on a
+// CPU without BMI2.
+#define IBP_HD static inline
+#define IBP_HD_METHOD inline
+#endif
+
+namespace ibpembed {
+
+inline constexpr uint32_t kFormatVersion = 1;
+inline constexpr int kRowsPerBlock = 32;
+inline constexpr int kMaxUnitsPerRow = 255;
+inline constexpr int kPayloadPad = 16;
+inline constexpr int kMaxRowBytes = 1 << 20;  // 1 MiB rows: far beyond any embedding dim
+
+// Element type of a table, as stored. Rows are bits to the codec; the dtype matters only to
+// pooled lookups, which accumulate in fp32.
+enum class DType : int32_t {
+  kFloat32 = 0,
+  kFloat16 = 1,
+  kBFloat16 = 2,
+  kUInt8 = 3,  // plain bytes: gather/decompress only
+  kInt8 = 4,   // plain bytes: gather/decompress only
+  // fbgemm row-wise int8 (IntNBitTableBatchedEmbeddingBagsCodegen, SparseType.INT8): each row is
+  // a 4-byte header (fp16 scale, fp16 bias) followed by D uint8 codes; value = code * scale + bias.
+  kInt8Rowwise = 5,
+};
+
+enum class Pooling : int32_t { kSum = 0, kMean = 1 };
+
+IBP_HD int chunk_bytes(int chunk_bits) { return chunk_bits / 8; }
+
+IBP_HD int chunks_per_row(int64_t row_bytes, int chunk_bits) {
+  const int s = chunk_bytes(chunk_bits);
+  return static_cast<int>((row_bytes + s - 1) / s);
+}
+
+IBP_HD constexpr uint64_t low_bits(int w) { return w >= 64 ? ~uint64_t{0} : ((uint64_t{1} << w) - 1); }
+
+// Smallest power-of-two unit >= min_align for which a raw row fits in kMaxUnitsPerRow units.
+IBP_HD int64_t slot_unit_bytes(int64_t row_bytes, int64_t min_align) {
+  int64_t unit = 1;
+  while (unit < min_align) unit <<= 1;
+  while ((row_bytes + unit - 1) / unit > kMaxUnitsPerRow) unit <<= 1;
+  return unit;
+}
+
+IBP_HD int64_t units_for(int64_t bytes, int64_t unit) { return (bytes + unit - 1) / unit; }
+
+IBP_HD int64_t num_blocks(int64_t num_rows) {
+  return (num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
+}
+
+// Sum of the first n (< 32) bytes of a 32-byte block, SWAR so that host and device share it.
+IBP_HD uint32_t sum_first_bytes(const uint8_t* block, int n) {
+  uint32_t total = 0;
+  for (int w = 0; w < 4 && n > 0; ++w, n -= 8) {
+    uint64_t v;
+    memcpy(&v, block + 8 * w, 8);
+    if (n < 8) v &= (uint64_t{1} << (8 * n)) - 1;
+    // Pairwise byte sums into 16-bit lanes (max 510 each), then one multiply folds the lanes.
+    v = (v & 0x00FF00FF00FF00FFull) + ((v >> 8) & 0x00FF00FF00FF00FFull);
+    total += static_cast<uint32_t>((v * 0x0001000100010001ull) >> 48);
+  }
+  return total;
+}
+
+// Non-owning view of a compressed table: everything a decoder needs, as raw pointers.
+struct TableView {
+  const uint8_t* payload;     // slots back to back, kPayloadPad readable bytes past the end
+  const int64_t* block_base;  // [num_blocks + 1]
+  const uint8_t* row_units;   // [num_blocks * 32]
+  const int32_t* bitmask;     // [ceil(N / 32)]
+  const uint64_t* mask;       // [V]
+  const uint64_t* bitval;     // [V]
+  int64_t num_rows;
+  int64_t row_bytes;
+  int64_t unit_bytes;
+  int chunk_bits;
+  int num_chunks;
+};
+
+IBP_HD bool row_is_compressed(const TableView& t, int64_t r) {
+  return (static_cast<uint32_t>(t.bitmask[r >> 5]) >> (r & 31)) & 1u;
+}
+
+IBP_HD int64_t row_offset(const TableView& t, int64_t r) {
+  const int64_t b = r / kRowsPerBlock;
+  const int in_block = static_cast<int>(r - b * kRowsPerBlock);
+  return t.block_base[b] +
+         t.unit_bytes * sum_first_bytes(t.row_units + b * kRowsPerBlock, in_block);
+}
+
+}  // namespace ibpembed

@@ -1,0 +1,344 @@
+// SPDX-License-Identifier: Apache-2.0
+//
+// Every ibpembed op schema, and the CPU implementations. CUDA implementations of the same schemas
+// register from torch_bindings_cuda.cpp, compiled only in CUDA builds, so Python code calls
+// torch.ops.ibpembed.* on every build without branching.
+//
+// A compressed table travels as seven tensors plus four ints, in this order everywhere:
+//   payload uint8 [bytes + pad], block_base int64 [blocks + 1], row_units uint8 [blocks * 32],
+//   bitmask int32 [ceil(N / 32)], mask int64 [V], bitval int64 [V] (uint64 bit patterns),
+//   chunk_bits, row_bytes, unit_bytes, num_rows.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include "ibpembed/codec.h"
+#include "ibpembed/lookup.h"
+#include "ibpembed/numeric.h"
+
+namespace ibpembed {
+namespace {
+
+void check_cpu_contiguous(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype, name, " must be ", dtype, ", got ",
+                    t.scalar_type());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_chunk_bits(int64_t chunk_bits) {
+  TORCH_CHECK_VALUE(chunk_bits == 16 || chunk_bits == 32 || chunk_bits == 64,
+                    "chunk_bits must be 16, 32 or 64, got ", chunk_bits);
+}
+
+void check_rows(const at::Tensor& rows) {
+  check_cpu_contiguous(rows, "rows", at::kByte);
+  TORCH_CHECK_VALUE(rows.dim() == 2, "rows must be 2-D [N, row_bytes], got ", rows.dim(), "-D");
+  TORCH_CHECK_VALUE(rows.size(1) > 0 && rows.size(1) <= kMaxRowBytes, "row width must be in [1, ",
+                    kMaxRowBytes, "] bytes, got ", rows.size(1));
+}
+
+void check_masks(const at::Tensor& mask, const at::Tensor& bitval, int64_t num_chunks,
+                 int64_t chunk_bits) {
+  check_cpu_contiguous(mask, "mask", at::kLong);
+  check_cpu_contiguous(bitval, "bitval", at::kLong);
+  TORCH_CHECK_VALUE(mask.dim() == 1 && mask.size(0) == num_chunks, "mask must have ", num_chunks,
+                    " entries (one per chunk position), got shape ", mask.sizes());
+  TORCH_CHECK_VALUE(bitval.dim() == 1 && bitval.size(0) == num_chunks, "bitval must have ",
+                    num_chunks, " entries, got shape ", bitval.sizes());
+  const auto* m = reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>());
+  const auto* b = reinterpret_cast<const uint64_t*>(bitval.data_ptr<int64_t>());
+  const uint64_t outside = ~low_bits(static_cast<int>(chunk_bits));
+  for (int64_t j = 0; j < num_chunks; ++j) {
+    TORCH_CHECK_VALUE((m[j] & outside) == 0, "mask[", j, "] has bits above chunk_bits");
+    TORCH_CHECK_VALUE((b[j] & ~m[j]) == 0, "bitval[", j, "] has bits outside mask[", j, "]");
+  }
+}
+
+// Validates the seven table tensors against the four ints and returns the decoder's view.
+TableView table_view(const at::Tensor& payload, const at::Tensor& block_base,
+                     const at::Tensor& row_units, const at::Tensor& bitmask,
+                     const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
+                     int64_t row_bytes, int64_t unit_bytes, int64_t num_rows) {
+  check_chunk_bits(chunk_bits);
+  TORCH_CHECK_VALUE(row_bytes > 0 && row_bytes <= kMaxRowBytes, "row_bytes out of range: ",
+                    row_bytes);
+  TORCH_CHECK_VALUE(num_rows >= 0, "num_rows must be >= 0");
+  TORCH_CHECK_VALUE(unit_bytes == slot_unit_bytes(row_bytes, unit_bytes),
+                    "unit_bytes ", unit_bytes, " is not a valid slot unit for ", row_bytes,
+                    "-byte rows");
+  check_cpu_contiguous(payload, "payload", at::kByte);
+  check_cpu_contiguous(block_base, "block_base", at::kLong);
+  check_cpu_contiguous(row_units, "row_units", at::kByte);
+  check_cpu_contiguous(bitmask, "bitmask", at::kInt);
+  const int64_t blocks = num_blocks(num_rows);
+  TORCH_CHECK_VALUE(block_base.numel() == blocks + 1, "block_base must have ", blocks + 1,
+                    " entries, got ", block_base.numel());
+  TORCH_CHECK_VALUE(row_units.numel() == blocks * kRowsPerBlock, "row_units must have ",
+                    blocks * kRowsPerBlock, " entries, got ", row_units.numel());
+  TORCH_CHECK_VALUE(bitmask.numel() == (num_rows + 31) / 32, "bitmask must have ",
+                    (num_rows + 31) / 32, " words, got ", bitmask.numel());
+  const int v = chunks_per_row(row_bytes, static_cast<int>(chunk_bits));
+  check_masks(mask, bitval, v, chunk_bits);
+  const int64_t* base = block_base.data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(base[0] == 0 && base[blocks] + kPayloadPad <= payload.numel(),
+                    "payload holds ", payload.numel(), " bytes but the index ends at ",
+                    base[blocks], " (+", kPayloadPad, " pad)");
+  return TableView{payload.data_ptr<uint8_t>(),
+                   base,
+                   row_units.data_ptr<uint8_t>(),
+                   bitmask.data_ptr<int32_t>(),
+                   reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>()),
+                   reinterpret_cast<const uint64_t*>(bitval.data_ptr<int64_t>()),
+                   num_rows,
+                   row_bytes,
+                   unit_bytes,
+                   static_cast<int>(chunk_bits),
+                   v};
+}
+
+void check_indices(const at::Tensor& indices, int64_t num_rows) {
+  check_cpu_contiguous(indices, "indices", at::kLong);
+  TORCH_CHECK_VALUE(indices.dim() == 1, "indices must be 1-D, got ", indices.dim(), "-D");
+  const int64_t* ids = indices.data_ptr<int64_t>();
+  const int64_t n = indices.numel();
+  // One branch-free pass; the exact culprit is searched for only on failure.
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) ok &= static_cast<uint64_t>(ids[i]) < static_cast<uint64_t>(num_rows);
+  if (ok) return;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_INDEX(ids[i] >= 0 && ids[i] < num_rows, "index ", ids[i], " at position ", i,
+                      " is out of range for a table of ", num_rows, " rows");
+  }
+}
+
+void check_offsets(const at::Tensor& offsets, int64_t nnz) {
+  check_cpu_contiguous(offsets, "offsets", at::kLong);
+  TORCH_CHECK_VALUE(offsets.dim() == 1 && offsets.numel() >= 1,
+                    "offsets must be 1-D with B + 1 entries");
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  const int64_t n = offsets.numel();
+  TORCH_CHECK_VALUE(o[0] == 0, "offsets[0] must be 0, got ", o[0]);
+  TORCH_CHECK_VALUE(o[n - 1] == nnz, "offsets[-1] must equal the number of indices (", nnz,
+                    "), got ", o[n - 1]);
+  for (int64_t b = 0; b + 1 < n; ++b) {
+    TORCH_CHECK_VALUE(o[b] <= o[b + 1], "offsets must be non-decreasing: offsets[", b, "] = ",
+                      o[b], " > offsets[", b + 1, "] = ", o[b + 1]);
+  }
+}
+
+const RowKernels& active_kernels() { return row_kernels(active_cpu_path()); }
+
+// ---------------------------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> ibp_fit_cpu(const at::Tensor& sample, int64_t chunk_bits,
+                                               c10::string_view method) {
+  check_rows(sample);
+  check_chunk_bits(chunk_bits);
+  TORCH_CHECK_VALUE(sample.size(0) > 0, "ibp_fit needs at least one sample row");
+  FitMethod fit_method;
+  if (method == "ibpembed") {
+    fit_method = FitMethod::kGreedy;
+  } else if (method == "paper") {
+    fit_method = FitMethod::kPaper;
+  } else {
+    TORCH_CHECK_VALUE(false, "method must be 'ibpembed' or 'paper', got '", std::string(method),
+                      "'");
+  }
+  const ChunkMasks fitted = fit_masks(sample.data_ptr<uint8_t>(), sample.size(0), sample.size(1),
+                                      static_cast<int>(chunk_bits), fit_method);
+  const int64_t v = static_cast<int64_t>(fitted.mask.size());
+  at::Tensor mask = at::empty({v}, at::kLong);
+  at::Tensor bitval = at::empty({v}, at::kLong);
+  std::memcpy(mask.data_ptr<int64_t>(), fitted.mask.data(), v * 8);
+  std::memcpy(bitval.data_ptr<int64_t>(), fitted.bitval.data(), v * 8);
+  return {mask, bitval};
+}
+
+at::Tensor ibp_slot_bytes_cpu(const at::Tensor& rows, int64_t chunk_bits, const at::Tensor& mask,
+                              const at::Tensor& bitval, int64_t unit_bytes) {
+  check_rows(rows);
+  check_chunk_bits(chunk_bits);
+  const int64_t row_bytes = rows.size(1);
+  check_masks(mask, bitval, chunks_per_row(row_bytes, static_cast<int>(chunk_bits)), chunk_bits);
+  const int64_t unit = slot_unit_bytes(row_bytes, unit_bytes);
+  const int64_t n = rows.size(0);
+  std::vector<uint8_t> units(n), compressed(n);
+  const auto* m = reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>());
+  const auto* b = reinterpret_cast<const uint64_t*>(bitval.data_ptr<int64_t>());
+  const uint8_t* src = rows.data_ptr<uint8_t>();
+  const RowKernels& k = active_kernels();
+  at::parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
+    plan_slots(k, src + begin * row_bytes, end - begin, row_bytes, m, b,
+               static_cast<int>(chunk_bits), unit, units.data() + begin,
+               compressed.data() + begin);
+  });
+  at::Tensor out = at::empty({n}, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) o[r] = units[r] * unit;
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ibp_compress_cpu(
+    const at::Tensor& rows, int64_t chunk_bits, const at::Tensor& mask, const at::Tensor& bitval,
+    int64_t unit_bytes) {
+  check_rows(rows);
+  check_chunk_bits(chunk_bits);
+  const int64_t n = rows.size(0);
+  const int64_t row_bytes = rows.size(1);
+  const int w = static_cast<int>(chunk_bits);
+  check_masks(mask, bitval, chunks_per_row(row_bytes, w), chunk_bits);
+  TORCH_CHECK_VALUE(unit_bytes == slot_unit_bytes(row_bytes, unit_bytes), "unit_bytes ",
+                    unit_bytes, " is not a valid slot unit for ", row_bytes, "-byte rows");
+  const auto* m = reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>());
+  const auto* b = reinterpret_cast<const uint64_t*>(bitval.data_ptr<int64_t>());
+  const uint8_t* src = rows.data_ptr<uint8_t>();
+  const RowKernels& k = active_kernels();
+  const int64_t blocks = num_blocks(n);
+
+  at::Tensor row_units = at::zeros({blocks * kRowsPerBlock}, at::kByte);
+  std::vector<uint8_t> compressed(n);
+  uint8_t* units = row_units.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
+    plan_slots(k, src + begin * row_bytes, end - begin, row_bytes, m, b, w, unit_bytes,
+               units + begin, compressed.data() + begin);
+  });
+
+  at::Tensor block_base = at::empty({blocks + 1}, at::kLong);
+  at::Tensor bitmask = at::zeros({(n + 31) / 32}, at::kInt);
+  int64_t* base = block_base.data_ptr<int64_t>();
+  auto* bits = reinterpret_cast<uint32_t*>(bitmask.data_ptr<int32_t>());
+  std::vector<int64_t> offsets(n);
+  int64_t total = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    if (r % kRowsPerBlock == 0) base[r / kRowsPerBlock] = total;
+    offsets[r] = total;
+    total += units[r] * unit_bytes;
+    if (compressed[r]) bits[r >> 5] |= 1u << (r & 31);
+  }
+  base[blocks] = total;
+
+  at::Tensor payload = at::zeros({total + kPayloadPad}, at::kByte);
+  uint8_t* dst = payload.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
+    write_slots(k, src + begin * row_bytes, end - begin, row_bytes, m, b, w,
+                compressed.data() + begin, offsets.data() + begin, dst);
+  });
+  return {payload, block_base, row_units, bitmask};
+}
+
+at::Tensor ibp_gather_cpu(const at::Tensor& payload, const at::Tensor& block_base,
+                          const at::Tensor& row_units, const at::Tensor& bitmask,
+                          const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
+                          int64_t row_bytes, int64_t unit_bytes, int64_t num_rows,
+                          const at::Tensor& indices) {
+  const TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval,
+                                 chunk_bits, row_bytes, unit_bytes, num_rows);
+  check_indices(indices, num_rows);
+  at::Tensor out = at::empty({indices.numel(), row_bytes}, at::kByte);
+  gather_rows_cpu(active_kernels(), t, indices.data_ptr<int64_t>(), indices.numel(),
+                  out.data_ptr<uint8_t>());
+  return out;
+}
+
+at::Tensor ibp_decompress_cpu(const at::Tensor& payload, const at::Tensor& block_base,
+                              const at::Tensor& row_units, const at::Tensor& bitmask,
+                              const at::Tensor& mask, const at::Tensor& bitval,
+                              int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
+                              int64_t num_rows) {
+  return ibp_gather_cpu(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
+                        row_bytes, unit_bytes, num_rows, at::arange(num_rows, at::kLong));
+}
+
+at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& block_base,
+                                const at::Tensor& row_units, const at::Tensor& bitmask,
+                                const at::Tensor& mask, const at::Tensor& bitval,
+                                int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
+                                int64_t num_rows, const at::Tensor& indices,
+                                const at::Tensor& offsets,
+                                const std::optional<at::Tensor>& per_sample_weights,
+                                int64_t dtype, int64_t pooling) {
+  const TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval,
+                                 chunk_bits, row_bytes, unit_bytes, num_rows);
+  TORCH_CHECK_VALUE(dtype >= 0 && dtype <= static_cast<int64_t>(DType::kInt8Rowwise),
+                    "unknown dtype code ", dtype);
+  TORCH_CHECK_VALUE(pooling == 0 || pooling == 1, "pooling must be 0 (sum) or 1 (mean), got ",
+                    pooling);
+  const auto dt = static_cast<DType>(dtype);
+  const int64_t dim = pooled_dim(dt, row_bytes);
+  TORCH_CHECK_VALUE(dim > 0, "tables of dtype code ", dtype, " with ", row_bytes,
+                    "-byte rows cannot be pooled (plain int8/uint8 rows carry no scale)");
+  check_indices(indices, num_rows);
+  check_offsets(offsets, indices.numel());
+  const float* weights = nullptr;
+  if (per_sample_weights.has_value()) {
+    check_cpu_contiguous(*per_sample_weights, "per_sample_weights", at::kFloat);
+    TORCH_CHECK_VALUE(per_sample_weights->dim() == 1 &&
+                          per_sample_weights->numel() == indices.numel(),
+                      "per_sample_weights must be 1-D with one weight per index (",
+                      indices.numel(), "), got shape ", per_sample_weights->sizes());
+    weights = per_sample_weights->data_ptr<float>();
+  }
+  const int64_t bags = offsets.numel() - 1;
+  at::Tensor out = at::empty({bags, dim}, at::kFloat);
+  lookup_pooled_cpu(active_kernels(), t, dt, indices.data_ptr<int64_t>(),
+                    offsets.data_ptr<int64_t>(), bags, weights, static_cast<Pooling>(pooling),
+                    out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ibpembed, m) {
+  m.def("ibp_fit(Tensor sample, int chunk_bits, str method) -> (Tensor, Tensor)");
+  m.def(
+      "ibp_slot_bytes(Tensor rows, int chunk_bits, Tensor mask, Tensor bitval, int unit_bytes) "
+      "-> Tensor");
+  m.def(
+      "ibp_compress(Tensor rows, int chunk_bits, Tensor mask, Tensor bitval, int unit_bytes) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "ibp_decompress(Tensor payload, Tensor block_base, Tensor row_units, Tensor bitmask, "
+      "Tensor mask, Tensor bitval, int chunk_bits, int row_bytes, int unit_bytes, int num_rows) "
+      "-> Tensor");
+  m.def(
+      "ibp_gather(Tensor payload, Tensor block_base, Tensor row_units, Tensor bitmask, "
+      "Tensor mask, Tensor bitval, int chunk_bits, int row_bytes, int unit_bytes, int num_rows, "
+      "Tensor indices) -> Tensor");
+  m.def(
+      "lookup_pooled(Tensor payload, Tensor block_base, Tensor row_units, Tensor bitmask, "
+      "Tensor mask, Tensor bitval, int chunk_bits, int row_bytes, int unit_bytes, int num_rows, "
+      "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int dtype, int pooling) "
+      "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ibpembed, CPU, m) {
+  m.impl("ibp_fit", &ibp_fit_cpu);
+  m.impl("ibp_slot_bytes", &ibp_slot_bytes_cpu);
+  m.impl("ibp_compress", &ibp_compress_cpu);
+  m.impl("ibp_decompress", &ibp_decompress_cpu);
+  m.impl("ibp_gather", &ibp_gather_cpu);
+  m.impl("lookup_pooled", &lookup_pooled_cpu_op);
+}
+
+}  // namespace ibpembed
+
+// The Python module only carries process-level controls; all table work goes through torch.ops.
+PYBIND11_MODULE(_C, module) {
+  module.doc() = "ibpembed native ops (registered under torch.ops.ibpembed)";
+  module.attr("FORMAT_VERSION") = ibpembed::kFormatVersion;
+  module.def("cpu_path", [] { return std::string(ibpembed::cpu_path_name(ibpembed::active_cpu_path())); },
+             "The CPU codec path in use: 'bmi2' or 'ref'.");
+  module.def("cpu_has_bmi2", &ibpembed::cpu_has_bmi2, "Whether this CPU reports BMI2.");
+  module.def(
+      "set_cpu_path",
+      [](const std::string& name) {
+        TORCH_CHECK_VALUE(name == "ref" || name == "bmi2", "cpu path must be 'ref' or 'bmi2'");
+        ibpembed::set_active_cpu_path(name == "bmi2" ? ibpembed::CpuPath::kBmi2
+                                                     : ibpembed::CpuPath::kRef);
+      },
+      "Switch the CPU codec path for this process (tests and benchmarks).");
+}

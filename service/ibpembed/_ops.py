@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Loads the native extension (which registers torch.ops.ibpembed.*) and the ops' fake kernels.
+
+Fake kernels give every op a shape function, so torch.compile, torch.export and
+torch.library.opcheck can trace through them without running the codec.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ibpembed import _C  # noqa: F401  (registers the ops)
+
+ops = torch.ops.ibpembed
+
+# Must match ibpembed::DType in csrc/include/ibpembed/format.h.
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.uint8: 3,
+    torch.int8: 4,
+}
+INT8_ROWWISE_CODE = 5
+INT8_ROWWISE_HEADER_BYTES = 4
+ROWS_PER_BLOCK = 32
+
+
+def pooled_dim(dtype_code: int, row_bytes: int) -> int:
+    """Number of fp32 outputs a row pools into; 0 when the dtype cannot be pooled."""
+    if dtype_code == 0:
+        return row_bytes // 4 if row_bytes % 4 == 0 else 0
+    if dtype_code in (1, 2):
+        return row_bytes // 2 if row_bytes % 2 == 0 else 0
+    if dtype_code == INT8_ROWWISE_CODE:
+        return max(row_bytes - INT8_ROWWISE_HEADER_BYTES, 0)
+    return 0
+
+
+def _num_chunks(row_bytes: int, chunk_bits: int) -> int:
+    chunk_bytes = chunk_bits // 8
+    return -(-row_bytes // chunk_bytes)
+
+
+@torch.library.register_fake("ibpembed::ibp_fit")
+def _fit_fake(sample: torch.Tensor, chunk_bits: int, method: str) -> tuple[torch.Tensor, ...]:
+    v = _num_chunks(sample.shape[1], chunk_bits)
+    return sample.new_empty((v,), dtype=torch.int64), sample.new_empty((v,), dtype=torch.int64)
+
+
+@torch.library.register_fake("ibpembed::ibp_slot_bytes")
+def _slot_bytes_fake(rows, chunk_bits, mask, bitval, unit_bytes) -> torch.Tensor:
+    return rows.new_empty((rows.shape[0],), dtype=torch.int64)
+
+
+@torch.library.register_fake("ibpembed::ibp_compress")
+def _compress_fake(rows, chunk_bits, mask, bitval, unit_bytes) -> tuple[torch.Tensor, ...]:
+    n = rows.shape[0]
+    blocks = -(-n // ROWS_PER_BLOCK)
+    payload_bytes = torch.library.get_ctx().new_dynamic_size()
+    return (
+        rows.new_empty((payload_bytes,), dtype=torch.uint8),
+        rows.new_empty((blocks + 1,), dtype=torch.int64),
+        rows.new_empty((blocks * ROWS_PER_BLOCK,), dtype=torch.uint8),
+        rows.new_empty((-(-n // 32),), dtype=torch.int32),
+    )
+
+
+@torch.library.register_fake("ibpembed::ibp_decompress")
+def _decompress_fake(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
+                     row_bytes, unit_bytes, num_rows) -> torch.Tensor:  # fmt: skip
+    return payload.new_empty((num_rows, row_bytes), dtype=torch.uint8)
+
+
+@torch.library.register_fake("ibpembed::ibp_gather")
+def _gather_fake(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits, row_bytes,
+                 unit_bytes, num_rows, indices) -> torch.Tensor:  # fmt: skip
+    return payload.new_empty((indices.shape[0], row_bytes), dtype=torch.uint8)
+
+
+@torch.library.register_fake("ibpembed::lookup_pooled")
+def _lookup_pooled_fake(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
+                        row_bytes, unit_bytes, num_rows, indices, offsets, per_sample_weights,
+                        dtype, pooling) -> torch.Tensor:  # fmt: skip
+    return payload.new_empty((offsets.shape[0] - 1, pooled_dim(dtype, row_bytes)),
+                             dtype=torch.float32)  # fmt: skip

@@ -1,0 +1,318 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fit, compress and look up IBP-compressed tables.
+
+>>> table = compress(weights)                      # [N, D] fp32/fp16/bf16/int8/uint8
+>>> table.gather(torch.tensor([3, 1, 3]))          # rows, bit-exact
+>>> table.lookup(ids, offsets, pooling="mean")     # [B, D] fp32, like nn.EmbeddingBag
+
+Rows are bits to the codec: any dtype round-trips bit for bit (NaN payloads and -0.0 included).
+The layout is documented in csrc/include/ibpembed/format.h.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ibpembed import _C
+from ibpembed._ops import DTYPE_CODES, INT8_ROWWISE_CODE, INT8_ROWWISE_HEADER_BYTES, ops
+
+Method = Literal["ibpembed", "paper"]
+Pooling = Literal["sum", "mean"]
+
+CHUNK_BITS_CHOICES = (64, 32, 16)  # tie on stored size -> the wider chunk decodes faster
+DEFAULT_SAMPLE_ROWS = 1_000_000
+DEFAULT_ALIGN = 8
+ROWS_PER_BLOCK = 32
+_POOLING_CODES = {"sum": 0, "mean": 1}
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+
+
+def cpu_path() -> str:
+    """The CPU codec path in use: ``"bmi2"`` (pext/pdep) or ``"ref"`` (portable scalar)."""
+    return _C.cpu_path()
+
+
+def slot_unit_bytes(row_bytes: int, align: int) -> int:
+    """Smallest power of two >= align in which a raw row spans at most 255 units (format.h)."""
+    unit = 1
+    while unit < align:
+        unit <<= 1
+    while -(-row_bytes // unit) > 255:
+        unit <<= 1
+    return unit
+
+
+@dataclass(frozen=True, eq=False)
+class CompressedTable:
+    """A compressed [num_rows, dim] table in the compact layout of format.h.
+
+    The tensors are the whole table; the ints say how to read them. ``quant="int8_rowwise"`` marks
+    uint8 rows in fbgemm's row-wise int8 layout (fp16 scale, fp16 bias, then dim - 4 codes), which
+    pooled lookups dequantise.
+    """
+
+    payload: torch.Tensor  # uint8 [stored bytes + 16 pad]
+    block_base: torch.Tensor  # int64 [ceil(N / 32) + 1]
+    row_units: torch.Tensor  # uint8 [ceil(N / 32) * 32]
+    bitmask: torch.Tensor  # int32 [ceil(N / 32)], bit set = row stored compressed
+    mask: torch.Tensor  # int64 [V], uint64 bit patterns
+    bitval: torch.Tensor  # int64 [V]
+    chunk_bits: int
+    num_rows: int
+    dim: int
+    dtype: torch.dtype
+    unit_bytes: int
+    quant: str | None = None
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * self.dtype.itemsize
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of the uncompressed table."""
+        return self.num_rows * self.row_bytes
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.payload.numel()
+
+    @property
+    def index_bytes(self) -> int:
+        """Random-access index: per-block bases and per-row slot sizes."""
+        return self.block_base.numel() * 8 + self.row_units.numel()
+
+    @property
+    def metadata_bytes(self) -> int:
+        """The compressed-row bitmask and the per-position masks."""
+        return self.bitmask.numel() * 4 + (self.mask.numel() + self.bitval.numel()) * 8
+
+    @property
+    def stored_bytes(self) -> int:
+        """Everything needed to decode: payload + index + bitmask + masks."""
+        return self.payload_bytes + self.index_bytes + self.metadata_bytes
+
+    @property
+    def savings(self) -> float:
+        """1 - stored / raw (negative only for tiny tables, where metadata dominates)."""
+        return 1.0 - self.stored_bytes / self.raw_bytes
+
+    @property
+    def compressed_rows(self) -> int:
+        """Rows stored compressed (the rest are stored raw)."""
+        words = self.bitmask.view(torch.uint8)
+        return int(torch.bitwise_count(words).sum()) if hasattr(torch, "bitwise_count") else int(
+            sum(bin(int(b)).count("1") for b in words.tolist())
+        )
+
+    # -- decoding ------------------------------------------------------------------------------
+    def _args(self) -> tuple:
+        return (
+            self.payload,
+            self.block_base,
+            self.row_units,
+            self.bitmask,
+            self.mask,
+            self.bitval,
+            self.chunk_bits,
+            self.row_bytes,
+            self.unit_bytes,
+            self.num_rows,
+        )
+
+    def _as_rows(self, raw: torch.Tensor) -> torch.Tensor:
+        return raw.view(self.dtype).view(raw.shape[0], self.dim)
+
+    def decompress(self) -> torch.Tensor:
+        """The whole table, bit-exact, as a new [num_rows, dim] tensor of the source dtype."""
+        return self._as_rows(ops.ibp_decompress(*self._args()))
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (any order, duplicates allowed), bit-exact, as [len(ids), dim]."""
+        return self._as_rows(ops.ibp_gather(*self._args(), _as_indices(ids, "ids")))
+
+    def lookup(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+        pooling: Pooling = "sum",
+        *,
+        lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Pooled lookup over a CSR batch, like ``nn.EmbeddingBag`` / torchrec.
+
+        Parameters
+        ----------
+        ids : [nnz] integer row ids.
+        offsets : [B + 1] bag boundaries (``offsets[0] == 0``, ``offsets[-1] == nnz``).
+        weights : optional [nnz] float32 per-sample weights.
+        pooling : ``"sum"`` or ``"mean"`` (weighted sum divided by the bag length).
+        lengths : [B] bag lengths, instead of ``offsets``.
+
+        Returns
+        -------
+        [B, D] float32, accumulated in fp32; empty bags give zeros.
+        """
+        if pooling not in _POOLING_CODES:
+            raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
+        dtype_code = self._dtype_code()
+        indices = _as_indices(ids, "ids")
+        offsets = _as_offsets(offsets, lengths)
+        if weights is not None:
+            if not isinstance(weights, torch.Tensor) or weights.dtype != torch.float32:
+                raise TypeError("weights must be a float32 tensor")
+            weights = weights.contiguous()
+        return ops.lookup_pooled(
+            *self._args(), indices, offsets, weights, dtype_code, _POOLING_CODES[pooling]
+        )
+
+    def _dtype_code(self) -> int:
+        if self.quant == "int8_rowwise":
+            return INT8_ROWWISE_CODE
+        if self.dtype in (torch.uint8, torch.int8):
+            raise TypeError(
+                f"{self.dtype} rows without a scale cannot be pooled; compress fbgemm row-wise "
+                "int8 rows with quant='int8_rowwise'"
+            )
+        return DTYPE_CODES[self.dtype]
+
+
+def _as_indices(ids: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.dtype not in _INT_DTYPES:
+        raise TypeError(f"{name} must be an integer tensor, got {ids.dtype}")
+    if ids.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
+    return ids.to(torch.int64).contiguous()
+
+
+def _as_offsets(offsets: torch.Tensor | None, lengths: torch.Tensor | None) -> torch.Tensor:
+    if (offsets is None) == (lengths is None):
+        raise ValueError("pass exactly one of offsets or lengths")
+    if offsets is not None:
+        return _as_indices(offsets, "offsets")
+    lengths = _as_indices(lengths, "lengths")
+    if bool((lengths < 0).any()):
+        raise ValueError("lengths must be non-negative")
+    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+
+
+def _validate_table(table: torch.Tensor, quant: str | None) -> None:
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"table must be a torch.Tensor, got {type(table).__name__}")
+    if table.dtype not in DTYPE_CODES:
+        supported = ", ".join(str(d) for d in DTYPE_CODES)
+        raise TypeError(f"unsupported table dtype {table.dtype}; supported: {supported}")
+    if table.dim() != 2:
+        raise ValueError(f"table must be 2-D [num_rows, dim], got shape {tuple(table.shape)}")
+    if table.shape[0] == 0 or table.shape[1] == 0:
+        raise ValueError(f"table must be non-empty, got shape {tuple(table.shape)}")
+    if not table.is_contiguous():
+        raise ValueError("table must be contiguous (call .contiguous() first)")
+    if table.device.type != "cpu":
+        raise ValueError(f"tables are compressed on the CPU, got a {table.device} tensor")
+    if quant not in (None, "int8_rowwise"):
+        raise ValueError(f"quant must be None or 'int8_rowwise', got {quant!r}")
+    if quant == "int8_rowwise" and (
+        table.dtype != torch.uint8 or table.shape[1] <= INT8_ROWWISE_HEADER_BYTES
+    ):
+        raise ValueError("quant='int8_rowwise' needs uint8 rows of more than 4 bytes")
+
+
+def _sample(rows: torch.Tensor, sample_rows: int | None, seed: int) -> torch.Tensor:
+    """A uniform random row sample (never a prefix: tables are often sorted by id or frequency)."""
+    n = rows.shape[0]
+    if sample_rows is None or sample_rows >= n:
+        return rows
+    if sample_rows <= 0:
+        raise ValueError(f"sample_rows must be positive, got {sample_rows}")
+    gen = torch.Generator().manual_seed(seed)
+    if n <= 8 * sample_rows:
+        picks = torch.randperm(n, generator=gen)[:sample_rows]
+    else:  # randperm(n) would cost 8n bytes; collisions are rare at this ratio and harmless.
+        picks = torch.randint(0, n, (sample_rows,), generator=gen).unique()
+    return rows.index_select(0, picks.sort().values)
+
+
+def paper_chunk_bits(row_bytes: int) -> int:
+    """The paper's chunk: the widest integer view of the row (int64 where it divides)."""
+    for bits in CHUNK_BITS_CHOICES:
+        if row_bytes % (bits // 8) == 0:
+            return bits
+    return 16
+
+
+def fit(
+    sample: torch.Tensor, *, method: Method, align: int, chunk_bits: int | None
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(chunk_bits, mask, bitval) for uint8 sample rows [n, row_bytes]."""
+    row_bytes = sample.shape[1]
+    unit = slot_unit_bytes(row_bytes, align)
+    if method == "paper":
+        bits = chunk_bits or paper_chunk_bits(row_bytes)
+        return (bits, *ops.ibp_fit(sample, bits, "paper"))
+    if method != "ibpembed":
+        raise ValueError(f"method must be 'ibpembed' or 'paper', got {method!r}")
+    best: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
+    for bits in (chunk_bits,) if chunk_bits else CHUNK_BITS_CHOICES:
+        mask, bitval = ops.ibp_fit(sample, bits, "ibpembed")
+        size = int(ops.ibp_slot_bytes(sample, bits, mask, bitval, unit).sum()) + 16 * mask.numel()
+        if best is None or size < best[0]:
+            best = (size, bits, mask, bitval)
+    assert best is not None
+    return best[1], best[2], best[3]
+
+
+def compress(
+    table: torch.Tensor,
+    *,
+    method: Method = "ibpembed",
+    sample_rows: int | None = DEFAULT_SAMPLE_ROWS,
+    seed: int = 0,
+    align: int = DEFAULT_ALIGN,
+    chunk_bits: int | None = None,
+    quant: str | None = None,
+) -> CompressedTable:
+    """Compress a [num_rows, dim] CPU table losslessly.
+
+    Parameters
+    ----------
+    table : contiguous 2-D fp32 / fp16 / bf16 / int8 / uint8 tensor.
+    method : ``"ibpembed"`` (per-position greedy masks, chunk width chosen by measured size) or
+        ``"paper"`` (the published global-threshold sweep on the widest integer view).
+    sample_rows : rows sampled uniformly at random (``seed``) to fit the masks; None = all rows.
+    align : minimum slot alignment in bytes (a power of two; raised for very wide rows).
+    chunk_bits : force the chunk width (16, 32 or 64) instead of choosing it.
+    quant : ``"int8_rowwise"`` for uint8 rows in fbgemm's row-wise int8 layout.
+    """
+    _validate_table(table, quant)
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"align must be a power of two, got {align}")
+    if chunk_bits is not None and chunk_bits not in CHUNK_BITS_CHOICES:
+        raise ValueError(f"chunk_bits must be one of {CHUNK_BITS_CHOICES}, got {chunk_bits}")
+    rows = table.view(torch.uint8).view(table.shape[0], -1)
+    bits, mask, bitval = fit(
+        _sample(rows, sample_rows, seed), method=method, align=align, chunk_bits=chunk_bits
+    )
+    unit = slot_unit_bytes(rows.shape[1], align)
+    payload, block_base, row_units, bitmask = ops.ibp_compress(rows, bits, mask, bitval, unit)
+    return CompressedTable(
+        payload=payload,
+        block_base=block_base,
+        row_units=row_units,
+        bitmask=bitmask,
+        mask=mask,
+        bitval=bitval,
+        chunk_bits=bits,
+        num_rows=table.shape[0],
+        dim=table.shape[1],
+        dtype=table.dtype,
+        unit_bytes=unit,
+        quant=quant,
+    )

@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Builds ibpembed._C from csrc/: the CPU codec always, the CUDA kernels when torch has CUDA.
+
+Only csrc/codec/row_kernels_bmi2.cpp is compiled with -mbmi2: it is built to an object first and
+linked in, because setuptools has no per-file flags. The path is chosen at load time, never here.
+Set IBPEMBED_SKIP_CUDA_BUILD=1 to build the CPU extension on a CUDA torch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from setuptools import setup
+from torch.utils import cpp_extension
+
+ROOT = Path(__file__).parent
+CSRC = ROOT / "csrc"
+BMI2_SOURCE = "csrc/codec/row_kernels_bmi2.cpp"
+CXX_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+
+
+def _sources(pattern: str) -> list[str]:
+    return sorted(str(p.relative_to(ROOT)) for p in CSRC.glob(pattern))
+
+
+def _cuda_enabled() -> bool:
+    if os.environ.get("IBPEMBED_SKIP_CUDA_BUILD") == "1":
+        return False
+    import torch
+
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+class BuildExtension(cpp_extension.BuildExtension):
+    """Compiles the BMI2 translation unit with its own ISA flag, then builds as usual."""
+
+    def build_extensions(self) -> None:
+        include = str(CSRC / "include")
+        objects = self.compiler.compile(
+            [BMI2_SOURCE],
+            output_dir=self.build_temp,
+            include_dirs=[include],
+            extra_postargs=[*CXX_FLAGS, "-fPIC", "-mbmi2"],
+        )
+        for ext in self.extensions:
+            ext.extra_objects = [*ext.extra_objects, *objects]
+        super().build_extensions()
+
+
+def _extension() -> cpp_extension.CppExtension:
+    sources = [s for s in _sources("codec/*.cpp") if s != BMI2_SOURCE]
+    sources += _sources("lookup/*.cpp") + ["csrc/ops/torch_bindings.cpp"]
+    include_dirs = [str(CSRC / "include")]
+    if not _cuda_enabled():
+        return cpp_extension.CppExtension(
+            "ibpembed._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": CXX_FLAGS}
+        )
+    nvcc_flags = [
+        "-O3",
+        "-std=c++17",
+        "--expt-relaxed-constexpr",
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90,code=sm_90",
+    ]
+    sources += _sources("cuda/*.cu") + _sources("ops/*_cuda.cpp")
+    return cpp_extension.CUDAExtension(
+        "ibpembed._C",
+        sources,
+        include_dirs=include_dirs,
+        define_macros=[("IBPEMBED_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": CXX_FLAGS, "nvcc": nvcc_flags},
+    )
+
+
+setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension})
