@@ -67,20 +67,56 @@ def _compress_fake(rows, chunk_bits, mask, bitval, unit_bytes) -> tuple[torch.Te
 
 
 @torch.library.register_fake("ibpembed::ibp_decompress")
-def _decompress_fake(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
-                     row_bytes, unit_bytes, num_rows) -> torch.Tensor:  # fmt: skip
+def _decompress_fake(
+    payload,
+    block_base,
+    row_units,
+    bitmask,
+    mask,
+    bitval,
+    chunk_bits,
+    row_bytes,
+    unit_bytes,
+    num_rows,
+) -> torch.Tensor:
     return payload.new_empty((num_rows, row_bytes), dtype=torch.uint8)
 
 
 @torch.library.register_fake("ibpembed::ibp_gather")
-def _gather_fake(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits, row_bytes,
-                 unit_bytes, num_rows, indices) -> torch.Tensor:  # fmt: skip
+def _gather_fake(
+    payload,
+    block_base,
+    row_units,
+    bitmask,
+    mask,
+    bitval,
+    chunk_bits,
+    row_bytes,
+    unit_bytes,
+    num_rows,
+    indices,
+) -> torch.Tensor:
     return payload.new_empty((indices.shape[0], row_bytes), dtype=torch.uint8)
 
 
 @torch.library.register_fake("ibpembed::lookup_pooled")
-def _lookup_pooled_fake(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
-                        row_bytes, unit_bytes, num_rows, indices, offsets, per_sample_weights,
-                        dtype, pooling) -> torch.Tensor:  # fmt: skip
-    return payload.new_empty((offsets.shape[0] - 1, pooled_dim(dtype, row_bytes)),
-                             dtype=torch.float32)  # fmt: skip
+def _lookup_pooled_fake(
+    payload,
+    block_base,
+    row_units,
+    bitmask,
+    mask,
+    bitval,
+    chunk_bits,
+    row_bytes,
+    unit_bytes,
+    num_rows,
+    indices,
+    offsets,
+    per_sample_weights,
+    dtype,
+    pooling,
+) -> torch.Tensor:
+    return payload.new_empty(
+        (offsets.shape[0] - 1, pooled_dim(dtype, row_bytes)), dtype=torch.float32
+    )

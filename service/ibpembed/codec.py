@@ -19,7 +19,7 @@ import torch
 from ibpembed import _C
 from ibpembed._ops import DTYPE_CODES, INT8_ROWWISE_CODE, INT8_ROWWISE_HEADER_BYTES, ops
 
-Method = Literal["ibpembed", "paper"]
+Method = Literal["ibpembed", "paper", "raw"]
 Pooling = Literal["sum", "mean"]
 
 CHUNK_BITS_CHOICES = (64, 32, 16)  # tie on stored size -> the wider chunk decodes faster
@@ -27,6 +27,7 @@ DEFAULT_SAMPLE_ROWS = 1_000_000
 DEFAULT_ALIGN = 8
 ROWS_PER_BLOCK = 32
 _POOLING_CODES = {"sum": 0, "mean": 1}
+_BIT_WEIGHTS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
@@ -104,10 +105,8 @@ class CompressedTable:
     @property
     def compressed_rows(self) -> int:
         """Rows stored compressed (the rest are stored raw)."""
-        words = self.bitmask.view(torch.uint8)
-        return int(torch.bitwise_count(words).sum()) if hasattr(torch, "bitwise_count") else int(
-            sum(bin(int(b)).count("1") for b in words.tolist())
-        )
+        bits = torch.bitwise_and(self.bitmask.view(torch.uint8)[:, None], _BIT_WEIGHTS)
+        return int(bits.ne(0).sum())
 
     # -- decoding ------------------------------------------------------------------------------
     def _args(self) -> tuple:
@@ -257,8 +256,15 @@ def fit(
     if method == "paper":
         bits = chunk_bits or paper_chunk_bits(row_bytes)
         return (bits, *ops.ibp_fit(sample, bits, "paper"))
+    if method == "raw":
+        # Empty masks: no row can shrink, so every row is stored raw. The uncompressed baseline
+        # that runs through the very same engine.
+        bits = chunk_bits or paper_chunk_bits(row_bytes)
+        v = -(-row_bytes // (bits // 8))
+        zeros = torch.zeros(v, dtype=torch.int64)
+        return bits, zeros, zeros.clone()
     if method != "ibpembed":
-        raise ValueError(f"method must be 'ibpembed' or 'paper', got {method!r}")
+        raise ValueError(f"method must be 'ibpembed', 'paper' or 'raw', got {method!r}")
     best: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
     for bits in (chunk_bits,) if chunk_bits else CHUNK_BITS_CHOICES:
         mask, bitval = ops.ibp_fit(sample, bits, "ibpembed")
@@ -285,7 +291,8 @@ def compress(
     ----------
     table : contiguous 2-D fp32 / fp16 / bf16 / int8 / uint8 tensor.
     method : ``"ibpembed"`` (per-position greedy masks, chunk width chosen by measured size) or
-        ``"paper"`` (the published global-threshold sweep on the widest integer view).
+        ``"paper"`` (the published global-threshold sweep on the widest integer view), or
+        ``"raw"`` (every row stored raw: the uncompressed baseline in the same layout and engine).
     sample_rows : rows sampled uniformly at random (``seed``) to fit the masks; None = all rows.
     align : minimum slot alignment in bytes (a power of two; raised for very wide rows).
     chunk_bits : force the chunk width (16, 32 or 64) instead of choosing it.
