@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Pooled lookups against the float64 reference (derived bound) and against torchrec's EBC."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ibpembed import compress
+from ibpembed import reference as ref
+from tests.codec.tables import FLOAT_DTYPES, make_table
+
+NUMPY_KIND = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _batch(rng: np.random.Generator, num_rows: int, bags: int, max_len: int):
+    lengths = rng.integers(0, max_len + 1, bags)
+    lengths[rng.random(bags) < 0.2] = 0  # empty bags
+    ids = rng.integers(0, num_rows, int(lengths.sum()))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return ids, offsets, lengths
+
+
+def _check(c, values, ids, offsets, weights, pooling) -> None:
+    got = c.lookup(
+        torch.from_numpy(ids),
+        torch.from_numpy(offsets),
+        None if weights is None else torch.from_numpy(weights),
+        pooling,
+    ).numpy()
+    exact = ref.lookup_pooled(values, ids, offsets, weights, pooling)
+    tol = ref.pooled_tolerance(values, ids, offsets, weights, pooling)
+    assert got.dtype == np.float32 and got.shape == exact.shape
+    assert np.all(np.abs(got - exact) <= tol), np.max(np.abs(got - exact) - tol)
+
+
+@given(
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    dim=st.sampled_from((1, 3, 16, 129)),
+    pooling=st.sampled_from(("sum", "mean")),
+    weighted=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_pooled_matches_reference(dtype, dim, pooling, weighted, seed) -> None:
+    rng = np.random.default_rng(seed)
+    table = make_table(dtype, 300, dim, "trained_like", seed)
+    c = compress(table)
+    values = ref.row_values(table.view(torch.uint8).reshape(300, -1).numpy(), NUMPY_KIND[dtype])
+    ids, offsets, _ = _batch(rng, 300, 40, 100)
+    weights = rng.normal(size=len(ids)).astype(np.float32) if weighted else None
+    _check(c, values, ids, offsets, weights, pooling)
+
+
+def test_int8_rowwise_pooling_dequantises() -> None:
+    rng = np.random.default_rng(1)
+    rows = rng.integers(0, 256, (500, 20), dtype=np.uint8)
+    header = np.stack([rng.uniform(0.001, 0.02, 500), rng.uniform(-1, 0, 500)], axis=1).astype(
+        np.float16
+    )
+    rows[:, :4] = header.view(np.uint8)
+    c = compress(torch.from_numpy(rows), quant="int8_rowwise")
+    values = ref.row_values(rows, "int8_rowwise")
+    ids, offsets, _ = _batch(rng, 500, 64, 30)
+    for pooling in ("sum", "mean"):
+        _check(c, values, ids, offsets, rng.random(len(ids)).astype(np.float32), pooling)
+
+
+def test_lengths_equal_offsets_and_empty_batches() -> None:
+    table = make_table(torch.float32, 100, 8, "trained_like", 2)
+    c = compress(table)
+    ids = torch.tensor([1, 2, 3, 4, 99])
+    by_offsets = c.lookup(ids, torch.tensor([0, 2, 2, 5]))
+    by_lengths = c.lookup(ids, lengths=torch.tensor([2, 0, 3]))
+    assert torch.equal(by_offsets, by_lengths)
+    assert torch.equal(by_offsets[1], torch.zeros(8))
+    no_bags = c.lookup(torch.empty(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    assert no_bags.shape == (0, 8)
+
+
+def test_mean_of_one_row_is_the_row_exactly() -> None:
+    table = make_table(torch.float32, 64, 33, "edge_values", 3)
+    c = compress(table)
+    ids = torch.arange(64)
+    pooled = c.lookup(ids, torch.arange(65), pooling="mean")
+    # NaN payloads are not preserved through arithmetic, but every other value is exact.
+    assert torch.equal(pooled.nan_to_num(0.0), table.nan_to_num(0.0))
+
+
+# torchrec's CPU EBC (nn.functional.embedding_bag) takes per-sample weights only with SUM.
+@pytest.mark.parametrize(("pooling", "weighted"), [("sum", False), ("sum", True), ("mean", False)])
+def test_pooled_matches_torchrec_embedding_bag_collection(pooling: str, weighted: bool) -> None:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    torch.manual_seed(0)
+    dims = {"t_small": 16, "t_wide": 64}
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                name=name,
+                embedding_dim=dim,
+                num_embeddings=1000,
+                feature_names=[f"f_{name}"],
+                pooling=PoolingType.SUM if pooling == "sum" else PoolingType.MEAN,
+            )
+            for name, dim in dims.items()
+        ],
+        is_weighted=weighted,
+    )
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(0, 20, 2 * 32)
+    ids = rng.integers(0, 1000, int(lengths.sum()))
+    weights = rng.random(len(ids)).astype(np.float32) if weighted else None
+    kjt = KeyedJaggedTensor(
+        keys=[f"f_{name}" for name in dims],
+        values=torch.from_numpy(ids),
+        lengths=torch.from_numpy(lengths).int(),
+        weights=None if weights is None else torch.from_numpy(weights),
+    )
+    with torch.no_grad():
+        expected = ebc(kjt).to_dict()
+    state = ebc.state_dict()
+    offset = 0
+    for t, name in enumerate(dims):
+        weight = state[f"embedding_bags.{name}.weight"]
+        c = compress(weight.contiguous())
+        table_lengths = torch.from_numpy(lengths[32 * t : 32 * (t + 1)])
+        n = int(table_lengths.sum())
+        table_ids = torch.from_numpy(ids[offset : offset + n])
+        table_weights = None if weights is None else torch.from_numpy(weights[offset : offset + n])
+        got = c.lookup(table_ids, lengths=table_lengths, weights=table_weights, pooling=pooling)
+        values = weight.double().numpy()
+        off = np.concatenate([[0], np.cumsum(table_lengths.numpy())])
+        tol = ref.pooled_tolerance(
+            values,
+            table_ids.numpy(),
+            off,
+            None if table_weights is None else table_weights.numpy(),
+            pooling,
+        )
+        diff = (got - expected[f"f_{name}"]).abs().numpy()
+        assert np.all(diff <= tol), float((diff - tol).max())
+        offset += n
