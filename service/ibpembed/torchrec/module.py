@@ -1,0 +1,511 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A drop-in, losslessly compressed replacement for torchrec's ``EmbeddingBagCollection``.
+
+``CompressedEmbeddingBagCollection`` answers ``forward(KeyedJaggedTensor) -> KeyedTensor`` exactly
+like the ``EmbeddingBagCollection`` it was built from (same keys, order, dims and pooling per
+table), but keeps every table IBP-compressed in host memory and pools through
+``torch.ops.ibpembed.lookup_pooled``. Inference only: there are no gradients and no optimizer state.
+
+This file is written in the TorchScript subset (PEP 604 unions, builtin generics and f-strings all
+script) because torchrec users ship inference models with ``torch.jit.script``.
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor, nn
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagCollectionInterface,
+    get_embedding_names_by_table,
+)
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from ibpembed._ops import DTYPE_CODES, ops
+from ibpembed.codec import CompressedTable, compress
+
+# Bumped whenever the meaning of the buffers changes, so an old state_dict is rejected with a
+# clear error instead of decoding garbage.
+STATE_VERSION = 1
+
+_POOLING_CODES: dict[PoolingType, int] = {PoolingType.SUM: 0, PoolingType.MEAN: 1}
+_TORCH_DTYPES: dict[DataType, torch.dtype] = {
+    DataType.FP32: torch.float32,
+    DataType.FP16: torch.float16,
+}
+_BUFFER_NAMES = ("payload", "block_base", "row_units", "bitmask", "mask", "bitval", "meta")
+# meta = [STATE_VERSION, chunk_bits, unit_bytes, num_rows, dim, dtype code]
+_META_FIELDS = 6
+
+
+class CompressedEmbeddingBag(nn.Module):
+    """One compressed table with the pooling of an ``nn.EmbeddingBag`` (sum or mean).
+
+    The compressed tensors are persistent buffers (``payload``, ``block_base``, ``row_units``,
+    ``bitmask``, ``mask``, ``bitval``) plus a small int64 ``meta`` buffer holding the integers the
+    decoder needs, so ``state_dict`` carries the whole table. Because the payload size depends on
+    the table's contents, ``load_state_dict`` replaces the buffers instead of copying into them
+    (like ``load_state_dict(assign=True)``): the module then shares memory with the state dict,
+    which keeps ``torch.load(..., mmap=True)`` tables paged out until rows are read.
+
+    Parameters
+    ----------
+    num_embeddings, embedding_dim : table shape.
+    dtype : row dtype of the source table (float32 or float16 for torchrec tables).
+    pooling : ``PoolingType.SUM`` or ``PoolingType.MEAN``.
+    table : the compressed table; None builds an empty placeholder to ``load_state_dict`` into.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: torch.dtype = torch.float32,
+        pooling: PoolingType = PoolingType.SUM,
+        table: CompressedTable | None = None,
+    ) -> None:
+        super().__init__()
+        if pooling not in _POOLING_CODES:
+            raise ValueError(f"pooling must be SUM or MEAN, got {pooling}")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"pooled tables must be float32, float16 or bfloat16, got {dtype}")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.dtype = dtype
+        self.pooling_code = _POOLING_CODES[pooling]
+        self.dtype_code = DTYPE_CODES[dtype]
+        self.row_bytes = embedding_dim * dtype.itemsize
+        self.chunk_bits = 0
+        self.unit_bytes = 0
+        if table is None:
+            for name in _BUFFER_NAMES:
+                self.register_buffer(name, torch.empty(0, dtype=torch.int64))
+            return
+        if (table.num_rows, table.dim, table.dtype) != (num_embeddings, embedding_dim, dtype):
+            raise ValueError(
+                f"compressed table is {table.num_rows}x{table.dim} {table.dtype}, expected "
+                f"{num_embeddings}x{embedding_dim} {dtype}"
+            )
+        for name in _BUFFER_NAMES[:-1]:
+            self.register_buffer(name, getattr(table, name))
+        meta = [STATE_VERSION, table.chunk_bits, table.unit_bytes, table.num_rows, table.dim]
+        self.register_buffer("meta", torch.tensor([*meta, self.dtype_code], dtype=torch.int64))
+        self.chunk_bits = table.chunk_bits
+        self.unit_bytes = table.unit_bytes
+
+    def forward(
+        self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None
+    ) -> Tensor:
+        """Pooled rows: [B, D] float32 for int64 ``indices`` [nnz] and ``offsets`` [B + 1].
+
+        The op itself rejects out-of-range ids and malformed offsets; the collection checks them
+        earlier so that no kernel runs for a bad batch.
+        """
+        if self.chunk_bits == 0:
+            raise RuntimeError(
+                "CompressedEmbeddingBag has no table: build it with a CompressedTable or "
+                "load_state_dict into it"
+            )
+        return ops.lookup_pooled(
+            self.payload,
+            self.block_base,
+            self.row_units,
+            self.bitmask,
+            self.mask,
+            self.bitval,
+            self.chunk_bits,
+            self.row_bytes,
+            self.unit_bytes,
+            self.num_embeddings,
+            indices,
+            offsets,
+            per_sample_weights,
+            self.dtype_code,
+            self.pooling_code,
+        )
+
+    def compressed_table(self) -> CompressedTable:
+        """The buffers as a ``CompressedTable`` (for ``gather``, ``decompress`` and sizes)."""
+        if self.chunk_bits == 0:
+            raise RuntimeError("CompressedEmbeddingBag has no table yet")
+        return CompressedTable(
+            payload=self.payload,
+            block_base=self.block_base,
+            row_units=self.row_units,
+            bitmask=self.bitmask,
+            mask=self.mask,
+            bitval=self.bitval,
+            chunk_bits=self.chunk_bits,
+            num_rows=self.num_embeddings,
+            dim=self.embedding_dim,
+            dtype=self.dtype,
+            unit_bytes=self.unit_bytes,
+        )
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Tensor],
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # NOTE: nn.Module's loader copies into same-shaped buffers; a compressed payload's size
+        # depends on the table's contents, so the buffers are replaced instead.
+        present = {
+            name: state_dict[prefix + name] for name in _BUFFER_NAMES if prefix + name in state_dict
+        }
+        missing_keys.extend(prefix + name for name in _BUFFER_NAMES if name not in present)
+        if strict:
+            unexpected_keys.extend(
+                key
+                for key in state_dict
+                if key.startswith(prefix)
+                and "." not in key[len(prefix) :]
+                and key[len(prefix) :] not in _BUFFER_NAMES
+            )
+        if len(present) != len(_BUFFER_NAMES):
+            return
+        meta = present["meta"]
+        if meta.dtype != torch.int64 or meta.numel() != _META_FIELDS:
+            error_msgs.append(f"{prefix}meta: expected {_META_FIELDS} int64 values")
+            return
+        version, chunk_bits, unit_bytes, num_rows, dim, dtype_code = meta.tolist()
+        if version != STATE_VERSION:
+            error_msgs.append(
+                f"{prefix}meta: state version {version} is not supported (this build reads "
+                f"version {STATE_VERSION})"
+            )
+            return
+        expected = (self.num_embeddings, self.embedding_dim, self.dtype_code)
+        if (num_rows, dim, dtype_code) != expected:
+            error_msgs.append(
+                f"{prefix}: state holds a {num_rows}x{dim} table of dtype code {dtype_code}, "
+                f"this module expects {expected[0]}x{expected[1]} of dtype code {expected[2]}"
+            )
+            return
+        for name, tensor in present.items():
+            self._buffers[name] = tensor.detach()
+        self.chunk_bits = chunk_bits
+        self.unit_bytes = unit_bytes
+
+    def extra_repr(self) -> str:
+        pooling = "sum" if self.pooling_code == 0 else "mean"
+        return f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}, mode={pooling}"
+
+
+@dataclass(frozen=True)
+class TableBytes:
+    """Host bytes of one table before and after compression.
+
+    Attributes
+    ----------
+    module : dotted path of the collection inside the model ("" for the model itself).
+    table : table name in the collection.
+    num_embeddings, embedding_dim : table shape.
+    raw_bytes : bytes of the dense torchrec weight.
+    stored_bytes : bytes of everything needed to decode (payload, index, bitmask, masks).
+    """
+
+    module: str
+    table: str
+    num_embeddings: int
+    embedding_dim: int
+    raw_bytes: int
+    stored_bytes: int
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.raw_bytes - self.stored_bytes
+
+    @property
+    def savings(self) -> float:
+        """1 - stored / raw."""
+        return 1.0 - self.stored_bytes / self.raw_bytes
+
+
+class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
+    """torchrec ``EmbeddingBagCollection`` for inference, with IBP-compressed host tables.
+
+    Build it with :meth:`from_ebc`, or from configs and ``load_state_dict``. ``forward`` returns the
+    ``KeyedTensor`` torchrec's module would: keys in table order (a feature shared by several tables
+    is named ``feature@table``), ``length_per_key`` the table dims, fp32 values pooled with each
+    table's SUM or MEAN. Weighted collections (``is_weighted=True``) multiply each row by the
+    KJT's weight; as in torchrec, weights are ignored otherwise.
+
+    Every batch is checked before any kernel runs; the errors are:
+
+    - ``KeyError`` for a KJT key no table reads (torchrec silently ignores these; pass
+      ``allow_unknown_keys=True`` to do the same) or a feature missing from the KJT;
+    - ``IndexError`` naming the feature, table, id and table size for an out-of-range id;
+    - ``ValueError`` for lengths that are negative or do not match the values or the batch size,
+      for weights missing or of the wrong size, and ``TypeError`` for non-integer ids;
+    - ``NotImplementedError`` for variable-batch (VBE) KJTs.
+
+    Under ``torch.jit.script`` the same checks raise ``torch.jit.Error`` whose message ends with the
+    Python exception name and text.
+
+    Parameters
+    ----------
+    tables : one ``EmbeddingBagConfig`` per table (pooling SUM or MEAN, data type FP32 or FP16).
+    is_weighted : whether the KJT carries per-id weights that scale the rows.
+    compressed : compressed table per table name; None builds empty tables for ``load_state_dict``.
+    allow_unknown_keys : ignore KJT keys that no table reads instead of raising.
+    """
+
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        is_weighted: bool = False,
+        compressed: dict[str, CompressedTable] | None = None,
+        allow_unknown_keys: bool = False,
+    ) -> None:
+        super().__init__()
+        self._is_weighted = is_weighted
+        self._allow_unknown_keys = allow_unknown_keys
+        self._embedding_bag_configs = [_checked_config(c) for c in tables]
+        self.embedding_bags = nn.ModuleDict()
+        if len({c.name for c in tables}) != len(tables):
+            raise ValueError("table names must be unique")
+        for config in self._embedding_bag_configs:
+            table = None if compressed is None else compressed[config.name]
+            self.embedding_bags[config.name] = CompressedEmbeddingBag(
+                config.num_embeddings,
+                config.embedding_dim,
+                _TORCH_DTYPES[config.data_type],
+                config.pooling,
+                table,
+            )
+        configs = self._embedding_bag_configs
+        self._feature_names: list[list[str]] = [list(c.feature_names) for c in configs]
+        self._embedding_names: list[str] = [
+            name for names in get_embedding_names_by_table(configs) for name in names
+        ]
+        self._lengths_per_embedding: list[int] = [
+            c.embedding_dim for c in configs for _ in c.feature_names
+        ]
+        self._table_names: list[str] = [c.name for c in configs]
+        self._num_embeddings: list[int] = [c.num_embeddings for c in configs]
+        self._known_features: dict[str, int] = {
+            f: i for i, names in enumerate(self._feature_names) for f in names
+        }
+
+    @classmethod
+    def from_ebc(
+        cls, ebc: EmbeddingBagCollection, allow_unknown_keys: bool = False, **compress_kwargs
+    ) -> "CompressedEmbeddingBagCollection":
+        """Compress every table of a float torchrec ``EmbeddingBagCollection``.
+
+        Parameters
+        ----------
+        ebc : the module to replace; its weights are read, never modified.
+        allow_unknown_keys : see the class docstring.
+        **compress_kwargs : passed to :func:`ibpembed.compress` (``method``, ``align``, ...).
+        """
+        if not isinstance(ebc, EmbeddingBagCollection):
+            raise TypeError(f"expected a torchrec EmbeddingBagCollection, got {type(ebc).__name__}")
+        compressed = {}
+        for config in ebc.embedding_bag_configs():
+            weight = ebc.embedding_bags[config.name].weight.detach()
+            if weight.device.type == "meta":
+                raise ValueError(f"table {config.name!r} is on the meta device: no weights")
+            compressed[config.name] = compress(weight.cpu().contiguous(), **compress_kwargs)
+        return cls(
+            ebc.embedding_bag_configs(),
+            ebc.is_weighted(),
+            compressed,
+            allow_unknown_keys=allow_unknown_keys,
+        )
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        """The table configs, as torchrec's ``EmbeddingBagCollection.embedding_bag_configs()``."""
+        return self._embedding_bag_configs
+
+    def is_weighted(self) -> bool:
+        """Whether the KJT's weights scale the rows."""
+        return self._is_weighted
+
+    @torch.jit.unused
+    def table_bytes(self, module: str = "") -> list[TableBytes]:
+        """Host bytes per table: dense torchrec weight vs everything the compressed table keeps."""
+        report = []
+        for name in self._table_names:
+            t = self.embedding_bags[name].compressed_table()
+            report.append(TableBytes(module, name, t.num_rows, t.dim, t.raw_bytes, t.stored_bytes))
+        return report
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pool every feature with its table; see the class docstring for the checks.
+
+        Parameters
+        ----------
+        features : KJT with keys F, int32/int64 values [nnz], lengths [F * B] and, for a weighted
+            collection, weights [nnz].
+
+        Returns
+        -------
+        KeyedTensor with values [B, sum of dims] float32, keys as torchrec's module would give.
+        """
+        offsets_per_key = self._validate(features)
+        values = features.values()
+        weights = features.weights_or_none() if self._is_weighted else None
+        lengths = features.lengths().to(torch.int64)
+        stride = features.stride()
+        key_index: dict[str, int] = {k: i for i, k in enumerate(features.keys())}
+        pooled: list[Tensor] = []
+        for i, bag in enumerate(self.embedding_bags.values()):
+            for feature in self._feature_names[i]:
+                k = key_index[feature]
+                start, end = offsets_per_key[k], offsets_per_key[k + 1]
+                bag_lengths = lengths[k * stride : (k + 1) * stride]
+                offsets = torch.cat([bag_lengths.new_zeros(1), torch.cumsum(bag_lengths, 0)])
+                bag_weights: Tensor | None = None
+                if weights is not None:
+                    bag_weights = weights[start:end].to(torch.float32).contiguous()
+                ids = values[start:end].to(torch.int64).contiguous()
+                pooled.append(bag(ids, offsets, bag_weights))
+        return KeyedTensor(
+            keys=self._embedding_names,
+            length_per_key=self._lengths_per_embedding,
+            values=torch.cat(pooled, dim=1),
+        )
+
+    def _validate(self, features: KeyedJaggedTensor) -> list[int]:
+        """Check the whole batch before any lookup; returns the per-key value offsets [F + 1]."""
+        keys = features.keys()
+        if not self._allow_unknown_keys:
+            for key in keys:
+                if key not in self._known_features:
+                    known = sorted(self._known_features.keys())
+                    raise KeyError(f"KJT key '{key}' is not read by any table; known: {known}")
+        present: dict[str, int] = {k: i for i, k in enumerate(keys)}
+        for feature in self._known_features:
+            if feature not in present:
+                raise KeyError(f"feature '{feature}' is missing from the KJT (keys: {keys})")
+        if features.variable_stride_per_key():
+            raise NotImplementedError("variable-batch (VBE) KeyedJaggedTensors are not supported")
+        values = features.values()
+        lengths = features.lengths()
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise TypeError(f"KJT values must be integer ids, got {values.dtype}")
+        stride = features.stride()
+        if lengths.dim() != 1 or lengths.numel() != len(keys) * stride:
+            raise ValueError(
+                f"KJT lengths has {lengths.numel()} entries, expected {len(keys)} keys x "
+                f"batch {stride} = {len(keys) * stride}"
+            )
+        if lengths.numel() > 0 and int(lengths.min()) < 0:
+            raise ValueError(f"KJT lengths must be non-negative, got {int(lengths.min())}")
+        total = int(lengths.sum()) if lengths.numel() > 0 else 0
+        if total != values.numel():
+            raise ValueError(f"KJT lengths sum to {total} but there are {values.numel()} values")
+        if self._is_weighted:
+            weights = features.weights_or_none()
+            if weights is None:
+                raise ValueError("this collection is weighted: the KJT must carry weights")
+            if weights.numel() != values.numel():
+                raise ValueError(f"KJT has {weights.numel()} weights for {values.numel()} values")
+        per_key: list[int] = [0] * len(keys)
+        if stride > 0:
+            per_key = torch.jit.annotate(list[int], lengths.view(len(keys), stride).sum(1).tolist())
+        offsets: list[int] = [0]
+        for n in per_key:
+            offsets.append(offsets[-1] + n)
+        for i, names in enumerate(self._feature_names):
+            num_rows = self._num_embeddings[i]
+            for feature in names:
+                k = present[feature]
+                ids = values[offsets[k] : offsets[k + 1]]
+                if ids.numel() == 0:
+                    continue
+                bad = (ids < 0) | (ids >= num_rows)
+                if bool(bad.any()):
+                    pos = int(torch.nonzero(bad)[0, 0])
+                    raise IndexError(
+                        f"feature '{feature}' (table '{self._table_names[i]}'): id "
+                        f"{int(ids[pos])} at position {pos} is out of range for a table of "
+                        f"{num_rows} rows"
+                    )
+        return offsets
+
+
+def _checked_config(config: EmbeddingBagConfig) -> EmbeddingBagConfig:
+    """A copy of ``config`` (the module must not share mutable configs with the source model)."""
+    if config.pooling not in _POOLING_CODES:
+        raise ValueError(
+            f"table {config.name!r}: pooling must be SUM or MEAN, got {config.pooling}"
+        )
+    if config.data_type not in _TORCH_DTYPES:
+        raise ValueError(
+            f"table {config.name!r}: data_type must be FP32 or FP16, got {config.data_type}"
+        )
+    feature_names = list(config.feature_names) or [config.name]
+    return replace(config, feature_names=feature_names)
+
+
+def compress_model(
+    model: nn.Module, allow_unknown_keys: bool = False, **compress_kwargs
+) -> list[TableBytes]:
+    """Replace every torchrec ``EmbeddingBagCollection`` inside ``model``, in place.
+
+    Parameters
+    ----------
+    model : any module holding float ``EmbeddingBagCollection`` submodules (quantized and sharded
+        collections are different classes and are left alone).
+    allow_unknown_keys : passed to each new collection; set it when one KJT carrying features
+        for several collections is fed to each of them.
+    **compress_kwargs : passed to :func:`ibpembed.compress`.
+
+    Returns
+    -------
+    Host bytes per table before and after, in module order (see :func:`format_table_bytes`).
+
+    Raises
+    ------
+    TypeError
+        If ``model`` is itself an ``EmbeddingBagCollection`` (there is no parent to swap it in:
+        use ``CompressedEmbeddingBagCollection.from_ebc``).
+    ValueError
+        If ``model`` holds no ``EmbeddingBagCollection``.
+    """
+    if isinstance(model, EmbeddingBagCollection):
+        raise TypeError(
+            "model is itself an EmbeddingBagCollection: use "
+            "CompressedEmbeddingBagCollection.from_ebc(model)"
+        )
+    # Collected first: swapping while named_modules() walks the tree would skip siblings.
+    targets = [
+        (path, m) for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)
+    ]
+    if not targets:
+        raise ValueError(f"{type(model).__name__} holds no torchrec EmbeddingBagCollection")
+    report: list[TableBytes] = []
+    for path, ebc in targets:
+        compressed = CompressedEmbeddingBagCollection.from_ebc(
+            ebc, allow_unknown_keys=allow_unknown_keys, **compress_kwargs
+        )
+        parent_path, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), name, compressed)
+        report.extend(compressed.table_bytes(path))
+    return report
+
+
+def format_table_bytes(report: list[TableBytes]) -> str:
+    """A plain-text table of :func:`compress_model`'s report, with a total line."""
+    lines = [
+        f"{'module.table':<40} {'rows x dim':>14} {'raw bytes':>12} {'stored':>12} {'saved':>7}"
+    ]
+    for r in report:
+        name = f"{r.module}.{r.table}" if r.module else r.table
+        shape = f"{r.num_embeddings}x{r.embedding_dim}"
+        lines.append(
+            f"{name:<40} {shape:>14} {r.raw_bytes:>12,} {r.stored_bytes:>12,} {r.savings:>7.1%}"
+        )
+    raw = sum(r.raw_bytes for r in report)
+    stored = sum(r.stored_bytes for r in report)
+    saved = 1.0 - stored / raw if raw else 0.0
+    lines.append(f"{'total':<40} {'':>14} {raw:>12,} {stored:>12,} {saved:>7.1%}")
+    return "\n".join(lines)
