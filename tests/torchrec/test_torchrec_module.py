@@ -1,0 +1,539 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CompressedEmbeddingBagCollection against torchrec's own EmbeddingBagCollection.
+
+Pooled outputs are compared with a bound derived from fp32 summation error (see
+``pooled_tolerance``), never a guessed atol; table rows must be bit-exact.
+"""
+
+import io
+from dataclasses import replace
+
+import pytest
+
+# NOTE: this folder has no __init__.py on purpose: as a package named "torchrec" on sys.path it
+# would shadow the real torchrec. A submodule is imported so that the skip also fires when only
+# that namespace directory is importable.
+pytest.importorskip("torchrec.modules.embedding_modules", reason="torchrec is not installed")
+
+import torch
+from torchrec import (
+    DataType,
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    PoolingType,
+)
+
+import ibpembed.torchrec.module as module_impl
+from ibpembed.torchrec import (
+    CompressedEmbeddingBagCollection,
+    compress_model,
+    format_table_bytes,
+)
+
+U32 = 2.0**-24  # unit roundoff of fp32
+U16 = 2.0**-11  # unit roundoff of fp16
+
+# Awkward shapes on purpose: D = 1, 3, 129; a feature shared by two tables (named f@table);
+# a table read by two features; SUM and MEAN mixed.
+TABLES = [
+    EmbeddingBagConfig(name="t_small", embedding_dim=3, num_embeddings=7, feature_names=["f_a"]),
+    EmbeddingBagConfig(
+        name="t_wide",
+        embedding_dim=129,
+        num_embeddings=300,
+        feature_names=["f_b", "f_shared"],
+        pooling=PoolingType.MEAN,
+    ),
+    EmbeddingBagConfig(name="t_one", embedding_dim=1, num_embeddings=1, feature_names=["f_c"]),
+    EmbeddingBagConfig(
+        name="t_mid", embedding_dim=16, num_embeddings=1000, feature_names=["f_shared"]
+    ),
+]
+
+
+def make_ebc(tables: list[EmbeddingBagConfig], is_weighted: bool = False, seed: int = 0):
+    torch.manual_seed(seed)
+    ebc = EmbeddingBagCollection(tables=tables, is_weighted=is_weighted)
+    # Trained-like rows: a spread of magnitudes, plus a zero row and an outlier (IBP's weak spot).
+    with torch.no_grad():
+        for bag in ebc.embedding_bags.values():
+            w = bag.weight
+            w.copy_(torch.randn_like(w) * torch.logspace(-3, 0, w.shape[1], dtype=w.dtype))
+            w[0] = 0
+            w[-1, 0] = 1e4
+    return ebc
+
+
+def random_kjt(
+    ebc: EmbeddingBagCollection,
+    batch: int,
+    max_len: int,
+    seed: int,
+    weighted: bool = False,
+    key_order: list[str] | None = None,
+) -> KeyedJaggedTensor:
+    """A KJT with empty bags, duplicate ids (small tables) and the largest valid id."""
+    gen = torch.Generator().manual_seed(seed)
+    rows: dict[str, int] = {}
+    for c in ebc.embedding_bag_configs():
+        for f in c.feature_names:  # a shared feature must fit its smallest table
+            rows[f] = min(rows.get(f, c.num_embeddings), c.num_embeddings)
+    keys = key_order or list(rows)
+    lengths = torch.randint(0, max_len + 1, (len(keys) * batch,), generator=gen)
+    if batch:
+        lengths[0] = 0
+    values = []
+    for k, key in enumerate(keys):
+        n = int(lengths[k * batch : (k + 1) * batch].sum())
+        ids = torch.randint(0, rows.get(key, 10), (n,), generator=gen)
+        if n:
+            ids[-1] = rows.get(key, 10) - 1
+        values.append(ids)
+    values = torch.cat(values)
+    weights = torch.rand(values.numel(), generator=gen) * 4 - 2 if weighted else None
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)
+
+
+def pooled_tolerance(
+    ebc: EmbeddingBagCollection, kjt: KeyedJaggedTensor, reference: torch.Tensor
+) -> torch.Tensor:
+    """Elementwise bound on |ours - torchrec| for [B, sum D] pooled outputs.
+
+    Recursive fp32 summation of L products satisfies |fl(S) - S| <= gamma_L * sum|w x| with
+    gamma_L = L u / (1 - L u) (Higham, Accuracy and Stability, eq. 4.4; the extra term covers
+    rounding the weighted products). Both implementations obey it, so they differ by at most twice
+    that. MEAN divides by L once more (one more rounding, u |mean| each). FP16 tables: torchrec
+    rounds each pooled result to fp16 (measured: relative error 2^-11), ours returns the fp32 sum,
+    so add u16 |result|.
+    """
+    features = kjt.to_dict()
+    bounds = []
+    for config in ebc.embedding_bag_configs():
+        weight = ebc.embedding_bags[config.name].weight.detach().double()
+        for feature in config.feature_names:
+            jt = features[feature]
+            w = jt.weights_or_none() if ebc.is_weighted() else None
+            lengths = jt.lengths().double()[:, None]
+            abs_sum = torch.nn.functional.embedding_bag(
+                jt.values(),
+                weight.abs(),
+                jt.offsets(),
+                mode="sum",
+                per_sample_weights=None if w is None else w.double().abs(),
+                include_last_offset=True,
+            )
+            gamma = lengths * U32 / (1 - lengths * U32)
+            bound = 2 * gamma * abs_sum
+            if config.pooling == PoolingType.MEAN:
+                bound = bound / lengths.clamp(min=1)
+            bounds.append(bound)
+    bound = torch.cat(bounds, dim=1)
+    mean_cols = torch.cat(
+        [
+            torch.full((c.embedding_dim,), c.pooling == PoolingType.MEAN)
+            for c in ebc.embedding_bag_configs()
+            for _ in c.feature_names
+        ]
+    )
+    fp16_cols = torch.cat(
+        [
+            torch.full((c.embedding_dim,), c.data_type == DataType.FP16)
+            for c in ebc.embedding_bag_configs()
+            for _ in c.feature_names
+        ]
+    )
+    ref = reference.double().abs()
+    return bound + mean_cols * 2 * U32 * ref + fp16_cols * U16 * ref
+
+
+def assert_same_as_torchrec(
+    ebc: EmbeddingBagCollection, ours: torch.nn.Module, kjt: KeyedJaggedTensor
+) -> None:
+    expected = ebc(kjt)
+    got = ours(kjt)
+    assert got.keys() == expected.keys()
+    assert got.length_per_key() == expected.length_per_key()
+    assert got.values().dtype == torch.float32
+    diff = (got.values().double() - expected.values().detach().double()).abs()
+    bound = pooled_tolerance(ebc, kjt, expected.values().detach())
+    assert bool((diff <= bound).all()), f"max excess {float((diff - bound).max())}"
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    ebc = make_ebc(TABLES)
+    return ebc, CompressedEmbeddingBagCollection.from_ebc(ebc)
+
+
+@pytest.mark.parametrize("batch", [1, 5, 64])
+@pytest.mark.parametrize("max_len", [0, 1, 9])
+def test_matches_torchrec_mixed_dims_and_pooling(mixed, batch: int, max_len: int) -> None:
+    ebc, ours = mixed
+    for seed in range(3):
+        assert_same_as_torchrec(ebc, ours, random_kjt(ebc, batch, max_len, seed))
+
+
+def test_key_order_of_the_kjt_does_not_matter(mixed) -> None:
+    ebc, ours = mixed
+    kjt = random_kjt(ebc, 8, 4, seed=1, key_order=["f_shared", "f_c", "f_b", "f_a"])
+    assert_same_as_torchrec(ebc, ours, kjt)
+    assert ours(kjt).keys() == ["f_a", "f_b", "f_shared@t_wide", "f_c", "f_shared@t_mid"]
+
+
+def test_int32_ids_and_lengths(mixed) -> None:
+    ebc, ours = mixed
+    kjt = random_kjt(ebc, 8, 4, seed=2)
+    kjt32 = KeyedJaggedTensor(
+        keys=kjt.keys(), values=kjt.values().int(), lengths=kjt.lengths().int()
+    )
+    torch.testing.assert_close(ours(kjt32).values(), ours(kjt).values(), rtol=0, atol=0)
+
+
+def test_duplicate_ids_heavy() -> None:
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=3, feature_names=["f"])]
+    ebc = make_ebc(tables)
+    ours = CompressedEmbeddingBagCollection.from_ebc(ebc)
+    kjt = KeyedJaggedTensor(
+        keys=["f"], values=torch.tensor([2] * 40 + [1, 1, 0]), lengths=torch.tensor([40, 0, 3])
+    )
+    assert_same_as_torchrec(ebc, ours, kjt)
+
+
+@pytest.mark.parametrize("batch", [1, 33])
+def test_weighted_collection(batch: int) -> None:
+    tables = [
+        EmbeddingBagConfig(name="w1", embedding_dim=5, num_embeddings=40, feature_names=["x"]),
+        EmbeddingBagConfig(name="w2", embedding_dim=12, num_embeddings=9, feature_names=["y"]),
+    ]
+    ebc = make_ebc(tables, is_weighted=True)
+    ours = CompressedEmbeddingBagCollection.from_ebc(ebc)
+    assert ours.is_weighted()
+    for seed in range(3):
+        assert_same_as_torchrec(ebc, ours, random_kjt(ebc, batch, 6, seed, weighted=True))
+
+
+def test_unweighted_collection_ignores_weights_like_torchrec(mixed) -> None:
+    ebc, ours = mixed
+    assert_same_as_torchrec(ebc, ours, random_kjt(ebc, 8, 4, seed=3, weighted=True))
+
+
+def test_fp16_tables() -> None:
+    tables = [
+        EmbeddingBagConfig(
+            name="h",
+            embedding_dim=8,
+            num_embeddings=50,
+            feature_names=["h"],
+            data_type=DataType.FP16,
+        ),
+        EmbeddingBagConfig(name="s", embedding_dim=4, num_embeddings=50, feature_names=["s"]),
+    ]
+    ebc = make_ebc(tables)
+    ours = CompressedEmbeddingBagCollection.from_ebc(ebc)
+    assert_same_as_torchrec(ebc, ours, random_kjt(ebc, 16, 30, seed=0))
+
+
+def test_rows_are_bit_exact(mixed) -> None:
+    ebc, ours = mixed
+    for config in ebc.embedding_bag_configs():
+        weight = ebc.embedding_bags[config.name].weight.detach()
+        table = ours.embedding_bags[config.name].compressed_table()
+        rows = table.decompress()
+        assert rows.dtype == weight.dtype
+        assert torch.equal(rows.view(torch.int32), weight.view(torch.int32))
+        ids = torch.tensor([config.num_embeddings - 1, 0, config.num_embeddings - 1])
+        assert torch.equal(table.gather(ids).view(torch.int32), weight[ids].view(torch.int32))
+
+
+def test_empty_batch(mixed) -> None:
+    _, ours = mixed
+    keys = ["f_a", "f_b", "f_shared", "f_c"]
+    kjt = KeyedJaggedTensor(
+        keys=keys,
+        values=torch.empty(0, dtype=torch.int64),
+        lengths=torch.empty(0, dtype=torch.int64),
+    )
+    assert ours(kjt).values().shape == (0, 3 + 129 + 129 + 1 + 16)
+
+
+def test_configs_and_interface(mixed) -> None:
+    ebc, ours = mixed
+    assert [c.name for c in ours.embedding_bag_configs()] == [c.name for c in TABLES]
+    assert ours.embedding_bag_configs()[1].pooling == PoolingType.MEAN
+    assert not ours.is_weighted()
+    # The configs are copies: editing ours must not reach the source model.
+    assert ours.embedding_bag_configs()[0] is not ebc.embedding_bag_configs()[0]
+
+
+def test_unsupported_configs_are_rejected() -> None:
+    none_pool = EmbeddingBagConfig(
+        name="n", embedding_dim=4, num_embeddings=4, feature_names=["n"], pooling=PoolingType.NONE
+    )
+    with pytest.raises(ValueError, match="pooling must be SUM or MEAN"):
+        CompressedEmbeddingBagCollection([none_pool])
+    int8 = EmbeddingBagConfig(
+        name="q", embedding_dim=4, num_embeddings=4, feature_names=["q"], data_type=DataType.INT8
+    )
+    with pytest.raises(ValueError, match="data_type must be FP32 or FP16"):
+        CompressedEmbeddingBagCollection([int8])
+    with pytest.raises(TypeError, match="EmbeddingBagCollection"):
+        CompressedEmbeddingBagCollection.from_ebc(torch.nn.Linear(2, 2))
+
+
+# -- bad input: clear errors, raised before any kernel runs --------------------------------------
+
+
+@pytest.fixture()
+def no_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Replaces the ops the module calls with a recorder, to prove checks come first."""
+    calls: list[str] = []
+
+    class Recorder:
+        def lookup_pooled(self, *args):
+            calls.append("lookup_pooled")
+            raise AssertionError("a kernel ran before the batch was validated")
+
+    monkeypatch.setattr(module_impl, "ops", Recorder())
+    return calls
+
+
+def kjt_of(keys, values, lengths, weights=None) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.tensor(values),
+        lengths=torch.tensor(lengths),
+        weights=None if weights is None else torch.tensor(weights, dtype=torch.float32),
+    )
+
+
+GOOD = {"f_a": [1], "f_b": [2], "f_shared": [3], "f_c": [0]}
+
+
+def batch_with(**override) -> KeyedJaggedTensor:
+    ids = {**GOOD, **override}
+    return kjt_of(list(ids), [i for v in ids.values() for i in v], [len(v) for v in ids.values()])
+
+
+@pytest.mark.parametrize(
+    ("kjt", "error", "match"),
+    [
+        (
+            batch_with(f_c=[1]),
+            IndexError,
+            r"feature 'f_c' \(table 't_one'\): id 1 .*table of 1 rows",
+        ),
+        (batch_with(f_a=[-1]), IndexError, r"id -1 at position 0 .*table of 7 rows"),
+        # f_shared feeds t_wide (300 rows) and t_mid (1000 rows): 500 is only bad for t_wide.
+        (batch_with(f_shared=[500]), IndexError, r"table 't_wide'\): id 500"),
+        (batch_with(f_zz=[0]), KeyError, r"KJT key 'f_zz' is not read by any table"),
+        (kjt_of(["f_a", "f_b", "f_shared"], [1, 2, 3], [1, 1, 1]), KeyError, "'f_c' is missing"),
+        (
+            kjt_of(["f_a", "f_b", "f_shared", "f_c"], [1, 2, 3], [1, 1, 1, 1]),
+            ValueError,
+            "lengths sum to 4 but there are 3 values",
+        ),
+        (
+            kjt_of(["f_a", "f_b", "f_shared", "f_c"], [1, 2, 3, 0], [2, -1, 1, 1, 1]),
+            ValueError,
+            r"lengths has 5 entries, expected 4 keys x batch 1 = 4",
+        ),
+        (
+            kjt_of(["f_a", "f_b", "f_shared", "f_c"], [1, 2, 0, 0], [2, -1, 2, 1]),
+            ValueError,
+            "lengths must be non-negative",
+        ),
+        (
+            kjt_of(["f_a", "f_b", "f_shared", "f_c"], [1.0, 2.0, 3.0, 0.0], [1, 1, 1, 1]),
+            TypeError,
+            "must be integer ids",
+        ),
+    ],
+)
+def test_bad_batches_fail_before_any_kernel(mixed, no_kernels, kjt, error, match) -> None:
+    _, ours = mixed
+    with pytest.raises(error, match=match):
+        ours(kjt)
+    assert no_kernels == []
+
+
+def test_weighted_collection_needs_matching_weights(no_kernels) -> None:
+    tables = [EmbeddingBagConfig(name="w", embedding_dim=4, num_embeddings=9, feature_names=["x"])]
+    ours = CompressedEmbeddingBagCollection.from_ebc(make_ebc(tables, is_weighted=True))
+    with pytest.raises(ValueError, match="must carry weights"):
+        ours(kjt_of(["x"], [1, 2], [2]))
+    with pytest.raises(ValueError, match="1 weights for 2 values"):
+        ours(kjt_of(["x"], [1, 2], [2], weights=[0.5]))
+    assert no_kernels == []
+
+
+def test_unknown_keys_can_be_allowed(mixed) -> None:
+    ebc, _ = mixed
+    lenient = CompressedEmbeddingBagCollection.from_ebc(ebc, allow_unknown_keys=True)
+    got = lenient(batch_with(f_zz=[99]))
+    assert got.keys() == ebc(batch_with()).keys()
+    torch.testing.assert_close(got.values(), lenient(batch_with()).values(), rtol=0, atol=0)
+
+
+def test_variable_batch_kjt_is_rejected(mixed) -> None:
+    _, ours = mixed
+    kjt = KeyedJaggedTensor(
+        keys=["f_a", "f_b", "f_shared", "f_c"],
+        values=torch.tensor([1, 2, 3, 0, 0]),
+        lengths=torch.tensor([1, 1, 1, 1, 1]),
+        stride_per_key_per_rank=[[1], [1], [1], [2]],
+    )
+    with pytest.raises(NotImplementedError, match="VBE"):
+        ours(kjt)
+
+
+# -- state_dict ----------------------------------------------------------------------------------
+
+
+def test_state_dict_round_trip(mixed) -> None:
+    ebc, ours = mixed
+    buffer = io.BytesIO()
+    torch.save(ours.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = CompressedEmbeddingBagCollection(TABLES)
+    with pytest.raises(RuntimeError, match="has no table"):
+        fresh(batch_with())
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    kjt = random_kjt(ebc, 16, 5, seed=7)
+    torch.testing.assert_close(fresh(kjt).values(), ours(kjt).values(), rtol=0, atol=0)
+    for name, bag in fresh.embedding_bags.items():
+        weight = ebc.embedding_bags[name].weight.detach()
+        assert torch.equal(
+            bag.compressed_table().decompress().view(torch.int32), weight.view(torch.int32)
+        )
+
+
+def test_state_dict_mismatches_are_reported(mixed) -> None:
+    _, ours = mixed
+    state = ours.state_dict()
+    other = [replace(c, num_embeddings=c.num_embeddings + 1) for c in TABLES]
+    with pytest.raises(RuntimeError, match=r"state holds a 7x3 table .* expects 8x3"):
+        CompressedEmbeddingBagCollection(other).load_state_dict(state)
+    old = dict(state)
+    old["embedding_bags.t_small.meta"] = old["embedding_bags.t_small.meta"].clone()
+    old["embedding_bags.t_small.meta"][0] = 99
+    with pytest.raises(RuntimeError, match="state version 99 is not supported"):
+        CompressedEmbeddingBagCollection(TABLES).load_state_dict(old)
+    partial = {k: v for k, v in state.items() if not k.endswith("t_one.payload")}
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*t_one.payload"):
+        CompressedEmbeddingBagCollection(TABLES).load_state_dict(partial)
+    extra = {**state, "embedding_bags.t_one.junk": torch.zeros(1)}
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*t_one.junk"):
+        CompressedEmbeddingBagCollection(TABLES).load_state_dict(extra)
+
+
+# -- compress_model --------------------------------------------------------------------------------
+
+
+class TwoTower(torch.nn.Module):
+    """Several collections: a direct attribute and two inside a ModuleList, one weighted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = make_ebc(TABLES, seed=1)
+        item = EmbeddingBagConfig(name="i", embedding_dim=8, num_embeddings=64, feature_names=["i"])
+        cat = EmbeddingBagConfig(
+            name="c", embedding_dim=4, num_embeddings=5000, feature_names=["c"]
+        )
+        self.towers = torch.nn.ModuleList(
+            [
+                make_ebc([item], is_weighted=True, seed=2),
+                torch.nn.Linear(2, 2),
+                make_ebc([cat], seed=3),
+            ]
+        )
+
+    def forward(self, user, item, cat) -> torch.Tensor:
+        return torch.cat(
+            [self.user(user).values(), self.towers[0](item).values(), self.towers[2](cat).values()],
+            dim=1,
+        )
+
+
+def test_compress_model_swaps_every_collection() -> None:
+    model = TwoTower()
+    sources = [model.user, model.towers[0], model.towers[2]]
+    inputs = (
+        random_kjt(model.user, 8, 4, seed=0),
+        random_kjt(model.towers[0], 8, 4, seed=1, weighted=True),
+        random_kjt(model.towers[2], 8, 4, seed=2),
+    )
+    with torch.no_grad():
+        before = model(*inputs)
+    report = compress_model(model)
+    assert isinstance(model.user, CompressedEmbeddingBagCollection)
+    assert isinstance(model.towers[0], CompressedEmbeddingBagCollection)
+    assert isinstance(model.towers[1], torch.nn.Linear)
+    assert isinstance(model.towers[2], CompressedEmbeddingBagCollection)
+    assert model.towers[0].is_weighted()
+    swapped = [model.user, model.towers[0], model.towers[2]]
+    for source, new, kjt in zip(sources, swapped, inputs, strict=True):
+        assert_same_as_torchrec(source, new, kjt)
+    with torch.no_grad():
+        after = model(*inputs)
+    assert after.shape == before.shape
+
+    assert [(r.module, r.table) for r in report] == [
+        ("user", "t_small"), ("user", "t_wide"), ("user", "t_one"), ("user", "t_mid"),
+        ("towers.0", "i"), ("towers.2", "c"),
+    ]  # fmt: skip
+    for r, source in zip(report, [swapped[0]] * 4 + swapped[1:], strict=True):
+        table = source.embedding_bags[r.table].compressed_table()
+        assert r.raw_bytes == r.num_embeddings * r.embedding_dim * 4
+        assert r.stored_bytes == table.stored_bytes
+    text = format_table_bytes(report)
+    assert "towers.2.c" in text and "5000x4" in text and text.splitlines()[-1].startswith("total")
+
+
+def test_compress_model_errors() -> None:
+    with pytest.raises(TypeError, match="from_ebc"):
+        compress_model(make_ebc(TABLES))
+    with pytest.raises(ValueError, match="holds no torchrec EmbeddingBagCollection"):
+        compress_model(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+# -- TorchScript and torch.compile -----------------------------------------------------------------
+
+
+def test_torch_jit_script(mixed) -> None:
+    ebc, ours = mixed
+    scripted = torch.jit.script(ours)
+    kjt = random_kjt(ebc, 8, 4, seed=4)
+    torch.testing.assert_close(scripted(kjt).values(), ours(kjt).values(), rtol=0, atol=0)
+    assert scripted(kjt).keys() == ours(kjt).keys()
+    # A scripted module saves and loads with its compressed buffers.
+    buffer = io.BytesIO()
+    torch.jit.save(scripted, buffer)
+    buffer.seek(0)
+    loaded = torch.jit.load(buffer)
+    torch.testing.assert_close(loaded(kjt).values(), ours(kjt).values(), rtol=0, atol=0)
+    # The checks survive scripting; TorchScript re-raises them as torch.jit.Error.
+    with pytest.raises(torch.jit.Error, match=r"IndexError: feature 'f_c' \(table 't_one'\)"):
+        scripted(batch_with(f_c=[3]))
+
+
+def test_torch_compile_with_graph_breaks(mixed) -> None:
+    ebc, ours = mixed
+    torch._dynamo.reset()
+    # aot_eager runs the ops' fake kernels without needing a C++ toolchain for inductor.
+    compiled = torch.compile(ours, backend="aot_eager")
+    for seed in range(2):
+        kjt = random_kjt(ebc, 8, 4, seed=seed)
+        torch.testing.assert_close(compiled(kjt).values(), ours(kjt).values(), rtol=0, atol=0)
+    with pytest.raises(IndexError, match="table 't_one'"):
+        compiled(batch_with(f_c=[3]))
+
+
+def test_torch_compile_fullgraph_is_not_supported(mixed) -> None:
+    _, ours = mixed
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, backend="eager", fullgraph=True)
+    # The up-front checks read the ids (data-dependent control flow), which one graph cannot hold.
+    with pytest.raises(torch._dynamo.exc.UserError, match="data-dependent"):
+        compiled(batch_with())
+    torch._dynamo.reset()
