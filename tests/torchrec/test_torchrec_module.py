@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """CompressedEmbeddingBagCollection against torchrec's own EmbeddingBagCollection.
 
-Pooled outputs are compared with a bound derived from fp32 summation error (see
-``pooled_tolerance``), never a guessed atol; table rows must be bit-exact.
+Pooled outputs are compared with a bound derived from fp32 summation error
+(``pooled_error_bound``), never a guessed atol; table rows must be bit-exact.
 """
 
 import io
@@ -29,10 +29,8 @@ from ibpembed.torchrec import (
     CompressedEmbeddingBagCollection,
     compress_model,
     format_table_bytes,
+    pooled_error_bound,
 )
-
-U32 = 2.0**-24  # unit roundoff of fp32
-U16 = 2.0**-11  # unit roundoff of fp16
 
 # Awkward shapes on purpose: D = 1, 3, 129; a feature shared by two tables (named f@table);
 # a table read by two features; SUM and MEAN mixed.
@@ -95,58 +93,6 @@ def random_kjt(
     return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)
 
 
-def pooled_tolerance(
-    ebc: EmbeddingBagCollection, kjt: KeyedJaggedTensor, reference: torch.Tensor
-) -> torch.Tensor:
-    """Elementwise bound on |ours - torchrec| for [B, sum D] pooled outputs.
-
-    Recursive fp32 summation of L products satisfies |fl(S) - S| <= gamma_L * sum|w x| with
-    gamma_L = L u / (1 - L u) (Higham, Accuracy and Stability, eq. 4.4; the extra term covers
-    rounding the weighted products). Both implementations obey it, so they differ by at most twice
-    that. MEAN divides by L once more (one more rounding, u |mean| each). FP16 tables: torchrec
-    rounds each pooled result to fp16 (measured: relative error 2^-11), ours returns the fp32 sum,
-    so add u16 |result|.
-    """
-    features = kjt.to_dict()
-    bounds = []
-    for config in ebc.embedding_bag_configs():
-        weight = ebc.embedding_bags[config.name].weight.detach().double()
-        for feature in config.feature_names:
-            jt = features[feature]
-            w = jt.weights_or_none() if ebc.is_weighted() else None
-            lengths = jt.lengths().double()[:, None]
-            abs_sum = torch.nn.functional.embedding_bag(
-                jt.values(),
-                weight.abs(),
-                jt.offsets(),
-                mode="sum",
-                per_sample_weights=None if w is None else w.double().abs(),
-                include_last_offset=True,
-            )
-            gamma = lengths * U32 / (1 - lengths * U32)
-            bound = 2 * gamma * abs_sum
-            if config.pooling == PoolingType.MEAN:
-                bound = bound / lengths.clamp(min=1)
-            bounds.append(bound)
-    bound = torch.cat(bounds, dim=1)
-    mean_cols = torch.cat(
-        [
-            torch.full((c.embedding_dim,), c.pooling == PoolingType.MEAN)
-            for c in ebc.embedding_bag_configs()
-            for _ in c.feature_names
-        ]
-    )
-    fp16_cols = torch.cat(
-        [
-            torch.full((c.embedding_dim,), c.data_type == DataType.FP16)
-            for c in ebc.embedding_bag_configs()
-            for _ in c.feature_names
-        ]
-    )
-    ref = reference.double().abs()
-    return bound + mean_cols * 2 * U32 * ref + fp16_cols * U16 * ref
-
-
 def assert_same_as_torchrec(
     ebc: EmbeddingBagCollection, ours: torch.nn.Module, kjt: KeyedJaggedTensor
 ) -> None:
@@ -156,7 +102,7 @@ def assert_same_as_torchrec(
     assert got.length_per_key() == expected.length_per_key()
     assert got.values().dtype == torch.float32
     diff = (got.values().double() - expected.values().detach().double()).abs()
-    bound = pooled_tolerance(ebc, kjt, expected.values().detach())
+    bound = pooled_error_bound(ebc, kjt)
     assert bool((diff <= bound).all()), f"max excess {float((diff - bound).max())}"
 
 

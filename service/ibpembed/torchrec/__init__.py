@@ -13,6 +13,7 @@ from ibpembed.torchrec.module import (
     TableBytes,
     compress_model,
     format_table_bytes,
+    pooled_error_bound,
 )
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "TableBytes",
     "compress_model",
     "format_table_bytes",
+    "pooled_error_bound",
 ]
