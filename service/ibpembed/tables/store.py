@@ -1,0 +1,405 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The live table store: versioned snapshots of compressed tables, reloads and row updates.
+
+>>> store = TableStore.load("tables/")            # a packed table set (manifest + .ibpt files)
+>>> with store.acquire() as snap:                 # one consistent version for the whole lookup
+...     name, table = snap.table_for_feature("user_id")
+...     rows = table.gather(ids)
+>>> store.reload()                                # publish the directory's new manifest
+>>> store.update_rows("t_user", ids, new_rows)    # re-encode rows, publish atomically
+
+Versioning. A ``TableSnapshot`` is immutable. ``reload`` and ``update_rows`` build the next
+snapshot off to the side and publish it with one pointer swap under a lock, so a lookup that holds
+a snapshot sees exactly one version from start to end and readers never wait for writers. An old
+snapshot lives as long as a lookup holds it; when the last holder leaves, the store drops it and
+its memory (mmap or buffer) is released by reference counting.
+
+Row updates (copy-on-write per 32-row block, into a spill area). The compact layout addresses
+rows through per-block bases, so an updated row moves with its whole block: the affected blocks
+are decoded, the new rows put in, the blocks re-encoded with the table's existing masks
+(``ibp_compress``, so the table stays lossless whatever the new values) and appended to a spill
+area past the end of the payload; the new version's index points at them. Bytes a published
+version can read are never written, which is what makes the update atomic without reader locks
+(an in-place overwrite, even of a same-size slot, would be seen half-done by a concurrent
+lookup). The spill area is spare capacity of one buffer shared by successive versions; when it is
+full, when block 0 changes (the layout pins block 0 at offset 0) or on the first update of a
+memory-mapped table, the table is compacted into a fresh buffer with new spare room. Each update
+also copies the small index (about 1.4 bytes per row). Updates live in memory: ``save`` writes
+them out; ``reload`` replaces updated tables with their files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+import types
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ibpembed._ops import ops
+from ibpembed.codec import CompressedTable
+from ibpembed.tables import _layout
+from ibpembed.tables import format as tf
+from ibpembed.tables.manifest import ManifestEntry, load_table_set, save_table_set
+
+# Spare payload bytes a compaction reserves for later spills: this fraction of the payload, and
+# at least enough for a few updates like the one that triggered it.
+SPILL_FRACTION = 8
+MIN_SPILL_BYTES = 1 << 16
+
+
+@dataclass(frozen=True)
+class TableBytes:
+    """Memory of one table, by kind (the four kinds are disjoint).
+
+    Attributes
+    ----------
+    raw : bytes of the uncompressed table (rows x row bytes).
+    stored : payload bytes addressed by the current version (compressed and raw slots, spilled
+        blocks and the holes they left, the decoder's pad).
+    index : random-access index (block bases and per-row slot sizes).
+    metadata : compressed-row bitmask and the per-position masks.
+    """
+
+    raw: int
+    stored: int
+    index: int
+    metadata: int
+
+    @property
+    def total(self) -> int:
+        return self.stored + self.index + self.metadata
+
+    @property
+    def savings(self) -> float:
+        """1 - total / raw."""
+        return 1.0 - self.total / self.raw
+
+    @property
+    def ratio(self) -> float:
+        """raw / total (compression ratio)."""
+        return self.raw / self.total
+
+
+@dataclass(frozen=True)
+class TableSnapshot:
+    """One published version of the whole table set. Never changes after publication."""
+
+    version: int
+    tables: Mapping[str, CompressedTable]
+    features: Mapping[str, str]  # feature -> table
+
+    def table_for_feature(self, feature: str) -> tuple[str, CompressedTable]:
+        """(table name, table) serving ``feature``.
+
+        Raises
+        ------
+        KeyError
+            naming the feature, when no table serves it.
+        """
+        try:
+            name = self.features[feature]
+        except KeyError:
+            raise KeyError(f"unknown feature '{feature}'") from None
+        return name, self.tables[name]
+
+
+@dataclass(frozen=True, eq=False)
+class _Spill:
+    """The buffer under ``table``'s payload; bytes past the payload's end are free."""
+
+    table: CompressedTable
+    buffer: torch.Tensor
+
+
+def pin_payload(table: CompressedTable) -> CompressedTable:
+    """Hook: page-lock the payload (``cudaHostRegister``) for the zero-copy CUDA kernels.
+
+    A documented no-op when CUDA is unavailable (CPU builds and CPU nodes): the CPU kernels read
+    the mapping directly. Registration itself is not implemented yet; on a CUDA node this raises
+    rather than pretend the payload is pinned.
+    """
+    if not torch.cuda.is_available():
+        return table
+    raise NotImplementedError("pinning payloads with cudaHostRegister is not implemented yet")
+
+
+def _frozen(mapping: Mapping) -> Mapping:
+    return types.MappingProxyType(dict(mapping))
+
+
+def _check_features(tables: Mapping[str, CompressedTable], features: Mapping[str, str]) -> None:
+    for feature, table in features.items():
+        if table not in tables:
+            raise KeyError(f"feature '{feature}' maps to unknown table '{table}'")
+
+
+class TableStore:
+    """Name -> compressed table, published as immutable, versioned snapshots.
+
+    Thread-safe: any number of threads may ``acquire`` while one ``reload``/``update_rows``
+    runs (writers are serialised among themselves).
+    """
+
+    def __init__(
+        self,
+        tables: Mapping[str, CompressedTable],
+        features: Mapping[str, str],
+        *,
+        directory: Path | None = None,
+        entries: Mapping[str, ManifestEntry] | None = None,
+        verify: bool = False,
+        pin: bool = False,
+    ) -> None:
+        _check_features(tables, features)
+        self._lock = threading.Lock()  # guards _current and _holders; held for a few lines only
+        self._write_lock = threading.Lock()  # one writer (reload / update / put) at a time
+        self._holders: dict[int, int] = {}
+        self._directory = directory
+        self._entries = dict(entries or {})
+        self._verify = verify
+        self._pin = pin
+        self._spill: dict[str, _Spill] = {}
+        self._current = TableSnapshot(1, _frozen(self._pinned(tables)), _frozen(features))
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_tables(
+        cls, tables: Mapping[str, CompressedTable], features: Mapping[str, str] | None = None
+    ) -> TableStore:
+        """A store over in-memory tables; by default each table serves the feature of its name."""
+        return cls(tables, features if features is not None else {n: n for n in tables})
+
+    @classmethod
+    def load(
+        cls, directory: str | os.PathLike[str], *, verify: bool = False, pin: bool = False
+    ) -> TableStore:
+        """A store over a packed table set (manifest + ``.ibpt`` files), memory-mapped.
+
+        Parameters
+        ----------
+        verify : also hash every payload at load (and at every reload).
+        pin : page-lock payloads for CUDA kernels (see ``pin_payload``).
+        """
+        directory = Path(directory)
+        manifest, tables = load_table_set(directory, verify=verify)
+        return cls(
+            tables,
+            manifest.features,
+            directory=directory,
+            entries=manifest.tables,
+            verify=verify,
+            pin=pin,
+        )
+
+    def _pinned(self, tables: Mapping[str, CompressedTable]) -> dict[str, CompressedTable]:
+        return {n: pin_payload(t) if self._pin else t for n, t in tables.items()}
+
+    # -- reading ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def acquire(self) -> Iterator[TableSnapshot]:
+        """Hold the current snapshot for the duration of a ``with`` block."""
+        with self._lock:
+            snapshot = self._current
+            self._holders[snapshot.version] = self._holders.get(snapshot.version, 0) + 1
+        try:
+            yield snapshot
+        finally:
+            with self._lock:
+                left = self._holders[snapshot.version] - 1
+                if left:
+                    self._holders[snapshot.version] = left
+                else:
+                    del self._holders[snapshot.version]
+
+    @property
+    def version(self) -> int:
+        return self._current.version
+
+    def live_versions(self) -> set[int]:
+        """The current version and every older one a lookup still holds."""
+        with self._lock:
+            return {self._current.version, *self._holders}
+
+    def accounting(self) -> dict[str, TableBytes]:
+        """Per table of the current version: raw, stored, index and metadata bytes."""
+        return {
+            name: TableBytes(t.raw_bytes, t.payload_bytes, t.index_bytes, t.metadata_bytes)
+            for name, t in self._current.tables.items()
+        }
+
+    # -- writing ---------------------------------------------------------------------------------
+    def _publish(self, tables: Mapping[str, CompressedTable], features: Mapping[str, str]) -> None:
+        with self._lock:
+            self._current = TableSnapshot(
+                self._current.version + 1, _frozen(tables), _frozen(features)
+            )
+
+    def reload(self, directory: str | os.PathLike[str] | None = None) -> None:
+        """Load a table set and publish it as the next version, all or nothing.
+
+        Tables whose manifest entry is unchanged (same file, same checksum, no row updates since)
+        are kept as they are rather than mapped again.
+
+        Parameters
+        ----------
+        directory : the table set to load; default the one this store was loaded from.
+
+        Raises
+        ------
+        ValueError
+            (``TableSetError``, ``TableFileError``) when the set cannot be loaded; the previous
+            version keeps serving.
+        """
+        with self._write_lock:
+            if directory is None and self._directory is None:
+                raise ValueError("this store was not loaded from a directory: pass one to reload")
+            target = Path(directory) if directory is not None else self._directory
+            assert target is not None
+            current = self._current.tables
+
+            def reuse(name: str, entry: ManifestEntry) -> CompressedTable | None:
+                kept = target == self._directory and self._entries.get(name) == entry
+                return current.get(name) if kept and name not in self._spill else None
+
+            manifest, tables = load_table_set(target, verify=self._verify, reuse=reuse)
+            fresh = {n: t for n, t in tables.items() if t is not current.get(n)}
+            tables.update(self._pinned(fresh))
+            self._publish(tables, manifest.features)
+            self._directory = target
+            self._entries = dict(manifest.tables)
+            self._spill.clear()
+
+    def put_table(
+        self, name: str, table: CompressedTable, features: Mapping[str, str] | None = None
+    ) -> None:
+        """Publish a new version with ``table`` added or replaced (and optional feature changes)."""
+        with self._write_lock:
+            tables = {**self._current.tables, name: self._pinned({name: table})[name]}
+            merged = {**self._current.features, **(features or {})}
+            if name not in self._current.tables and not features:
+                merged.setdefault(name, name)
+            _check_features(tables, merged)
+            self._publish(tables, merged)
+            self._entries.pop(name, None)
+            self._spill.pop(name, None)
+
+    def update_rows(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Replace rows ``ids`` of ``table`` with ``rows``, bit for bit, in one new version.
+
+        Parameters
+        ----------
+        ids : [n] distinct integer row ids, each in [0, num_rows).
+        rows : [n, dim] tensor of the table's dtype (uint8 for int8_rowwise tables).
+
+        Raises
+        ------
+        KeyError
+            for an unknown table.
+        TypeError, ValueError
+            for ids or rows that do not fit the table; nothing is published then.
+        """
+        with self._write_lock:
+            current = self._current.tables
+            if table not in current:
+                raise KeyError(f"unknown table '{table}'")
+            old = current[table]
+            ids, rows = _check_update(old, ids, rows)
+            if ids.numel() == 0:
+                return
+            new, buffer = self._apply(table, old, ids, rows)
+            self._publish({**current, table: new}, self._current.features)
+            self._spill[table] = _Spill(new, buffer)
+            self._entries.pop(table, None)  # it no longer matches its file
+
+    def _apply(
+        self, name: str, old: CompressedTable, ids: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[CompressedTable, torch.Tensor]:
+        """The table with the rows replaced, and the buffer under its payload."""
+        blocks = torch.unique(torch.div(ids, _layout.ROWS_PER_BLOCK, rounding_mode="floor"))
+        # Every row of the affected blocks, in order; only the table's last block can be short,
+        # and it sorts last, so these rows form whole blocks of a small table of their own.
+        block_rows = (
+            blocks[:, None] * _layout.ROWS_PER_BLOCK + torch.arange(_layout.ROWS_PER_BLOCK)
+        ).flatten()
+        block_rows = block_rows[block_rows < old.num_rows]
+        decoded = old.gather(block_rows).view(torch.uint8).reshape(block_rows.numel(), -1)
+        decoded[torch.searchsorted(block_rows, ids)] = rows.view(torch.uint8).reshape(
+            ids.numel(), -1
+        )
+        payload, base, units, bitmask = ops.ibp_compress(
+            decoded, old.chunk_bits, old.mask, old.bitval, old.unit_bytes
+        )
+        row_units = old.row_units.clone()
+        row_units.view(-1, _layout.ROWS_PER_BLOCK)[blocks] = units.view(-1, _layout.ROWS_PER_BLOCK)
+        new_bitmask = old.bitmask.clone()
+        new_bitmask[blocks] = bitmask
+        added = int(base[-1])
+        end = _layout.payload_end(old)
+        spill = self._spill.get(name)
+        start = end + _layout.PAYLOAD_PAD  # past the pad the previous version may read ahead into
+        if (
+            spill is not None
+            and spill.table is old
+            and int(blocks[0]) != 0
+            and start + added + _layout.PAYLOAD_PAD <= spill.buffer.numel()
+        ):
+            buffer = spill.buffer
+            buffer[start : start + added] = payload[:added]
+            block_base = old.block_base.clone()
+            block_base[blocks] = base[:-1] + start
+            block_base[-1] = start + added
+        else:
+            lengths = _layout.block_bytes(row_units, old.unit_bytes)
+            source = torch.zeros_like(lengths)
+            source[blocks] = 1
+            offsets = old.block_base[:-1].clone()
+            offsets[blocks] = base[:-1]
+            reserve = max(end // SPILL_FRACTION, 8 * (added + _layout.PAYLOAD_PAD), MIN_SPILL_BYTES)
+            buffer, block_base = _layout.assemble(
+                [old.payload, payload], source, offsets, lengths, reserve=reserve
+            )
+        new_end = int(block_base[-1])
+        table = dataclasses.replace(
+            old,
+            payload=buffer[: new_end + _layout.PAYLOAD_PAD],
+            block_base=block_base,
+            row_units=row_units,
+            bitmask=new_bitmask,
+        )
+        return table, buffer
+
+    def save(self, directory: str | os.PathLike[str]) -> list[tf.PackedTable]:
+        """Write the current version (row updates included) as a table set."""
+        with self.acquire() as snapshot:
+            pooling = {n: e.pooling for n, e in self._entries.items()}
+            return save_table_set(directory, snapshot.tables, snapshot.features, pooling)
+
+
+def _check_update(
+    table: CompressedTable, ids: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError("ids must be an integer tensor")
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError("rows must be a tensor")
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
+    ids = ids.to(device="cpu", dtype=torch.int64)
+    if rows.dtype != table.dtype or tuple(rows.shape) != (ids.numel(), table.dim):
+        raise ValueError(
+            f"rows must be {table.dtype} [{ids.numel()}, {table.dim}], got {rows.dtype} "
+            f"{list(rows.shape)}"
+        )
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.num_rows):
+        raise ValueError(f"ids must lie in [0, {table.num_rows})")
+    order = torch.argsort(ids)
+    ids = ids[order]
+    if bool((ids[1:] == ids[:-1]).any()):
+        raise ValueError("ids must be distinct (the new value of a repeated id is ambiguous)")
+    return ids, rows.detach().to("cpu")[order].contiguous()
