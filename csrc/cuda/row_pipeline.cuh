@@ -1,0 +1,204 @@
+// SPDX-License-Identifier: Apache-2.0
+//
+// The warp-level machinery both kernel families share: locate a row's slot, stage it from the
+// payload into shared memory with 16-byte cp.async copies, decode it chunk-parallel. One warp owns
+// one row at a time and keeps the next row's copy in flight while it decodes the current one
+// (two staging buffers per warp), so PCIe latency overlaps decode even for a warp working through
+// a long bag on its own. Host-side launch planning (shared memory, grid) is at the bottom.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels.h"
+#include "warp_decode.cuh"
+
+namespace ibpembed::gpu {
+
+inline constexpr unsigned kFullWarp = 0xffffffffu;
+// 8 warps per block when shared memory allows: enough warps per SM to keep many PCIe reads in
+// flight without making a block's shared memory too coarse to pack (halved for very wide rows).
+inline constexpr int kMaxWarpsPerBlock = 8;
+inline constexpr int kStages = 2;
+// Register budget: 3 resident 8-warp blocks per SM (<= 85 registers a thread). Without it ptxas
+// picks 64 registers for some instantiations and spills; with a budget of 1 block it takes ~124
+// and caps residency at 16 warps, too few reads in flight to cover PCIe latency.
+inline constexpr int kMinBlocksPerSm = 3;
+
+__device__ __forceinline__ void report(int32_t* error, int32_t bits, int lane) {
+  if (lane == 0) atomicOr(error, bits);
+}
+
+// cp.async.cg: 16 bytes global -> shared, bypassing L1 (each payload byte is read once).
+// Works on the device alias of pinned host memory as on device memory: both are global space.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const auto s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ int warp_inclusive_scan(int v, int lane) {
+#pragma unroll
+  for (int d = 1; d < kWarpSize; d <<= 1) {
+    const int y = __shfl_up_sync(kFullWarp, v, d);
+    if (lane >= d) v += y;
+  }
+  return v;
+}
+
+// A row whose slot copy has been issued into a staging buffer.
+struct StagedRow {
+  int64_t slot_bytes;
+  int shift;        // slot start inside the buffer
+  bool compressed;  // bitmask bit
+  bool ok;          // in range and consistent: only then was anything copied
+};
+
+// Warp-uniform r. Finds row r's slot, issues its window's copies into `stage` and commits one
+// cp.async group (also when nothing is copied, so every thread's group count stays in step).
+__device__ __forceinline__ StagedRow stage_row(const DeviceTable& dt, int64_t r, uint8_t* stage,
+                                               int64_t stage_bytes, int lane, int32_t* error) {
+  const TableView& t = dt.view;
+  StagedRow s{0, 0, false, false};
+  if (r < 0 || r >= t.num_rows) {
+    report(error, kErrIndex, lane);
+    cp_async_commit();
+    return s;
+  }
+  // row_units is padded to whole blocks of 32, so every lane may load its byte.
+  const int64_t b = r >> 5;
+  const int in_block = static_cast<int>(r & 31);
+  const uint32_t u = t.row_units[b * kRowsPerBlock + lane];
+  const uint32_t before = __reduce_add_sync(kFullWarp, units_before_term(u, lane, in_block));
+  const uint32_t units = __shfl_sync(kFullWarp, u, in_block);
+  const int64_t offset = t.block_base[b] + t.unit_bytes * before;
+  s.slot_bytes = t.unit_bytes * units;
+  s.compressed = row_is_compressed(t, r);
+  const Window w = stage_window(offset, s.slot_bytes);
+  s.shift = w.shift;
+  // A raw slot must hold the row; any slot must fit the buffer and the payload. Checked before
+  // the copy so a corrupt index cannot make the warp read out of bounds.
+  s.ok = offset >= 0 && w.first + int64_t{kVecBytes} * w.vecs <= dt.payload_bytes &&
+         int64_t{kVecBytes} * w.vecs + 2 * kVecBytes <= stage_bytes &&
+         (s.compressed || s.slot_bytes >= t.row_bytes);
+  if (s.ok) {
+    for (int v = lane; v < w.vecs; v += kWarpSize) {
+      cp_async16(stage + kVecBytes * v, t.payload + w.first + int64_t{kVecBytes} * v);
+    }
+  } else {
+    report(error, kErrTable, lane);
+  }
+  cp_async_commit();
+  return s;
+}
+
+// Decodes a compressed staged row chunk-parallel; every lane calls sink(c, x) for every group
+// (also lanes whose chunk is past the end: c.valid is false), so sinks may use warp collectives.
+template <int W, class Sink>
+__device__ __forceinline__ void decode_staged_row(const TableView& t, const StagedRow& s,
+                                                  const uint8_t* stage, int lane, int32_t* error,
+                                                  Sink&& sink) {
+  const auto* words = reinterpret_cast<const uint32_t*>(stage);
+  const uint64_t slot_bits = 8 * static_cast<uint64_t>(s.slot_bytes);
+  uint64_t base = first_data_bit(true, t.num_chunks);
+  bool overrun = false;
+  for (int g = 0; 32 * g < t.num_chunks; ++g) {
+    const uint32_t part = group_participation(words, s.shift, true, g, t.num_chunks);
+    const LaneChunk c = lane_chunk<W>(t.mask, t.bitval, part, g, lane, t.num_chunks);
+    const int incl = warp_inclusive_scan(c.len, lane);
+    uint64_t pos = base + static_cast<uint64_t>(incl - c.len);
+    // A consistent table never needs bits past its slot; a corrupt one reads (in bounds) from
+    // the slot start instead and is reported.
+    if (pos + c.len > slot_bits) {
+      overrun = true;
+      pos = 0;
+    }
+    sink(c, lane_decode<W>(words, s.shift, pos, c));
+    base += static_cast<uint64_t>(__shfl_sync(kFullWarp, incl, kWarpSize - 1));
+  }
+  if (__any_sync(kFullWarp, overrun)) report(error, kErrTable, lane);
+}
+
+// Block 0, warp 0: the per-table checks the CPU op does before decoding (masks inside the chunk
+// width, bitval inside mask, index bounds against the payload). Wrong masks cannot make a read go
+// out of bounds, so the other warps do not wait for this.
+__device__ __forceinline__ void check_table(const DeviceTable& dt, int lane, int32_t* error) {
+  const TableView& t = dt.view;
+  const uint64_t outside = ~low_bits(t.chunk_bits);
+  bool bad = false;
+  for (int j = lane; j < t.num_chunks; j += kWarpSize) {
+    bad |= (t.mask[j] & outside) != 0 || (t.bitval[j] & ~t.mask[j]) != 0;
+  }
+  if (lane == 0) {
+    const int64_t end = t.block_base[num_blocks(t.num_rows)];
+    bad |= t.block_base[0] != 0 || end + kPayloadPad > dt.payload_bytes;
+  }
+  if (__any_sync(kFullWarp, bad)) report(error, kErrTable, lane);
+}
+
+// Stores one decoded chunk into a row at `dst`: a single aligned store when every chunk of the
+// row is aligned (row_bytes a multiple of S, output base aligned), else byte stores of the bytes
+// that lie inside the row.
+template <int W>
+__device__ __forceinline__ void store_chunk_to(uint8_t* dst, int64_t row_bytes, int j, uint64_t x,
+                                               bool aligned) {
+  constexpr int S = W / 8;
+  uint8_t* p = dst + static_cast<int64_t>(j) * S;
+  if (aligned) {
+    if constexpr (W == 16) *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(x);
+    if constexpr (W == 32) *reinterpret_cast<uint32_t*>(p) = static_cast<uint32_t>(x);
+    if constexpr (W == 64) *reinterpret_cast<uint64_t*>(p) = x;
+    return;
+  }
+  const int64_t n = std::min<int64_t>(S, row_bytes - static_cast<int64_t>(j) * S);
+  for (int k = 0; k < n; ++k) p[k] = static_cast<uint8_t>(x >> (8 * k));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+struct LaunchShape {
+  int warps_per_block;
+  int blocks;
+  size_t smem_bytes;
+};
+
+// Most warps per block (up to kMaxWarpsPerBlock) whose shared memory fits the device, and enough
+// blocks to fill every SM at the occupancy that leaves, but no more than the work needs (warps
+// loop over work items with a grid stride).
+template <class Kernel>
+LaunchShape plan_launch(Kernel kernel, int64_t smem_per_warp, int64_t work_items) {
+  int device = 0, optin = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int warps = kMaxWarpsPerBlock;
+  while (warps > 1 && warps * smem_per_warp > optin) warps /= 2;
+  TORCH_CHECK(smem_per_warp <= optin, "ibpembed CUDA: rows of this table need ", smem_per_warp,
+              " bytes of shared memory per warp, more than the ", optin,
+              " this GPU allows per block; use the CPU path for such wide rows");
+  const auto smem = static_cast<size_t>(warps * smem_per_warp);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+  int per_sm = 0;
+  C10_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * kWarpSize, smem));
+  const int64_t needed = (work_items + warps - 1) / warps;
+  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sms;
+  return LaunchShape{warps, static_cast<int>(std::max<int64_t>(1, std::min(needed, resident))), smem};
+}
+
+}  // namespace ibpembed::gpu

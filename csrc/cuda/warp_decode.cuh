@@ -1,0 +1,157 @@
+// SPDX-License-Identifier: Apache-2.0
+//
+// Lane-level arithmetic of the CUDA decode kernels: where a row's slot lies, which 16-byte window
+// a warp stages, how a lane finds and decodes its chunk. Everything here is __host__ __device__
+// and free of warp collectives, so tests/cuda/warp_math_host.cpp runs these very functions with a
+// 32-iteration loop standing in for each shuffle, scan and reduction of the kernels. Only the
+// collectives themselves (and cp.async) are GPU-only; they live in row_pipeline.cuh.
+//
+// Decoding a staged row, warp-wide (lane l owns chunk j = 32 g + l of group g):
+//   part  = group_participation(...)        the 32 header bits of group g (0 for raw rows)
+//   c     = lane_chunk(...)                  does chunk j participate, how many stream bits it uses
+//   incl  = inclusive warp scan of c.len     (__shfl_up_sync in the kernel)
+//   pos   = base + incl - c.len              stream bit where chunk j starts
+//   x     = lane_decode(..., pos, c)         bitval | deposit(bits, ~mask), or the W raw bits
+//   base += incl of lane 31                  start of group g + 1
+// with base = first_data_bit(...) for group 0.
+#pragma once
+
+#include <cstdint>
+
+#include "ibpembed/bits.h"
+#include "ibpembed/format.h"
+
+namespace ibpembed::gpu {
+
+inline constexpr int kWarpSize = 32;
+inline constexpr int kVecBytes = 16;
+
+IBP_HD int ctz64(uint64_t x) {  // x != 0
+#if defined(__CUDA_ARCH__)
+  return __ffsll(static_cast<long long>(x)) - 1;
+#else
+  return __builtin_ctzll(x);
+#endif
+}
+
+// pdep without BMI2, one iteration per run of set bits in mask instead of one per set bit (as
+// in bits.h's portable version). Fitted masks keep the sign/exponent MSBs and sometimes a few low
+// mantissa bits invariant, so the free bits form one to three runs: a handful of shifts per chunk.
+IBP_HD uint64_t deposit_runs(uint64_t src, uint64_t mask) {
+  uint64_t out = 0;
+  while (mask != 0) {
+    const int p = ctz64(mask);
+    const uint64_t t = mask >> p;
+    // ~t is zero only for an all-ones mask (p == 0): a single 64-bit run.
+    const int len = (~t == 0) ? 64 : ctz64(~t);
+    const uint64_t run = low_bits(len);
+    out |= (src & run) << p;
+    src = len >= 64 ? 0 : src >> len;
+    mask &= ~(run << p);
+  }
+  return out;
+}
+
+// The 16-byte-aligned byte range [first, first + 16 * vecs) of the payload that covers a slot at
+// [offset, offset + bytes); the slot starts `shift` bytes into it. Staging whole aligned vectors
+// lets every lane issue full 16-byte loads whatever the slot alignment (unit_bytes may be 1).
+struct Window {
+  int64_t first;
+  int shift;
+  int vecs;
+};
+
+IBP_HD Window stage_window(int64_t offset, int64_t bytes) {
+  const int64_t first = offset & ~int64_t{kVecBytes - 1};
+  const int64_t end = (offset + bytes + kVecBytes - 1) & ~int64_t{kVecBytes - 1};
+  return Window{first, static_cast<int>(offset - first), static_cast<int>((end - first) / kVecBytes)};
+}
+
+// Largest slot any row of the table can have: a raw row rounded up to whole units.
+IBP_HD int64_t max_slot_bytes(int64_t row_bytes, int64_t unit_bytes) {
+  return unit_bytes * units_for(row_bytes, unit_bytes);
+}
+
+// Shared memory one staging buffer needs: the widest window (a max slot shifted by up to 15 bytes)
+// plus 32 bytes that lane reads may touch past the window (read_staged_bits reads up to 12 bytes
+// from its word; a raw row's last chunk may start within the last 7 bytes of the row). Bytes past
+// the window are never used, only read.
+IBP_HD int64_t stage_buffer_bytes(int64_t row_bytes, int64_t unit_bytes) {
+  const int64_t slot = max_slot_bytes(row_bytes, unit_bytes);
+  return ((slot + kVecBytes - 1) & ~int64_t{kVecBytes - 1}) + kVecBytes + 2 * kVecBytes;
+}
+
+// The term lane `lane` contributes to the offset of row r = 32 b + in_block inside block b: its
+// own slot size when it precedes the row. Summed over the warp (__reduce_add_sync in the kernel),
+// this is sum(row_units[32 b .. r - 1]), the same quantity format.h's row_offset() computes.
+IBP_HD uint32_t units_before_term(uint32_t lane_units, int lane, int in_block) {
+  return lane < in_block ? lane_units : 0u;
+}
+
+// At least W valid bits (bits above W are garbage) starting at bit `bitpos` of a buffer of 32-bit
+// words (LSB-first, like the stream). Word loads only: the buffer is shared memory, and this
+// avoids the byte loads a memcpy from an unknown alignment compiles to.
+template <int W>
+IBP_HD uint64_t read_staged_bits(const uint32_t* words, uint64_t bitpos) {
+  const uint64_t i = bitpos >> 5;
+  const int shift = static_cast<int>(bitpos & 31);
+  const uint64_t lo = static_cast<uint64_t>(words[i]) | (static_cast<uint64_t>(words[i + 1]) << 32);
+  uint64_t v = lo >> shift;
+  if constexpr (W > 32) {
+    // Branch-free: at shift 0 the third word is shifted out entirely.
+    v |= (static_cast<uint64_t>(words[i + 2]) << 1) << (63 - shift);
+  }
+  return v;
+}
+
+// Participation bits of chunks 32 g .. 32 g + 31 (bit l = chunk 32 g + l), zero past the last
+// chunk. A raw row has no header: no chunk participates, every chunk is W verbatim bits.
+IBP_HD uint32_t group_participation(const uint32_t* words, int shift, bool compressed, int group,
+                                    int num_chunks) {
+  if (!compressed) return 0u;
+  const auto bits = static_cast<uint32_t>(
+      read_staged_bits<32>(words, 8 * static_cast<uint64_t>(shift) + 32 * static_cast<uint64_t>(group)));
+  const int valid = num_chunks - 32 * group;
+  return valid >= 32 ? bits : bits & ((1u << valid) - 1u);
+}
+
+// Stream bit where chunk 0's data starts: after the V-bit header, or at 0 for a raw row.
+IBP_HD uint64_t first_data_bit(bool compressed, int num_chunks) {
+  return compressed ? static_cast<uint64_t>(num_chunks) : 0u;
+}
+
+// What lane `lane` needs to know about its chunk before the scan.
+struct LaneChunk {
+  int j;              // chunk position
+  bool valid;         // j < num_chunks
+  bool participates;  // stored as free bits only
+  int len;            // stream bits the chunk occupies (0 when !valid)
+  uint64_t mask;      // mask[j] (0 when !valid)
+  uint64_t bitval;    // bitval[j] (0 when !valid)
+};
+
+template <int W>
+IBP_HD LaneChunk lane_chunk(const uint64_t* mask, const uint64_t* bitval, uint32_t participation,
+                            int group, int lane, int num_chunks) {
+  LaneChunk c{};
+  c.j = 32 * group + lane;
+  c.valid = c.j < num_chunks;
+  if (!c.valid) return c;
+  c.participates = (participation >> lane) & 1u;
+  c.mask = mask[c.j];
+  c.bitval = bitval[c.j];
+  c.len = c.participates ? W - popcount64(c.mask) : W;
+  return c;
+}
+
+// Chunk value of a lane whose data starts at stream bit `pos`; `shift` is the slot's byte offset
+// inside the staging buffer.
+template <int W>
+IBP_HD uint64_t lane_decode(const uint32_t* words, int shift, uint64_t pos, const LaneChunk& c) {
+  constexpr uint64_t kFull = low_bits(W);
+  const uint64_t bits = read_staged_bits<W>(words, 8 * static_cast<uint64_t>(shift) + pos);
+  // deposit consumes only popcount(~mask) low bits: `bits` needs no trimming.
+  return c.participates ? (c.bitval | deposit_runs(bits, ~c.mask & kFull)) : (bits & kFull);
+}
+
+}  // namespace ibpembed::gpu

@@ -1,0 +1,276 @@
+// SPDX-License-Identifier: Apache-2.0
+//
+// CUDA implementations of ibp_gather, ibp_decompress and lookup_pooled (schemas and CPU impls in
+// torch_bindings.cpp). Compiled only in CUDA builds; host code only, the kernels are in csrc/cuda/.
+//
+// Argument contract. The dispatcher runs these whenever any tensor argument is a CUDA tensor (CUDA
+// outranks CPU in dispatch-key order), which is what lets the payload stay on the host:
+//   payload      uint8, contiguous, 16-byte aligned, either
+//                  - pinned host memory: a CPU tensor from pin_memory(), or one whose storage lies
+//                    in a cudaHostRegister'ed range (the table store registers its payload with
+//                    cudaHostRegisterPortable | cudaHostRegisterMapped); the kernels read it
+//                    zero-copy over PCIe through the alias cudaHostGetDevicePointer returns; or
+//                  - a CUDA tensor on the op's device (tables that fit in GPU memory).
+//                Pageable CPU memory is rejected: the GPU cannot read it.
+//   block_base, row_units, bitmask, mask, bitval: CUDA tensors on one device, the op's device.
+//   indices / offsets (int64), per_sample_weights (float32): CUDA tensors on that device.
+//   Results are new CUDA tensors on that device, produced on its current stream.
+// Shapes, dtypes and devices are checked here, before any launch. Values (ids in range, offsets
+// well formed, index and masks consistent with the payload) are checked by the kernels as they go
+// (kernels.h); each op then synchronises its stream once to read the kernels' error word and
+// raises the same exception types as the CPU op (IndexError, ValueError). That one sync is the
+// price of never clamping a bad id; a response is copied back to the host right after anyway.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/sort.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "../cuda/kernels.h"
+#include "ibpembed/format.h"
+#include "ibpembed/numeric.h"
+
+namespace ibpembed::gpu {
+namespace {
+
+void check_device_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
+                         const c10::Device& device) {
+  TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device,
+                    " (the device of the table's small tensors), got ", t.device());
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype, name, " must be ", dtype, ", got ",
+                    t.scalar_type());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+}
+
+// The pointer the kernels read the payload through.
+const uint8_t* payload_device_pointer(const at::Tensor& payload, const c10::Device& device) {
+  TORCH_CHECK_VALUE(payload.scalar_type() == at::kByte && payload.dim() == 1 &&
+                        payload.is_contiguous(),
+                    "payload must be a contiguous 1-D uint8 tensor");
+  TORCH_CHECK_VALUE(payload.numel() >= kPayloadPad, "payload must carry its ", kPayloadPad,
+                    " pad bytes");
+  const auto* host = payload.data_ptr<uint8_t>();
+  // The kernels stage 16-byte-aligned windows of the payload.
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(host) % 16 == 0,
+                    "payload must be 16-byte aligned (do not slice it)");
+  if (payload.is_cuda()) {
+    TORCH_CHECK_VALUE(payload.device() == device, "a CUDA payload must be on ", device, ", got ",
+                      payload.device());
+    return host;
+  }
+  TORCH_CHECK_VALUE(payload.is_cpu(), "payload must be a pinned CPU tensor or a CUDA tensor, got ",
+                    payload.device());
+  cudaPointerAttributes attributes{};
+  C10_CUDA_CHECK(cudaPointerGetAttributes(&attributes, host));
+  TORCH_CHECK_VALUE(attributes.type == cudaMemoryTypeHost,
+                    "payload is pageable host memory; the GPU reads it zero-copy, so it must be "
+                    "pinned: payload.pin_memory() or cudaHostRegister over its storage");
+  void* alias = nullptr;
+  C10_CUDA_CHECK(cudaHostGetDevicePointer(&alias, const_cast<uint8_t*>(host), 0));
+  return static_cast<const uint8_t*>(alias);
+}
+
+// Shape/dtype/device checks of the table arguments; returns the view the kernels decode.
+DeviceTable device_table(const at::Tensor& payload, const at::Tensor& block_base,
+                         const at::Tensor& row_units, const at::Tensor& bitmask,
+                         const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
+                         int64_t row_bytes, int64_t unit_bytes, int64_t num_rows) {
+  const c10::Device device = block_base.device();
+  TORCH_CHECK_VALUE(device.is_cuda(),
+                    "the CUDA ops need the table's block_base, row_units, bitmask, mask and "
+                    "bitval on the GPU; block_base is on ", device);
+  TORCH_CHECK_VALUE(chunk_bits == 16 || chunk_bits == 32 || chunk_bits == 64,
+                    "chunk_bits must be 16, 32 or 64, got ", chunk_bits);
+  TORCH_CHECK_VALUE(row_bytes > 0 && row_bytes <= kMaxRowBytes, "row_bytes out of range: ",
+                    row_bytes);
+  TORCH_CHECK_VALUE(num_rows >= 0, "num_rows must be >= 0");
+  TORCH_CHECK_VALUE(unit_bytes > 0 && unit_bytes == slot_unit_bytes(row_bytes, unit_bytes),
+                    "unit_bytes ", unit_bytes, " is not a valid slot unit for ", row_bytes,
+                    "-byte rows");
+  check_device_tensor(block_base, "block_base", at::kLong, device);
+  check_device_tensor(row_units, "row_units", at::kByte, device);
+  check_device_tensor(bitmask, "bitmask", at::kInt, device);
+  check_device_tensor(mask, "mask", at::kLong, device);
+  check_device_tensor(bitval, "bitval", at::kLong, device);
+  const int64_t blocks = num_blocks(num_rows);
+  TORCH_CHECK_VALUE(block_base.numel() == blocks + 1, "block_base must have ", blocks + 1,
+                    " entries, got ", block_base.numel());
+  TORCH_CHECK_VALUE(row_units.numel() == blocks * kRowsPerBlock, "row_units must have ",
+                    blocks * kRowsPerBlock, " entries, got ", row_units.numel());
+  TORCH_CHECK_VALUE(bitmask.numel() == (num_rows + 31) / 32, "bitmask must have ",
+                    (num_rows + 31) / 32, " words, got ", bitmask.numel());
+  const int v = chunks_per_row(row_bytes, static_cast<int>(chunk_bits));
+  TORCH_CHECK_VALUE(mask.dim() == 1 && mask.numel() == v, "mask must have ", v,
+                    " entries (one per chunk position), got shape ", mask.sizes());
+  TORCH_CHECK_VALUE(bitval.dim() == 1 && bitval.numel() == v, "bitval must have ", v,
+                    " entries, got shape ", bitval.sizes());
+  const uint8_t* data = payload_device_pointer(payload, device);
+  return DeviceTable{TableView{data,
+                               block_base.data_ptr<int64_t>(),
+                               row_units.data_ptr<uint8_t>(),
+                               bitmask.data_ptr<int32_t>(),
+                               reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>()),
+                               reinterpret_cast<const uint64_t*>(bitval.data_ptr<int64_t>()),
+                               num_rows,
+                               row_bytes,
+                               unit_bytes,
+                               static_cast<int>(chunk_bits),
+                               v},
+                     payload.numel()};
+}
+
+void check_indices_tensor(const at::Tensor& indices, const c10::Device& device) {
+  check_device_tensor(indices, "indices", at::kLong, device);
+  TORCH_CHECK_VALUE(indices.dim() == 1, "indices must be 1-D, got ", indices.dim(), "-D");
+}
+
+// Waits for the kernels and turns their error word into the CPU op's exceptions. The slow
+// search for the exact culprit runs only on failure.
+void raise_kernel_errors(const at::Tensor& error, const at::Tensor* indices,
+                         const at::Tensor* offsets, int64_t num_rows) {
+  const int32_t bits = error.item<int32_t>();
+  if (bits == 0) return;
+  if ((bits & kErrIndex) != 0 && indices != nullptr) {
+    const at::Tensor ids = indices->cpu();
+    const int64_t* p = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < ids.numel(); ++i) {
+      TORCH_CHECK_INDEX(p[i] >= 0 && p[i] < num_rows, "index ", p[i], " at position ", i,
+                        " is out of range for a table of ", num_rows, " rows");
+    }
+  }
+  if ((bits & kErrOffsets) != 0 && offsets != nullptr) {
+    const at::Tensor o = offsets->cpu();
+    const int64_t* p = o.data_ptr<int64_t>();
+    const int64_t n = o.numel();
+    const int64_t nnz = indices != nullptr ? indices->numel() : 0;
+    TORCH_CHECK_VALUE(p[0] == 0, "offsets[0] must be 0, got ", p[0]);
+    TORCH_CHECK_VALUE(p[n - 1] == nnz, "offsets[-1] must equal the number of indices (", nnz,
+                      "), got ", p[n - 1]);
+    for (int64_t b = 0; b + 1 < n; ++b) {
+      TORCH_CHECK_VALUE(p[b] <= p[b + 1], "offsets must be non-decreasing: offsets[", b, "] = ",
+                        p[b], " > offsets[", b + 1, "] = ", p[b + 1]);
+    }
+  }
+  TORCH_CHECK_VALUE(false, "the compressed table is inconsistent (block_base, row_units or slot "
+                    "sizes point outside the payload, or mask/bitval have bits outside the chunk "
+                    "width): kernel error bits ", bits);
+}
+
+at::Tensor gather(const DeviceTable& table, const at::Tensor& ids, const at::Tensor& perm,
+                  int64_t n, const at::Tensor* request_ids, const c10::Device& device) {
+  at::Tensor out = at::empty({n, table.view.row_bytes}, at::TensorOptions(device).dtype(at::kByte));
+  if (n == 0) return out;
+  at::Tensor error = at::zeros({1}, at::TensorOptions(device).dtype(at::kInt));
+  const GatherArgs args{table,
+                        ids.defined() ? ids.data_ptr<int64_t>() : nullptr,
+                        perm.defined() ? perm.data_ptr<int64_t>() : nullptr,
+                        n,
+                        out.data_ptr<uint8_t>(),
+                        error.data_ptr<int32_t>()};
+  launch_gather(args, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  raise_kernel_errors(error, request_ids, nullptr, table.view.num_rows);
+  return out;
+}
+
+at::Tensor ibp_gather_cuda(const at::Tensor& payload, const at::Tensor& block_base,
+                           const at::Tensor& row_units, const at::Tensor& bitmask,
+                           const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
+                           int64_t row_bytes, int64_t unit_bytes, int64_t num_rows,
+                           const at::Tensor& indices) {
+  const c10::cuda::CUDAGuard guard(block_base.device());
+  const DeviceTable table = device_table(payload, block_base, row_units, bitmask, mask, bitval,
+                                         chunk_bits, row_bytes, unit_bytes, num_rows);
+  check_indices_tensor(indices, block_base.device());
+  // Sorted ids let neighbouring warps fetch neighbouring rows and put duplicates side by side;
+  // perm sends each row back to its request position.
+  auto [sorted, perm] = at::sort(indices);
+  return gather(table, sorted, perm, indices.numel(), &indices, block_base.device());
+}
+
+at::Tensor ibp_decompress_cuda(const at::Tensor& payload, const at::Tensor& block_base,
+                               const at::Tensor& row_units, const at::Tensor& bitmask,
+                               const at::Tensor& mask, const at::Tensor& bitval,
+                               int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
+                               int64_t num_rows) {
+  const c10::cuda::CUDAGuard guard(block_base.device());
+  const DeviceTable table = device_table(payload, block_base, row_units, bitmask, mask, bitval,
+                                         chunk_bits, row_bytes, unit_bytes, num_rows);
+  // Undefined ids and perm: row i goes to output row i, with no index tensor at all.
+  return gather(table, at::Tensor(), at::Tensor(), num_rows, nullptr, block_base.device());
+}
+
+at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block_base,
+                              const at::Tensor& row_units, const at::Tensor& bitmask,
+                              const at::Tensor& mask, const at::Tensor& bitval,
+                              int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
+                              int64_t num_rows, const at::Tensor& indices,
+                              const at::Tensor& offsets,
+                              const std::optional<at::Tensor>& per_sample_weights, int64_t dtype,
+                              int64_t pooling) {
+  const c10::Device device = block_base.device();
+  const c10::cuda::CUDAGuard guard(device);
+  const DeviceTable table = device_table(payload, block_base, row_units, bitmask, mask, bitval,
+                                         chunk_bits, row_bytes, unit_bytes, num_rows);
+  TORCH_CHECK_VALUE(dtype >= 0 && dtype <= static_cast<int64_t>(DType::kInt8Rowwise),
+                    "unknown dtype code ", dtype);
+  TORCH_CHECK_VALUE(pooling == 0 || pooling == 1, "pooling must be 0 (sum) or 1 (mean), got ",
+                    pooling);
+  const auto dt = static_cast<DType>(dtype);
+  const int64_t dim = pooled_dim(dt, row_bytes);
+  TORCH_CHECK_VALUE(dim > 0, "tables of dtype code ", dtype, " with ", row_bytes,
+                    "-byte rows cannot be pooled (plain int8/uint8 rows carry no scale)");
+  check_indices_tensor(indices, device);
+  check_device_tensor(offsets, "offsets", at::kLong, device);
+  TORCH_CHECK_VALUE(offsets.dim() == 1 && offsets.numel() >= 1,
+                    "offsets must be 1-D with B + 1 entries");
+  const float* weights = nullptr;
+  if (per_sample_weights.has_value()) {
+    check_device_tensor(*per_sample_weights, "per_sample_weights", at::kFloat, device);
+    TORCH_CHECK_VALUE(per_sample_weights->dim() == 1 &&
+                          per_sample_weights->numel() == indices.numel(),
+                      "per_sample_weights must be 1-D with one weight per index (",
+                      indices.numel(), "), got shape ", per_sample_weights->sizes());
+    weights = per_sample_weights->data_ptr<float>();
+  }
+  const int64_t bags = offsets.numel() - 1;
+  at::Tensor out = at::empty({bags, dim}, at::TensorOptions(device).dtype(at::kFloat));
+  if (bags == 0) {
+    // No bag for a kernel to check offsets[0] == nnz with: check it here (a one-element read).
+    const int64_t only = offsets.item<int64_t>();
+    TORCH_CHECK_VALUE(only == 0 && indices.numel() == 0, "offsets[0] must be 0 and equal the "
+                      "number of indices (", indices.numel(), "), got ", only);
+    return out;
+  }
+  at::Tensor error = at::zeros({1}, at::TensorOptions(device).dtype(at::kInt));
+  const PooledArgs args{table,
+                        dt,
+                        dim,
+                        indices.data_ptr<int64_t>(),
+                        offsets.data_ptr<int64_t>(),
+                        bags,
+                        indices.numel(),
+                        weights,
+                        static_cast<Pooling>(pooling),
+                        out.data_ptr<float>(),
+                        error.data_ptr<int32_t>()};
+  launch_pooled(args, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  raise_kernel_errors(error, &indices, &offsets, num_rows);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ibpembed, CUDA, m) {
+  m.impl("ibp_decompress", &ibp_decompress_cuda);
+  m.impl("ibp_gather", &ibp_gather_cuda);
+  m.impl("lookup_pooled", &lookup_pooled_cuda);
+}
+
+}  // namespace ibpembed::gpu
