@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstring>
+#include <vector>
 
 #include "ibpembed/codec.h"
 #include "ibpembed/row_codec.h"
@@ -50,9 +51,77 @@ void encode(const uint8_t* row, int64_t row_bytes, const uint64_t* mask, const u
   }
 }
 
+// Per-table constants of the decode loops, computed once per decode_rows call.
+template <int W>
+struct DecodePlan {
+  std::vector<uint64_t> free_mask;  // ~mask[j] within W bits
+  std::vector<uint64_t> bitval;
+  std::vector<uint8_t> free_count;  // k_j
+  // Stream bit offset of chunk j when every chunk participates (the common case for tables
+  // with truly invariant bits): such rows decode with no serial dependency between chunks.
+  std::vector<uint32_t> packed_offset;
+
+  explicit DecodePlan(const TableView& t)
+      : free_mask(t.num_chunks), bitval(t.bitval, t.bitval + t.num_chunks),
+        free_count(t.num_chunks), packed_offset(t.num_chunks) {
+    uint32_t pos = static_cast<uint32_t>(t.num_chunks);
+    for (int j = 0; j < t.num_chunks; ++j) {
+      free_mask[j] = ~t.mask[j] & low_bits(W);
+      free_count[j] = static_cast<uint8_t>(popcount64(free_mask[j]));
+      packed_offset[j] = pos;
+      pos += free_count[j];
+    }
+  }
+};
+
+inline bool all_chunks_participate(const uint8_t* header, int num_chunks) {
+  int j = 0;
+  for (; j + 64 <= num_chunks; j += 64) {
+    uint64_t word;
+    std::memcpy(&word, header + j / 8, 8);
+    if (word != ~uint64_t{0}) return false;
+  }
+  for (; j < num_chunks; ++j) {
+    if (!((header[j >> 3] >> (j & 7)) & 1)) return false;
+  }
+  return true;
+}
+
+template <int W, class Ops>
+void decode_packed_row(const DecodePlan<W>& plan, const uint8_t* in, int whole_chunks,
+                       uint8_t* row) {
+  constexpr int S = W / 8;
+  for (int j = 0; j < whole_chunks; ++j) {
+    const uint64_t bits = read_stream_bits<W>(in, plan.packed_offset[j]);
+    const uint64_t x = plan.bitval[j] | Ops::deposit(bits, plan.free_mask[j]);
+    std::memcpy(row + static_cast<int64_t>(j) * S, &x, S);
+  }
+}
+
+template <int W, class Ops>
+void decode_mixed_row(const DecodePlan<W>& plan, const uint8_t* in, int num_chunks,
+                      int whole_chunks, uint8_t* row) {
+  constexpr int S = W / 8;
+  uint64_t pos = static_cast<uint64_t>(num_chunks);
+  uint64_t header = 0;
+  for (int j = 0; j < whole_chunks; ++j) {
+    if ((j & 63) == 0) std::memcpy(&header, in + j / 8, 8);  // bits past V are never used
+    const uint64_t participates = header & 1;
+    header >>= 1;
+    const uint64_t x = decode_chunk<W, Ops>(read_stream_bits<W>(in, pos), participates,
+                                            plan.free_mask[j], plan.bitval[j]);
+    pos += chunk_stream_bits<W>(participates, plan.free_count[j]);
+    std::memcpy(row + static_cast<int64_t>(j) * S, &x, S);
+  }
+}
+
 template <int W, class Ops>
 void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, int64_t lookahead,
                    uint8_t* out) {
+  constexpr int S = W / 8;
+  const DecodePlan<W> plan(t);
+  const int whole_chunks = static_cast<int>(t.row_bytes / S);
+  const bool has_tail = whole_chunks < t.num_chunks;
   const int64_t visible = n + lookahead;
   for (int64_t i = 0; i < n; ++i) {
     if (i + 2 * kPrefetchRows < visible) prefetch_index(t, ids[i + 2 * kPrefetchRows]);
@@ -60,10 +129,17 @@ void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, int64_t lo
     const int64_t r = ids[i];
     const uint8_t* src = t.payload + row_offset(t, r);
     uint8_t* dst = out + i * t.row_bytes;
-    if (row_is_compressed(t, r)) {
-      decode_row<W, Ops>(src, t.mask, t.bitval, t.num_chunks, t.row_bytes, dst);
-    } else {
+    if (!row_is_compressed(t, r)) {
       std::memcpy(dst, src, static_cast<size_t>(t.row_bytes));
+    } else if (has_tail) {
+      // Rows whose width is not a multiple of the chunk: the plain per-chunk loop, which
+      // stores the partial last chunk.
+      decode_row<W, Ops>(src, t.mask, t.bitval, plan.free_count.data(), t.num_chunks,
+                         t.row_bytes, dst);
+    } else if (all_chunks_participate(src, t.num_chunks)) {
+      decode_packed_row<W, Ops>(plan, src, whole_chunks, dst);
+    } else {
+      decode_mixed_row<W, Ops>(plan, src, t.num_chunks, whole_chunks, dst);
     }
   }
 }
