@@ -720,6 +720,16 @@ def _check_section(path: Path, data: memoryview, section: Section) -> None:
         )
 
 
+def _check_gaps(path: Path, data: memoryview, sections: tuple[Section, ...]) -> None:
+    """The alignment gaps must be zero: with them every byte of the file is checked, so no
+    flipped byte anywhere goes unnoticed."""
+    cursor = HEADER.size + SECTION.size * len(sections)
+    for section in sections:
+        if any(data[cursor : section.offset]):
+            raise TableFileError(path, section.kind.label, "non-zero bytes in the gap before it")
+        cursor = section.offset + section.length
+
+
 def _check_index(path: Path, table: CompressedTable) -> None:
     """Structural checks the decoder relies on, beyond the checksums: a valid, compact layout
     whose every slot lies inside the payload."""
@@ -783,6 +793,7 @@ def read_table(path: str | os.PathLike[str], *, verify: bool = False) -> TableFi
         header = read_header(path, view, size)
         sections = read_sections(path, view, header)
         by_kind = {s.kind: s for s in sections}
+        _check_gaps(path, view, sections)
         for kind in _INDEX_KINDS:
             _check_section(path, view, by_kind[kind])
         if verify:

@@ -1,0 +1,282 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``ibpembed pack | inspect | verify``: build, look into and check table files.
+
+Exit codes: 0 success; 1 a fault in the data (bad source, corrupt or mismatched file);
+2 bad command-line usage (argparse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from ibpembed import codec
+from ibpembed.tables import format as tf
+from ibpembed.tables import importers, manifest
+
+EXIT_OK = 0
+EXIT_FAULT = 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the pack, inspect and verify subcommands to the ``ibpembed`` parser."""
+    pack = subparsers.add_parser(
+        "pack",
+        help="compress tables into a table set directory",
+        description="Compress embedding tables (.pt/.pth state dicts or tensors, .safetensors, "
+        ".npy, or directories of them) into DIR: one .ibpt file per table and manifest.json.",
+    )
+    pack.add_argument("sources", nargs="+", metavar="SRC", type=Path)
+    pack.add_argument("-o", "--output", required=True, type=Path, metavar="DIR")
+    pack.add_argument("--method", choices=("ibpembed", "paper", "raw"), default="ibpembed")
+    pack.add_argument("--align", type=int, default=codec.DEFAULT_ALIGN, help="slot alignment")
+    pack.add_argument(
+        "--chunk-bits",
+        type=int,
+        choices=codec.CHUNK_BITS_CHOICES,
+        default=None,
+        help="force the chunk width (default: measured per table)",
+    )
+    pack.add_argument(
+        "--sample-rows",
+        type=int,
+        default=codec.DEFAULT_SAMPLE_ROWS,
+        help="rows sampled to fit the masks; 0 = all rows",
+    )
+    pack.add_argument("--seed", type=int, default=0)
+    pack.add_argument(
+        "--table",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="pack only this table (repeatable)",
+    )
+    pack.add_argument(
+        "--feature",
+        action="append",
+        default=[],
+        metavar="FEATURE=TABLE",
+        help="also serve FEATURE from TABLE (repeatable)",
+    )
+    pack.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pack.add_argument("--json", action="store_true", help="print the report as JSON")
+    pack.set_defaults(func=_pack)
+
+    inspect = subparsers.add_parser(
+        "inspect",
+        help="print table file headers and sections (no decoding)",
+        description="Print the header, section table and metadata of an .ibpt file, or the "
+        "manifest and headers of a table set directory, without decoding any row.",
+    )
+    inspect.add_argument("path", type=Path, metavar="FILE|DIR")
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(func=_inspect)
+
+    verify = subparsers.add_parser(
+        "verify",
+        help="check every checksum and decode every row",
+        description="Check every section checksum, decode every row and compare with the source "
+        "hash recorded at pack time. Exit code 1 on any fault.",
+    )
+    verify.add_argument("path", type=Path, metavar="FILE|DIR")
+    verify.set_defaults(func=_verify)
+
+
+def _fail(command: str, error: Exception) -> int:
+    print(f"ibpembed {command}: error: {error}", file=sys.stderr)
+    return EXIT_FAULT
+
+
+# -- pack ------------------------------------------------------------------------------------
+
+
+def _feature_pairs(pairs: Sequence[str]) -> dict[str, str]:
+    mapping = {}
+    for pair in pairs:
+        feature, sep, table = pair.partition("=")
+        if not sep or not feature or not table:
+            raise importers.SourceError(f"--feature expects FEATURE=TABLE, got {pair!r}")
+        mapping[feature] = table
+    return mapping
+
+
+def _progress_factory(enabled: bool) -> Callable[[importers.TableSource], Callable[[int], None]]:
+    def make(source: importers.TableSource) -> Callable[[int], None]:
+        bar = tqdm(
+            total=source.weight.shape[0],
+            desc=source.name,
+            unit="row",
+            unit_scale=True,
+            disable=not enabled,
+            leave=False,
+            file=sys.stderr,
+        )
+
+        def step(rows: int) -> None:
+            bar.update(rows)
+            if bar.n >= bar.total:
+                bar.close()
+
+        return step
+
+    return make
+
+
+def _report_row(p: tf.PackedTable) -> dict[str, Any]:
+    return {
+        "table": p.name,
+        "rows": p.num_rows,
+        "dim": p.dim,
+        "dtype": p.quant or p.dtype,
+        "chunk_bits": p.chunk_bits,
+        "raw_bytes": p.raw_bytes,
+        "stored_bytes": p.stored_bytes,
+        "savings": round(p.savings, 4),
+        "seconds": round(p.seconds, 3),
+        "file": p.path.name,
+    }
+
+
+def _print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
+    cells = [[str(r[c]) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+
+
+def _pack(args: argparse.Namespace) -> int:
+    try:
+        table_set = importers.load_sources(args.sources)
+        if args.table:
+            table_set = table_set.select(args.table)
+        extra = _feature_pairs(args.feature)
+        if extra:
+            table_set = importers.TableSet(table_set.tables, extra)
+        reports = manifest.pack_table_set(
+            args.output,
+            table_set,
+            method=args.method,
+            sample_rows=args.sample_rows or None,
+            seed=args.seed,
+            align=args.align,
+            chunk_bits=args.chunk_bits,
+            progress=_progress_factory(not args.no_progress),
+        )
+    except (ValueError, OSError) as exc:  # SourceError, TableSetError, TableFileError are these
+        return _fail("pack", exc)
+    rows = [_report_row(p) for p in reports]
+    if args.json:
+        print(json.dumps({"output": str(args.output), "tables": rows}, indent=1))
+    else:
+        for row in rows:
+            row["savings"] = f"{100 * row['savings']:.1f}%"
+            row["seconds"] = f"{row['seconds']:.2f}"
+        _print_table(rows, ("table", "rows", "dim", "dtype", "chunk_bits", "savings", "seconds"))
+        print(f"wrote {len(rows)} table(s) to {args.output}")
+    return EXIT_OK
+
+
+# -- inspect ---------------------------------------------------------------------------------
+
+
+def describe_file(path: Path) -> dict[str, Any]:
+    """Header, sections and metadata of a table file, read without decoding or hashing rows."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+        head = f.read(tf.HEADER.size + tf.SECTION.size * len(tf.SectionKind))
+        header = tf.read_header(path, head, size)
+        sections = tf.read_sections(path, head, header)
+        meta_section = sections[-1]
+        f.seek(meta_section.offset)
+        meta_bytes = f.read(meta_section.length)
+    try:
+        meta = json.loads(meta_bytes)
+    except ValueError as exc:
+        raise tf.TableFileError(path, "meta", f"not valid JSON: {exc}") from None
+    return {
+        "file": str(path),
+        "header": {
+            **vars(header),
+            "sections_xxh3": f"{header.sections_xxh3:016x}",
+            "header_xxh3": f"{header.header_xxh3:016x}",
+        },
+        "sections": [
+            {"kind": s.kind.label, "offset": s.offset, "length": s.length, "xxh3": f"{s.xxh3:016x}"}
+            for s in sections
+        ],
+        "meta": meta,
+    }
+
+
+def _print_description(desc: dict[str, Any]) -> None:
+    print(f"{desc['file']}")
+    for key, value in desc["header"].items():
+        print(f"  {key:<16} {value}")
+    print("  sections:")
+    for s in desc["sections"]:
+        print(
+            f"    {s['kind']:<11} offset {s['offset']:>12}  length {s['length']:>12}  "
+            f"xxh3 {s['xxh3']}"
+        )
+    print(f"  meta: {json.dumps(desc['meta'], sort_keys=True)}")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    try:
+        if args.path.is_dir():
+            found = manifest.read_manifest(args.path)
+            files = [args.path / e.file for e in found.tables.values()]
+            result: dict[str, Any] = {
+                "manifest": json.loads(found.to_json()),
+                "tables": [describe_file(p) for p in files],
+            }
+        else:
+            result = {"tables": [describe_file(args.path)]}
+    except (ValueError, OSError) as exc:
+        return _fail("inspect", exc)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return EXIT_OK
+    if "manifest" in result:
+        print(f"table set {args.path}: {len(result['tables'])} table(s)")
+        for feature, table in sorted(result["manifest"]["features"].items()):
+            print(f"  feature {feature} -> {table}")
+    for desc in result["tables"]:
+        _print_description(desc)
+    return EXIT_OK
+
+
+# -- verify ----------------------------------------------------------------------------------
+
+
+def _verify(args: argparse.Namespace) -> int:
+    faults = 0
+    try:
+        if args.path.is_dir():
+            found = manifest.read_manifest(args.path)
+            targets = [(name, args.path / e.file, e) for name, e in found.tables.items()]
+        else:
+            targets = [(None, args.path, None)]
+    except (ValueError, OSError) as exc:
+        return _fail("verify", exc)
+    for name, path, entry in targets:
+        try:
+            loaded = tf.verify_file(path)
+            if entry is not None and (
+                f"{loaded.header.header_xxh3:016x}" != entry.header_xxh3 or loaded.name != name
+            ):
+                raise manifest.TableSetError(f"{path}: does not match its manifest entry '{name}'")
+        except (ValueError, OSError) as exc:
+            faults += 1
+            print(f"FAIL {exc}", file=sys.stderr)
+            continue
+        print(f"OK   {path}  {loaded.name}  [{loaded.header.num_rows}, {loaded.header.dim}]")
+    return EXIT_FAULT if faults else EXIT_OK

@@ -1,0 +1,43 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared helpers for the table tests: small tables and byte-level file surgery."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ibpembed.tables import format as tf
+
+
+def trained_like(rows: int, dim: int, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """Small-valued rows (so IBP has invariant bits to find), a few zero rows, one outlier."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, dim, generator=gen) * 0.05
+    values[torch.rand(rows, generator=gen) < 0.05] = 0.0
+    values[rows // 2, 0] = 1e4
+    return values.to(dtype).contiguous()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads and -0.0 included), shapes and dtypes too."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
+
+
+def section_ranges(path: Path) -> dict[str, tuple[int, int]]:
+    """[begin, end) byte range of the header, the section table and each section."""
+    loaded = tf.read_table(path)
+    table_end = tf.HEADER.size + tf.SECTION.size * len(loaded.sections)
+    ranges = {"header": (0, tf.HEADER.size), "section table": (tf.HEADER.size, table_end)}
+    ranges.update({s.kind.label: (s.offset, s.offset + s.length) for s in loaded.sections})
+    return ranges
+
+
+def flip_bit(path: Path, offset: int, bit: int = 0) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1 << bit
+    path.write_bytes(bytes(data))

@@ -1,0 +1,330 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The .ibpt file: bit-exact round trips, the C++ header layout, and every kind of bad file."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ibpembed import compress
+from ibpembed.tables import format as tf
+from tests.codec.tables import DIMS, DTYPES, KINDS, make_table
+from tests.tables.helpers import flip_bit, same_bits, section_ranges, trained_like
+
+REPO = Path(__file__).resolve().parents[2]
+SECTIONS = ("header", "section table", *(k.label for k in tf.SectionKind))
+
+
+@pytest.fixture
+def packed(tmp_path: Path) -> tuple[Path, torch.Tensor]:
+    weight = trained_like(300, 24)
+    path = tmp_path / "t.ibpt"
+    tf.pack_table(path, weight, name="t")
+    return path, weight
+
+
+# -- round trips -----------------------------------------------------------------------------
+
+
+@settings(max_examples=25)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    rows=st.integers(1, 200),
+    dim=st.sampled_from(DIMS),
+    kind=st.sampled_from(KINDS),
+    seed=st.integers(0, 2**16),
+    step_rows=st.sampled_from([32, 64, 1 << 20]),
+)
+def test_pack_read_roundtrip_is_bit_exact(
+    tmp_path_factory, dtype, rows, dim, kind, seed, step_rows
+) -> None:
+    weight = make_table(dtype, rows, dim, kind, seed)
+    path = tmp_path_factory.mktemp("rt") / "t.ibpt"
+    # Small steps exercise the streaming writer's block stitching.
+    original = tf.PACK_STEP_BYTES
+    tf.PACK_STEP_BYTES = step_rows * weight.shape[1] * dtype.itemsize
+    try:
+        info = tf.pack_table(path, weight, name="t")
+    finally:
+        tf.PACK_STEP_BYTES = original
+    loaded = tf.read_table(path, verify=True)
+    assert same_bits(loaded.table.decompress(), weight)
+    # The streamed file holds exactly what the in-memory codec produces.
+    reference = compress(weight)
+    for field in ("payload", "block_base", "row_units", "bitmask", "mask", "bitval"):
+        assert torch.equal(getattr(loaded.table, field), getattr(reference, field)), field
+    assert info.payload_bytes == reference.payload_bytes
+    assert info.stored_bytes == reference.stored_bytes
+    tf.verify_file(path)
+
+
+def test_payload_is_zero_copy_over_the_mapping(packed) -> None:
+    path, _ = packed
+    table = tf.read_table(path).table
+    # Writes land in the private mapping only; the file itself never changes.
+    before = path.read_bytes()
+    table.payload[0] ^= 0xFF
+    assert path.read_bytes() == before
+    payload = next(s for s in tf.read_table(path).sections if s.kind is tf.SectionKind.PAYLOAD)
+    assert payload.offset % tf.PAYLOAD_ALIGN == 0
+
+
+def test_int8_rowwise_quant_survives_the_file(tmp_path: Path) -> None:
+    rows = torch.randint(0, 256, (100, 12), dtype=torch.uint8)
+    rows[:, :4] = torch.tensor([0.01, 0.5], dtype=torch.float16).view(torch.uint8)
+    tf.pack_table(tmp_path / "q.ibpt", rows, name="q", quant="int8_rowwise")
+    table = tf.read_table(tmp_path / "q.ibpt").table
+    assert table.quant == "int8_rowwise"
+    expected = compress(rows, quant="int8_rowwise")
+    ids = torch.tensor([0, 5, 99])
+    assert torch.equal(
+        table.lookup(ids, lengths=torch.tensor([3])),
+        expected.lookup(ids, lengths=torch.tensor([3])),
+    )
+
+
+def test_write_table_of_a_compressed_table_matches_pack(tmp_path: Path) -> None:
+    weight = trained_like(257, 16, torch.bfloat16)
+    tf.pack_table(tmp_path / "a.ibpt", weight, name="t", sample_rows=None)
+    meta = {
+        k: v
+        for k, v in tf.read_table(tmp_path / "a.ibpt").meta.items()
+        if k not in ("name", "quant", "source_xxh3")
+    }
+    tf.write_table(tmp_path / "b.ibpt", compress(weight, sample_rows=None), name="t", meta=meta)
+    assert (tmp_path / "a.ibpt").read_bytes() == (tmp_path / "b.ibpt").read_bytes()
+
+
+def test_writer_replaces_atomically_and_leaves_no_temporaries(packed) -> None:
+    path, _ = packed
+    new = trained_like(40, 8, seed=3)
+    tf.pack_table(path, new, name="t")
+    assert same_bits(tf.read_table(path).table.decompress(), new)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_failed_write_keeps_the_old_file(packed) -> None:
+    path, weight = packed
+    with pytest.raises(TypeError):
+        tf.pack_table(path, torch.zeros(4, 4, dtype=torch.float64), name="t")
+    assert same_bits(tf.read_table(path, verify=True).table.decompress(), weight)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+# -- the C++ header and the Python structs agree ------------------------------------------------
+
+_PROBE = r"""
+#include <cstdio>
+#include "ibpembed/table_file.h"
+using namespace ibpembed;
+#define OFF(T, f) std::printf(#T "." #f " %zu\n", offsetof(T, f))
+int main() {
+  std::printf("FileHeader %zu\nSectionEntry %zu\nversion %u\nmagic %.8s\n", sizeof(FileHeader),
+              sizeof(SectionEntry), kTableFileVersion, kTableFileMagic);
+  std::printf("align %llu %llu\n", (unsigned long long)kSectionAlign,
+              (unsigned long long)kPayloadAlign);
+  OFF(FileHeader, file_bytes); OFF(FileHeader, num_rows); OFF(FileHeader, dim);
+  OFF(FileHeader, row_bytes); OFF(FileHeader, unit_bytes); OFF(FileHeader, dtype);
+  OFF(FileHeader, chunk_bits); OFF(FileHeader, num_chunks); OFF(FileHeader, layout_version);
+  OFF(FileHeader, sections_xxh3); OFF(FileHeader, reserved); OFF(FileHeader, header_xxh3);
+  OFF(SectionEntry, kind); OFF(SectionEntry, flags); OFF(SectionEntry, offset);
+  OFF(SectionEntry, length); OFF(SectionEntry, xxh3);
+  std::printf("kinds %u %u %u %u %u %u %u\n", (unsigned)SectionKind::kMask,
+              (unsigned)SectionKind::kBitval, (unsigned)SectionKind::kBlockBase,
+              (unsigned)SectionKind::kRowUnits, (unsigned)SectionKind::kBitmask,
+              (unsigned)SectionKind::kPayload, (unsigned)SectionKind::kMeta);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to compile table_file.h")
+def test_cpp_header_matches_python_structs(tmp_path: Path) -> None:
+    source = tmp_path / "probe.cpp"
+    source.write_text(_PROBE)
+    binary = tmp_path / "probe"
+    subprocess.run(
+        [
+            "g++",
+            "-std=c++17",
+            "-Wall",
+            "-Werror",
+            "-I",
+            str(REPO / "csrc/include"),
+            str(source),
+            "-o",
+            str(binary),
+        ],
+        check=True,
+    )
+    out = dict(
+        line.rsplit(" ", 1)
+        for line in subprocess.check_output([binary], text=True).splitlines()
+        if not line.startswith(("align", "kinds"))
+    )
+    lines = subprocess.check_output([binary], text=True).splitlines()
+    assert int(out["FileHeader"]) == tf.HEADER.size
+    assert int(out["SectionEntry"]) == tf.SECTION.size
+    assert int(out["version"]) == tf.VERSION
+    assert out["magic"] == tf.MAGIC.decode()
+    assert next(line for line in lines if line.startswith("align")).split()[1:] == [
+        str(tf.SECTION_ALIGN),
+        str(tf.PAYLOAD_ALIGN),
+    ]
+    kinds = next(line for line in lines if line.startswith("kinds")).split()[1:]
+    assert [int(k) for k in kinds] == [int(k) for k in tf.SectionKind]
+    # Offsets of the Python struct, field by field (struct.calcsize of each prefix).
+    header_fields = [
+        "magic",
+        "version",
+        "header_bytes",
+        "section_count",
+        "section_entry_bytes",
+        "file_bytes",
+        "num_rows",
+        "dim",
+        "row_bytes",
+        "unit_bytes",
+        "dtype",
+        "chunk_bits",
+        "num_chunks",
+        "layout_version",
+        "sections_xxh3",
+        "reserved",
+        "header_xxh3",
+    ]
+    codes = ["8s", "I", "I", "I", "I", "Q", "q", "q", "q", "q", "i", "i", "I", "I", "Q", "32s", "Q"]
+    assert "<" + "".join(codes) == tf.HEADER.format
+    for i, name in enumerate(header_fields):
+        key = f"FileHeader.{name}"
+        if key in out:
+            assert int(out[key]) == struct.calcsize("<" + "".join(codes[:i])), name
+    entry_codes = {"kind": "", "flags": "I", "offset": "II", "length": "IIQ", "xxh3": "IIQQ"}
+    for name, prefix in entry_codes.items():
+        assert int(out[f"SectionEntry.{name}"]) == struct.calcsize("<" + prefix), name
+
+
+# -- golden file: format changes must be deliberate ---------------------------------------------
+
+GOLDEN = Path(__file__).parent / "data" / "golden_v1.ibpt"
+
+
+def golden_weight() -> torch.Tensor:
+    """70 x 5 float32 rows from integer arithmetic only (no RNG, no libm): exact everywhere."""
+    i = torch.arange(70, dtype=torch.int64)[:, None]
+    j = torch.arange(5, dtype=torch.int64)[None, :]
+    return (((i * 7 + j * 13) % 97).to(torch.float32) / 64.0 - 0.5).contiguous()
+
+
+def test_golden_file_reads_to_the_known_rows() -> None:
+    loaded = tf.read_table(GOLDEN, verify=True)
+    assert loaded.name == "golden"
+    assert same_bits(loaded.table.decompress(), golden_weight())
+    tf.verify_file(GOLDEN)
+
+
+def test_writer_reproduces_the_golden_bytes(tmp_path: Path) -> None:
+    # Rewriting the golden table (same index, masks, meta) must give the same bytes: a change
+    # here is a format change, which needs a new version and a new golden file.
+    loaded = tf.read_table(GOLDEN)
+    extra = {k: v for k, v in loaded.meta.items() if k not in ("name", "quant", "source_xxh3")}
+    tf.write_table(tmp_path / "g.ibpt", loaded.table, name="golden", meta=extra)
+    assert (tmp_path / "g.ibpt").read_bytes() == GOLDEN.read_bytes()
+
+
+# -- bad files -------------------------------------------------------------------------------
+
+
+def test_wrong_magic(packed) -> None:
+    path, _ = packed
+    data = bytearray(path.read_bytes())
+    data[:8] = b"NOTIBPT!"
+    path.write_bytes(bytes(data))
+    with pytest.raises(tf.TableFileError, match="section 'header': not an ibpembed table") as e:
+        tf.read_table(path)
+    assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("content", [b"", b"IBPT", b'{"json": true}\n'])
+def test_foreign_and_tiny_files(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "x.ibpt"
+    path.write_bytes(content)
+    with pytest.raises(tf.TableFileError, match="header"):
+        tf.read_table(path)
+
+
+def test_unknown_version(packed) -> None:
+    path, _ = packed
+    data = bytearray(path.read_bytes())
+    data[8:12] = struct.pack("<I", 2)
+    path.write_bytes(bytes(data))
+    with pytest.raises(tf.TableFileError, match="unknown file version 2"):
+        tf.read_table(path)
+
+
+@pytest.mark.parametrize("section", SECTIONS)
+def test_bit_flip_in_each_section_names_it(packed, section: str) -> None:
+    path, _ = packed
+    begin, end = section_ranges(path)[section]
+    # Skip the magic (its own error) and the version (an "unknown version" error).
+    offset = 16 if section == "header" else (begin + end) // 2
+    flip_bit(path, offset, 3)
+    with pytest.raises(tf.TableFileError) as e:
+        tf.read_table(path, verify=True)
+    assert e.value.section == section
+    assert str(path) in str(e.value)
+
+
+def test_payload_flip_is_caught_by_verify_only(packed) -> None:
+    path, _ = packed
+    begin, _ = section_ranges(path)["payload"]
+    flip_bit(path, begin + 5)
+    tf.read_table(path)  # payload hashing is opt-in at load: it reads every byte
+    with pytest.raises(tf.TableFileError, match="section 'payload': checksum mismatch"):
+        tf.read_table(path, verify=True)
+    with pytest.raises(tf.TableFileError, match="payload"):
+        tf.verify_file(path)
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_random_truncation_is_always_an_error(tmp_path_factory, data) -> None:
+    directory = tmp_path_factory.mktemp("trunc")
+    path = directory / "t.ibpt"
+    tf.pack_table(path, trained_like(90, 6), name="t")
+    full = path.read_bytes()
+    cut = data.draw(st.integers(0, len(full) - 1))
+    path.write_bytes(full[:cut])
+    with pytest.raises(tf.TableFileError, match="header"):
+        tf.read_table(path)
+
+
+@settings(max_examples=60)
+@given(data=st.data())
+def test_random_byte_corruption_is_always_an_error(tmp_path_factory, data) -> None:
+    directory = tmp_path_factory.mktemp("fuzz")
+    path = directory / "t.ibpt"
+    tf.pack_table(path, trained_like(90, 6), name="t")
+    full = bytearray(path.read_bytes())
+    offsets = data.draw(
+        st.lists(st.integers(0, len(full) - 1), min_size=1, max_size=4, unique=True)
+    )
+    for offset in offsets:
+        full[offset] ^= data.draw(st.integers(1, 255))
+    path.write_bytes(bytes(full))
+    with pytest.raises(tf.TableFileError):
+        tf.verify_file(path)
+
+
+def test_trailing_bytes_are_an_error(packed) -> None:
+    path, _ = packed
+    with open(path, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(tf.TableFileError, match="unexpected bytes after the end"):
+        tf.read_table(path)
