@@ -1,0 +1,44 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Torch-free Python client for the ibpembed embedding-lookup service.
+
+>>> from ibpembed_client import LookupClient
+>>> with LookupClient("127.0.0.1:50051") as client:
+...     pooled = client.lookup({"cat_0": [[1, 2], [3]]}, pooling="mean")["cat_0"]  # [2, D] fp32
+
+Needs only grpcio, protobuf and numpy. :mod:`ibpembed_client.aio` has the asyncio client,
+:mod:`ibpembed_client.loadgen` the load generator (``ibpembed-loadgen``), and
+:mod:`ibpembed_client.v1` the generated stubs (shared with the server).
+"""
+
+from ibpembed_client._client import LookupClient
+from ibpembed_client._common import (
+    FeatureBatch,
+    KeepAliveOptions,
+    LookupResult,
+    LookupServiceError,
+    RetryPolicy,
+    Router,
+    TableInfo,
+    TlsOptions,
+    bf16_to_float32,
+    build_request,
+    decode_response,
+)
+from ibpembed_client.aio import AsyncLookupClient
+
+__all__ = [
+    "AsyncLookupClient",
+    "FeatureBatch",
+    "KeepAliveOptions",
+    "LookupClient",
+    "LookupResult",
+    "LookupServiceError",
+    "RetryPolicy",
+    "Router",
+    "TableInfo",
+    "TlsOptions",
+    "bf16_to_float32",
+    "build_request",
+    "decode_response",
+]
+__version__ = "0.1.0"

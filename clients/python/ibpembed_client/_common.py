@@ -1,0 +1,294 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Pieces shared by the sync and asyncio clients: request building, result decoding, options."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+import grpc
+import numpy as np
+
+from ibpembed_client.v1 import lookup_pb2 as pb
+
+Pooling = Literal["sum", "mean", "none"]
+POOLING: dict[str, int] = {"sum": pb.POOLING_SUM, "mean": pb.POOLING_MEAN, "none": pb.POOLING_NONE}
+# numpy has no bfloat16: bf16 rows come back as their uint16 bit patterns (see bf16_to_float32).
+DTYPES: dict[int, tuple[str, np.dtype]] = {
+    pb.DTYPE_FLOAT32: ("float32", np.dtype("<f4")),
+    pb.DTYPE_FLOAT16: ("float16", np.dtype("<f2")),
+    pb.DTYPE_BFLOAT16: ("bfloat16", np.dtype("<u2")),
+    pb.DTYPE_UINT8: ("uint8", np.dtype("u1")),
+    pb.DTYPE_INT8: ("int8", np.dtype("i1")),
+    pb.DTYPE_INT32: ("int32", np.dtype("<i4")),
+    pb.DTYPE_INT64: ("int64", np.dtype("<i8")),
+}
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# A routing hook: picks the server ("host:port") for a lookup request. The scale-out layer plugs
+# in here (e.g. by table or by row range); None sends everything to the client's target.
+Router = Callable[[pb.LookupRequest], str]
+
+
+class LookupServiceError(Exception):
+    """A failed RPC (or, in a stream, a failed request).
+
+    Attributes
+    ----------
+    code : the gRPC status code.
+    details : the server's message (names the bad field for INVALID_ARGUMENT).
+    request_id : the request's id, when known.
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str, request_id: str = "") -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.request_id = request_id
+
+    @classmethod
+    def from_rpc_error(cls, err: grpc.RpcError, request_id: str = "") -> LookupServiceError:
+        return cls(err.code(), err.details() or "", request_id)
+
+
+@dataclass(frozen=True)
+class FeatureBatch:
+    """One feature's jagged ids for B samples (one key of a KeyedJaggedTensor).
+
+    Parameters
+    ----------
+    ids : [nnz] int64 row ids, samples back to back.
+    lengths : [B] int32 ids per sample.
+    weights : optional [nnz] float32 per-id weights.
+    """
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    weights: np.ndarray | None = None
+
+    @classmethod
+    def from_lists(
+        cls,
+        samples: Sequence[Sequence[int]],
+        weights: Sequence[Sequence[float]] | None = None,
+    ) -> FeatureBatch:
+        """From per-sample id lists: ``[[3, 1], [], [7]]`` is B=3 with lengths ``[2, 0, 1]``."""
+        lengths = np.array([len(s) for s in samples], dtype=np.int32)
+        ids = np.fromiter((i for s in samples for i in s), dtype=np.int64, count=int(lengths.sum()))
+        w = None
+        if weights is not None:
+            w = np.fromiter((x for s in weights for x in s), dtype=np.float32)
+        return cls(ids, lengths, w)
+
+
+FeatureInput = Union[FeatureBatch, Sequence[Sequence[int]]]  # noqa: UP007 (runtime alias on 3.10)
+
+
+def _le_bytes(array: np.ndarray, dtype: str) -> bytes:
+    return np.ascontiguousarray(array, dtype=dtype).tobytes()
+
+
+def build_request(
+    features: Mapping[str, FeatureInput], pooling: Pooling = "sum", request_id: str = ""
+) -> pb.LookupRequest:
+    """A ``LookupRequest`` from per-feature batches or per-sample id lists.
+
+    Parameters
+    ----------
+    features : feature name -> :class:`FeatureBatch` or list of per-sample id lists.
+    pooling : ``"sum"``, ``"mean"`` or ``"none"`` (rows, bit-exact).
+    request_id : echoed back and logged by the server on failures; empty = server picks one.
+    """
+    if pooling not in POOLING:
+        raise ValueError(f"pooling must be one of {sorted(POOLING)}, got {pooling!r}")
+    request = pb.LookupRequest(request_id=request_id, pooling=POOLING[pooling])
+    for name, value in features.items():
+        batch = value if isinstance(value, FeatureBatch) else FeatureBatch.from_lists(value)
+        request.features.append(
+            pb.FeatureInput(
+                name=name,
+                ids=_le_bytes(batch.ids, "<i8"),
+                lengths=_le_bytes(batch.lengths, "<i4"),
+                weights=b"" if batch.weights is None else _le_bytes(batch.weights, "<f4"),
+            )
+        )
+    return request
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """One response: ``result["feature"]`` is that feature's array.
+
+    ``[nnz, D]`` rows in the table dtype for pooling NONE (bfloat16 as uint16 bit patterns;
+    ``dtypes`` says which), ``[B, D]`` float32 for SUM / MEAN. In a stream, a request that failed
+    gives a result with ``error`` set and no values; indexing it raises that error.
+    """
+
+    request_id: str
+    table_version: int
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)
+    error: LookupServiceError | None = None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if self.error is not None:
+            raise self.error
+        return self.values[name]
+
+
+def decode_response(response: pb.LookupResponse) -> LookupResult:
+    """Arrays from a response (``error`` set for a stream's failed request)."""
+    if response.HasField("error"):
+        error = LookupServiceError(
+            _code_from_int(response.error.code), response.error.message, response.request_id
+        )
+        return LookupResult(response.request_id, response.table_version, error=error)
+    result = LookupResult(response.request_id, response.table_version)
+    for feature in response.features:
+        name, dtype = DTYPES[feature.dtype]
+        result.values[feature.name] = np.frombuffer(feature.values, dtype=dtype).reshape(
+            tuple(feature.shape)
+        )
+        result.dtypes[feature.name] = name
+    return result
+
+
+def _code_from_int(value: int) -> grpc.StatusCode:
+    for code in grpc.StatusCode:
+        if code.value[0] == value:
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32 values (exact: bf16 is fp32's top half)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    """A table as DescribeTable reports it (see lookup.proto for each field)."""
+
+    name: str
+    num_rows: int
+    dim: int
+    dtype: str
+    quant: str
+    raw_bytes: int
+    stored_bytes: int
+    chunk_bits: int
+    version: int
+    row_start: int
+    row_end: int
+    features: tuple[str, ...]
+
+    @classmethod
+    def from_proto(cls, info: pb.TableInfo) -> TableInfo:
+        return cls(
+            name=info.name,
+            num_rows=info.num_rows,
+            dim=info.dim,
+            dtype=DTYPES[info.dtype][0] if info.dtype in DTYPES else "unspecified",
+            quant=info.quant,
+            raw_bytes=info.raw_bytes,
+            stored_bytes=info.stored_bytes,
+            chunk_bits=info.chunk_bits,
+            version=info.version,
+            row_start=info.row_start,
+            row_end=info.row_end,
+            features=tuple(info.features),
+        )
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries with exponential backoff and full jitter, on UNAVAILABLE only.
+
+    UNAVAILABLE means the request never ran (server starting, draining, connection lost), so a
+    retry is safe; other codes are answers. Retries stay inside the call's overall timeout.
+
+    Parameters
+    ----------
+    max_attempts : total tries including the first (1 = no retry).
+    initial_backoff_s, max_backoff_s, multiplier : backoff before try k is
+        ``uniform(0, min(max_backoff_s, initial_backoff_s * multiplier**(k-1)))`` seconds.
+    """
+
+    max_attempts: int = 3
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+    multiplier: float = 2.0
+
+    def backoff(self, attempt: int) -> float:
+        """Sleep before retry number ``attempt`` (1-based)."""
+        cap = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (attempt - 1))
+        return random.uniform(0.0, cap)
+
+    @staticmethod
+    def retryable(code: grpc.StatusCode) -> bool:
+        return code == grpc.StatusCode.UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class KeepAliveOptions:
+    """HTTP/2 keepalive pings, so idle connections through load balancers stay open.
+
+    Parameters
+    ----------
+    time_ms : ping after this many ms without activity (server accepts >= 10000).
+    timeout_ms : close the connection if a ping is not answered in this many ms.
+    permit_without_calls : ping even with no RPC in flight.
+    """
+
+    time_ms: int = 30_000
+    timeout_ms: int = 10_000
+    permit_without_calls: bool = True
+
+
+def channel_options(
+    max_message_bytes: int, keepalive: KeepAliveOptions | None
+) -> list[tuple[str, int]]:
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+    if keepalive is not None:
+        options += [
+            ("grpc.keepalive_time_ms", keepalive.time_ms),
+            ("grpc.keepalive_timeout_ms", keepalive.timeout_ms),
+            ("grpc.keepalive_permit_without_calls", int(keepalive.permit_without_calls)),
+        ]
+    return options
+
+
+@dataclass(frozen=True)
+class TlsOptions:
+    """TLS for the channel; add ``private_key`` and ``certificate_chain`` for mTLS (PEM bytes)."""
+
+    root_certificates: bytes | None = None
+    private_key: bytes | None = None
+    certificate_chain: bytes | None = None
+    # Expected server name, when the certificate's name differs from the target host.
+    server_name: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            self.root_certificates, self.private_key, self.certificate_chain
+        )
+
+    def options(self) -> list[tuple[str, str]]:
+        if self.server_name is None:
+            return []
+        return [("grpc.ssl_target_name_override", self.server_name)]
+
+
+def call_metadata(token: str | None, request_id: str = "") -> tuple[tuple[str, str], ...]:
+    """Per-call metadata: the bearer token and, for streams, an id for the server's log."""
+    metadata: list[tuple[str, str]] = []
+    if token:
+        metadata.append(("authorization", f"Bearer {token}"))
+    if request_id:
+        metadata.append(("x-request-id", request_id))
+    return tuple(metadata)

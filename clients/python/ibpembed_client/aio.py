@@ -1,0 +1,187 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The asyncio client: :class:`AsyncLookupClient` mirrors :class:`~ibpembed_client.LookupClient`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ibpembed_client._common import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    FeatureInput,
+    KeepAliveOptions,
+    LookupResult,
+    LookupServiceError,
+    Pooling,
+    RetryPolicy,
+    Router,
+    TableInfo,
+    TlsOptions,
+    build_request,
+    call_metadata,
+    channel_options,
+    decode_response,
+)
+from ibpembed_client.v1 import lookup_pb2 as pb
+from ibpembed_client.v1 import lookup_pb2_grpc
+
+T = TypeVar("T")
+
+
+class AsyncLookupClient:
+    """asyncio client; same parameters and methods as the sync client, as coroutines.
+
+    >>> async with AsyncLookupClient("127.0.0.1:50051") as client:
+    ...     result = await client.lookup({"cat_0": [[1, 2], [3]]})
+
+    Create it inside the event loop that uses it (grpc.aio channels belong to one loop).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        keepalive: KeepAliveOptions | None = None,
+        tls: TlsOptions | None = None,
+        token: str | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        router: Router | None = None,
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self.router = router
+        self._tls = tls
+        self._token = token
+        self._options = channel_options(max_message_bytes, keepalive)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        channel = self._channels.get(target)
+        if channel is None:
+            if self._tls is None:
+                channel = grpc.aio.insecure_channel(target, options=self._options)
+            else:
+                channel = grpc.aio.secure_channel(
+                    target, self._tls.credentials(), options=self._options + self._tls.options()
+                )
+            self._channels[target] = channel
+        return channel
+
+    def _stub(self, target: str | None = None) -> lookup_pb2_grpc.EmbeddingLookupStub:
+        return lookup_pb2_grpc.EmbeddingLookupStub(self._channel(target or self.target))
+
+    async def close(self) -> None:
+        """Close every channel."""
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    async def __aenter__(self) -> AsyncLookupClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(
+        self,
+        fn: Callable[[float | None], Awaitable[T]],
+        timeout: float | None,
+        request_id: str = "",
+    ) -> T:
+        """``await fn(remaining_seconds)`` with retries on UNAVAILABLE inside one deadline."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempt = 0
+        while True:
+            attempt += 1
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return await fn(remaining)
+            except grpc.RpcError as err:
+                code = err.code()
+                if not self.retry.retryable(code) or attempt >= self.retry.max_attempts:
+                    raise LookupServiceError.from_rpc_error(err, request_id) from None
+                pause = self.retry.backoff(attempt)
+                if deadline is not None and time.monotonic() + pause >= deadline:
+                    raise LookupServiceError.from_rpc_error(err, request_id) from None
+                await asyncio.sleep(pause)
+
+    async def lookup(
+        self,
+        features: Mapping[str, FeatureInput],
+        pooling: Pooling = "sum",
+        *,
+        timeout: float | None = None,
+        request_id: str = "",
+    ) -> LookupResult:
+        """Look up one batch (see :meth:`ibpembed_client.LookupClient.lookup`)."""
+        request = build_request(features, pooling, request_id)
+        return await self.lookup_request(request, timeout=timeout)
+
+    async def lookup_request(
+        self, request: pb.LookupRequest, *, timeout: float | None = None
+    ) -> LookupResult:
+        """Send a prebuilt ``LookupRequest``."""
+        stub = self._stub(self.router(request) if self.router else None)
+        metadata = call_metadata(self._token)
+        response = await self._call(
+            lambda t: stub.Lookup(request, timeout=t, metadata=metadata),
+            timeout,
+            request.request_id,
+        )
+        return decode_response(response)
+
+    async def lookup_stream(
+        self,
+        requests: AsyncIterable[pb.LookupRequest] | Iterable[pb.LookupRequest],
+        *,
+        timeout: float | None = None,
+        stream_id: str = "",
+    ) -> AsyncIterator[LookupResult]:
+        """Pipeline many requests on one stream; results in request order (see the sync client)."""
+        timeout = self.timeout if timeout is None else timeout
+        call = self._stub().LookupStream(
+            requests, timeout=timeout, metadata=call_metadata(self._token, stream_id)
+        )
+        try:
+            async for response in call:
+                yield decode_response(response)
+        except grpc.RpcError as err:
+            raise LookupServiceError.from_rpc_error(err, stream_id) from None
+
+    async def list_tables(self, *, timeout: float | None = None) -> list[TableInfo]:
+        """Every table the server holds."""
+        metadata = call_metadata(self._token)
+        response = await self._call(
+            lambda t: self._stub().ListTables(pb.ListTablesRequest(), timeout=t, metadata=metadata),
+            timeout,
+        )
+        return [TableInfo.from_proto(t) for t in response.tables]
+
+    async def describe_table(self, name: str, *, timeout: float | None = None) -> TableInfo:
+        """One table; :class:`LookupServiceError` NOT_FOUND for an unknown name."""
+        metadata = call_metadata(self._token)
+        request = pb.DescribeTableRequest(name=name)
+        info = await self._call(
+            lambda t: self._stub().DescribeTable(request, timeout=t, metadata=metadata), timeout
+        )
+        return TableInfo.from_proto(info)
+
+    async def is_serving(self, service: str = "", *, timeout: float | None = 5.0) -> bool:
+        """gRPC health check: True when the server reports SERVING."""
+        stub = health_pb2_grpc.HealthStub(self._channel(self.target))
+        try:
+            response = await stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        except grpc.RpcError:
+            return False
+        return response.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,186 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The grpc.aio server: wiring of store, engine, servicer, interceptors, health and reflection.
+
+Lifecycle: load tables -> bind -> SERVING. On SIGTERM or SIGINT: stop admitting new RPCs
+(UNAVAILABLE; health NOT_SERVING), let in-flight RPCs finish for up to ``grace_s``, stop the
+kernel threads, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ibpembed.engine import LookupEngine, LookupObserver, resolve_device
+from ibpembed.server import demo
+from ibpembed.server.config import ServerConfig
+from ibpembed.server.interceptors import BearerTokenInterceptor, ServiceInterceptor, ServingState
+from ibpembed.server.servicer import EmbeddingLookupServicer
+from ibpembed.tables.store import TableStore
+from ibpembed_client.v1 import lookup_pb2, lookup_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = lookup_pb2.DESCRIPTOR.services_by_name["EmbeddingLookup"].full_name
+
+
+def load_store(config: ServerConfig) -> TableStore:
+    """The packed table set in ``config.tables``, or the embedded demo set."""
+    if config.tables is not None:
+        # Page-locked payloads are what the zero-copy CUDA kernels read.
+        pin = resolve_device(config.device).type == "cuda"
+        return TableStore.load(config.tables, pin=pin)
+    return TableStore.from_tables(demo.build(config.demo_max_rows))
+
+
+def _read(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+class LookupServer:
+    """One serving process.
+
+    Parameters
+    ----------
+    config : validated settings.
+    store : the tables (see :func:`load_store`).
+    observer : optional metrics hook handed to the engine.
+    """
+
+    def __init__(
+        self, config: ServerConfig, store: TableStore, *, observer: LookupObserver | None = None
+    ) -> None:
+        self.config = config
+        self.state = ServingState()
+        self.engine = LookupEngine(
+            store,
+            max_workers=config.workers,
+            max_inflight=config.max_inflight,
+            device=config.device,
+            dedupe_max_unique_fraction=config.dedupe_max_unique_fraction,
+            observer=observer,
+        )
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+
+    def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self.config.auth_token_file is not None:
+            token = _read(self.config.auth_token_file).decode().strip()
+            interceptors.append(BearerTokenInterceptor(token))
+        interceptors.append(ServiceInterceptor(self.state))
+        return interceptors
+
+    def _credentials(self) -> grpc.ServerCredentials | None:
+        cfg = self.config
+        if cfg.tls_cert is None or cfg.tls_key is None:
+            return None
+        ca = _read(cfg.tls_client_ca) if cfg.tls_client_ca else None
+        return grpc.ssl_server_credentials(
+            [(_read(cfg.tls_key), _read(cfg.tls_cert))],
+            root_certificates=ca,
+            require_client_auth=ca is not None,
+        )
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the bound port."""
+        cfg = self.config
+        server = grpc.aio.server(
+            interceptors=self._interceptors(),
+            options=[
+                ("grpc.max_send_message_length", cfg.max_message_bytes),
+                ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                # Let clients keep idle connections alive with pings (client keepalive).
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ],
+        )
+        lookup_pb2_grpc.add_EmbeddingLookupServicer_to_server(
+            EmbeddingLookupServicer(self.engine, stream_window=cfg.stream_window), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if cfg.reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            )
+        address = f"{cfg.host}:{cfg.port}"
+        credentials = self._credentials()
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+        await server.start()
+        self._server, self.port = server, port
+        self.state.accepting, self.state.reason = True, "serving"
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return port
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: refuse new RPCs, finish in-flight ones (up to the grace period), stop."""
+        grace = self.config.grace_s if grace_s is None else grace_s
+        self.state.accepting, self.state.reason = False, "draining for shutdown"
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
+        # Kernels of cancelled RPCs may still run; wait for them off the loop.
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+
+    async def wait(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()
+
+
+def example_query(host: str, port: int, feature: str, token_hint: bool) -> str:
+    """Copy-pasteable queries (Python client and grpcurl) for the banner."""
+    host = "127.0.0.1" if host in ("0.0.0.0", "[::]", "::") else host
+    target = f"{host}:{port}"
+    ids = base64.b64encode((1).to_bytes(8, "little") + (2).to_bytes(8, "little")).decode()
+    lengths = base64.b64encode((2).to_bytes(4, "little")).decode()
+    auth = "  (add token=... : this server requires a bearer token)" if token_hint else ""
+    return (
+        "example query (Python client):\n"
+        f'  python -c "from ibpembed_client import LookupClient; '
+        f"print(LookupClient('{target}').lookup({{'{feature}': [[1, 2]]}})['{feature}'])\"{auth}\n"
+        "example query (grpcurl, plaintext):\n"
+        f'  grpcurl -plaintext -d \'{{"features": [{{"name": "{feature}", '
+        f'"ids": "{ids}", "lengths": "{lengths}"}}]}}\' {target} '
+        f"{SERVICE_NAME}/Lookup"
+    )
+
+
+async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
+    """Run until SIGTERM/SIGINT, then drain and return 0."""
+    store = load_store(config)
+    server = LookupServer(config, store)
+    port = await server.start()
+    tables = server.engine.describe()
+    first_feature = next((t.features[0] for t in tables if t.features), "cat_0")
+    source = config.tables or f"embedded demo ({len(tables)} DLRM-DCNv2-profile tables)"
+    scheme = "TLS" if config.tls_cert else "plaintext"
+    print(
+        f"ibpembed serving {source} on {server.engine.device}\n"
+        f"listening on {config.host}:{port} ({scheme})\n"
+        + example_query(config.host, port, first_feature, config.auth_token_file is not None),
+        file=out,
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.warning("signal received: draining (grace %.1f s)", config.grace_s)
+    await server.stop()
+    log.warning("stopped")
+    return 0

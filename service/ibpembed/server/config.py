@@ -1,0 +1,191 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Server configuration: one table of settings, read from flags, environment and a TOML file.
+
+Precedence, highest first: command-line flag, environment variable, config file, default. Every
+setting has all three spellings: ``--max-inflight``, ``IBPEMBED_MAX_INFLIGHT``, ``max_inflight``
+in the file given by ``--config`` / ``IBPEMBED_CONFIG``. :func:`markdown_table` renders the table
+the README shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_PREFIX = "IBPEMBED_"
+
+
+def _setting(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of ``ibpembed serve``. Field comments are the README's table (``help``)."""
+
+    host: str = _setting("127.0.0.1", "Address to listen on; `0.0.0.0` or `[::]` for all.")
+    port: int = _setting(50051, "gRPC port; 0 picks a free one (printed at start).")
+    metrics_port: int = _setting(9464, "Prometheus exposition port (0 = off).")
+    tables: str | None = _setting(
+        None, "Packed table-set directory; unset serves the embedded demo table set."
+    )
+    device: str = _setting(
+        "auto",
+        "Where kernels run: `cpu`, `cuda` or `auto` (CUDA when present).",
+        choices=("cpu", "cuda", "auto"),
+    )
+    workers: int = _setting(
+        min(4, os.cpu_count() or 1), "Threads running lookup kernels (default: min(4, CPUs))."
+    )
+    max_inflight: int = _setting(
+        64, "Lookups admitted at once (running or waiting); more get RESOURCE_EXHAUSTED."
+    )
+    max_message_mb: int = _setting(
+        64,
+        "Max gRPC message size, MiB, both directions. A B=2048 DCNv2-profile pooled response"
+        " is ~27 MB.",
+    )
+    stream_window: int = _setting(
+        8, "Requests of one LookupStream processed concurrently (responses stay in order)."
+    )
+    grace_s: float = _setting(
+        20.0, "On SIGTERM/SIGINT: seconds in-flight RPCs get to finish before being cancelled."
+    )
+    dedupe_max_unique_fraction: float = _setting(
+        0.3, "Pooled lookups decode distinct rows once when distinct/ids <= this (0 = never)."
+    )
+    demo_max_rows: int = _setting(
+        20000, "Demo table set only: rows per table cap (DCNv2 cardinalities are capped to it)."
+    )
+    tls_cert: str | None = _setting(None, "PEM server certificate chain; enables TLS.")
+    tls_key: str | None = _setting(None, "PEM private key for `tls_cert`.")
+    tls_client_ca: str | None = _setting(
+        None, "PEM CA bundle; when set clients must present a certificate it signed (mTLS)."
+    )
+    auth_token_file: str | None = _setting(
+        None, "File holding the bearer token clients must send (`authorization: Bearer ...`)."
+    )
+    reflection: bool = _setting(True, "Register gRPC server reflection (for grpcurl).")
+    log_level: str = _setting("info", "Python log level: debug, info, warning, error.")
+
+    def validate(self) -> ServerConfig:
+        """Raise ValueError for impossible combinations; returns self."""
+        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
+            raise ValueError("ports must be in [0, 65535]")
+        for name in ("workers", "max_inflight", "max_message_mb", "stream_window", "demo_max_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        return self
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mb * 1024 * 1024
+
+
+def _fields() -> list[dataclasses.Field]:
+    return list(dataclasses.fields(ServerConfig))
+
+
+def _kind(f: dataclasses.Field) -> type:
+    """The scalar type of a field (``str | None`` -> str)."""
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    return {"str": str, "int": int, "float": float, "bool": bool}[kind.split(" ")[0]]
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _convert(f: dataclasses.Field, value: Any, source: str) -> Any:
+    kind = _kind(f)
+    try:
+        if kind is bool:
+            return value if isinstance(value, bool) else _parse_bool(str(value))
+        converted = kind(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: {f.name}: {exc}") from None
+    if "choices" in f.metadata and converted not in f.metadata["choices"]:
+        raise ValueError(f"{source}: {f.name} must be one of {f.metadata['choices']}")
+    return converted
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting (defaults left None so unset flags fall through to env and file)."""
+    parser.add_argument(
+        "--config", default=None, help=f"TOML config file (env {ENV_PREFIX}CONFIG)."
+    )
+    for f in _fields():
+        flag = "--" + f.name.replace("_", "-")
+        if _kind(f) is bool:
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"]
+            )
+        else:
+            parser.add_argument(
+                flag,
+                type=_kind(f),
+                default=None,
+                help=f.metadata["help"],
+                choices=f.metadata.get("choices"),
+            )
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    import tomllib  # Python >= 3.11; imported here so 3.10 runs without config files
+
+    with open(path, "rb") as fh:
+        data = tomllib.load(fh)
+    known = {f.name for f in _fields()}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
+    return data
+
+
+def load(
+    args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+) -> ServerConfig:
+    """Merge flags (``args`` from :func:`add_arguments`), ``environ`` and the config file."""
+    environ = os.environ if environ is None else environ
+    flags = vars(args) if args is not None else {}
+    config_path = flags.get("config") or environ.get(f"{ENV_PREFIX}CONFIG")
+    from_file = _read_file(config_path) if config_path else {}
+    values: dict[str, Any] = {}
+    for f in _fields():
+        env_name = ENV_PREFIX + f.name.upper()
+        if flags.get(f.name) is not None:
+            values[f.name] = flags[f.name]
+        elif env_name in environ:
+            values[f.name] = _convert(f, environ[env_name], env_name)
+        elif f.name in from_file:
+            values[f.name] = _convert(f, from_file[f.name], str(config_path))
+    return ServerConfig(**values).validate()
+
+
+def markdown_table() -> str:
+    """The settings table for the README."""
+    lines = ["| flag | environment | config key | default | meaning |", "|---|---|---|---|---|"]
+    for f in _fields():
+        default = "—" if f.default is None else f"`{f.default}`"
+        if f.name == "workers":
+            default = "min(4, CPUs)"
+        lines.append(
+            f"| `--{f.name.replace('_', '-')}` | `{ENV_PREFIX}{f.name.upper()}` | `{f.name}` "
+            f"| {default} | {f.metadata['help']} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Service errors and the one map from exceptions to gRPC status codes.
+
+The engine and the servicer raise these; :mod:`ibpembed.server.interceptors` turns them into
+statuses (unary RPCs) and the stream servicer into per-request ``Error`` messages, both through
+:func:`status_for`, so a code never depends on which RPC carried the request.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+
+
+class ServiceError(Exception):
+    """Base of the errors a client can cause or see; ``code`` is the gRPC status."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(ServiceError):
+    """A malformed request. ``field`` names it the way the proto does (``features[2].ids``)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+class NotFound(ServiceError):
+    """An unknown feature or table."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class Overloaded(ServiceError):
+    """The server is at its in-flight limit; the client should back off and retry."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(ServiceError):
+    """Not ready yet, or draining for shutdown."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(ServiceError):
+    """The request's deadline passed before its work started."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unauthenticated(ServiceError):
+    """Missing or wrong bearer token."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+def status_for(exc: BaseException, request_id: str) -> tuple[grpc.StatusCode, str]:
+    """The status and message a client sees for ``exc``.
+
+    Anything that is not a :class:`ServiceError` is a server bug: the client gets INTERNAL with
+    the request id (to find the logged traceback) and none of the exception's text.
+    """
+    if isinstance(exc, ServiceError):
+        return exc.code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})"
+
+
+def ensure_request_id(request: object) -> str:
+    """The request's ``request_id``, set to a fresh one first when the client left it empty."""
+    request_id = getattr(request, "request_id", "")
+    if not request_id and hasattr(request, "request_id"):
+        request_id = uuid.uuid4().hex
+        request.request_id = request_id  # type: ignore[attr-defined]
+    return request_id

@@ -1,0 +1,166 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Server interceptors: bearer-token auth, and the one exception-to-status map.
+
+:class:`ServiceInterceptor` wraps every ``ibpembed.v1`` method: it gives requests without an id
+a fresh one, rejects work while the server is not ready or is draining (UNAVAILABLE), and maps
+whatever the servicer raises through :func:`~ibpembed.server.errors.status_for`. Failures that are
+server bugs are logged with their request id and traceback; the client sees INTERNAL with that id.
+Health and reflection pass through untouched, so probes keep working while draining.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from ibpembed.server.errors import (
+    ServiceError,
+    Unavailable,
+    ensure_request_id,
+    status_for,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_PREFIX = "/ibpembed.v1."
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+@dataclass
+class ServingState:
+    """Shared by the app and the interceptor: False until tables load, False again on drain."""
+
+    accepting: bool = False
+    reason: str = "starting"
+
+
+class ServiceInterceptor(grpc.aio.ServerInterceptor):
+    """Readiness gate, request ids and the exception -> status map for ``ibpembed.v1``."""
+
+    def __init__(self, state: ServingState) -> None:
+        self.state = state
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(SERVICE_PREFIX):
+            return handler
+        method = details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(method, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap_stream(method, handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    def _check_state(self) -> None:
+        if not self.state.accepting:
+            raise Unavailable(f"server not accepting requests: {self.state.reason}")
+
+    async def _fail(
+        self, context: grpc.aio.ServicerContext, method: str, request_id: str, exc: Exception
+    ) -> None:
+        code, message = status_for(exc, request_id)
+        if isinstance(exc, ServiceError):
+            log.debug("%s request %s: %s %s", method, request_id, code.name, message)
+        else:
+            log.error("%s request %s failed", method, request_id, exc_info=exc)
+        await context.abort(code, message)
+
+    def _wrap_unary(self, method: str, behavior: Callable) -> Callable:
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            request_id = ensure_request_id(request)
+            try:
+                self._check_state()
+                return await behavior(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await self._fail(context, method, request_id, exc)
+
+        return unary
+
+    def _wrap_stream(self, method: str, behavior: Callable) -> Callable:
+        async def stream(request_iterator: AsyncIterator, context: grpc.aio.ServicerContext):
+            # Per-request ids live in the messages; a stream-level failure is logged under the
+            # stream's own id (the client's x-request-id metadata, or a fresh one).
+            metadata = dict(context.invocation_metadata() or ())
+            stream_id = metadata.get("x-request-id") or uuid.uuid4().hex
+            try:
+                self._check_state()
+                async for response in behavior(request_iterator, context):
+                    yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await self._fail(context, method, stream_id, exc)
+
+        return stream
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED unless the call carries ``authorization: Bearer <token>``.
+
+    Health checks are exempt: Kubernetes gRPC probes cannot send credentials.
+    """
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("empty bearer token")
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX) or self._authorized(details):
+            return handler
+        return _rejecting_handler(handler)
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else value
+                # Constant-time compare: the token must not leak through response timing.
+                return hmac.compare_digest(got, self._expected)
+        return False
+
+
+def _rejecting_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that fails with UNAUTHENTICATED."""
+
+    async def reject(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+    kinds = {
+        "unary_unary": grpc.unary_unary_rpc_method_handler,
+        "unary_stream": grpc.unary_stream_rpc_method_handler,
+        "stream_unary": grpc.stream_unary_rpc_method_handler,
+        "stream_stream": grpc.stream_stream_rpc_method_handler,
+    }
+    for attr, make in kinds.items():
+        if getattr(handler, attr) is not None:
+            return make(
+                reject,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+    raise ValueError("handler of no known kind")

@@ -1,0 +1,192 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The gRPC servicer: translation between ``ibpembed.v1`` messages and the LookupEngine, only.
+
+Errors are raised, not returned: the interceptor maps them to statuses for unary RPCs, and
+LookupStream turns each failed request into an ``Error`` message through the same map
+(:func:`ibpembed.server.errors.status_for`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+import torch
+
+from ibpembed.engine import FeatureQuery, LookupEngine, LookupResult, Pooling, TableDescription
+from ibpembed.server.errors import InvalidArgument, ensure_request_id, status_for
+from ibpembed_client.v1 import lookup_pb2 as pb
+from ibpembed_client.v1 import lookup_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_POOLING: dict[int, Pooling] = {
+    pb.POOLING_UNSPECIFIED: "sum",
+    pb.POOLING_SUM: "sum",
+    pb.POOLING_MEAN: "mean",
+    pb.POOLING_NONE: "none",
+}
+_DTYPES: dict[torch.dtype, int] = {
+    torch.float32: pb.DTYPE_FLOAT32,
+    torch.float16: pb.DTYPE_FLOAT16,
+    torch.bfloat16: pb.DTYPE_BFLOAT16,
+    torch.uint8: pb.DTYPE_UINT8,
+    torch.int8: pb.DTYPE_INT8,
+    torch.int32: pb.DTYPE_INT32,
+    torch.int64: pb.DTYPE_INT64,
+}
+
+
+def _array(data: bytes, dtype: str, field: str) -> np.ndarray:
+    """A read-only little-endian view of ``data``; the byte count must fit the element size."""
+    itemsize = np.dtype(dtype).itemsize
+    if len(data) % itemsize:
+        raise InvalidArgument(
+            field, f"{len(data)} bytes is not a whole number of {itemsize}-byte {dtype} values"
+        )
+    return np.frombuffer(data, dtype=dtype)
+
+
+def decode_request(request: pb.LookupRequest) -> tuple[list[FeatureQuery], Pooling]:
+    """Features and pooling of a request; :class:`InvalidArgument` for undecodable fields."""
+    if request.pooling not in _POOLING:
+        raise InvalidArgument("pooling", f"unknown value {request.pooling}")
+    features = []
+    for i, feature in enumerate(request.features):
+        if not feature.name:
+            raise InvalidArgument(f"features[{i}].name", "empty feature name")
+        weights = None
+        if feature.weights:
+            weights = _array(feature.weights, "<f4", f"features[{i}].weights")
+        features.append(
+            FeatureQuery(
+                name=feature.name,
+                ids=_array(feature.ids, "<i8", f"features[{i}].ids"),
+                lengths=_array(feature.lengths, "<i4", f"features[{i}].lengths"),
+                weights=weights,
+            )
+        )
+    return features, _POOLING[request.pooling]
+
+
+def encode_response(request_id: str, result: LookupResult) -> pb.LookupResponse:
+    """Raw little-endian bytes per feature (a memory copy, no per-element work)."""
+    response = pb.LookupResponse(request_id=request_id, table_version=result.version)
+    for feature in result.features:
+        values = feature.values.contiguous()
+        response.features.append(
+            pb.FeatureOutput(
+                name=feature.name,
+                dtype=_DTYPES[values.dtype],
+                shape=list(values.shape),
+                values=values.view(torch.uint8).numpy().tobytes(),
+            )
+        )
+    return response
+
+
+def table_info(desc: TableDescription) -> pb.TableInfo:
+    return pb.TableInfo(
+        name=desc.name,
+        num_rows=desc.num_rows,
+        dim=desc.dim,
+        dtype=_DTYPES[desc.dtype],
+        quant=desc.quant or "",
+        raw_bytes=desc.raw_bytes,
+        stored_bytes=desc.stored_bytes,
+        chunk_bits=desc.chunk_bits,
+        version=desc.version,
+        row_start=desc.row_start,
+        row_end=desc.row_end,
+        features=list(desc.features),
+    )
+
+
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    """The RPC deadline on the ``time.monotonic()`` clock, or None without one."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
+    """``ibpembed.v1.EmbeddingLookup`` over a :class:`LookupEngine`.
+
+    Parameters
+    ----------
+    engine : does the lookups.
+    stream_window : requests of one LookupStream in the engine at once; the stream stops reading
+        (gRPC flow control pushes back on the client) while the window is full.
+    """
+
+    def __init__(self, engine: LookupEngine, *, stream_window: int = 8) -> None:
+        self.engine = engine
+        self.stream_window = stream_window
+
+    async def Lookup(
+        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LookupResponse:
+        features, pooling = decode_request(request)
+        result = await self.engine.lookup(features, pooling, deadline=deadline_of(context))
+        return encode_response(request.request_id, result)
+
+    async def LookupStream(
+        self, request_iterator: AsyncIterator[pb.LookupRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LookupResponse]:
+        deadline = deadline_of(context)
+        # Reader task -> bounded queue of per-request tasks -> this generator, which yields them
+        # in order. A queue item is a task, None (client done) or the reader's exception.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.stream_window)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    await queue.put(asyncio.ensure_future(self._stream_one(request, deadline)))
+            except Exception as exc:  # handed to the writer, which raises it as the stream status
+                await queue.put(exc)
+            else:
+                await queue.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield await item
+        finally:
+            reader.cancel()
+            while not queue.empty():
+                item = queue.get_nowait()
+                if isinstance(item, asyncio.Future):
+                    item.cancel()
+
+    async def _stream_one(
+        self, request: pb.LookupRequest, deadline: float | None
+    ) -> pb.LookupResponse:
+        ensure_request_id(request)
+        try:
+            features, pooling = decode_request(request)
+            result = await self.engine.lookup(features, pooling, deadline=deadline)
+        except Exception as exc:
+            code, message = status_for(exc, request.request_id)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("LookupStream request %s failed", request.request_id)
+            return pb.LookupResponse(
+                request_id=request.request_id, error=pb.Error(code=code.value[0], message=message)
+            )
+        return encode_response(request.request_id, result)
+
+    async def ListTables(
+        self, request: pb.ListTablesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListTablesResponse:
+        tables = [table_info(d) for d in self.engine.describe()]
+        version = tables[0].version if tables else 0
+        return pb.ListTablesResponse(tables=tables, table_version=version)
+
+    async def DescribeTable(
+        self, request: pb.DescribeTableRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TableInfo:
+        return table_info(self.engine.describe(request.name)[0])
