@@ -1,0 +1,386 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TableStore: snapshots, live reload, failed reloads, row updates, all under concurrent lookups."""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ibpembed import compress
+from ibpembed.tables import format as tf
+from ibpembed.tables.importers import TableSet, TableSource
+from ibpembed.tables.manifest import MANIFEST, TableSetError, pack_table_set
+from ibpembed.tables.store import TableBytes, TableSnapshot, TableStore
+from tests.codec.tables import make_table
+from tests.tables.helpers import flip_bit, same_bits, section_ranges, trained_like
+
+READERS = 4
+
+
+def versioned_set(version: int, rows: int = 200) -> TableSet:
+    """Two tables whose every value encodes ``version``: a mixed read shows up at once."""
+    user = torch.full((rows, 8), float(version)) + torch.arange(rows)[:, None] * 1e-3
+    item = torch.full((rows // 2, 4), float(version), dtype=torch.bfloat16)
+    return TableSet(
+        (
+            TableSource("user", user.contiguous(), feature_names=("user_id", "user_hist")),
+            TableSource("item", item.contiguous(), feature_names=("item_id",), pooling="mean"),
+        )
+    )
+
+
+def pack(directory: Path, version: int) -> None:
+    pack_table_set(directory, versioned_set(version), sample_rows=None)
+
+
+@pytest.fixture
+def table_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "set"
+    pack(directory, 1)
+    return directory
+
+
+def snapshot_version(snap: TableSnapshot) -> set[float]:
+    """The data versions a lookup sees across both tables of one snapshot."""
+    _, user = snap.table_for_feature("user_hist")
+    _, item = snap.table_for_feature("item_id")
+    seen = set(user.gather(torch.tensor([0, 7, 199]))[:, 0].round().tolist())
+    seen |= set(item.gather(torch.tensor([0, 99])).float()[:, 0].tolist())
+    return seen
+
+
+# -- basics ----------------------------------------------------------------------------------
+
+
+def test_from_tables_defaults_features_to_table_names() -> None:
+    weight = trained_like(50, 4)
+    store = TableStore.from_tables({"t": compress(weight)})
+    with store.acquire() as snap:
+        name, table = snap.table_for_feature("t")
+        assert name == "t" and same_bits(table.decompress(), weight)
+        with pytest.raises(KeyError, match="unknown feature 'nope'"):
+            snap.table_for_feature("nope")
+    with pytest.raises(KeyError, match="feature 'f' maps to unknown table 'x'"):
+        TableStore.from_tables({"t": compress(weight)}, {"f": "x"})
+
+
+def test_load_maps_features_and_accounts_bytes(table_dir: Path) -> None:
+    store = TableStore.load(table_dir, verify=True)
+    with store.acquire() as snap:
+        assert dict(snap.features) == {"user_id": "user", "user_hist": "user", "item_id": "item"}
+        assert snapshot_version(snap) == {1.0}
+        user = snap.tables["user"]
+    acct = store.accounting()
+    assert set(acct) == {"user", "item"}
+    assert isinstance(acct["user"], TableBytes)
+    assert acct["user"].raw == 200 * 8 * 4
+    assert acct["user"].total == user.stored_bytes
+    assert acct["user"].index == user.index_bytes and acct["user"].metadata == user.metadata_bytes
+    assert acct["user"].ratio == pytest.approx(acct["user"].raw / acct["user"].total)
+    assert acct["user"].savings == pytest.approx(1 - acct["user"].total / acct["user"].raw)
+
+
+def test_snapshot_is_immutable(table_dir: Path) -> None:
+    store = TableStore.load(table_dir)
+    with store.acquire() as snap:
+        with pytest.raises(TypeError):
+            snap.tables["x"] = snap.tables["user"]  # type: ignore[index]
+        with pytest.raises(AttributeError):
+            snap.version = 5  # type: ignore[misc]
+
+
+# -- reload ----------------------------------------------------------------------------------
+
+
+def test_reload_publishes_a_new_version_and_reuses_unchanged_tables(table_dir: Path) -> None:
+    store = TableStore.load(table_dir)
+    with store.acquire() as snap:
+        old_user = snap.tables["user"]
+    store.reload()  # nothing changed: same tables, new version number
+    with store.acquire() as snap:
+        assert snap.version == 2 and snap.tables["user"] is old_user
+    pack(table_dir, 2)
+    store.reload()
+    with store.acquire() as snap:
+        assert snap.version == 3 and snapshot_version(snap) == {2.0}
+
+
+def test_old_version_is_released_when_its_last_lookup_ends(table_dir: Path) -> None:
+    store = TableStore.load(table_dir)
+    holding = store.acquire()
+    old = holding.__enter__()
+    old_ref = weakref.ref(old.tables["user"])
+    pack(table_dir, 2)
+    store.reload()
+    assert store.live_versions() == {1, 2}
+    assert snapshot_version(old) == {1.0}  # still readable: its mapping stays alive
+    holding.__exit__(None, None, None)
+    assert store.live_versions() == {2}
+    del old, holding
+    gc.collect()
+    assert old_ref() is None
+
+
+def _corrupt_table_file(directory: Path) -> None:
+    path = next(directory.glob("user.*.ibpt"))
+    begin, _ = section_ranges(path)["row_units"]
+    flip_bit(path, begin)
+
+
+def _missing_table_file(directory: Path) -> None:
+    next(directory.glob("item.*.ibpt")).unlink()
+
+
+def _bad_manifest(directory: Path) -> None:
+    (directory / MANIFEST).write_text("{not json")
+
+
+def _feature_to_missing_table(directory: Path) -> None:
+    body = json.loads((directory / MANIFEST).read_text())
+    body["features"]["ghost"] = "no_such_table"
+    (directory / MANIFEST).write_text(json.dumps(body))
+
+
+def _replaced_table_file(directory: Path) -> None:
+    path = next(directory.glob("user.*.ibpt"))
+    tf.pack_table(path, trained_like(10, 8), name="user")  # valid file, not the manifest's
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _corrupt_table_file,
+        _missing_table_file,
+        _bad_manifest,
+        _feature_to_missing_table,
+        _replaced_table_file,
+    ],
+)
+def test_failed_reload_keeps_serving_the_old_version(
+    table_dir: Path, tmp_path: Path, damage
+) -> None:
+    store = TableStore.load(table_dir)
+    new_dir = tmp_path / "next"
+    pack(new_dir, 2)
+    damage(new_dir)
+    with pytest.raises(ValueError) as error:
+        store.reload(new_dir)
+    assert str(new_dir) in str(error.value)
+    assert isinstance(error.value, (TableSetError, tf.TableFileError))
+    assert store.version == 1
+    with store.acquire() as snap:
+        assert snapshot_version(snap) == {1.0}
+    store.reload()  # the store still reloads from its own directory afterwards
+    assert store.version == 2
+
+
+def test_reload_under_concurrent_lookups_never_mixes_versions(
+    table_dir: Path, tmp_path: Path
+) -> None:
+    store = TableStore.load(table_dir)
+    directories = []
+    for version in range(2, 6):
+        directory = tmp_path / f"v{version}"
+        pack(directory, version)
+        directories.append(directory)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    seen: list[set[float]] = []
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                with store.acquire() as snap:
+                    versions = snapshot_version(snap)
+                    versions |= snapshot_version(snap)  # twice: still one version
+                seen.append(versions)
+                if len(versions) != 1:
+                    raise AssertionError(f"mixed versions in one snapshot: {versions}")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(READERS)]
+    for t in threads:
+        t.start()
+    for directory in directories:
+        store.reload(directory)
+        with store.acquire() as snap:
+            snapshot_version(snap)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert seen and all(len(v) == 1 for v in seen)
+    with store.acquire() as snap:
+        assert snapshot_version(snap) == {5.0}
+
+
+# -- row updates -----------------------------------------------------------------------------
+
+
+@settings(max_examples=30)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.uint8]),
+    rows=st.integers(1, 150),
+    dim=st.sampled_from([1, 3, 8, 33]),
+    seed=st.integers(0, 2**16),
+    updates=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 10_000), min_size=0, max_size=40),
+            st.sampled_from(["random_bits", "trained_like", "edge_values", "identical_rows"]),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_update_rows_is_lossless(dtype, rows, dim, seed, updates) -> None:
+    reference = make_table(dtype, rows, dim, "trained_like", seed)
+    store = TableStore.from_tables({"t": compress(reference)})
+    reference = reference.clone()
+    for step, (raw_ids, kind) in enumerate(updates):
+        ids = torch.tensor(sorted({i % rows for i in raw_ids}), dtype=torch.int64)
+        ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(step))]
+        new_rows = make_table(dtype, max(ids.numel(), 1), dim, kind, seed + step)[: ids.numel()]
+        store.update_rows("t", ids, new_rows)
+        reference[ids] = new_rows
+        with store.acquire() as snap:
+            assert same_bits(snap.tables["t"].decompress(), reference)
+            assert same_bits(snap.tables["t"].gather(ids), new_rows)
+
+
+def test_update_rows_spills_then_compacts(tmp_path: Path) -> None:
+    weight = trained_like(640, 16)
+    store = TableStore.from_tables({"t": compress(weight)})
+    reference = weight.clone()
+    gen = torch.Generator().manual_seed(0)
+    payload_buffers = set()
+    for step in range(60):
+        ids = torch.randperm(640, generator=gen)[:5]
+        rows = torch.randn(5, 16, generator=gen) * (100.0 if step % 2 else 0.01)
+        store.update_rows("t", ids, rows)
+        reference[ids] = rows
+        with store.acquire() as snap:
+            payload_buffers.add(snap.tables["t"].payload.untyped_storage().data_ptr())
+    # Several updates share one spill buffer; a full one is compacted into a new buffer.
+    assert 1 < len(payload_buffers) < 60
+    with store.acquire() as snap:
+        assert same_bits(snap.tables["t"].decompress(), reference)
+    store.save(tmp_path / "saved")
+    reloaded = TableStore.load(tmp_path / "saved", verify=True)
+    with reloaded.acquire() as snap:
+        assert same_bits(snap.tables["t"].decompress(), reference)
+    tf.verify_file(next((tmp_path / "saved").glob("t.*.ibpt")))
+
+
+def test_update_of_a_mapped_table_then_reload_restores_the_file(table_dir: Path) -> None:
+    store = TableStore.load(table_dir)
+    ids = torch.tensor([0, 31, 32, 199])
+    store.update_rows("user", ids, torch.full((4, 8), -7.0))
+    with store.acquire() as snap:
+        assert torch.equal(snap.tables["user"].gather(ids), torch.full((4, 8), -7.0))
+    store.reload()  # updates are in memory; the directory wins on reload
+    with store.acquire() as snap:
+        assert snapshot_version(snap) == {1.0}
+
+
+def test_update_rows_int8_rowwise_table() -> None:
+    rows = torch.randint(0, 256, (70, 10), dtype=torch.uint8)
+    rows[:, :4] = torch.tensor([0.02, -1.0], dtype=torch.float16).view(torch.uint8)
+    store = TableStore.from_tables({"q": compress(rows, quant="int8_rowwise")})
+    new = rows[:3].flip(1).contiguous()
+    store.update_rows("q", torch.tensor([69, 0, 40]), new)
+    with store.acquire() as snap:
+        table = snap.tables["q"]
+        assert table.quant == "int8_rowwise"
+        assert torch.equal(table.gather(torch.tensor([69, 0, 40])), new)
+        expected = rows.clone()
+        expected[torch.tensor([69, 0, 40])] = new
+        assert torch.equal(table.decompress(), expected)
+
+
+@pytest.mark.parametrize(
+    ("ids", "rows", "error"),
+    [
+        (torch.tensor([1, 1]), torch.zeros(2, 4), "distinct"),
+        (torch.tensor([50]), torch.zeros(1, 4), r"\[0, 50\)"),
+        (torch.tensor([-1]), torch.zeros(1, 4), r"\[0, 50\)"),
+        (torch.tensor([1]), torch.zeros(1, 4, dtype=torch.float64), "float32"),
+        (torch.tensor([1]), torch.zeros(1, 5), "float32"),
+        (torch.tensor([[1]]), torch.zeros(1, 4), "1-D"),
+        (torch.tensor([1.0]), torch.zeros(1, 4), "integer"),
+    ],
+)
+def test_bad_updates_publish_nothing(ids, rows, error) -> None:
+    weight = trained_like(50, 4)
+    store = TableStore.from_tables({"t": compress(weight)})
+    with pytest.raises((ValueError, TypeError), match=error):
+        store.update_rows("t", ids, rows)
+    with pytest.raises(KeyError, match="unknown table 'nope'"):
+        store.update_rows("nope", torch.tensor([0]), torch.zeros(1, 4))
+    assert store.version == 1
+    with store.acquire() as snap:
+        assert same_bits(snap.tables["t"].decompress(), weight)
+
+
+def test_update_rows_under_concurrent_lookups() -> None:
+    weight = trained_like(300, 8)
+    store = TableStore.from_tables({"t": compress(weight)})
+    # Expected content per version, recorded before the version is published.
+    states = {1: weight.clone()}
+    ids_all = torch.arange(300)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    checks = [0]
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                with store.acquire() as snap:
+                    got = snap.tables["t"].gather(ids_all)
+                    pooled = snap.tables["t"].lookup(ids_all, lengths=torch.tensor([300]))
+                    expected = states[snap.version]
+                if not same_bits(got, expected):
+                    raise AssertionError(f"version {snap.version}: rows differ")
+                torch.testing.assert_close(
+                    pooled, expected.sum(0, keepdim=True), rtol=1e-5, atol=1e-3
+                )
+                checks[0] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(READERS)]
+    for t in threads:
+        t.start()
+    gen = torch.Generator().manual_seed(1)
+    current = weight.clone()
+    for step in range(40):
+        ids = torch.randperm(300, generator=gen)[: 1 + step % 20]
+        rows = torch.randn(ids.numel(), 8, generator=gen) * (0.05 if step % 3 else 50.0)
+        current = current.clone()
+        current[ids] = rows
+        states[store.version + 1] = current
+        store.update_rows("t", ids, rows)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert checks[0] > 0
+    with store.acquire() as snap:
+        assert snap.version == 41 and same_bits(snap.tables["t"].decompress(), current)
+
+
+def test_put_table_adds_a_table_atomically() -> None:
+    store = TableStore.from_tables({"a": compress(trained_like(40, 4))})
+    weight = trained_like(20, 4, seed=5)
+    store.put_table("b", compress(weight), {"b_feature": "b"})
+    with store.acquire() as snap:
+        name, table = snap.table_for_feature("b_feature")
+        assert name == "b" and same_bits(table.decompress(), weight) and snap.version == 2
