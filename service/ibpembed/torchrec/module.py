@@ -495,19 +495,20 @@ def compress_model(
 
 def format_table_bytes(report: list[TableBytes]) -> str:
     """A plain-text table of :func:`compress_model`'s report, with a total line."""
+    names = [f"{r.module}.{r.table}" if r.module else r.table for r in report]
+    w = max([len("module.table"), *map(len, names)])
     lines = [
-        f"{'module.table':<40} {'rows x dim':>14} {'raw bytes':>12} {'stored':>12} {'saved':>7}"
+        f"{'module.table':<{w}} {'rows x dim':>12} {'raw bytes':>13} {'stored':>13} {'saved':>7}"
     ]
-    for r in report:
-        name = f"{r.module}.{r.table}" if r.module else r.table
+    for name, r in zip(names, report, strict=True):
         shape = f"{r.num_embeddings}x{r.embedding_dim}"
         lines.append(
-            f"{name:<40} {shape:>14} {r.raw_bytes:>12,} {r.stored_bytes:>12,} {r.savings:>7.1%}"
+            f"{name:<{w}} {shape:>12} {r.raw_bytes:>13,} {r.stored_bytes:>13,} {r.savings:>7.1%}"
         )
     raw = sum(r.raw_bytes for r in report)
     stored = sum(r.stored_bytes for r in report)
     saved = 1.0 - stored / raw if raw else 0.0
-    lines.append(f"{'total':<40} {'':>14} {raw:>12,} {stored:>12,} {saved:>7.1%}")
+    lines.append(f"{'total':<{w}} {'':>12} {raw:>13,} {stored:>13,} {saved:>7.1%}")
     return "\n".join(lines)
 
 
