@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,10 +36,6 @@ from ibpembed.tables.store import TableSnapshot, TableStore
 Pooling = Literal["sum", "mean", "none"]
 POOLINGS: tuple[Pooling, ...] = ("sum", "mean", "none")
 _POOLABLE = (torch.float32, torch.float16, torch.bfloat16)
-
-# Request tensors arrive as read-only views of the received message bytes; the engine never
-# writes to them, so torch's one-time warning about non-writable arrays is noise here.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
 class LookupObserver(Protocol):
@@ -283,7 +278,9 @@ class LookupEngine:
         start = time.perf_counter()
         table = item.table
         qs = item.queries
-        ids_np = qs[0].ids if len(qs) == 1 else np.concatenate([q.ids for q in qs])
+        # Concatenating also copies the request's read-only message bytes into writable memory,
+        # which torch.from_numpy wants (a memcpy, small next to the decode).
+        ids_np = np.concatenate([q.ids for q in qs])
         ids = torch.from_numpy(ids_np).to(self.device)
         nnz = ids.numel()
         counts = [q.ids.size for q in qs]

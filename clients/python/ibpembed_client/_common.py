@@ -40,17 +40,23 @@ class LookupServiceError(Exception):
     code : the gRPC status code.
     details : the server's message (names the bad field for INVALID_ARGUMENT).
     request_id : the request's id, when known.
+    attempts : tries made (more than 1 after retries on UNAVAILABLE).
     """
 
-    def __init__(self, code: grpc.StatusCode, details: str, request_id: str = "") -> None:
+    def __init__(
+        self, code: grpc.StatusCode, details: str, request_id: str = "", attempts: int = 1
+    ) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
         self.request_id = request_id
+        self.attempts = attempts
 
     @classmethod
-    def from_rpc_error(cls, err: grpc.RpcError, request_id: str = "") -> LookupServiceError:
-        return cls(err.code(), err.details() or "", request_id)
+    def from_rpc_error(
+        cls, err: grpc.RpcError, request_id: str = "", attempts: int = 1
+    ) -> LookupServiceError:
+        return cls(err.code(), err.details() or "", request_id, attempts)
 
 
 @dataclass(frozen=True)

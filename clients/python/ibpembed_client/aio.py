@@ -108,10 +108,10 @@ class AsyncLookupClient:
             except grpc.RpcError as err:
                 code = err.code()
                 if not self.retry.retryable(code) or attempt >= self.retry.max_attempts:
-                    raise LookupServiceError.from_rpc_error(err, request_id) from None
+                    raise LookupServiceError.from_rpc_error(err, request_id, attempt) from None
                 pause = self.retry.backoff(attempt)
                 if deadline is not None and time.monotonic() + pause >= deadline:
-                    raise LookupServiceError.from_rpc_error(err, request_id) from None
+                    raise LookupServiceError.from_rpc_error(err, request_id, attempt) from None
                 await asyncio.sleep(pause)
 
     async def lookup(

@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A real server on a free loopback port, in a background event loop, and small test tables."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from ibpembed.codec import CompressedTable, compress
+from ibpembed.engine import LookupObserver
+from ibpembed.server.app import LookupServer
+from ibpembed.server.config import ServerConfig
+from ibpembed.tables.store import TableStore
+
+T = TypeVar("T")
+
+# Two features share emb_f32 (the engine groups them into one kernel call). Awkward widths:
+# D=3 fp16, D=8 bf16, int8 row-wise rows of 4 + 12 bytes.
+FEATURES = {
+    "user": "emb_f32",
+    "user_hist": "emb_f32",
+    "item": "emb_bf16",
+    "ctx": "emb_f16",
+    "quant": "emb_q8",
+}
+
+
+def _int8_rowwise(rows: int, codes: int, seed: int) -> torch.Tensor:
+    """fbgemm row-wise int8 rows: fp16 scale, fp16 bias, then ``codes`` uint8 codes."""
+    rng = np.random.default_rng(seed)
+    header = np.stack(
+        [rng.uniform(0.001, 0.01, rows), rng.uniform(-0.5, 0.0, rows)], axis=1
+    ).astype(np.float16)
+    body = rng.integers(0, 256, (rows, codes), dtype=np.uint8)
+    return torch.from_numpy(np.concatenate([header.view(np.uint8), body], axis=1).copy())
+
+
+def make_tables(seed: int = 0) -> dict[str, CompressedTable]:
+    gen = torch.Generator().manual_seed(seed)
+    f32 = torch.randn(1000, 16, generator=gen) * 0.05
+    f32[::97] = 0.0  # zero rows, as never-trained ids leave them
+    bf16 = (torch.randn(500, 8, generator=gen) * 0.05).to(torch.bfloat16)
+    f16 = (torch.randn(300, 3, generator=gen) * 0.05).to(torch.float16)
+    return {
+        "emb_f32": compress(f32),
+        "emb_bf16": compress(bf16),
+        "emb_f16": compress(f16),
+        "emb_q8": compress(_int8_rowwise(300, 12, seed), quant="int8_rowwise"),
+    }
+
+
+def make_store(seed: int = 0) -> TableStore:
+    return TableStore.from_tables(make_tables(seed), FEATURES)
+
+
+class RunningServer:
+    """A :class:`LookupServer` serving on 127.0.0.1:<free port> from a background thread.
+
+    Parameters
+    ----------
+    store : the tables.
+    observer : passed to the engine (tests use it to hold requests inside a kernel call).
+    settings : :class:`ServerConfig` fields (port is always 0).
+    """
+
+    def __init__(
+        self, store: TableStore, *, observer: LookupObserver | None = None, **settings: Any
+    ) -> None:
+        settings.setdefault("workers", 2)
+        self.config = ServerConfig(port=0, **settings).validate()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def start() -> LookupServer:
+            server = LookupServer(self.config, store, observer=observer)
+            await server.start()
+            return server
+
+        self.server = self.run(start())
+        self.target = f"127.0.0.1:{self.server.port}"
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        """Run a coroutine on the server's loop and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.run(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        self.loop.close()
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class GateObserver:
+    """Holds every kernel call until :meth:`open` (so tests control what is in flight).
+
+    ``entered`` counts calls that reached the gate; ``wait_entered(n)`` blocks until n did.
+    """
+
+    def __init__(self) -> None:
+        self._gate = threading.Event()
+        self._cond = threading.Condition()
+        self.entered = 0
+
+    def table_lookup(self, table: str, pooling: str, nnz: int, unique: int, seconds: float) -> None:
+        with self._cond:
+            self.entered += 1
+            self._cond.notify_all()
+        self._gate.wait(timeout=60)
+
+    def wait_entered(self, n: int, timeout: float = 30.0) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.entered >= n, timeout=timeout):
+                raise TimeoutError(f"only {self.entered} of {n} lookups reached the gate")
+
+    def open(self) -> None:
+        self._gate.set()
+
+
+class FailingObserver:
+    """Raises inside the engine: a stand-in for a server bug, to exercise INTERNAL."""
+
+    def table_lookup(self, table: str, pooling: str, nnz: int, unique: int, seconds: float) -> None:
+        raise RuntimeError("observer exploded")

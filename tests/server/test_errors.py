@@ -1,0 +1,166 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every status code, triggered by a real request over gRPC; the server survives each one."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, build_request
+from ibpembed_client.v1 import lookup_pb2 as pb
+from tests.server.helpers import FailingObserver, GateObserver, RunningServer, make_store
+
+I64, I32, F32 = "<i8", "<i4", "<f4"
+
+
+def _raw(name="user", ids=(1, 2), lengths=(2,), weights=None, pooling=pb.POOLING_SUM, **kw):
+    feature = pb.FeatureInput(
+        name=name,
+        ids=kw.get("ids_bytes", np.asarray(ids, I64).tobytes()),
+        lengths=kw.get("lengths_bytes", np.asarray(lengths, I32).tobytes()),
+        weights=b"" if weights is None else np.asarray(weights, F32).tobytes(),
+    )
+    return pb.LookupRequest(request_id="t-1", pooling=pooling, features=[feature])
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RunningServer(make_store()) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with LookupClient(server.target, timeout=30) as c:
+        yield c
+
+
+def _fails(client, request, code: grpc.StatusCode) -> str:
+    with pytest.raises(LookupServiceError) as info:
+        client.lookup_request(request)
+    assert info.value.code == code, info.value
+    return info.value.details
+
+
+BAD_INPUTS = [
+    # (request, field named in the message, other words it must contain)
+    (_raw(ids_bytes=b"\x01" * 12), "features[0].ids", ["12 bytes"]),
+    (_raw(lengths_bytes=b"\x01" * 6), "features[0].lengths", ["6 bytes"]),
+    (_raw(weights=[1.0]), "features[0].weights", ["one per id"]),
+    (_raw(ids=(1, 2, 3), lengths=(2, 2)), "features[0].lengths", ["sum to 4", "3 ids"]),
+    (_raw(ids=(1,), lengths=(2, -1)), "features[0].lengths", ["non-negative"]),
+    (_raw(ids=(1, 1000)), "features[0].ids", ["id 1000", "'emb_f32'", "1000 rows", "'user'"]),
+    (_raw(ids=(-3, 1)), "features[0].ids", ["id -3"]),
+    (_raw(weights=[1, 1], pooling=pb.POOLING_NONE), "features[0].weights", ["SUM or MEAN"]),
+    (_raw(pooling=17), "pooling", ["17"]),
+    (_raw(name=""), "features[0].name", ["empty"]),
+    (_raw(ids=(1,), lengths=(1,)), "features[1].name", ["repeated"]),  # duplicated below
+]
+BAD_INPUTS[-1][0].features.append(BAD_INPUTS[-1][0].features[0])
+
+
+@pytest.mark.parametrize(("request_", "field", "words"), BAD_INPUTS)
+def test_invalid_argument_names_the_field(client, request_, field, words):
+    details = _fails(client, request_, grpc.StatusCode.INVALID_ARGUMENT)
+    assert details.startswith(field + ":"), details
+    for word in words:
+        assert word in details, details
+
+
+def test_uint8_rows_only_pool_when_quantised(client):
+    # emb_q8 is int8 row-wise, so it pools; NONE returns the raw uint8 rows.
+    assert client.lookup({"quant": [[1]]}, "none")["quant"].dtype == np.uint8
+    assert client.lookup({"quant": [[1]]}, "sum")["quant"].shape == (1, 12)
+
+
+def test_not_found(client):
+    details = _fails(client, _raw(name="nope"), grpc.StatusCode.NOT_FOUND)
+    assert "'nope'" in details
+    with pytest.raises(LookupServiceError) as info:
+        client.describe_table("no_table")
+    assert info.value.code == grpc.StatusCode.NOT_FOUND and "'no_table'" in info.value.details
+
+
+def test_server_survives_every_error(client):
+    for request, _, _ in BAD_INPUTS:
+        with pytest.raises(LookupServiceError):
+            client.lookup_request(request)
+    assert client.lookup({"user": [[1]]})["user"].shape == (1, 16)
+    assert client.is_serving()
+
+
+def test_overload_is_resource_exhausted():
+    gate = GateObserver()
+    with RunningServer(make_store(), observer=gate, max_inflight=2, workers=2) as running:
+        client = LookupClient(running.target, timeout=30, retry=RetryPolicy(max_attempts=1))
+        held = [threading.Thread(target=client.lookup, args=({"user": [[1]]},)) for _ in range(2)]
+        for t in held:
+            t.start()
+        gate.wait_entered(2)  # both slots are taken, inside a kernel call
+        with pytest.raises(LookupServiceError) as info:
+            client.lookup({"user": [[1]]})
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # A stream's request past capacity fails alone; the stream goes on.
+        results = list(client.lookup_stream([build_request({"user": [[1]]})]))
+        assert results[0].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        gate.open()
+        for t in held:
+            t.join()
+        assert client.lookup({"user": [[1]]})["user"].shape == (1, 16)
+        client.close()
+
+
+def test_deadline_exceeded_and_slot_released():
+    gate = GateObserver()
+    with RunningServer(make_store(), observer=gate, max_inflight=1) as running:
+        client = LookupClient(running.target, retry=RetryPolicy(max_attempts=1))
+        with pytest.raises(LookupServiceError) as info:
+            client.lookup({"user": [[1]]}, timeout=0.2)
+        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        gate.open()
+        # The abandoned kernel finishes and frees its slot; the next call runs normally.
+        running.run(_wait_idle(running))
+        assert client.lookup({"user": [[1]]}, timeout=30)["user"].shape == (1, 16)
+        client.close()
+
+
+async def _wait_idle(running: RunningServer) -> None:
+    import asyncio
+
+    while running.server.engine.inflight:
+        await asyncio.sleep(0.01)
+
+
+def test_unavailable_when_not_accepting(server, client):
+    server.server.state.accepting = False
+    try:
+        with pytest.raises(LookupServiceError) as info:
+            client.lookup({"user": [[1]]})
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert info.value.attempts == client.retry.max_attempts  # retried, then gave up
+    finally:
+        server.server.state.accepting = True
+    assert client.lookup({"user": [[1]]})["user"].shape == (1, 16)
+
+
+def test_internal_logs_request_id_and_hides_details(caplog):
+    with RunningServer(make_store(), observer=FailingObserver()) as running:
+        client = LookupClient(running.target, timeout=30)
+        with (
+            caplog.at_level(logging.ERROR, logger="ibpembed.server.interceptors"),
+            pytest.raises(LookupServiceError) as info,
+        ):
+            client.lookup({"user": [[1]]}, request_id="req-42")
+        assert info.value.code == grpc.StatusCode.INTERNAL
+        assert "req-42" in info.value.details and "exploded" not in info.value.details
+        assert any("req-42" in r.getMessage() for r in caplog.records)
+        assert "observer exploded" in caplog.text
+        # In a stream the failure is per request, with the same code.
+        results = list(client.lookup_stream([build_request({"user": [[1]]}, request_id="s-1")]))
+        assert results[0].error.code == grpc.StatusCode.INTERNAL
+        assert client.list_tables()  # still serving
+        client.close()
