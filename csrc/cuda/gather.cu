@@ -14,7 +14,7 @@
 namespace ibpembed::gpu {
 namespace {
 
-inline constexpr int64_t kRunCap = kWarpSize;  // a run's destinations fit one per lane
+static_assert(kRunCap <= kWarpSize, "a run's destinations are held one per lane");
 static_assert(kStages == 2, "the loop alternates between two staging buffers with k & 1");
 
 // Shared memory per warp: two staging buffers and the destination rows of the current run.
@@ -26,25 +26,19 @@ __device__ __forceinline__ int64_t row_at(const GatherArgs& a, int64_t i) {
   return a.ids == nullptr ? i : a.ids[i];
 }
 
-__device__ __forceinline__ bool is_head(const GatherArgs& a, int64_t i) {
-  return a.ids == nullptr || i % kRunCap == 0 || a.ids[i] != a.ids[i - 1];
-}
-
 // First head at or after i among this warp's positions (i, i + stride, ...), or n.
 __device__ __forceinline__ int64_t next_head(const GatherArgs& a, int64_t i, int64_t stride) {
-  while (i < a.n && !is_head(a, i)) i += stride;
+  while (i < a.n && !is_run_head(a.ids, i)) i += stride;
   return i < a.n ? i : a.n;
 }
 
 // Writes the run starting at head i into dst_rows[0 .. len) (output row of each position) and
-// returns len. Lane l looks at position i + l: the run is the prefix of lanes that match.
+// returns len.
 __device__ __forceinline__ int load_run(const GatherArgs& a, int64_t i, int lane,
                                         int64_t* dst_rows) {
-  const int64_t p = i + lane;
-  const bool in_run =
-      lane == 0 || (a.ids != nullptr && p < a.n && p % kRunCap != 0 && a.ids[p] == a.ids[i]);
-  const unsigned run = __ballot_sync(kFullWarp, in_run);
+  const unsigned run = __ballot_sync(kFullWarp, lane_in_run(a.ids, a.n, i, lane));
   const int len = run == kFullWarp ? kWarpSize : __ffs(~run) - 1;
+  const int64_t p = i + lane;
   if (lane < len) dst_rows[lane] = a.perm == nullptr ? p : a.perm[p];
   __syncwarp();
   return len;

@@ -113,10 +113,10 @@ __device__ __forceinline__ void decode_staged_row(const TableView& t, const Stag
                                                   Sink&& sink) {
   const auto* words = reinterpret_cast<const uint32_t*>(stage);
   const uint64_t slot_bits = 8 * static_cast<uint64_t>(s.slot_bytes);
-  uint64_t base = first_data_bit(true, t.num_chunks);
+  uint64_t base = static_cast<uint64_t>(t.num_chunks);  // data follows the V-bit header
   bool overrun = false;
   for (int g = 0; 32 * g < t.num_chunks; ++g) {
-    const uint32_t part = group_participation(words, s.shift, true, g, t.num_chunks);
+    const uint32_t part = group_participation(words, s.shift, g);
     const LaneChunk c = lane_chunk<W>(t.mask, t.bitval, part, g, lane, t.num_chunks);
     const int incl = warp_inclusive_scan(c.len, lane);
     uint64_t pos = base + static_cast<uint64_t>(incl - c.len);

@@ -6,20 +6,21 @@
 // 32-iteration loop standing in for each shuffle, scan and reduction of the kernels. Only the
 // collectives themselves (and cp.async) are GPU-only; they live in row_pipeline.cuh.
 //
-// Decoding a staged row, warp-wide (lane l owns chunk j = 32 g + l of group g):
-//   part  = group_participation(...)        the 32 header bits of group g (0 for raw rows)
+// Decoding a staged compressed row, warp-wide (lane l owns chunk j = 32 g + l of group g):
+//   part  = group_participation(...)        the 32 header bits of group g
 //   c     = lane_chunk(...)                  does chunk j participate, how many stream bits it uses
 //   incl  = inclusive warp scan of c.len     (__shfl_up_sync in the kernel)
 //   pos   = base + incl - c.len              stream bit where chunk j starts
-//   x     = lane_decode(..., pos, c)         bitval | deposit(bits, ~mask), or the W raw bits
+//   x     = lane_decode(..., pos, c)         bitval | deposit(bits, ~mask), or the W stored bits
 //   base += incl of lane 31                  start of group g + 1
-// with base = first_data_bit(...) for group 0.
+// with base = V (the header's length) for group 0. Raw rows skip all this: plain copy.
 #pragma once
 
 #include <cstdint>
 
 #include "ibpembed/bits.h"
 #include "ibpembed/format.h"
+#include "ibpembed/row_codec.h"
 
 namespace ibpembed::gpu {
 
@@ -51,6 +52,13 @@ IBP_HD uint64_t deposit_runs(uint64_t src, uint64_t mask) {
   }
   return out;
 }
+
+// The bit-op policy row_codec.h's decode_chunk() runs with on the device.
+struct RunDepositOps {
+  IBP_HD_METHOD static uint64_t deposit(uint64_t src, uint64_t mask) {
+    return deposit_runs(src, mask);
+  }
+};
 
 // The 16-byte-aligned byte range [first, first + 16 * vecs) of the payload that covers a slot at
 // [offset, offset + bytes); the slot starts `shift` bytes into it. Staging whole aligned vectors
@@ -104,20 +112,12 @@ IBP_HD uint64_t read_staged_bits(const uint32_t* words, uint64_t bitpos) {
   return v;
 }
 
-// Participation bits of chunks 32 g .. 32 g + 31 (bit l = chunk 32 g + l), zero past the last
-// chunk. A raw row has no header: no chunk participates, every chunk is W verbatim bits.
-IBP_HD uint32_t group_participation(const uint32_t* words, int shift, bool compressed, int group,
-                                    int num_chunks) {
-  if (!compressed) return 0u;
-  const auto bits = static_cast<uint32_t>(
-      read_staged_bits<32>(words, 8 * static_cast<uint64_t>(shift) + 32 * static_cast<uint64_t>(group)));
-  const int valid = num_chunks - 32 * group;
-  return valid >= 32 ? bits : bits & ((1u << valid) - 1u);
-}
-
-// Stream bit where chunk 0's data starts: after the V-bit header, or at 0 for a raw row.
-IBP_HD uint64_t first_data_bit(bool compressed, int num_chunks) {
-  return compressed ? static_cast<uint64_t>(num_chunks) : 0u;
+// Participation bits of chunks 32 g .. 32 g + 31 (bit l = chunk 32 g + l). In the last group the
+// bits past chunk V - 1 are payload bits; lane_chunk() ignores them (those lanes are not valid).
+// Raw rows have no header and never get here: they take the plain copy path.
+IBP_HD uint32_t group_participation(const uint32_t* words, int shift, int group) {
+  return static_cast<uint32_t>(read_staged_bits<32>(
+      words, 8 * static_cast<uint64_t>(shift) + 32 * static_cast<uint64_t>(group)));
 }
 
 // What lane `lane` needs to know about its chunk before the scan.
@@ -140,18 +140,34 @@ IBP_HD LaneChunk lane_chunk(const uint64_t* mask, const uint64_t* bitval, uint32
   c.participates = (participation >> lane) & 1u;
   c.mask = mask[c.j];
   c.bitval = bitval[c.j];
-  c.len = c.participates ? W - popcount64(c.mask) : W;
+  c.len = static_cast<int>(chunk_stream_bits<W>(c.participates, W - popcount64(c.mask)));
   return c;
 }
 
 // Chunk value of a lane whose data starts at stream bit `pos`; `shift` is the slot's byte offset
 // inside the staging buffer.
+// The chunk arithmetic itself is the CPU codec's decode_chunk(), with the run-based deposit.
 template <int W>
 IBP_HD uint64_t lane_decode(const uint32_t* words, int shift, uint64_t pos, const LaneChunk& c) {
-  constexpr uint64_t kFull = low_bits(W);
   const uint64_t bits = read_staged_bits<W>(words, 8 * static_cast<uint64_t>(shift) + pos);
-  // deposit consumes only popcount(~mask) low bits: `bits` needs no trimming.
-  return c.participates ? (c.bitval | deposit_runs(bits, ~c.mask & kFull)) : (bits & kFull);
+  return decode_chunk<W, RunDepositOps>(bits, c.participates ? 1u : 0u, ~c.mask & low_bits(W),
+                                        c.bitval);
+}
+
+// Gather dedupe. After the sort, equal ids are adjacent; position i is a run head when its id
+// differs from the previous one or i is a multiple of kRunCap (runs are cut so a hot id spreads
+// over several warps). A head's warp writes the row to every position of its run: lane l tests
+// position head + l, and the run is the prefix of lanes that pass. ids == nullptr is the
+// identity (ids[i] = i, every position its own run).
+inline constexpr int64_t kRunCap = kWarpSize;
+
+IBP_HD bool is_run_head(const int64_t* ids, int64_t i) {
+  return ids == nullptr || i % kRunCap == 0 || ids[i] != ids[i - 1];
+}
+
+IBP_HD bool lane_in_run(const int64_t* ids, int64_t n, int64_t head, int lane) {
+  const int64_t p = head + lane;
+  return lane == 0 || (ids != nullptr && p < n && p % kRunCap != 0 && ids[p] == ids[head]);
 }
 
 }  // namespace ibpembed::gpu

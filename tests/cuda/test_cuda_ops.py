@@ -1,0 +1,145 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CUDA ops against the CPU ops on the same compressed tables: bit-exact rows and pooled sums.
+
+These run only where torch sees a GPU and ibpembed._C was built with its CUDA kernels; elsewhere
+they skip with the reason. The table layout of the CUDA argument contract (torch_bindings_cuda.cpp):
+payload in pinned host memory (or on the GPU), the small index tensors on the GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ibpembed import CompressedTable, compress
+from ibpembed._ops import INT8_ROWWISE_CODE, ops
+from tests.codec.tables import DTYPES, FLOAT_DTYPES, make_table, same_bits
+
+
+def _cuda_kernels_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("ibpembed::ibp_gather", "CUDA"):
+        return "ibpembed._C was built without its CUDA kernels"
+    return None
+
+
+_REASON = _cuda_kernels_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+
+POOLING = {"sum": 0, "mean": 1}
+
+
+def device_args(c: CompressedTable, payload: str = "pinned") -> tuple:
+    """The seven table tensors and four ints, placed as the CUDA ops expect."""
+    if payload == "pinned":
+        data = c.payload.pin_memory()
+    elif payload == "cuda":
+        data = c.payload.cuda()
+    else:
+        data = c.payload
+    small = (c.block_base, c.row_units, c.bitmask, c.mask, c.bitval)
+    return (data, *(t.cuda() for t in small), c.chunk_bits, c.row_bytes, c.unit_bytes, c.num_rows)
+
+
+def _ids(rng: np.random.Generator, num_rows: int, n: int) -> torch.Tensor:
+    """Unsorted ids with duplicates, a hot id repeated past a warp's run cap, and both ends."""
+    ids = rng.integers(0, num_rows, n)
+    ids[: min(n, 70)] = rng.integers(0, num_rows)  # 70 copies of one id: several runs
+    ids = np.concatenate([ids, [0, num_rows - 1, num_rows - 1]])
+    rng.shuffle(ids)
+    return torch.from_numpy(ids)
+
+
+def _as_rows(c: CompressedTable, raw: torch.Tensor) -> torch.Tensor:
+    return raw.view(c.dtype).view(raw.shape[0], c.dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [1, 3, 16, 33, 129])
+@pytest.mark.parametrize("kind", ["random_bits", "edge_values", "trained_like", "near_invariant"])
+@pytest.mark.parametrize("chunk_bits", [16, 32, 64])
+def test_gather_and_decompress_are_bit_exact(dtype, dim, kind, chunk_bits) -> None:
+    table = make_table(dtype, 300, dim, kind, seed=dim * 7 + chunk_bits)
+    rng = np.random.default_rng(dim)
+    for align in (1, 8, 32):
+        c = compress(table, chunk_bits=chunk_bits, align=align)
+        args = device_args(c)
+        ids = _ids(rng, c.num_rows, 500)
+        got = ops.ibp_gather(*args, ids.cuda())
+        want = ops.ibp_gather(*c._args(), ids)
+        assert got.is_cuda
+        assert same_bits(_as_rows(c, got.cpu()), _as_rows(c, want))
+        assert same_bits(_as_rows(c, ops.ibp_decompress(*args).cpu()), table)
+
+
+@pytest.mark.parametrize("method", ["raw", "paper"])
+@pytest.mark.parametrize("payload", ["pinned", "cuda"])
+def test_raw_rows_and_device_payload(method, payload) -> None:
+    table = make_table(torch.float32, 1000, 128, "trained_like", seed=3)
+    c = compress(table, method=method)
+    got = ops.ibp_gather(*device_args(c, payload), torch.arange(999, -1, -1).cuda())
+    assert same_bits(_as_rows(c, got.cpu()), table.flip(0))
+
+
+def _pooled_both(c, ids, offsets, weights, dtype_code, pooling):
+    args = device_args(c)
+    got = ops.lookup_pooled(
+        *args,
+        ids.cuda(),
+        offsets.cuda(),
+        None if weights is None else weights.cuda(),
+        dtype_code,
+        POOLING[pooling],
+    )
+    want = ops.lookup_pooled(*c._args(), ids, offsets, weights, dtype_code, POOLING[pooling])
+    return got.cpu(), want
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("dim", [1, 16, 129])
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("chunk_bits", [16, 32, 64])
+def test_pooled_equals_cpu(dtype, dim, pooling, weighted, chunk_bits) -> None:
+    # Same fp32 roundings in the same order as the CPU: equal bit for bit (NaN payloads aside).
+    table = make_table(dtype, 400, dim, "trained_like", seed=dim)
+    c = compress(table, chunk_bits=chunk_bits)
+    rng = np.random.default_rng(dim + chunk_bits)
+    lengths = rng.integers(0, 40, 64)
+    lengths[::7] = 0  # empty bags
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
+    ids = torch.from_numpy(rng.integers(0, c.num_rows, int(lengths.sum())))
+    weights = torch.from_numpy(rng.random(ids.numel()).astype(np.float32)) if weighted else None
+    got, want = _pooled_both(c, ids, offsets, weights, c._dtype_code(), pooling)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_pooled_int8_rowwise_and_edge_values() -> None:
+    rows = make_table(torch.uint8, 256, 68, "random_bits", seed=5)
+    rows[:, :4] = torch.tensor([0x00, 0x3C, 0x00, 0x00], dtype=torch.uint8)  # scale 1, bias 0
+    c = compress(rows, quant="int8_rowwise")
+    ids = torch.arange(256).flip(0)
+    offsets = torch.tensor([0, 1, 100, 256])
+    got, want = _pooled_both(c, ids, offsets, None, INT8_ROWWISE_CODE, "mean")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    edge = compress(make_table(torch.float32, 128, 33, "edge_values", seed=1))
+    got, want = _pooled_both(edge, torch.arange(128), torch.tensor([0, 64, 128]), None, 0, "sum")
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_bad_input_raises_like_cpu() -> None:
+    c = compress(torch.randn(100, 16))
+    args = device_args(c)
+    with pytest.raises(IndexError, match=r"index 100 at position 2 .* 100 rows"):
+        ops.ibp_gather(*args, torch.tensor([0, 5, 100]).cuda())
+    with pytest.raises(IndexError, match=r"index -1"):
+        ops.lookup_pooled(*args, torch.tensor([-1]).cuda(), torch.tensor([0, 1]).cuda(), None, 0, 0)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        ops.lookup_pooled(
+            *args, torch.tensor([1, 2, 3]).cuda(), torch.tensor([0, 2, 1, 3]).cuda(), None, 0, 0
+        )
+    with pytest.raises(ValueError, match="pinned"):
+        ops.ibp_gather(*device_args(c, payload="pageable"), torch.tensor([0]).cuda())
