@@ -1,0 +1,180 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``ibpembed pack | inspect | verify``: reports and exit codes (0 ok, 1 data fault, 2 usage)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ibpembed import cli as main_cli
+from ibpembed.tables import cli
+from ibpembed.tables.store import TableStore
+from tests.tables.helpers import flip_bit, same_bits, section_ranges, trained_like
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(argv: list[str]) -> int:
+    """Run a subcommand through a parser that only has the table commands."""
+    parser = argparse.ArgumentParser(prog="ibpembed")
+    cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+@pytest.fixture
+def sources(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save({"embedding_bags.t_user.weight": trained_like(300, 16)}, src / "ckpt.pt")
+    np.save(src / "item.npy", trained_like(100, 8, torch.float16).numpy())
+    return src
+
+
+@pytest.fixture
+def packed(tmp_path: Path, sources: Path) -> Path:
+    out = tmp_path / "out"
+    assert run(["pack", str(sources), "-o", str(out), "--no-progress"]) == 0
+    return out
+
+
+def test_pack_reports_every_table(tmp_path: Path, sources: Path, capsys) -> None:
+    out = tmp_path / "out"
+    code = run(
+        [
+            "pack",
+            str(sources / "ckpt.pt"),
+            str(sources / "item.npy"),
+            "-o",
+            str(out),
+            "--feature",
+            "user_id=t_user",
+            "--json",
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {r["table"]: r for r in report["tables"]}
+    assert set(rows) == {"t_user", "item"}
+    assert rows["t_user"]["rows"] == 300 and rows["item"]["dtype"] == "float16"
+    assert rows["t_user"]["chunk_bits"] in (16, 32, 64)
+    assert rows["t_user"]["savings"] > 0  # small trained-like values compress
+    store = TableStore.load(out, verify=True)
+    with store.acquire() as snap:
+        assert snap.table_for_feature("user_id")[0] == "t_user"
+        assert same_bits(snap.tables["t_user"].decompress(), trained_like(300, 16))
+
+
+def test_pack_text_report_and_table_selection(tmp_path: Path, sources: Path, capsys) -> None:
+    out = tmp_path / "out"
+    assert (
+        run(
+            [
+                "pack",
+                str(sources),
+                "-o",
+                str(out),
+                "--table",
+                "item",
+                "--method",
+                "paper",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "item" in text and "t_user" not in text and "wrote 1 table(s)" in text
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["pack", "{tmp}/missing.pt", "-o", "{tmp}/out"],
+        ["pack", "{src}", "-o", "{tmp}/out", "--feature", "no_equals_sign"],
+        ["pack", "{src}", "-o", "{tmp}/out", "--table", "nope"],
+        ["pack", "{src}", "-o", "{tmp}/out", "--feature", "f=nope"],
+    ],
+)
+def test_pack_faults_exit_1(tmp_path: Path, sources: Path, argv: list[str], capsys) -> None:
+    argv = [a.format(tmp=tmp_path, src=sources) for a in argv]
+    assert run([*argv, "--no-progress"]) == 1
+    assert "ibpembed pack: error:" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["pack", "x.pt"], ["pack", "x.pt", "-o", "d", "--chunk-bits", "8"], ["verify"], ["frob"]],
+)
+def test_usage_errors_exit_2(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run(argv)
+    assert exit_info.value.code == 2
+
+
+def test_inspect_directory_and_file(packed: Path, capsys) -> None:
+    assert run(["inspect", str(packed)]) == 0
+    text = capsys.readouterr().out
+    assert "feature t_user -> t_user" in text and "payload" in text and "header_xxh3" in text
+    one = next(packed.glob("item.*.ibpt"))
+    assert run(["inspect", str(one), "--json"]) == 0
+    desc = json.loads(capsys.readouterr().out)["tables"][0]
+    assert [s["kind"] for s in desc["sections"]] == [
+        "mask",
+        "bitval",
+        "block_base",
+        "row_units",
+        "bitmask",
+        "payload",
+        "meta",
+    ]
+    assert desc["header"]["num_rows"] == 100 and desc["meta"]["name"] == "item"
+
+
+def test_inspect_does_not_decode(packed: Path, capsys) -> None:
+    one = next(packed.glob("item.*.ibpt"))
+    begin, _ = section_ranges(one)["payload"]
+    flip_bit(one, begin + 1)
+    assert run(["inspect", str(one)]) == 0  # headers are fine; the payload is verify's job
+    assert run(["verify", str(one)]) == 1
+
+
+def test_inspect_foreign_file_exits_1(tmp_path: Path, capsys) -> None:
+    (tmp_path / "x.ibpt").write_bytes(b"hello world" * 20)
+    assert run(["inspect", str(tmp_path / "x.ibpt")]) == 1
+    assert "not an ibpembed table file" in capsys.readouterr().err
+
+
+def test_verify_ok_then_each_fault(packed: Path, capsys) -> None:
+    assert run(["verify", str(packed)]) == 0
+    assert capsys.readouterr().out.count("OK") == 2
+    victim = next(packed.glob("t_user.*.ibpt"))
+    begin, end = section_ranges(victim)["payload"]
+    flip_bit(victim, (begin + end) // 2)
+    assert run(["verify", str(packed)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.count("OK") == 1  # the healthy table still verifies
+    assert f"FAIL {victim}: section 'payload'" in captured.err
+    victim.unlink()
+    assert run(["verify", str(packed)]) == 1
+    assert run(["verify", str(packed / "nothing-here")]) == 1
+
+
+def test_commands_are_registered_with_the_ibpembed_command(packed: Path) -> None:
+    assert "ibpembed.tables.cli" in main_cli.COMMAND_MODULES
+    done = subprocess.run(
+        [sys.executable, "-m", "ibpembed.cli", "verify", str(packed)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
