@@ -29,3 +29,7 @@ bench-codec:
 	$(PIP) install -r requirements/bench.txt
 	$(PIP) install --no-deps -r requirements/data.txt
 	$(PY) -m benchmarks.codec
+
+# nvcc compile check of the CUDA kernels (sm_80 + sm_90, -Xptxas -v; no link, no GPU needed).
+cuda-check:
+	PYTHON=$(PY) scripts/check_cuda_compile.sh
