@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The torch-free client: imports, request building, the asyncio client, retries, stub freshness."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from ibpembed_client import (
+    AsyncLookupClient,
+    FeatureBatch,
+    LookupClient,
+    LookupServiceError,
+    RetryPolicy,
+    bf16_to_float32,
+    build_request,
+    decode_response,
+)
+from ibpembed_client.v1 import lookup_pb2 as pb
+from tests.server.helpers import RunningServer, make_store
+
+REPO = Path(__file__).resolve().parents[2]
+STUBS = REPO / "clients" / "python" / "ibpembed_client" / "v1"
+
+
+def test_import_does_not_pull_torch():
+    code = (
+        "import sys, ibpembed_client, ibpembed_client.aio, ibpembed_client.loadgen;"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ibpembed'));"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_generated_stubs_are_fresh(tmp_path):
+    subprocess.run(
+        [sys.executable, str(REPO / "proto" / "generate.py"), "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
+    fresh = sorted((tmp_path / "ibpembed_client" / "v1").glob("*_pb2*"))
+    assert [p.name for p in fresh] == sorted(p.name for p in STUBS.glob("*_pb2*"))
+    for path in fresh:
+        assert path.read_bytes() == (STUBS / path.name).read_bytes(), (
+            f"{path.name} is stale: run `python proto/generate.py`"
+        )
+
+
+def test_feature_batch_from_lists_and_request_bytes():
+    batch = FeatureBatch.from_lists([[3, 1], [], [7]], weights=[[0.5, 1.0], [], [2.0]])
+    assert batch.lengths.tolist() == [2, 0, 1] and batch.ids.tolist() == [3, 1, 7]
+    request = build_request({"f": batch}, "mean", request_id="x")
+    feature = request.features[0]
+    assert request.pooling == pb.POOLING_MEAN and request.request_id == "x"
+    assert np.frombuffer(feature.ids, "<i8").tolist() == [3, 1, 7]
+    assert np.frombuffer(feature.lengths, "<i4").tolist() == [2, 0, 1]
+    assert np.frombuffer(feature.weights, "<f4").tolist() == [0.5, 1.0, 2.0]
+    assert build_request({"f": [[1]]}).features[0].weights == b""
+    with pytest.raises(ValueError, match="pooling"):
+        build_request({}, "max")
+
+
+def test_decode_response_dtypes():
+    bits = np.array([[0x3F80, 0xC000]], dtype="<u2")  # bf16 1.0, -2.0
+    response = pb.LookupResponse(
+        request_id="r",
+        table_version=3,
+        features=[pb.FeatureOutput(name="a", dtype=pb.DTYPE_BFLOAT16, shape=[1, 2])],
+    )
+    response.features[0].values = bits.tobytes()
+    result = decode_response(response)
+    assert result.dtypes == {"a": "bfloat16"} and result.table_version == 3
+    assert bf16_to_float32(result["a"]).tolist() == [[1.0, -2.0]]
+    failed = decode_response(
+        pb.LookupResponse(request_id="r", error=pb.Error(code=5, message="gone"))
+    )
+    assert failed.error.code == grpc.StatusCode.NOT_FOUND and failed.values == {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_retries_unavailable_only_within_the_deadline():
+    target = f"127.0.0.1:{_free_port()}"  # nothing listens here
+    retry = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.02)
+    with (
+        LookupClient(target, timeout=30, retry=retry) as client,
+        pytest.raises(LookupServiceError) as info,
+    ):
+        client.lookup({"f": [[1]]})
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE and info.value.attempts == 4
+    with RunningServer(make_store()) as running, LookupClient(running.target, retry=retry) as c:
+        with pytest.raises(LookupServiceError) as info:
+            c.lookup({"no_such_feature": [[1]]})
+        assert info.value.code == grpc.StatusCode.NOT_FOUND and info.value.attempts == 1
+
+
+def test_async_client_matches_sync_client():
+    with RunningServer(make_store()) as running:
+        features = {"user": [[1, 2], [3]], "item": [[4]]}
+        with LookupClient(running.target, timeout=30) as sync:
+            want = sync.lookup(features, "none")
+
+        async def main():
+            async with AsyncLookupClient(running.target, timeout=30) as client:
+                assert await client.is_serving()
+                assert len(await client.list_tables()) == 4
+                assert (await client.describe_table("emb_f16")).dim == 3
+                got = await asyncio.gather(*(client.lookup(features, "none") for _ in range(8)))
+                streamed = [
+                    r
+                    async for r in client.lookup_stream(
+                        [build_request(features, "none", request_id=str(i)) for i in range(3)]
+                    )
+                ]
+                with pytest.raises(LookupServiceError) as info:
+                    await client.lookup({"user": [[10**6]]})
+                assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                return got, streamed
+
+        got, streamed = asyncio.run(main())
+    assert [r.request_id for r in streamed] == ["0", "1", "2"]
+    for result in [*got, *streamed]:
+        for name in features:
+            assert np.array_equal(result[name], want[name])

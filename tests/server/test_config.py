@@ -1,0 +1,59 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Settings from flags, environment and a TOML file, in that order of precedence."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ibpembed.server import config
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_defaults_match_the_issue():
+    cfg = config.load(_args(), environ={})
+    assert (cfg.host, cfg.port, cfg.metrics_port, cfg.tables, cfg.device) == (
+        "127.0.0.1", 50051, 9464, None, "auto",
+    )  # fmt: skip
+    # Large enough for a B=2048 x 26 x 128 fp32 pooled response (~27 MB).
+    assert cfg.max_message_bytes > 2048 * 26 * 128 * 4
+
+
+def test_flag_beats_env_beats_file(tmp_path):
+    path = tmp_path / "server.toml"
+    path.write_text("port = 1111\nmax_inflight = 5\nworkers = 3\nreflection = false\n")
+    env = {"IBPEMBED_PORT": "2222", "IBPEMBED_MAX_INFLIGHT": "6"}
+    cfg = config.load(_args("--config", str(path), "--port", "3333"), environ=env)
+    assert (cfg.port, cfg.max_inflight, cfg.workers, cfg.reflection) == (3333, 6, 3, False)
+    cfg = config.load(_args(), environ={**env, "IBPEMBED_CONFIG": str(path)})
+    assert (cfg.port, cfg.max_inflight) == (2222, 6)
+    assert config.load(_args("--no-reflection"), environ={}).reflection is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (("--port", "70000"), {}, "ports"),
+        (("--max-inflight", "0"), {}, "max_inflight"),
+        (("--tls-cert", "x.pem"), {}, "tls_key"),
+        (("--tls-client-ca", "ca.pem"), {}, "mTLS"),
+        ((), {"IBPEMBED_WORKERS": "many"}, "IBPEMBED_WORKERS"),
+        ((), {"IBPEMBED_DEVICE": "tpu"}, "device"),
+        ((), {"IBPEMBED_REFLECTION": "maybe"}, "boolean"),
+    ],
+)
+def test_invalid_settings_are_named(argv, env, message):
+    with pytest.raises(ValueError, match=message):
+        config.load(_args(*argv), environ=env)
+
+
+def test_markdown_table_lists_every_setting():
+    table = config.markdown_table()
+    for name in ("--max-message-mb", "IBPEMBED_GRACE_S", "`auth_token_file`", "min(4, CPUs)"):
+        assert name in table

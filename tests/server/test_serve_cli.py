@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``ibpembed serve`` as a process: banner, example query, health, reflection, SIGTERM drain."""
+
+from __future__ import annotations
+
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, build_request
+
+IBPEMBED = [sys.executable, "-m", "ibpembed.cli"]
+
+
+class ServeProcess:
+    """``ibpembed serve --port 0`` with the small demo; stdout and stderr collected by threads."""
+
+    def __init__(self, *flags: str) -> None:
+        self.proc = subprocess.Popen(
+            [*IBPEMBED, "serve", "--port", "0", "--demo-max-rows", "300", *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.stdout: queue.Queue[str] = queue.Queue()
+        self.stderr: queue.Queue[str] = queue.Queue()
+        self.banner: list[str] = []
+        for stream, sink in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr)):
+            threading.Thread(target=self._pump, args=(stream, sink), daemon=True).start()
+        self.port = int(self.wait_for(self.stdout, "listening on ").split(":")[-1].split()[0])
+        self.target = f"127.0.0.1:{self.port}"
+
+    @staticmethod
+    def _pump(stream, sink: queue.Queue[str]) -> None:
+        for line in stream:
+            sink.put(line)
+
+    def wait_for(self, sink: queue.Queue[str], text: str, timeout: float = 120.0) -> str:
+        """Read lines until one contains ``text`` (keeps stdout lines in ``banner``)."""
+        while True:
+            try:
+                line = sink.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(
+                    f"no line with {text!r}; exit code {self.proc.poll()}"
+                ) from None
+            if sink is self.stdout:
+                self.banner.append(line)
+            if text in line:
+                return line
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def serve():
+    process = ServeProcess("--grace-s", "60")
+    yield process
+    process.close()
+
+
+def test_banner_example_query_health_and_reflection(serve):
+    serve.wait_for(serve.stdout, "grpcurl -plaintext")
+    line = next(x for x in serve.banner if x.strip().startswith("python -c"))
+    argv = shlex.split(line.strip())
+    argv[0] = sys.executable
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout
+    values = out.replace("[", " ").replace("]", " ").split()
+    assert out.startswith("[[") and len(values) == 128  # one pooled D=128 row, printed by numpy
+    assert all(float(v) == float(v) for v in values)
+
+    client = LookupClient(serve.target, timeout=30)
+    assert client.is_serving() and client.is_serving("ibpembed.v1.EmbeddingLookup")
+    assert len(client.list_tables()) == 26
+    with grpc.insecure_channel(serve.target) as channel:
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert "ibpembed.v1.EmbeddingLookup" in services and "grpc.health.v1.Health" in services
+    client.close()
+
+
+def test_sigterm_drains_in_flight_stream_then_exits_zero(serve):
+    client = LookupClient(serve.target, timeout=60)
+    outbox: queue.Queue = queue.Queue()
+    responses = client.lookup_stream(iter(outbox.get, None))
+    outbox.put(build_request({"cat_0": [[1, 2]]}, request_id="before"))
+    assert next(responses).request_id == "before"  # the stream is open and in flight
+
+    serve.proc.send_signal(signal.SIGTERM)
+    serve.wait_for(serve.stderr, "draining")
+    fresh = LookupClient(serve.target, timeout=30, retry=RetryPolicy(max_attempts=1))
+    with pytest.raises(LookupServiceError) as info:
+        fresh.lookup({"cat_0": [[1]]})
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+    outbox.put(build_request({"cat_0": [[3]]}, request_id="during-drain"))
+    after = next(responses)
+    assert after.request_id == "during-drain" and after["cat_0"].shape == (1, 128)
+    outbox.put(None)  # the client finishes its stream; the server may now exit
+    assert list(responses) == []
+    assert serve.proc.wait(timeout=60) == 0
+    fresh.close()
+    client.close()
+
+
+def test_help_lists_every_setting():
+    out = subprocess.run(
+        [*IBPEMBED, "serve", "--help"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    for flag in ("--host", "--port", "--metrics-port", "--tables", "--device", "--config"):
+        assert flag in out
+
+
+def test_bad_config_fails_fast(tmp_path: Path):
+    config = tmp_path / "server.toml"
+    config.write_text("no_such_setting = 1\n")
+    result = subprocess.run(
+        [*IBPEMBED, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode != 0 and "no_such_setting" in result.stderr
