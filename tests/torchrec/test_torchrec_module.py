@@ -25,6 +25,8 @@ from torchrec import (
 )
 
 import ibpembed.torchrec.module as module_impl
+from ibpembed.tables.importers import TableSet, TableSource, from_torchrec
+from ibpembed.tables.manifest import pack_table_set
 from ibpembed.torchrec import (
     CompressedEmbeddingBagCollection,
     compress_model,
@@ -221,7 +223,7 @@ def test_unsupported_configs_are_rejected() -> None:
     int8 = EmbeddingBagConfig(
         name="q", embedding_dim=4, num_embeddings=4, feature_names=["q"], data_type=DataType.INT8
     )
-    with pytest.raises(ValueError, match="data_type must be FP32 or FP16"):
+    with pytest.raises(ValueError, match="data_type must be FP32, FP16 or BF16"):
         CompressedEmbeddingBagCollection([int8])
     with pytest.raises(TypeError, match="EmbeddingBagCollection"):
         CompressedEmbeddingBagCollection.from_ebc(torch.nn.Linear(2, 2))
@@ -371,6 +373,47 @@ def test_state_dict_mismatches_are_reported(mixed) -> None:
     extra = {**state, "embedding_bags.t_one.junk": torch.zeros(1)}
     with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*t_one.junk"):
         CompressedEmbeddingBagCollection(TABLES).load_state_dict(extra)
+
+
+# -- packed table sets ---------------------------------------------------------------------------
+
+
+def test_from_table_set(tmp_path) -> None:
+    tables = [
+        EmbeddingBagConfig(
+            name="zeta", embedding_dim=6, num_embeddings=90, feature_names=["z1", "z2"],
+            pooling=PoolingType.MEAN,
+        ),
+        EmbeddingBagConfig(name="alpha", embedding_dim=3, num_embeddings=40, feature_names=["a"]),
+    ]  # fmt: skip
+    ebc = make_ebc(tables)
+    pack_table_set(tmp_path, from_torchrec(ebc))
+    ours = CompressedEmbeddingBagCollection.from_table_set(tmp_path, tables=["zeta", "alpha"])
+    assert_same_as_torchrec(ebc, ours, random_kjt(ebc, 16, 5, seed=0))
+    assert ours.embedding_bag_configs()[0].pooling == PoolingType.MEAN
+    default = CompressedEmbeddingBagCollection.from_table_set(tmp_path)
+    assert [c.name for c in default.embedding_bag_configs()] == ["alpha", "zeta"]
+    with pytest.raises(KeyError, match="table 'nope' is not in the table set"):
+        CompressedEmbeddingBagCollection.from_table_set(tmp_path, tables=["nope"])
+
+
+def test_from_table_set_bf16_and_int8(tmp_path) -> None:
+    torch.manual_seed(0)
+    bf16 = (torch.randn(50, 8) * 0.1).bfloat16()
+    sources = (
+        TableSource("b", bf16, feature_names=("b",), pooling="mean"),
+        TableSource("q", torch.randint(0, 255, (20, 8), dtype=torch.uint8)),
+    )
+    pack_table_set(tmp_path, TableSet(sources))
+    ours = CompressedEmbeddingBagCollection.from_table_set(tmp_path, tables=["b"])
+    # bf16 -> fp32 is exact, so an fp32 EBC holding the same values is the reference.
+    config = replace(ours.embedding_bag_configs()[0], data_type=DataType.FP32)
+    ebc = EmbeddingBagCollection(tables=[config])
+    with torch.no_grad():
+        ebc.embedding_bags["b"].weight.copy_(bf16.float())
+    assert_same_as_torchrec(ebc, ours, random_kjt(ebc, 16, 5, seed=1))
+    with pytest.raises(ValueError, match="table 'q' holds uint8 rows"):
+        CompressedEmbeddingBagCollection.from_table_set(tmp_path)
 
 
 # -- compress_model --------------------------------------------------------------------------------

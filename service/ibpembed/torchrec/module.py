@@ -24,6 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ibpembed._ops import DTYPE_CODES, ops
 from ibpembed.codec import CompressedTable, compress
+from ibpembed.tables.manifest import load_table_set
 
 # Bumped whenever the meaning of the buffers changes, so an old state_dict is rejected with a
 # clear error instead of decoding garbage.
@@ -33,7 +34,9 @@ _POOLING_CODES: dict[PoolingType, int] = {PoolingType.SUM: 0, PoolingType.MEAN: 
 _TORCH_DTYPES: dict[DataType, torch.dtype] = {
     DataType.FP32: torch.float32,
     DataType.FP16: torch.float16,
+    DataType.BF16: torch.bfloat16,
 }
+_DATA_TYPES = {str(dtype).removeprefix("torch."): d for d, dtype in _TORCH_DTYPES.items()}
 _BUFFER_NAMES = ("payload", "block_base", "row_units", "bitmask", "mask", "bitval", "meta")
 # meta = [STATE_VERSION, chunk_bits, unit_bytes, num_rows, dim, dtype code]
 _META_FIELDS = 6
@@ -52,7 +55,7 @@ class CompressedEmbeddingBag(nn.Module):
     Parameters
     ----------
     num_embeddings, embedding_dim : table shape.
-    dtype : row dtype of the source table (float32 or float16 for torchrec tables).
+    dtype : row dtype of the source table (float32, float16 or bfloat16).
     pooling : ``PoolingType.SUM`` or ``PoolingType.MEAN``.
     table : the compressed table; None builds an empty placeholder to ``load_state_dict`` into.
     """
@@ -250,7 +253,8 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     Parameters
     ----------
-    tables : one ``EmbeddingBagConfig`` per table (pooling SUM or MEAN, data type FP32 or FP16).
+    tables : one ``EmbeddingBagConfig`` per table (pooling SUM or MEAN; data type FP32, FP16 or
+        BF16).
     is_weighted : whether the KJT carries per-id weights that scale the rows.
     compressed : compressed table per table name; None builds empty tables for ``load_state_dict``.
     allow_unknown_keys : ignore KJT keys that no table reads instead of raising.
@@ -319,6 +323,61 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             compressed,
             allow_unknown_keys=allow_unknown_keys,
         )
+
+    @classmethod
+    def from_table_set(
+        cls,
+        directory: str,
+        tables: list[str] | None = None,
+        is_weighted: bool = False,
+        allow_unknown_keys: bool = False,
+        verify: bool = False,
+    ) -> "CompressedEmbeddingBagCollection":
+        """Load a packed table set (``ibpembed pack``, ``ibpembed.tables``) as a collection.
+
+        Tables keep the feature names and pooling their manifest records (tables packed without
+        a pooling pool with SUM, torchrec's default). The payloads stay memory-mapped from the
+        table files until rows are read.
+
+        Parameters
+        ----------
+        directory : the table set (its ``manifest.json`` and ``.ibpt`` files).
+        tables : table names in the order the output ``KeyedTensor`` should list them (pass
+            ``[c.name for c in ebc.embedding_bag_configs()]`` to match a model); default: every
+            table in manifest order.
+        is_weighted, allow_unknown_keys : see the class docstring.
+        verify : hash every payload while loading (see ``ibpembed.tables.load_table_set``).
+
+        Raises
+        ------
+        KeyError
+            for a name in ``tables`` the set does not hold.
+        ValueError
+            for tables torchrec cannot pool as floats (row-wise int8, int8/uint8 rows).
+        """
+        manifest, compressed = load_table_set(directory, verify=verify)
+        names = list(manifest.tables) if tables is None else tables
+        configs = []
+        for name in names:
+            if name not in manifest.tables:
+                raise KeyError(f"table '{name}' is not in the table set {directory}")
+            entry = manifest.tables[name]
+            if entry.quant is not None or entry.dtype not in _DATA_TYPES:
+                raise ValueError(
+                    f"table '{name}' holds {entry.dtype} rows (quant={entry.quant}): only "
+                    f"float32, float16 and bfloat16 tables can back an EmbeddingBagCollection"
+                )
+            configs.append(
+                EmbeddingBagConfig(
+                    name=name,
+                    embedding_dim=entry.dim,
+                    num_embeddings=entry.num_rows,
+                    feature_names=list(entry.feature_names),
+                    pooling=PoolingType.MEAN if entry.pooling == "mean" else PoolingType.SUM,
+                    data_type=_DATA_TYPES[entry.dtype],
+                )
+            )
+        return cls(configs, is_weighted, {n: compressed[n] for n in names}, allow_unknown_keys)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         """The table configs, as torchrec's ``EmbeddingBagCollection.embedding_bag_configs()``."""
@@ -440,7 +499,7 @@ def _checked_config(config: EmbeddingBagConfig) -> EmbeddingBagConfig:
         )
     if config.data_type not in _TORCH_DTYPES:
         raise ValueError(
-            f"table {config.name!r}: data_type must be FP32 or FP16, got {config.data_type}"
+            f"table {config.name!r}: data_type must be FP32, FP16 or BF16, got {config.data_type}"
         )
     feature_names = list(config.feature_names) or [config.name]
     return replace(config, feature_names=feature_names)
