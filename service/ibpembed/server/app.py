@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -161,6 +162,8 @@ def example_query(host: str, port: int, feature: str, token_hint: bool) -> str:
 
 async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     """Run until SIGTERM/SIGINT, then drain and return 0."""
+    # Process-wide, hence here and not in LookupServer (see ServerConfig.torch_threads).
+    torch.set_num_threads(config.torch_threads)
     store = load_store(config)
     server = LookupServer(config, store)
     port = await server.start()

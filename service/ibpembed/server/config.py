@@ -41,6 +41,11 @@ class ServerConfig:
     workers: int = _setting(
         min(4, os.cpu_count() or 1), "Threads running lookup kernels (default: min(4, CPUs))."
     )
+    torch_threads: int = _setting(
+        1,
+        "torch intra-op threads per kernel call. 1 = parallelism comes from `workers`"
+        " (more threads per call oversubscribe the cores: torch.unique got 10x slower).",
+    )
     max_inflight: int = _setting(
         64, "Lookups admitted at once (running or waiting); more get RESOURCE_EXHAUSTED."
     )
@@ -56,7 +61,7 @@ class ServerConfig:
         20.0, "On SIGTERM/SIGINT: seconds in-flight RPCs get to finish before being cancelled."
     )
     dedupe_max_unique_fraction: float = _setting(
-        0.3, "Pooled lookups decode distinct rows once when distinct/ids <= this (0 = never)."
+        0.5, "Pooled lookups decode distinct rows once when distinct/ids <= this (0 = never)."
     )
     demo_max_rows: int = _setting(
         20000, "Demo table set only: rows per table cap (DCNv2 cardinalities are capped to it)."
@@ -76,7 +81,14 @@ class ServerConfig:
         """Raise ValueError for impossible combinations; returns self."""
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
             raise ValueError("ports must be in [0, 65535]")
-        for name in ("workers", "max_inflight", "max_message_mb", "stream_window", "demo_max_rows"):
+        for name in (
+            "workers",
+            "torch_threads",
+            "max_inflight",
+            "max_message_mb",
+            "stream_window",
+            "demo_max_rows",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.grace_s < 0:

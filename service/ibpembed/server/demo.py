@@ -15,17 +15,17 @@ from __future__ import annotations
 import torch
 
 from ibpembed.codec import CompressedTable, compress
+from ibpembed_client.workload import DCNV2_POOLING_FACTORS
 
 # MLPerf DLRM-DCNv2 table cardinalities (Criteo 1TB, in feature order).
 DCNV2_CARDINALITIES: tuple[int, ...] = (
     40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
     2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
 )  # fmt: skip
-# Ids per sample for each feature in the MLPerf DCNv2 multi-hot dataset (214 per sample).
-DCNV2_POOLING_FACTORS: tuple[int, ...] = (
-    3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1,
-)  # fmt: skip
 DIM = 128
+
+
+__all__ = ["DCNV2_CARDINALITIES", "DCNV2_POOLING_FACTORS", "DIM", "build", "feature_names"]
 
 
 def feature_names() -> list[str]:

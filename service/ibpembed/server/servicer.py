@@ -78,13 +78,12 @@ def encode_response(request_id: str, result: LookupResult) -> pb.LookupResponse:
     response = pb.LookupResponse(request_id=request_id, table_version=result.version)
     for feature in result.features:
         values = feature.values.contiguous()
-        response.features.append(
-            pb.FeatureOutput(
-                name=feature.name,
-                dtype=_DTYPES[values.dtype],
-                shape=list(values.shape),
-                values=values.view(torch.uint8).numpy().tobytes(),
-            )
+        # add() builds in place: append(FeatureOutput(...)) would copy the values once more.
+        response.features.add(
+            name=feature.name,
+            dtype=_DTYPES[values.dtype],
+            shape=list(values.shape),
+            values=values.view(torch.uint8).numpy().tobytes(),
         )
     return response
 

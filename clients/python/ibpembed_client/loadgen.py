@@ -1,0 +1,337 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``ibpembed-loadgen``: drive a server with recommendation traffic and report latency.
+
+Two load modes, as in perf_analyzer:
+
+* **concurrency** (``--concurrency N``): N requests always in flight (closed loop). Finds the
+  throughput the server sustains.
+* **request rate** (``--rate R``): Poisson arrivals at R requests/s (open loop), bounded by
+  ``--max-inflight``. Exposes queueing: latency grows as R nears capacity. Arrivals that find
+  ``--max-inflight`` requests outstanding are counted as ``dropped``, not sent.
+
+Requests are prebuilt (``--request-pool`` distinct ones, cycled) so generating ids costs nothing
+on the hot path. Every request has a deadline (``--deadline-ms``). The report gives p50, p90,
+p99, p99.9, mean and max latency of successful requests, QPS, and errors by status code; as JSON
+with ``--json`` and as a latency histogram with ``--png`` (needs matplotlib: the ``loadgen``
+extra).
+
+    ibpembed-loadgen --target 127.0.0.1:50051 --concurrency 16 --duration 10 --batch-size 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ibpembed_client._common import LookupServiceError, RetryPolicy
+from ibpembed_client.aio import AsyncLookupClient
+from ibpembed_client.v1 import lookup_pb2 as pb
+from ibpembed_client.workload import hotness_for, make_requests
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What to send and how. Exactly one of ``concurrency`` and ``rate`` is set."""
+
+    target: str
+    concurrency: int | None = None
+    rate: float | None = None
+    duration_s: float = 10.0
+    warmup_s: float = 1.0
+    max_requests: int | None = None
+    batch_size: int = 64
+    features: tuple[str, ...] = ()  # empty = every feature the server lists
+    hotness: str = "dcnv2"
+    zipf_alpha: float = 1.05
+    pooling: str = "sum"
+    deadline_ms: float = 5000.0
+    max_inflight: int = 256
+    request_pool: int = 16
+    seed: int = 0
+    token: str | None = None
+    progress: bool = True
+
+    def validate(self) -> LoadConfig:
+        if (self.concurrency is None) == (self.rate is None):
+            raise ValueError("give exactly one of --concurrency and --rate")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("--concurrency must be >= 1")
+        if self.rate is not None and self.rate <= 0:
+            raise ValueError("--rate must be > 0")
+        if self.batch_size < 1 or self.request_pool < 1 or self.max_inflight < 1:
+            raise ValueError("--batch-size, --request-pool and --max-inflight must be >= 1")
+        return self
+
+
+@dataclass
+class _Tally:
+    """Outcomes of requests that started after the warm-up."""
+
+    latencies: list[float] = field(default_factory=list)
+    errors: Counter = field(default_factory=Counter)
+    dropped: int = 0
+    sent: int = 0
+
+    def add(self, started: float, warm_from: float, seconds: float, code: str | None) -> None:
+        if started < warm_from:
+            return
+        if code is None:
+            self.latencies.append(seconds)
+        else:
+            self.errors[code] += 1
+
+
+class _Progress:
+    """A one-line progress bar on stderr (no dependency)."""
+
+    def __init__(self, total_s: float, enabled: bool) -> None:
+        self.total_s, self.enabled = total_s, enabled and sys.stderr.isatty()
+
+    def update(self, elapsed: float, tally: _Tally) -> None:
+        if not self.enabled:
+            return
+        done = min(1.0, elapsed / self.total_s) if self.total_s else 1.0
+        bar = "#" * int(done * 30)
+        sys.stderr.write(
+            f"\r[{bar:<30}] {elapsed:5.1f}/{self.total_s:.0f} s  ok {len(tally.latencies)}"
+            f"  errors {sum(tally.errors.values())}  dropped {tally.dropped}"
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+async def _prepare(client: AsyncLookupClient, cfg: LoadConfig) -> list[pb.LookupRequest]:
+    rows = {}
+    for table in await client.list_tables(timeout=30):
+        for feature in table.features:
+            rows[feature] = table.num_rows
+    features = list(cfg.features) or sorted(rows, key=_natural_key)
+    unknown = [f for f in features if f not in rows]
+    if unknown:
+        raise ValueError(f"features not served by {cfg.target}: {unknown}")
+    return make_requests(
+        {f: rows[f] for f in features},
+        batch_size=cfg.batch_size,
+        hotness=hotness_for(features, cfg.hotness),
+        alpha=cfg.zipf_alpha,
+        pooling=cfg.pooling,  # type: ignore[arg-type]
+        count=cfg.request_pool,
+        seed=cfg.seed,
+    )
+
+
+def _natural_key(name: str) -> tuple:
+    """cat_2 before cat_10, so the DCNv2 profile lines up with the demo's feature order."""
+    head, _, tail = name.rpartition("_")
+    return (head, int(tail)) if tail.isdigit() else (name, -1)
+
+
+async def run_load(cfg: LoadConfig) -> dict:
+    """Run the load described by ``cfg`` and return the report (see :func:`summarize`)."""
+    cfg.validate()
+    # No retries: the load generator reports what the server answered.
+    client = AsyncLookupClient(cfg.target, token=cfg.token, retry=RetryPolicy(max_attempts=1))
+    try:
+        requests = await _prepare(client, cfg)
+        tally = _Tally()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        warm_from = start + cfg.warmup_s
+        stop_at = warm_from + cfg.duration_s
+        timeout = cfg.deadline_ms / 1000.0
+        progress = _Progress(cfg.warmup_s + cfg.duration_s, cfg.progress)
+
+        def budget_left() -> bool:
+            within = cfg.max_requests is None or tally.sent < cfg.max_requests
+            return within and loop.time() < stop_at
+
+        async def one(request: pb.LookupRequest) -> None:
+            began = loop.time()
+            code = None
+            try:
+                await client.lookup_request(request, timeout=timeout)
+            except LookupServiceError as err:
+                code = err.code.name
+            tally.add(began, warm_from, loop.time() - began, code)
+
+        async def closed_loop(worker: int) -> None:
+            i = worker
+            while budget_left():
+                tally.sent += 1
+                await one(requests[i % len(requests)])
+                i += cfg.concurrency or 1
+
+        async def open_loop() -> None:
+            arrivals = random.Random(cfg.seed)
+            inflight: set[asyncio.Task] = set()
+            next_at, i = loop.time(), 0
+            while True:
+                next_at += arrivals.expovariate(cfg.rate or 1.0)
+                await asyncio.sleep(max(0.0, next_at - loop.time()))
+                if not budget_left():
+                    break
+                if len(inflight) >= cfg.max_inflight:
+                    if next_at >= warm_from:
+                        tally.dropped += 1
+                    continue
+                tally.sent += 1
+                task = asyncio.create_task(one(requests[i % len(requests)]))
+                inflight.add(task)
+                task.add_done_callback(inflight.discard)
+                i += 1
+            await asyncio.gather(*inflight)
+
+        async def report_progress() -> None:
+            while True:
+                progress.update(loop.time() - start, tally)
+                await asyncio.sleep(0.5)
+
+        ticker = asyncio.create_task(report_progress())
+        if cfg.concurrency is not None:
+            await asyncio.gather(*(closed_loop(w) for w in range(cfg.concurrency)))
+        else:
+            await open_loop()
+        ticker.cancel()
+        progress.update(loop.time() - start, tally)
+        progress.close()
+        measured = max(1e-9, min(loop.time(), stop_at) - warm_from)
+        return summarize(cfg, tally, measured)
+    finally:
+        await client.close()
+
+
+def summarize(cfg: LoadConfig, tally: _Tally, measured_s: float) -> dict:
+    """The JSON report: settings, counts, QPS and latency percentiles in milliseconds."""
+    lat = np.asarray(tally.latencies) * 1000.0
+    pct = {}
+    if lat.size:
+        for name, q in (("p50", 50), ("p90", 90), ("p99", 99), ("p99.9", 99.9)):
+            pct[name] = float(np.percentile(lat, q))
+        pct |= {"mean": float(lat.mean()), "max": float(lat.max())}
+    return {
+        "config": asdict(cfg) | {"token": None},  # never write a secret to a report
+        "mode": "concurrency" if cfg.concurrency is not None else "request_rate",
+        "measured_s": measured_s,
+        "ok": int(lat.size),
+        "errors": dict(tally.errors),
+        "dropped": tally.dropped,
+        "qps": lat.size / measured_s,
+        "samples_per_s": lat.size * cfg.batch_size / measured_s,
+        "latency_ms": pct,
+        "latencies_ms": lat.tolist(),
+    }
+
+
+def plot_latency(report: dict, path: str | Path) -> None:
+    """Histogram of successful-request latency with the percentiles marked (matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit("--png needs matplotlib: pip install 'ibpembed-client[loadgen]'") from exc
+    lat = np.asarray(report["latencies_ms"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if lat.size:
+        bins = np.logspace(np.log10(max(lat.min(), 1e-3)), np.log10(lat.max() * 1.01 + 1e-3), 60)
+        ax.hist(lat, bins=bins)
+        ax.set_xscale("log")
+        for name, value in report["latency_ms"].items():
+            if name.startswith("p"):
+                ax.axvline(value, linestyle="--", linewidth=1)
+                ax.text(value, ax.get_ylim()[1] * 0.9, name, rotation=90, fontsize=8)
+    ax.set_xlabel("latency (ms)")
+    ax.set_ylabel("requests")
+    ax.set_title(f"{report['mode']}: {report['qps']:.0f} QPS, {report['ok']} ok")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ibpembed-loadgen",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--target", default="127.0.0.1:50051", help="server host:port")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--concurrency", type=int, help="requests kept in flight (closed loop)")
+    mode.add_argument("--rate", type=float, help="Poisson arrivals per second (open loop)")
+    p.add_argument("--duration", type=float, default=10.0, help="measured seconds")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds run before measuring")
+    p.add_argument("--requests", type=int, help="stop after this many requests")
+    p.add_argument("--batch-size", type=int, default=64, help="samples per request (B)")
+    p.add_argument("--features", default="", help="comma-separated features; default all")
+    p.add_argument("--hotness", default="dcnv2", help="ids per sample: dcnv2 or an integer")
+    p.add_argument("--zipf-alpha", type=float, default=1.05, help="Zipf exponent of the ids")
+    p.add_argument("--pooling", choices=("sum", "mean", "none"), default="sum")
+    p.add_argument("--deadline-ms", type=float, default=5000.0, help="per-request deadline")
+    p.add_argument("--max-inflight", type=int, default=256, help="rate mode: outstanding cap")
+    p.add_argument("--request-pool", type=int, default=16, help="distinct prebuilt requests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--token", help="bearer token")
+    p.add_argument("--json", help="write the full report here")
+    p.add_argument("--png", help="write a latency histogram here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.concurrency is None and args.rate is None:
+        args.concurrency = 8
+    cfg = LoadConfig(
+        target=args.target,
+        concurrency=args.concurrency,
+        rate=args.rate,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        max_requests=args.requests,
+        batch_size=args.batch_size,
+        features=tuple(f for f in args.features.split(",") if f),
+        hotness=args.hotness,
+        zipf_alpha=args.zipf_alpha,
+        pooling=args.pooling,
+        deadline_ms=args.deadline_ms,
+        max_inflight=args.max_inflight,
+        request_pool=args.request_pool,
+        seed=args.seed,
+        token=args.token,
+        progress=not args.no_progress,
+    )
+    try:
+        report = asyncio.run(run_load(cfg))
+    except (ValueError, LookupServiceError) as exc:
+        print(f"ibpembed-loadgen: {exc}", file=sys.stderr)
+        return 2
+    lat = report["latency_ms"]
+    summary = "  ".join(f"{k} {v:.2f} ms" for k, v in lat.items())
+    print(
+        f"{report['mode']}: {report['ok']} ok in {report['measured_s']:.1f} s = "
+        f"{report['qps']:.1f} QPS ({report['samples_per_s']:.0f} samples/s)\n"
+        f"latency: {summary or 'no successful requests'}\n"
+        f"errors: {report['errors'] or 'none'}  dropped: {report['dropped']}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.png:
+        plot_latency(report, args.png)
+    return 0 if not report["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The load generator against a real server, and its traffic model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from ibpembed_client import loadgen
+from ibpembed_client.workload import DCNV2_POOLING_FACTORS, ZipfIds, hotness_for, make_requests
+from tests.server.helpers import RunningServer, make_store
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RunningServer(make_store()) as running:
+        yield running
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.2])
+def test_zipf_ids_are_skewed_in_range_and_permuted(alpha):
+    sampler = ZipfIds(10_000, alpha, np.random.default_rng(0))
+    ranks = sampler.ranks(50_000)
+    counts = np.bincount(ranks, minlength=10_000)
+    assert ranks.min() >= 0 and ranks.max() < 10_000
+    assert counts[0] > counts[10] > counts[1000]  # popularity falls with rank
+    ids = sampler.sample(50_000)
+    assert ids.min() >= 0 and ids.max() < 10_000
+    hottest = np.bincount(ids).argmax()
+    assert hottest != 0  # hot rows are spread, not a prefix
+    assert ZipfIds(1, alpha, np.random.default_rng(0)).sample(5).tolist() == [0] * 5
+
+
+def test_requests_follow_the_dcnv2_profile():
+    features = [f"cat_{i}" for i in range(26)]
+    hot = hotness_for(features, "dcnv2")
+    assert list(hot.values()) == list(DCNV2_POOLING_FACTORS) and sum(hot.values()) == 214
+    (request,) = make_requests(
+        dict.fromkeys(features, 50), batch_size=4, hotness=hot, alpha=1.05, pooling="sum", count=1
+    )
+    for feature, want in zip(request.features, DCNV2_POOLING_FACTORS, strict=True):
+        assert np.frombuffer(feature.lengths, "<i4").tolist() == [want] * 4
+    assert hotness_for(["a", "b"], "3") == {"a": 3, "b": 3}
+
+
+@pytest.mark.parametrize(
+    "mode", [{"concurrency": 4}, {"rate": 200.0, "max_inflight": 8}], ids=["closed", "open"]
+)
+def test_run_load_reports_without_errors(server, mode):
+    cfg = loadgen.LoadConfig(
+        target=server.target,
+        duration_s=30.0,
+        warmup_s=0.0,
+        max_requests=40,
+        batch_size=8,
+        hotness="2",
+        request_pool=4,
+        progress=False,
+        **mode,
+    )
+    report = asyncio.run(loadgen.run_load(cfg))
+    assert report["errors"] == {} and report["ok"] + report["dropped"] >= 1
+    assert report["ok"] == len(report["latencies_ms"]) <= 40
+    lat = report["latency_ms"]
+    assert lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["p99.9"] <= lat["max"]
+
+
+def test_cli_writes_json_and_png(server, tmp_path, capsys):
+    out, png = tmp_path / "report.json", tmp_path / "latency.png"
+    code = loadgen.main(
+        ["--target", server.target, "--concurrency", "2", "--requests", "10", "--warmup", "0",
+         "--batch-size", "4", "--features", "user,item", "--no-progress",
+         "--json", str(out), "--png", str(png)]
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["ok"] == 10 and report["config"]["features"] == ["user", "item"]
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert "QPS" in capsys.readouterr().out
+
+
+def test_cli_rejects_unknown_features(server, capsys):
+    argv = ["--target", server.target, "--features", "nope", "--requests", "1", "--no-progress"]
+    assert loadgen.main(argv) == 2
+    assert "nope" in capsys.readouterr().err
