@@ -464,11 +464,22 @@ class _Written:
         )
 
 
+def _destination(
+    path: str | os.PathLike[str], name: str, content_named: bool
+) -> tuple[Path, Callable[[int], Path]]:
+    """(directory of the temporary file, final path as a function of the header checksum)."""
+    path = Path(path)
+    if content_named:
+        return path, lambda digest: path / f"{file_stem(name)}.{digest:016x}{SUFFIX}"
+    return path.parent, lambda _digest: path
+
+
 def pack_table(
-    path: str | os.PathLike[str] | Callable[[int], Path],
+    path: str | os.PathLike[str],
     weight: torch.Tensor,
     *,
     name: str,
+    content_named: bool = False,
     quant: str | None = None,
     method: codec.Method = "ibpembed",
     sample_rows: int | None = codec.DEFAULT_SAMPLE_ROWS,
@@ -486,8 +497,8 @@ def pack_table(
 
     Parameters
     ----------
-    path : the target file, or a function of the header checksum returning it (content-named
-        files in a table set).
+    path : the target file; with ``content_named``, the directory to write
+        ``<name>.<header checksum>.ibpt`` into (the files of a table set).
     weight : [N, D] contiguous CPU tensor (fp32/fp16/bf16/int8/uint8).
     name : table name recorded in the file.
     quant, method, sample_rows, seed, align, chunk_bits : as for ``codec.compress``.
@@ -499,8 +510,7 @@ def pack_table(
     PackedTable: sizes, checksum and wall time.
     """
     start = time.perf_counter()
-    target = path if callable(path) else (lambda _digest: Path(path))
-    directory = target(0).parent
+    directory, final_path = _destination(path, name, content_named)
     with AtomicWriter(directory, file_stem(name)) as writer:
         written = _pack_into(
             writer.file,
@@ -515,7 +525,7 @@ def pack_table(
             meta=meta,
             progress=progress,
         )
-        final = writer.commit(target(written.header_xxh3))
+        final = writer.commit(final_path(written.header_xxh3))
     return written.summary(name, final, time.perf_counter() - start)
 
 
@@ -528,23 +538,25 @@ def decoded_xxh3(table: CompressedTable, step_bytes: int = VERIFY_STEP_BYTES) ->
 
 
 def write_table(
-    path: str | os.PathLike[str] | Callable[[int], Path],
+    path: str | os.PathLike[str],
     table: CompressedTable,
     *,
     name: str,
+    content_named: bool = False,
     meta: Mapping[str, Any] | None = None,
 ) -> PackedTable:
     """Write an already compressed table (e.g. one with row updates) as a file, atomically.
 
     The source hash is recomputed by decoding the table step by step, so the file verifies
     exactly like a packed one. A table whose payload has spilled blocks is compacted first.
+    ``path`` and ``content_named`` are as for ``pack_table``.
     """
     start = time.perf_counter()
     if not _layout.is_compact(table):
         table, _ = _layout.compact(table)
     source = decoded_xxh3(table)
-    target = path if callable(path) else (lambda _digest: Path(path))
-    with AtomicWriter(target(0).parent, file_stem(name)) as writer:
+    directory, final_path = _destination(path, name, content_named)
+    with AtomicWriter(directory, file_stem(name)) as writer:
         out = _TableFileWriter(writer.file, table.num_rows, table.mask.numel())
         out.write_payload(_as_bytes(table.payload[: _layout.payload_end(table)]))
         header_xxh3, file_bytes = out.finish(
@@ -565,7 +577,7 @@ def write_table(
             },
             _meta(name, table.quant, source, meta),
         )
-        final = writer.commit(target(header_xxh3))
+        final = writer.commit(final_path(header_xxh3))
     written = _Written(
         table.num_rows,
         table.dim,

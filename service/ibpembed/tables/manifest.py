@@ -167,10 +167,6 @@ def _pack_lock(directory: Path) -> Iterator[None]:
         yield
 
 
-def _content_name(directory: Path, table: str) -> Callable[[int], Path]:
-    return lambda digest: directory / f"{tf.file_stem(table)}.{digest:016x}{tf.SUFFIX}"
-
-
 def _publish(directory: Path, manifest: Manifest) -> None:
     """Replace the manifest, then remove files no manifest refers to any more."""
     tf.write_bytes_atomic(directory / MANIFEST, manifest.to_json())
@@ -235,9 +231,10 @@ def pack_table_set(
     with _pack_lock(directory):
         for source in table_set.tables:
             packed = tf.pack_table(
-                _content_name(directory, source.name),
+                directory,
                 source.weight,
                 name=source.name,
+                content_named=True,
                 quant=source.quant,
                 method=method,
                 sample_rows=sample_rows,
@@ -273,7 +270,7 @@ def save_table_set(
     with _pack_lock(directory):
         for name, table in tables.items():
             meta = {"feature_names": by_table[name], "pooling": pooling.get(name)}
-            packed = tf.write_table(_content_name(directory, name), table, name=name, meta=meta)
+            packed = tf.write_table(directory, table, name=name, meta=meta, content_named=True)
             entries[name] = _entry(packed, pooling.get(name), tuple(by_table[name]))
             reports.append(packed)
         _publish(directory, Manifest(tables=entries, features=dict(features)))
