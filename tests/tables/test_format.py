@@ -328,3 +328,15 @@ def test_trailing_bytes_are_an_error(packed) -> None:
         f.write(b"\0")
     with pytest.raises(tf.TableFileError, match="unexpected bytes after the end"):
         tf.read_table(path)
+
+
+def test_pack_matches_compress_beyond_the_width_probe(tmp_path: Path) -> None:
+    # Large enough that the codec chooses the chunk width on a sub-sample: pack must draw the
+    # very same samples as compress.
+    weight = trained_like(70_000, 8)
+    tf.pack_table(tmp_path / "big.ibpt", weight, name="big")
+    loaded = tf.read_table(tmp_path / "big.ibpt").table
+    reference = compress(weight)
+    assert loaded.chunk_bits == reference.chunk_bits
+    assert torch.equal(loaded.mask, reference.mask)
+    assert torch.equal(loaded.payload, reference.payload)

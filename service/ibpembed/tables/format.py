@@ -379,8 +379,13 @@ def _pack_into(
     num_rows, dim = weight.shape
     rows = weight.view(torch.uint8).view(num_rows, -1)
     row_bytes = rows.shape[1]
+    # The same sample and fit as codec.compress, so the file holds exactly its bytes.
     bits, mask, bitval = codec.fit(
-        codec._sample(rows, sample_rows, seed), method=method, align=align, chunk_bits=chunk_bits
+        codec._sample(rows, sample_rows, seed),
+        method=method,
+        align=align,
+        chunk_bits=chunk_bits,
+        seed=seed,
     )
     unit = codec.slot_unit_bytes(row_bytes, align)
     blocks = _layout.num_blocks(num_rows)
