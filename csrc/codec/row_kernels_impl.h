@@ -29,25 +29,72 @@ inline void prefetch_row(const TableView& t, int64_t r) {
   for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(t.payload + offset + line, 0, 0);
 }
 
-template <class Ops>
-int64_t compressed_bytes(const uint8_t* row, int64_t row_bytes, const uint64_t* mask,
-                         const uint64_t* bitval, int chunk_bits) {
-  const int v = chunks_per_row(row_bytes, chunk_bits);
-  switch (chunk_bits) {
-    case 16: return compressed_row_bytes<16>(row, row_bytes, mask, bitval, v);
-    case 32: return compressed_row_bytes<32>(row, row_bytes, mask, bitval, v);
-    default: return compressed_row_bytes<64>(row, row_bytes, mask, bitval, v);
+template <int W>
+std::vector<uint8_t> free_counts(const uint64_t* mask, int num_chunks) {
+  std::vector<uint8_t> free(num_chunks);
+  compute_free_bits<W>(mask, num_chunks, free.data());
+  return free;
+}
+
+template <int W>
+void size_rows_w(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64_t* mask,
+                 const uint64_t* bitval, int64_t* comp_bytes) {
+  const int v = chunks_per_row(row_bytes, W);
+  const std::vector<uint8_t> free = free_counts<W>(mask, v);
+  for (int64_t r = 0; r < n; ++r) {
+    comp_bytes[r] = compressed_row_bytes<W>(rows + r * row_bytes, row_bytes, mask, bitval,
+                                            free.data(), v);
   }
 }
 
 template <class Ops>
-void encode(const uint8_t* row, int64_t row_bytes, const uint64_t* mask, const uint64_t* bitval,
-            int chunk_bits, uint8_t* out) {
-  const int v = chunks_per_row(row_bytes, chunk_bits);
+void size_rows(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64_t* mask,
+               const uint64_t* bitval, int chunk_bits, int64_t* comp_bytes) {
   switch (chunk_bits) {
-    case 16: return encode_row<16, Ops>(row, row_bytes, mask, bitval, v, out);
-    case 32: return encode_row<32, Ops>(row, row_bytes, mask, bitval, v, out);
-    default: return encode_row<64, Ops>(row, row_bytes, mask, bitval, v, out);
+    case 16: return size_rows_w<16>(rows, n, row_bytes, mask, bitval, comp_bytes);
+    case 32: return size_rows_w<32>(rows, n, row_bytes, mask, bitval, comp_bytes);
+    default: return size_rows_w<64>(rows, n, row_bytes, mask, bitval, comp_bytes);
+  }
+}
+
+template <int W, class Ops>
+void encode_rows_w(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64_t* mask,
+                   const uint64_t* bitval, const uint8_t* compressed, const int64_t* offsets,
+                   uint8_t* payload) {
+  const int v = chunks_per_row(row_bytes, W);
+  const std::vector<uint8_t> free = free_counts<W>(mask, v);
+  // Encoding ORs bits into a zeroed scratch row with write slack, then copies only the encoded
+  // bytes: neighbouring slots (possibly written by other threads) are never touched.
+  std::vector<uint8_t> scratch(static_cast<size_t>(row_bytes) + 64);
+  for (int64_t r = 0; r < n; ++r) {
+    const uint8_t* row = rows + r * row_bytes;
+    uint8_t* dst = payload + offsets[r];
+    if (!compressed[r]) {
+      std::memcpy(dst, row, static_cast<size_t>(row_bytes));
+      continue;
+    }
+    // A row is only encoded when it shrinks, so its encoding is < row_bytes.
+    const int64_t bytes = compressed_row_bytes<W>(row, row_bytes, mask, bitval, free.data(), v);
+    std::memset(scratch.data(), 0, static_cast<size_t>(bytes) + 16);
+    encode_row<W, Ops>(row, row_bytes, mask, bitval, free.data(), v, scratch.data());
+    std::memcpy(dst, scratch.data(), static_cast<size_t>(bytes));
+  }
+}
+
+template <class Ops>
+void encode_rows(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64_t* mask,
+                 const uint64_t* bitval, int chunk_bits, const uint8_t* compressed,
+                 const int64_t* offsets, uint8_t* payload) {
+  switch (chunk_bits) {
+    case 16:
+      return encode_rows_w<16, Ops>(rows, n, row_bytes, mask, bitval, compressed, offsets,
+                                    payload);
+    case 32:
+      return encode_rows_w<32, Ops>(rows, n, row_bytes, mask, bitval, compressed, offsets,
+                                    payload);
+    default:
+      return encode_rows_w<64, Ops>(rows, n, row_bytes, mask, bitval, compressed, offsets,
+                                    payload);
   }
 }
 
@@ -156,7 +203,7 @@ void decode_rows(const TableView& t, const int64_t* ids, int64_t n, int64_t look
 
 template <class Ops>
 RowKernels make_row_kernels() {
-  return RowKernels{&compressed_bytes<Ops>, &encode<Ops>, &decode_rows<Ops>};
+  return RowKernels{&size_rows<Ops>, &encode_rows<Ops>, &decode_rows<Ops>};
 }
 
 }  // namespace

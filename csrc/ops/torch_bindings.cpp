@@ -224,8 +224,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ibp_compress_cpu(
   at::Tensor payload = at::zeros({total + kPayloadPad}, at::kByte);
   uint8_t* dst = payload.data_ptr<uint8_t>();
   at::parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
-    write_slots(k, src + begin * row_bytes, end - begin, row_bytes, m, b, w,
-                compressed.data() + begin, offsets.data() + begin, dst);
+    k.encode_rows(src + begin * row_bytes, end - begin, row_bytes, m, b, w,
+                  compressed.data() + begin, offsets.data() + begin, dst);
   });
   return {payload, block_base, row_units, bitmask};
 }

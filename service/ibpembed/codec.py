@@ -25,6 +25,7 @@ Pooling = Literal["sum", "mean"]
 CHUNK_BITS_CHOICES = (64, 32, 16)  # tie on stored size -> the wider chunk decodes faster
 DEFAULT_SAMPLE_ROWS = 1_000_000
 DEFAULT_ALIGN = 8
+WIDTH_PROBE_ROWS = 65_536  # rows on which the chunk width is chosen
 ROWS_PER_BLOCK = 32
 _POOLING_CODES = {"sum": 0, "mean": 1}
 _BIT_WEIGHTS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
@@ -248,7 +249,7 @@ def paper_chunk_bits(row_bytes: int) -> int:
 
 
 def fit(
-    sample: torch.Tensor, *, method: Method, align: int, chunk_bits: int | None
+    sample: torch.Tensor, *, method: Method, align: int, chunk_bits: int | None, seed: int = 0
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
     """(chunk_bits, mask, bitval) for uint8 sample rows [n, row_bytes]."""
     row_bytes = sample.shape[1]
@@ -265,14 +266,24 @@ def fit(
         return bits, zeros, zeros.clone()
     if method != "ibpembed":
         raise ValueError(f"method must be 'ibpembed', 'paper' or 'raw', got {method!r}")
+    # The width is chosen on a sub-sample (a 3-way fit is the costly part), then the masks of
+    # the chosen width are fitted on the whole sample.
+    probe = sample
+    if chunk_bits is None and sample.shape[0] > WIDTH_PROBE_ROWS:
+        gen = torch.Generator().manual_seed(seed)
+        picks = torch.randperm(sample.shape[0], generator=gen)[:WIDTH_PROBE_ROWS]
+        probe = sample.index_select(0, picks.sort().values)
     best: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
     for bits in (chunk_bits,) if chunk_bits else CHUNK_BITS_CHOICES:
-        mask, bitval = ops.ibp_fit(sample, bits, "ibpembed")
-        size = int(ops.ibp_slot_bytes(sample, bits, mask, bitval, unit).sum()) + 16 * mask.numel()
+        mask, bitval = ops.ibp_fit(probe, bits, "ibpembed")
+        size = int(ops.ibp_slot_bytes(probe, bits, mask, bitval, unit).sum()) + 16 * mask.numel()
         if best is None or size < best[0]:
             best = (size, bits, mask, bitval)
     assert best is not None
-    return best[1], best[2], best[3]
+    _, bits, mask, bitval = best
+    if probe is not sample:
+        mask, bitval = ops.ibp_fit(sample, bits, "ibpembed")
+    return bits, mask, bitval
 
 
 def compress(
@@ -305,7 +316,11 @@ def compress(
         raise ValueError(f"chunk_bits must be one of {CHUNK_BITS_CHOICES}, got {chunk_bits}")
     rows = table.view(torch.uint8).view(table.shape[0], -1)
     bits, mask, bitval = fit(
-        _sample(rows, sample_rows, seed), method=method, align=align, chunk_bits=chunk_bits
+        _sample(rows, sample_rows, seed),
+        method=method,
+        align=align,
+        chunk_bits=chunk_bits,
+        seed=seed,
     )
     unit = slot_unit_bytes(rows.shape[1], align)
     payload, block_base, row_units, bitmask = ops.ibp_compress(rows, bits, mask, bitval, unit)

@@ -16,8 +16,14 @@ namespace ibpembed {
 IBP_HD int popcount64(uint64_t x) {
 #if defined(__CUDA_ARCH__)
   return __popcll(x);
-#else
+#elif defined(__POPCNT__)
   return __builtin_popcountll(x);
+#else
+  // Without -mpopcnt the builtin is a libgcc call; the SWAR count is a dozen inline ops.
+  x -= (x >> 1) & 0x5555555555555555ull;
+  x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+  x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0Full;
+  return static_cast<int>((x * 0x0101010101010101ull) >> 56);
 #endif
 }
 

@@ -39,12 +39,14 @@ ChunkMasks fit_masks(const uint8_t* rows, int64_t num_rows, int64_t row_bytes, i
 enum class CpuPath { kRef, kBmi2 };
 
 struct RowKernels {
-  // Compressed encoding size of one row in bytes (header + payload, before slot rounding).
-  int64_t (*compressed_bytes)(const uint8_t* row, int64_t row_bytes, const uint64_t* mask,
-                              const uint64_t* bitval, int chunk_bits);
-  // Encode into zeroed `out` (compressed_bytes + 9 bytes).
-  void (*encode)(const uint8_t* row, int64_t row_bytes, const uint64_t* mask,
-                 const uint64_t* bitval, int chunk_bits, uint8_t* out);
+  // comp_bytes[r] = compressed encoding size of row r in bytes (before slot rounding).
+  void (*size_rows)(const uint8_t* rows, int64_t num_rows, int64_t row_bytes,
+                    const uint64_t* mask, const uint64_t* bitval, int chunk_bits,
+                    int64_t* comp_bytes);
+  // Writes row r at payload + offsets[r]: encoded if compressed[r], else verbatim.
+  void (*encode_rows)(const uint8_t* rows, int64_t num_rows, int64_t row_bytes,
+                      const uint64_t* mask, const uint64_t* bitval, int chunk_bits,
+                      const uint8_t* compressed, const int64_t* offsets, uint8_t* payload);
   // Decode rows ids[0..n) of the table into out (row_bytes each, back to back). Raw rows copy.
   // ids[n..n + lookahead) are the ids the caller decodes next: only prefetched.
   void (*decode_rows)(const TableView& table, const int64_t* ids, int64_t n, int64_t lookahead,
@@ -62,16 +64,12 @@ void set_active_cpu_path(CpuPath path);
 const char* cpu_path_name(CpuPath path);
 
 // ----------------------------------------------------------------------------------------------
-// Compress, in two passes over a row range so the caller can parallelise and allocate once.
+// Compress, in two passes over a row range so the caller can parallelise and allocate once:
+// plan_slots, a prefix sum of the slot sizes, then RowKernels::encode_rows.
 
 // Slot size in units for each row of [0, num_rows): writes units[] and sets compressed[] flags.
 void plan_slots(const RowKernels& k, const uint8_t* rows, int64_t num_rows, int64_t row_bytes,
                 const uint64_t* mask, const uint64_t* bitval, int chunk_bits, int64_t unit_bytes,
                 uint8_t* units, uint8_t* compressed);
-
-// Writes each row of [0, num_rows) at payload + offsets[i] (offsets from plan_slots' prefix sum).
-void write_slots(const RowKernels& k, const uint8_t* rows, int64_t num_rows, int64_t row_bytes,
-                 const uint64_t* mask, const uint64_t* bitval, int chunk_bits,
-                 const uint8_t* compressed, const int64_t* offsets, uint8_t* payload);
 
 }  // namespace ibpembed

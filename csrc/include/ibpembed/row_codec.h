@@ -18,14 +18,22 @@ IBP_HD int free_bits(uint64_t mask) {
   return W - popcount64(mask & low_bits(W));
 }
 
+// Per position, the bits a participating chunk stores (k_j = W - popcount(mask[j])). Row loops
+// take these precomputed: they are per-table constants.
+template <int W>
+IBP_HD void compute_free_bits(const uint64_t* mask, int num_chunks, uint8_t* free) {
+  for (int j = 0; j < num_chunks; ++j) free[j] = static_cast<uint8_t>(free_bits<W>(mask[j]));
+}
+
 // Byte size of the row's compressed encoding (header + payload), before slot rounding.
+// free[j] = k_j (compute_free_bits).
 template <int W>
 IBP_HD int64_t compressed_row_bytes(const uint8_t* row, int64_t row_bytes, const uint64_t* mask,
-                                    const uint64_t* bitval, int num_chunks) {
+                                    const uint64_t* bitval, const uint8_t* free, int num_chunks) {
   int64_t bits = num_chunks;
   for (int j = 0; j < num_chunks; ++j) {
     const uint64_t x = load_chunk<W>(row, row_bytes, j);
-    bits += ((x & mask[j]) == bitval[j]) ? free_bits<W>(mask[j]) : W;
+    bits += ((x & mask[j]) == bitval[j]) ? free[j] : W;
   }
   return (bits + 7) >> 3;
 }
@@ -34,13 +42,14 @@ IBP_HD int64_t compressed_row_bytes(const uint8_t* row, int64_t row_bytes, const
 // compressed_row_bytes(...) + 9 bytes.
 template <int W, class Ops>
 IBP_HD void encode_row(const uint8_t* row, int64_t row_bytes, const uint64_t* mask,
-                       const uint64_t* bitval, int num_chunks, uint8_t* out) {
+                       const uint64_t* bitval, const uint8_t* free, int num_chunks,
+                       uint8_t* out) {
   uint64_t pos = static_cast<uint64_t>(num_chunks);
   for (int j = 0; j < num_chunks; ++j) {
     const uint64_t x = load_chunk<W>(row, row_bytes, j);
     if ((x & mask[j]) == bitval[j]) {
       out[j >> 3] |= static_cast<uint8_t>(1u << (j & 7));
-      const int len = free_bits<W>(mask[j]);
+      const int len = free[j];
       write_stream_bits(out, pos, Ops::extract(x, ~mask[j] & low_bits(W)), len);
       pos += len;
     } else {
@@ -48,14 +57,6 @@ IBP_HD void encode_row(const uint8_t* row, int64_t row_bytes, const uint64_t* ma
       pos += W;
     }
   }
-}
-
-// Per position, the bits a participating chunk stores (k_j = W - popcount(mask[j])). Decoders
-// compute these once per table or batch: a popcount per chunk would be a libgcc call on builds
-// without -mpopcnt.
-template <int W>
-IBP_HD void compute_free_bits(const uint64_t* mask, int num_chunks, uint8_t* free) {
-  for (int j = 0; j < num_chunks; ++j) free[j] = static_cast<uint8_t>(free_bits<W>(mask[j]));
 }
 
 // One chunk of a compressed row, without a branch: `bits` holds the stream from the chunk's
