@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("torchrec.modules.embedding_modules", reason="torchrec is not installed")
 
 import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torchrec import (
     DataType,
     EmbeddingBagCollection,
@@ -518,7 +519,7 @@ def test_torch_compile_with_graph_breaks(mixed) -> None:
         compiled(batch_with(f_c=[3]))
 
 
-def test_torch_compile_fullgraph_is_not_supported(mixed) -> None:
+def test_torch_compile_fullgraph_and_export_are_not_supported(mixed) -> None:
     _, ours = mixed
     torch._dynamo.reset()
     compiled = torch.compile(ours, backend="eager", fullgraph=True)
@@ -526,3 +527,5 @@ def test_torch_compile_fullgraph_is_not_supported(mixed) -> None:
     with pytest.raises(torch._dynamo.exc.UserError, match="data-dependent"):
         compiled(batch_with())
     torch._dynamo.reset()
+    with pytest.raises(GuardOnDataDependentSymNode, match="data-dependent"):
+        torch.export.export(ours, (batch_with(),))
