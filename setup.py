@@ -17,7 +17,14 @@ from torch.utils import cpp_extension
 ROOT = Path(__file__).parent
 CSRC = ROOT / "csrc"
 BMI2_SOURCE = "csrc/codec/row_kernels_bmi2.cpp"
-CXX_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+CXX_FLAGS = [
+    "-O3",
+    "-std=c++17",
+    "-fvisibility=hidden",
+    "-Wall",
+    "-Wextra",
+    "-Wno-unused-parameter",
+]
 
 
 def _sources(pattern: str) -> list[str]:
@@ -50,7 +57,7 @@ class BuildExtension(cpp_extension.BuildExtension):
 
 def _extension() -> cpp_extension.CppExtension:
     sources = [s for s in _sources("codec/*.cpp") if s != BMI2_SOURCE]
-    sources += _sources("lookup/*.cpp") + ["csrc/ops/torch_bindings.cpp"]
+    sources += [*_sources("lookup/*.cpp"), "csrc/ops/torch_bindings.cpp"]
     include_dirs = [str(CSRC / "include")]
     if not _cuda_enabled():
         return cpp_extension.CppExtension(
