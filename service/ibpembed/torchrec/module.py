@@ -10,6 +10,7 @@ This file is written in the TorchScript subset (PEP 604 unions, builtin generics
 script) because torchrec users ship inference models with ``torch.jit.script``.
 """
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -327,7 +328,7 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     @classmethod
     def from_table_set(
         cls,
-        directory: str,
+        directory: str | os.PathLike[str],
         tables: list[str] | None = None,
         is_weighted: bool = False,
         allow_unknown_keys: bool = False,
