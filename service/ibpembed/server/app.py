@@ -31,6 +31,8 @@ from ibpembed_client.v1 import lookup_pb2, lookup_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# How often a draining server checks whether its in-flight RPCs are done.
+_DRAIN_POLL_S = 0.05
 SERVICE_NAME = lookup_pb2.DESCRIPTOR.services_by_name["EmbeddingLookup"].full_name
 
 
@@ -128,12 +130,21 @@ class LookupServer:
         return port
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Drain: refuse new RPCs, finish in-flight ones (up to the grace period), stop."""
+        """Drain: refuse new RPCs, finish in-flight ones (up to the grace period), stop.
+
+        The gRPC server keeps running while in-flight RPCs finish, so that new RPCs get a clean
+        UNAVAILABLE from the interceptor (grpc's own shutdown answers CANCELLED to RPCs arriving
+        meanwhile, which clients must not retry).
+        """
         grace = self.config.grace_s if grace_s is None else grace_s
         self.state.accepting, self.state.reason = False, "draining for shutdown"
         await self.health.enter_graceful_shutdown()
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + grace
+        while self.state.active and loop.time() < give_up:
+            await asyncio.sleep(_DRAIN_POLL_S)
         if self._server is not None:
-            await self._server.stop(grace)
+            await self._server.stop(max(0.0, give_up - loop.time()))
         # Kernels of cancelled RPCs may still run; wait for them off the loop.
         await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
 

@@ -34,10 +34,16 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 @dataclass
 class ServingState:
-    """Shared by the app and the interceptor: False until tables load, False again on drain."""
+    """Shared by the app and the interceptor.
+
+    ``accepting`` is False until the tables are loaded and again once draining starts; ``active``
+    counts ``ibpembed.v1`` RPCs that got past the gate and have not finished (the app drains
+    until it reaches 0).
+    """
 
     accepting: bool = False
     reason: str = "starting"
+    active: int = 0
 
 
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
@@ -88,7 +94,11 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             request_id = ensure_request_id(request)
             try:
                 self._check_state()
-                return await behavior(request, context)
+                self.state.active += 1
+                try:
+                    return await behavior(request, context)
+                finally:
+                    self.state.active -= 1
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
@@ -104,8 +114,12 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             stream_id = metadata.get("x-request-id") or uuid.uuid4().hex
             try:
                 self._check_state()
-                async for response in behavior(request_iterator, context):
-                    yield response
+                self.state.active += 1
+                try:
+                    async for response in behavior(request_iterator, context):
+                        yield response
+                finally:
+                    self.state.active -= 1
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
