@@ -384,3 +384,24 @@ def test_put_table_adds_a_table_atomically() -> None:
     with store.acquire() as snap:
         name, table = snap.table_for_feature("b_feature")
         assert name == "b" and same_bits(table.decompress(), weight) and snap.version == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only no-op")
+def test_pin_is_a_no_op_without_cuda(table_dir: Path) -> None:
+    store = TableStore.load(table_dir, pin=True)
+    with store.acquire() as snap:
+        assert snapshot_version(snap) == {1.0}
+    store.update_rows("user", torch.tensor([3]), torch.zeros(1, 8))
+    with store.acquire() as snap:
+        assert torch.equal(snap.tables["user"].gather(torch.tensor([3])), torch.zeros(1, 8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for page-locked memory")
+def test_pin_page_locks_payloads_and_update_buffers(table_dir: Path) -> None:
+    store = TableStore.load(table_dir, pin=True)
+    with store.acquire() as snap:
+        assert all(t.payload.is_pinned() for t in snap.tables.values())
+    store.update_rows("user", torch.tensor([3]), torch.zeros(1, 8))
+    with store.acquire() as snap:
+        assert snap.tables["user"].payload.is_pinned()
+        assert snapshot_version(snap) == {1.0}

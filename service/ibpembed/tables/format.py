@@ -2,8 +2,8 @@
 """Read and write ``.ibpt`` table files (csrc/include/ibpembed/table_file.h, docs/format.md).
 
 >>> info = pack_table("user.ibpt", weight, name="user")    # compress + write, streaming
->>> tf = read_table("user.ibpt")                            # mmap, header + index verified
->>> tf.table.gather(torch.tensor([7, 3]))                   # zero-copy CompressedTable
+>>> loaded = read_table("user.ibpt")                        # mmap, header + index verified
+>>> loaded.table.gather(torch.tensor([7, 3]))               # zero-copy CompressedTable
 >>> verify_file("user.ibpt")                                # every checksum + full decode
 
 Writers are atomic: they write a temporary file next to the target, fsync it, rename it over the
@@ -42,7 +42,7 @@ LAYOUT_VERSION = 1  # kFormatVersion in format.h
 SECTION_ALIGN = 64
 PAYLOAD_ALIGN = 4096
 SUFFIX = ".ibpt"
-TEMP_MARKER = ".tmp-"  # temporary files are ".<final name>.tmp-<pid>-<random>"
+TEMP_MARKER = ".tmp-"  # temporary files are ".<table stem>.tmp-<pid>-<random>"
 
 # Must match FileHeader / SectionEntry in table_file.h (a test compiles the header to check).
 HEADER = struct.Struct("<8sIIIIQqqqqiiIIQ32sQ")
@@ -92,6 +92,10 @@ class TableFileError(ValueError):
         self.section = section
         self.problem = problem
         super().__init__(f"{self.path}: section '{section}': {problem}")
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its three parts, so the error survives pickling (worker processes).
+        return type(self), (self.path, self.section, self.problem)
 
 
 @dataclass(frozen=True)

@@ -117,16 +117,22 @@ class _Spill:
     buffer: torch.Tensor
 
 
-def pin_payload(table: CompressedTable) -> CompressedTable:
-    """Hook: page-lock the payload (``cudaHostRegister``) for the zero-copy CUDA kernels.
+def pinning_enabled(requested: bool) -> bool:
+    """Whether payloads are actually page-locked: asked for, and CUDA is there to use them."""
+    return requested and torch.cuda.is_available()
 
-    A documented no-op when CUDA is unavailable (CPU builds and CPU nodes): the CPU kernels read
-    the mapping directly. Registration itself is not implemented yet; on a CUDA node this raises
-    rather than pretend the payload is pinned.
+
+def pin_payload(table: CompressedTable) -> CompressedTable:
+    """Page-lock the payload for the zero-copy CUDA kernels; a no-op when CUDA is unavailable.
+
+    NOTE(tables): the payload is *copied* into page-locked memory (``Tensor.pin_memory``), which
+    works on any CUDA build of torch but costs a copy (and torch's pinned allocator rounds
+    sizes up to a power of two). Registering the mapping in place with ``cudaHostRegister`` (no
+    copy) is the intended follow-up. Not exercised by CI, which has no GPU.
     """
-    if not torch.cuda.is_available():
+    if not pinning_enabled(True) or table.payload.is_pinned():
         return table
-    raise NotImplementedError("pinning payloads with cudaHostRegister is not implemented yet")
+    return dataclasses.replace(table, payload=table.payload.pin_memory())
 
 
 def _frozen(mapping: Mapping) -> Mapping:
@@ -184,7 +190,8 @@ class TableStore:
         Parameters
         ----------
         verify : also hash every payload at load (and at every reload).
-        pin : page-lock payloads for CUDA kernels (see ``pin_payload``).
+        pin : page-lock payloads for the CUDA kernels (see ``pin_payload``); ignored without
+            CUDA. Buffers made by row updates are then allocated page-locked too.
         """
         directory = Path(directory)
         manifest, tables = load_table_set(directory, verify=verify)
@@ -362,7 +369,12 @@ class TableStore:
             offsets[blocks] = base[:-1]
             reserve = max(end // SPILL_FRACTION, 8 * (added + _layout.PAYLOAD_PAD), MIN_SPILL_BYTES)
             buffer, block_base = _layout.assemble(
-                [old.payload, payload], source, offsets, lengths, reserve=reserve
+                [old.payload, payload],
+                source,
+                offsets,
+                lengths,
+                reserve=reserve,
+                pin_memory=pinning_enabled(self._pin),
             )
         new_end = int(block_base[-1])
         table = dataclasses.replace(
