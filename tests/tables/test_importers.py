@@ -102,6 +102,37 @@ def test_torchrec_meta_device_is_refused() -> None:
         importers.from_torchrec(make_ebc("meta"))
 
 
+def test_torchrec_quantized_collection_matches_its_forward(tmp_path: Path) -> None:
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
+
+    ebc = make_ebc()
+    ebc.qconfig = torch.ao.quantization.QConfig(
+        activation=torch.ao.quantization.PlaceholderObserver,
+        weight=torch.ao.quantization.PlaceholderObserver.with_args(dtype=torch.qint8),
+    )
+    quantized = QuantEBC.from_float(ebc)
+    table_set = importers.from_torchrec(quantized)
+    assert [(s.name, s.quant, s.pooling) for s in table_set.tables] == [
+        ("t_user", "int8_rowwise", "sum"),
+        ("t_item", "int8_rowwise", "mean"),
+    ]
+    assert table_set.features()["friend_id"] == "t_user"
+    store = roundtrip(tmp_path, table_set)
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(
+        keys=["user_id", "friend_id", "item_id"],
+        values=torch.tensor([1, 2, 299, 0, 5, 7, 76, 3]),
+        lengths=torch.tensor([2, 1, 0, 1, 2, 2]),
+    )
+    expected = quantized(kjt).to_dict()
+    with store.acquire() as snap:
+        for feature in ("user_id", "friend_id", "item_id"):
+            name, table = snap.table_for_feature(feature)
+            jt = kjt[feature]
+            pooling = "mean" if name == "t_item" else "sum"
+            got = table.lookup(jt.values(), lengths=jt.lengths(), pooling=pooling)
+            torch.testing.assert_close(got, expected[feature].float(), rtol=1e-3, atol=1e-3)
+
+
 def test_torchrec_checkpoint_file(tmp_path: Path) -> None:
     ebc = make_ebc()
     torch.save({"model": ebc.state_dict(), "step": torch.tensor(3)}, tmp_path / "ckpt.pt")

@@ -13,6 +13,7 @@ leaves a half-written table set.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -231,23 +232,41 @@ def from_torchrec_state_dict(
 def from_torchrec(module: torch.nn.Module, *, origin: str | None = None) -> TableSet:
     """Tables of every torchrec ``EmbeddingBagCollection`` in ``module`` (or ``module`` itself).
 
-    Table names, feature names and pooling come from the collection's configs; tables of nested
-    collections keep their own names, which must be unique across the model.
+    Float collections and quantized ones (``torchrec.quant``, e.g. from
+    ``EmbeddingBagCollection.from_float``) are both read; quantized tables come through their
+    fbgemm modules exactly as ``from_fbgemm`` reads them. Table names, feature names and pooling
+    come from the collection's configs; tables of nested collections keep their own names, which
+    must be unique across the model.
     """
     from torchrec import EmbeddingBagCollection
+    from torchrec.quant.embedding_modules import (
+        EmbeddingBagCollection as QuantEmbeddingBagCollection,
+    )
 
-    collections = [
-        (prefix, m) for prefix, m in module.named_modules() if isinstance(m, EmbeddingBagCollection)
-    ]
+    kinds = (EmbeddingBagCollection, QuantEmbeddingBagCollection)
+    collections = [(p, m) for p, m in module.named_modules() if isinstance(m, kinds)]
     if not collections:
         raise SourceError(f"{type(module).__name__} holds no torchrec EmbeddingBagCollection")
     sources: list[TableSource] = []
     for prefix, ebc in collections:
         where = origin or f"torchrec:{prefix or type(module).__name__}"
-        found = from_torchrec_state_dict(
-            ebc.state_dict(), ebc.embedding_bag_configs(), origin=where
-        )
-        sources.extend(found.tables)
+        configs = ebc.embedding_bag_configs()
+        if isinstance(ebc, EmbeddingBagCollection):
+            sources.extend(from_torchrec_state_dict(ebc.state_dict(), configs, origin=where).tables)
+            continue
+        # NOTE(tables): torchrec keeps a quantized collection's rows only in its fbgemm modules
+        # (``_emb_modules``, one per data type); their specs carry the table names.
+        found = {
+            s.name: s for tbe in ebc._emb_modules for s in from_fbgemm(tbe, origin=where).tables
+        }
+        for config in configs:
+            sources.append(
+                dataclasses.replace(
+                    found[config.name],
+                    feature_names=tuple(config.feature_names),
+                    pooling=_pooling_name(config.pooling),
+                )
+            )
     return TableSet(tuple(sources))
 
 
