@@ -2,8 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 #
 # Compile check of the CUDA path on machines without a GPU or a CUDA build of torch: every
-# csrc/cuda/*.cu through nvcc -c for sm_80 and sm_90 (-gencode, as setup.py builds them) with
-# -Xptxas -v, and every csrc/ops/*_cuda.cpp through g++ -c, against the torch headers of the venv.
+# csrc/cuda/*.cu (and the benchmark baseline benchmarks/cuda/*.cu) through nvcc -c for sm_80 and
+# sm_90 (-gencode, as setup.py builds them) with -Xptxas -v, and every host file that goes with
+# them (csrc/ops/*_cuda.cpp, benchmarks/cuda/*.cpp) through g++ -c, against the venv's torch headers.
 # Nothing is linked: the CPU torch wheel has no libtorch_cuda. Prints each kernel's registers,
 # spills and shared memory; exits non-zero on any compiler error or on a register spill.
 set -euo pipefail
@@ -28,7 +29,7 @@ DEFINES=(-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -DC10_CUDA_BUILD_SHARED_LIBS -DIBPEM
 GENCODE=(-gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90)
 
 status=0
-for cu in csrc/cuda/*.cu; do
+for cu in csrc/cuda/*.cu benchmarks/cuda/*.cu; do
   log="$OUT/$(basename "$cu").log"
   echo "== nvcc $cu (sm_80, sm_90)"
   if ! "$NVCC" -std=c++17 -O3 --expt-relaxed-constexpr "${GENCODE[@]}" -Xptxas -v \
@@ -56,7 +57,7 @@ for cu in csrc/cuda/*.cu; do
   fi
 done
 
-for cpp in csrc/ops/*_cuda.cpp; do
+for cpp in csrc/ops/*_cuda.cpp benchmarks/cuda/*.cpp; do
   echo "== $CXX $cpp"
   if ! "$CXX" -std=c++17 -O1 -fPIC -Wall -Wextra -Wno-unused-parameter -isystem "$CUDA_INC" \
       "${INCLUDES[@]}" "${DEFINES[@]}" -c "$cpp" -o "$OUT/$(basename "$cpp").o"; then

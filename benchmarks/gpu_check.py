@@ -1,0 +1,685 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Validate and time the CUDA path on a GPU machine, in one run (issue 5).
+
+    python -m benchmarks.gpu_check [--out PATH] [--table-gib 8] [--dry-run]
+
+1. Build: ibpembed._C from source with its CUDA kernels (``setup.py build_ext --inplace``) and,
+   in parallel, the plain UVA gather baseline (benchmarks/cuda, ``cpp_extension.load``); the
+   build times are printed.
+2. Correctness, CUDA against the CPU ops on the same tables: gather and decompress bit for bit for
+   every dtype (fp32/fp16/bf16/uint8/int8, fbgemm row-wise int8), edge rows (NaN payloads, inf,
+   -0.0, subnormals, raw rows, D = 1, D = 129), every chunk width and slot alignment, unsorted and
+   duplicate ids, payload pinned and on the GPU; pooled SUM/MEAN with and without weights equal
+   to the CPU bit for bit (NaN payloads aside); bad ids and offsets raise like the CPU ops.
+3. Timing on >= --table-gib GiB of pinned tables per row size (64/256/512/1024 B fp32 rows, DLRM
+   value profile), batches of 1k..64k ids, uniform and Zipf ids:
+     ibp_none  compressed zero-copy gather (torch.ops.ibpembed.ibp_gather)
+     ibp_sum   compressed pooled lookup, SUM over bags of 16 ids (lookup_pooled)
+     raw_none / raw_sum  the same kernels on the same rows stored raw (bitmask all clear)
+     uva       plain UVA gather: warp per row, 16-byte loads, no staging (benchmarks/cuda)
+     cpu_h2d   CPU index_select into a pinned buffer + one cudaMemcpy (ids already on the host)
+   plus the pinned host-to-device copy bandwidth as the ceiling. Prints a table (GB/s of
+   raw-equivalent bytes, GB/s on the wire, ratios), evaluates the issue's targets (reported, never
+   asserted) and writes everything as JSON.
+
+--dry-run does everything that needs no GPU on the CPU, at toy sizes: table construction and
+tiling (checked against the CPU decoder), id streams, the CPU baseline, the report. Needs only
+torch, numpy and this repository (no torchrec/fbgemm, nothing downloaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+ROW_BYTES = (64, 256, 512, 1024)
+BATCHES = (1024, 4096, 16384, 65536)
+BAG_SIZE = 16  # ids per bag in the pooled timings
+TILE_BYTES = 64 << 20  # big tables are copies of one compressed tile of this many raw bytes
+FIT_SAMPLE_ROWS = 65536
+EDGE_BITS = {
+    4: [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFFBFFFFF, 0x7F800001,
+        0x00000001, 0x807FFFFF, 0x7F7FFFFF, 0x3F800000],
+    2: [0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E01, 0xFDFF, 0x0001, 0x83FF, 0x7BFF, 0x7F80, 0xFF81],
+    1: [0x00, 0x80, 0xFF, 0x7F, 0x01],
+}  # fmt: skip
+POOLING = {"sum": 0, "mean": 1}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Build
+
+
+def build(dry_run: bool) -> dict[str, Any]:
+    """Builds ibpembed._C (CUDA included) in place and loads the UVA baseline; returns timings."""
+    if dry_run:
+        log("build: skipped (--dry-run uses the installed extension)")
+        return {"skipped": True}
+    env = dict(os.environ, MAX_JOBS=str(os.cpu_count() or 4))
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "setup.py", "build_ext", "--inplace"],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        from torch.utils.cpp_extension import load
+
+        load(
+            name="ibpembed_bench",
+            sources=[
+                str(ROOT / "benchmarks" / "cuda" / "uva_gather_op.cpp"),
+                str(ROOT / "benchmarks" / "cuda" / "uva_gather.cu"),
+            ],
+            extra_cflags=["-O2"],
+            extra_cuda_cflags=["-O3"],
+            is_python_module=False,
+            build_directory=tempfile.mkdtemp(prefix="ibpembed_bench_"),
+        )
+        baseline_s = time.perf_counter() - start
+        rc = proc.wait()
+        ext_s = time.perf_counter() - start
+        if rc == 0:
+            log(f"build: ibpembed._C {ext_s:.1f} s, UVA baseline {baseline_s:.1f} s (in parallel)")
+            return {"ibpembed_s": round(ext_s, 1), "baseline_s": round(baseline_s, 1)}
+        out.seek(0)
+        log(out.read()[-8000:])
+    log(f"build: setup.py build_ext failed (exit {rc}); building with cpp_extension.load instead")
+    start = time.perf_counter()
+    sys.modules["ibpembed._C"] = load_extension()
+    ext_s = time.perf_counter() - start
+    log(f"build: ibpembed._C via load() {ext_s:.1f} s, UVA baseline {baseline_s:.1f} s")
+    return {"ibpembed_s": round(ext_s, 1), "baseline_s": round(baseline_s, 1), "fallback": True}
+
+
+def load_extension():
+    """ibpembed._C built by cpp_extension.load, for when setup.py cannot run (e.g. a setuptools
+    too old for pyproject.toml). load() has no per-file flags, so every file gets -mbmi2: fine
+    on the GPU host that builds it, which is the only one that loads it."""
+    from torch.utils import cpp_extension
+
+    csrc = ROOT / "csrc"
+    sources = [*sorted(csrc.glob("codec/*.cpp")), *sorted(csrc.glob("lookup/*.cpp"))]
+    sources += [csrc / "ops" / "torch_bindings.cpp", *sorted(csrc.glob("ops/*_cuda.cpp"))]
+    sources += sorted(csrc.glob("cuda/*.cu"))
+    return cpp_extension.load(
+        name="_C",
+        sources=[str(p) for p in sources],
+        extra_include_paths=[str(csrc / "include")],
+        extra_cflags=["-O3", "-std=c++17", "-mbmi2", "-DIBPEMBED_WITH_CUDA=1"],
+        extra_cuda_cflags=[
+            "-O3",
+            "-std=c++17",
+            "--expt-relaxed-constexpr",
+            "-DIBPEMBED_WITH_CUDA=1",
+        ],
+        build_directory=tempfile.mkdtemp(prefix="ibpembed_C_"),
+    )
+
+
+def import_ibpembed():
+    """ibpembed from this checkout (service/), with the extension just built."""
+    for path in (str(ROOT), str(ROOT / "service")):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    import ibpembed
+    from ibpembed import _ops
+
+    return ibpembed, _ops
+
+
+# ---------------------------------------------------------------------------------------------
+# Pinned memory and device placement
+
+
+class Pinned:
+    """Page-locked host buffers via cudaHostRegister (pin_memory() would round 8 GiB up to 16)."""
+
+    def __init__(self, gpu: bool) -> None:
+        self.gpu = gpu
+        self.registered: list[torch.Tensor] = []
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if not self.gpu:
+            return buf
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
+        self.registered.append(buf)
+        return buf
+
+    def release(self) -> None:
+        for buf in self.registered:
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        self.registered.clear()
+
+
+def device_args(c, payload: torch.Tensor | None = None, where: str = "pinned") -> tuple:
+    """A CompressedTable's op arguments as the CUDA ops take them (torch_bindings_cuda.cpp)."""
+    if payload is None:
+        payload = {"pinned": c.payload.pin_memory, "cuda": c.payload.cuda}.get(
+            where, lambda: c.payload
+        )()
+    small = (c.block_base, c.row_units, c.bitmask, c.mask, c.bitval)
+    return (
+        payload,
+        *(t.cuda() for t in small),
+        c.chunk_bits,
+        c.row_bytes,
+        c.unit_bytes,
+        c.num_rows,
+    )
+
+
+def sync(gpu: bool) -> None:
+    if gpu:
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness
+
+
+def edge_table(dtype: torch.dtype, rows: int, dim: int, rng: np.random.Generator) -> torch.Tensor:
+    size = dtype.itemsize
+    uint = {1: np.uint8, 2: np.uint16, 4: np.uint32}[size]
+    edge = np.array(EDGE_BITS[size], dtype=uint)
+    bits = edge[rng.integers(0, len(edge), (rows, dim))]
+    raw = torch.from_numpy(np.ascontiguousarray(bits).view(np.uint8).reshape(rows, dim * size))
+    return raw.view(dtype).reshape(rows, dim).clone()
+
+
+def make_small(kind: str, dtype: torch.dtype, rows: int, dim: int, seed: int) -> torch.Tensor:
+    from benchmarks import data
+
+    rng = np.random.default_rng(seed)
+    if kind == "edge":
+        return edge_table(dtype, rows, dim, rng)
+    if kind == "random_bits":  # incompressible: raw rows
+        return torch.from_numpy(rng.integers(0, 256, (rows, dim * dtype.itemsize), np.uint8)).view(
+            dtype
+        )
+    values = data.dlrm_table(rows, dim, seed=seed)
+    if dtype.is_floating_point:
+        return values.to(dtype)
+    return (values * 1000 + 128).clamp(0, 255).to(dtype)
+
+
+def request_ids(rng: np.random.Generator, num_rows: int, n: int) -> torch.Tensor:
+    """Unsorted ids with duplicates, one id repeated past a warp's run cap, both table ends."""
+    ids = rng.integers(0, num_rows, n)
+    ids[: min(n, 70)] = rng.integers(0, num_rows)
+    ids = np.concatenate([ids, [0, num_rows - 1, num_rows - 1]])
+    rng.shuffle(ids)
+    return torch.from_numpy(ids)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
+
+
+@dataclass
+class Checks:
+    passed: int = 0
+    failures: list[str] | None = None
+
+    def record(self, ok: bool, what: str) -> None:
+        if ok:
+            self.passed += 1
+            return
+        self.failures = [*(self.failures or []), what]
+        log(f"  FAIL {what}")
+
+
+def small_cases() -> Iterator[tuple[str, torch.Tensor, dict[str, Any]]]:
+    """(label, table, compress kwargs) over dtypes, widths, value kinds, chunk and slot sizes."""
+    widths = (16, 32, 64)
+    aligns = (1, 8, 16, 32)
+    i = 0
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int8):
+        for dim in (1, 3, 16, 64, 129):
+            for kind in ("dlrm", "edge", "random_bits"):
+                kwargs = {"chunk_bits": widths[i % 3], "align": aligns[(i // 3) % 4]}
+                i += 1
+                table = make_small(kind, dtype, 1000, dim, seed=i)
+                yield f"{dtype} D={dim} {kind} {kwargs}", table, kwargs
+    base = make_small("dlrm", torch.float32, 2000, 128, seed=99)
+    for method in ("paper", "raw"):
+        yield f"fp32 D=128 method={method}", base, {"method": method}
+
+
+def check_correctness(ibpembed, ops, gpu: bool) -> dict[str, Any]:
+    from benchmarks import data
+
+    checks = Checks()
+    if not gpu:
+        log("correctness: skipped (no GPU)")
+        return {"skipped": True}
+    start = time.perf_counter()
+    rng = np.random.default_rng(0)
+    for label, table, kwargs in small_cases():
+        c = ibpembed.compress(table, **kwargs)
+        ids = request_ids(rng, c.num_rows, 3000)
+        want = ops.ibp_gather(*c._args(), ids)
+        for where in ("pinned", "cuda"):
+            args = device_args(c, where=where)
+            got = ops.ibp_gather(*args, ids.cuda()).cpu()
+            checks.record(same_bits(got, want), f"gather {label} payload={where}")
+        got = ops.ibp_decompress(*device_args(c)).cpu()
+        checks.record(
+            same_bits(got.view(c.dtype).view(c.num_rows, c.dim), table), f"decompress {label}"
+        )
+        if table.dtype.is_floating_point:
+            check_pooled(ops, c, c._dtype_code(), rng, checks, label)
+    q = ibpembed.compress(
+        data.int8_rowwise(data.dlrm_table(1000, 129, seed=5)), quant="int8_rowwise"
+    )
+    check_pooled(ops, q, 5, rng, checks, "int8 rowwise D=129")
+    check_errors(ibpembed, ops, checks)
+    log(
+        f"correctness: {checks.passed} checks passed, {len(checks.failures or [])} failed "
+        f"({time.perf_counter() - start:.1f} s)"
+    )
+    return {"passed": checks.passed, "failures": checks.failures or []}
+
+
+def check_pooled(ops, c, dtype_code: int, rng, checks: Checks, label: str) -> None:
+    lengths = rng.integers(0, 40, 200)
+    lengths[::9] = 0  # empty bags
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
+    ids = torch.from_numpy(rng.integers(0, c.num_rows, int(lengths.sum())))
+    weights = torch.from_numpy(rng.random(ids.numel()).astype(np.float32))
+    args = device_args(c)
+    for pooling in ("sum", "mean"):
+        for w in (None, weights):
+            want = ops.lookup_pooled(*c._args(), ids, offsets, w, dtype_code, POOLING[pooling])
+            got = ops.lookup_pooled(
+                *args,
+                ids.cuda(),
+                offsets.cuda(),
+                None if w is None else w.cuda(),
+                dtype_code,
+                POOLING[pooling],
+            ).cpu()
+            equal = torch.equal(got.isnan(), want.isnan()) and torch.equal(
+                got.nan_to_num(0.0), want.nan_to_num(0.0)
+            )
+            checks.record(equal, f"pooled {pooling} weighted={w is not None} {label}")
+
+
+def cuda(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device="cuda")
+
+
+def check_errors(ibpembed, ops, checks: Checks) -> None:
+    c = ibpembed.compress(torch.randn(100, 16))
+    args = device_args(c)
+    cases: list[tuple[str, type, Callable[[], object]]] = [
+        ("id past the end", IndexError, lambda: ops.ibp_gather(*args, cuda([0, 100]))),
+        ("negative id", IndexError, lambda: ops.ibp_gather(*args, cuda([-1]))),
+        (
+            "decreasing offsets",
+            ValueError,
+            lambda: ops.lookup_pooled(*args, cuda([1, 2, 3]), cuda([0, 2, 1, 3]), None, 0, 0),
+        ),
+        (
+            "pageable payload",
+            ValueError,
+            lambda: ops.ibp_gather(*device_args(c, where="host"), cuda([0])),
+        ),
+    ]
+    for what, error, call in cases:
+        try:
+            call()
+            ok = False
+        except error:
+            ok = True
+        checks.record(ok, f"{what} raises {error.__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Big tables
+
+
+@dataclass
+class BigTable:
+    row_bytes: int
+    num_rows: int
+    plain: torch.Tensor  # [N, row_bytes] uint8, pinned: the uva/cpu baselines' table
+    comp_cpu: tuple  # op arguments, everything on the host (the CPU ops' view)
+    comp: tuple  # op arguments for the CUDA ops (payload pinned, small parts on the GPU)
+    raw_cpu: tuple  # the same rows stored raw, on the host
+    raw: tuple  # ... and placed for the same kernels
+    unit_bytes: int
+    compressed_payload_bytes: int
+    ratio_stored: float  # raw bytes / (payload + index + bitmask + masks)
+
+
+def build_big(ibpembed, pinned: Pinned, row_bytes: int, total_bytes: int, gpu: bool) -> BigTable:
+    """~total_bytes of fp32 DLRM-profile rows: one compressed tile repeated (memcpy cost only)."""
+    from benchmarks import data
+
+    dim = row_bytes // 4
+    tile_rows = max(32, min(TILE_BYTES, total_bytes) // row_bytes // 32 * 32)
+    reps = max(1, total_bytes // (tile_rows * row_bytes))
+    n = tile_rows * reps
+    tile = data.dlrm_table(tile_rows, dim, seed=row_bytes)
+    c = ibpembed.compress(tile, sample_rows=FIT_SAMPLE_ROWS)
+    used = int(c.block_base[-1])
+    # Tiling keeps the layout exact: block i of copy r starts at tile base + r * used.
+    payload = pinned.empty(reps * used + 16)
+    payload[: reps * used].view(reps, used).copy_(c.payload[:used].expand(reps, used))
+    payload[reps * used :].zero_()
+    shifts = torch.arange(reps, dtype=torch.int64).mul_(used).unsqueeze(1)
+    block_base = torch.cat(
+        [(c.block_base[:-1].unsqueeze(0) + shifts).flatten(), torch.tensor([reps * used])]
+    )
+    small = (block_base, c.row_units.repeat(reps), c.bitmask.repeat(reps), c.mask, c.bitval)
+    ints = (c.chunk_bits, row_bytes, c.unit_bytes, n)
+    plain_buf = pinned.empty(n * row_bytes + 16)
+    plain_buf[n * row_bytes :].zero_()
+    plain = plain_buf[: n * row_bytes].view(n, row_bytes)
+    plain.view(reps, tile_rows * row_bytes).copy_(
+        tile.view(torch.uint8).reshape(1, -1).expand(reps, -1)
+    )
+    # Raw layout over the very same bytes: every slot is the row itself (unit 8 divides it).
+    unit = ibpembed.codec.slot_unit_bytes(row_bytes, 8)
+    blocks = n // 32
+    raw_small = (
+        torch.arange(blocks + 1, dtype=torch.int64).mul_(32 * row_bytes),
+        torch.full((n,), row_bytes // unit, dtype=torch.uint8),
+        torch.zeros(blocks, dtype=torch.int32),
+        torch.zeros_like(c.mask),
+        torch.zeros_like(c.bitval),
+    )
+    raw_ints = (c.chunk_bits, row_bytes, unit, n)
+    to_gpu = (lambda ts: tuple(t.cuda() for t in ts)) if gpu else (lambda ts: ts)
+    stored = reps * used + 16 + block_base.numel() * 8 + n + blocks * 4 + 16 * c.mask.numel()
+    return BigTable(
+        row_bytes=row_bytes,
+        num_rows=n,
+        plain=plain,
+        comp_cpu=(payload, *small, *ints),
+        comp=(payload, *to_gpu(small), *ints),
+        raw_cpu=(plain_buf, *raw_small, *raw_ints),
+        raw=(plain_buf, *to_gpu(raw_small), *raw_ints),
+        unit_bytes=c.unit_bytes,
+        compressed_payload_bytes=reps * used,
+        ratio_stored=n * row_bytes / stored,
+    )
+
+
+def zipf_ids(rng: np.random.Generator, num_rows: int, size: int, alpha: float) -> np.ndarray:
+    """Zipf(alpha) ranks by inverse CDF of the continuous power law, scattered over the table by
+    an affine bijection (hot rows are not neighbours in a real table)."""
+    u = rng.random(size)
+    if alpha == 1.0:
+        ranks = np.exp(u * math.log(num_rows + 1.0)) - 1.0
+    else:
+        a = 1.0 - alpha
+        ranks = (((num_rows + 1.0) ** a - 1.0) * u + 1.0) ** (1.0 / a) - 1.0
+    ranks = np.clip(np.floor(ranks), 0, num_rows - 1).astype(np.int64)
+    mult = 2654435761
+    while math.gcd(mult, num_rows) != 1:
+        mult += 2
+    return (ranks * mult + 12345) % num_rows
+
+
+def id_stream(rng, num_rows: int, size: int, dist: str) -> torch.Tensor:
+    if dist == "uniform":
+        return torch.from_numpy(rng.integers(0, num_rows, size))
+    return torch.from_numpy(zipf_ids(rng, num_rows, size, float(dist.removeprefix("zipf"))))
+
+
+def check_big(ops, big: BigTable, gpu: bool, checks: Checks, rng) -> None:
+    """The tiled tables decode to the plain rows (CPU ops), and the CUDA ops agree (GPU)."""
+    ids = id_stream(rng, big.num_rows, 4096, "uniform")
+    ids[-1] = big.num_rows - 1  # the last row sits past 4 GiB of payload: 64-bit offsets
+    want = big.plain[ids]
+    r = big.row_bytes
+    checks.record(same_bits(ops.ibp_gather(*big.comp_cpu, ids), want), f"tiled R={r} (CPU)")
+    checks.record(same_bits(ops.ibp_gather(*big.raw_cpu, ids), want), f"raw layout R={r} (CPU)")
+    if not gpu:
+        return
+    gids = ids.cuda()
+    checks.record(same_bits(ops.ibp_gather(*big.comp, gids).cpu(), want), f"big gather R={r}")
+    checks.record(same_bits(ops.ibp_gather(*big.raw, gids).cpu(), want), f"big raw gather R={r}")
+    uva = torch.ops.ibpembed_bench.uva_gather(big.plain, gids).cpu()
+    checks.record(same_bits(uva, want), f"uva baseline R={r}")
+    offsets = torch.arange(0, ids.numel() + 1, BAG_SIZE)
+    cpu_sum = ops.lookup_pooled(*big.comp_cpu, ids, offsets, None, 0, 0)
+    gpu_sum = ops.lookup_pooled(*big.comp, gids, offsets.cuda(), None, 0, 0).cpu()
+    checks.record(torch.equal(cpu_sum, gpu_sum), f"big pooled sum R={r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def timed(fn: Callable[[], object], gpu: bool, budget_s: float = 0.25) -> float:
+    """Median wall time of fn() (synchronised), after warm-up; 3..20 runs within ~budget_s."""
+    for _ in range(2):
+        fn()
+    sync(gpu)
+    times: list[float] = []
+    begin = time.perf_counter()
+    while len(times) < 3 or (len(times) < 20 and time.perf_counter() - begin < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        sync(gpu)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def h2d_bandwidth(pinned: Pinned, gpu: bool) -> float | None:
+    if not gpu:
+        return None
+    src = pinned.empty(GIB)
+    src.fill_(1)
+    dst = torch.empty(GIB, dtype=torch.uint8, device="cuda")
+    seconds = timed(lambda: dst.copy_(src, non_blocking=True), gpu, budget_s=1.0)
+    return GIB / seconds / 1e9
+
+
+def time_table(ops, big: BigTable, dists: list[str], gpu: bool, rng) -> list[dict[str, Any]]:
+    rows = []
+    r = big.row_bytes
+    stage = torch.empty(max(BATCHES), r, dtype=torch.uint8, pin_memory=gpu)
+    dev = torch.empty(max(BATCHES), r, dtype=torch.uint8, device="cuda" if gpu else "cpu")
+    units_gpu = big.comp[2]
+    for dist in dists:
+        for n in BATCHES:
+            ids = id_stream(rng, big.num_rows, n, dist)
+            offsets = torch.arange(0, n + 1, BAG_SIZE)
+
+            def cpu_h2d(ids=ids, n=n):
+                torch.index_select(big.plain, 0, ids, out=stage[:n])
+                dev[:n].copy_(stage[:n], non_blocking=True)
+
+            times = {"cpu_h2d": timed(cpu_h2d, gpu)}
+            wire = n * r
+            if gpu:
+                gids = ids.cuda()
+                times |= gpu_times(ops, big, gids, offsets.cuda())
+                # Bytes the compressed kernels move: the requested rows' slots (sum of units).
+                wire = int(units_gpu[gids].to(torch.int64).sum()) * big.unit_bytes
+            rows.append(
+                {
+                    "row_bytes": r,
+                    "batch": n,
+                    "ids": dist,
+                    "seconds": times,
+                    "raw_bytes": n * r,
+                    "ibp_wire_bytes": wire,
+                }
+            )
+    return rows
+
+
+def gpu_times(ops, big: BigTable, ids: torch.Tensor, offsets: torch.Tensor) -> dict[str, float]:
+    """Seconds per call of the GPU methods on one batch (ids and offsets on the GPU)."""
+    uva = torch.ops.ibpembed_bench.uva_gather
+    return {
+        "ibp_none": timed(lambda: ops.ibp_gather(*big.comp, ids), True),
+        "raw_none": timed(lambda: ops.ibp_gather(*big.raw, ids), True),
+        "ibp_sum": timed(lambda: ops.lookup_pooled(*big.comp, ids, offsets, None, 0, 0), True),
+        "raw_sum": timed(lambda: ops.lookup_pooled(*big.raw, ids, offsets, None, 0, 0), True),
+        "uva": timed(lambda: uva(big.plain, ids), True),
+    }
+
+
+def summarise(rows: list[dict[str, Any]], h2d: float | None) -> dict[str, Any]:
+    """GB/s columns, ratios and the issue's three targets (reported, not asserted)."""
+    for row in rows:
+        row["raw_equiv_gbps"] = {k: row["raw_bytes"] / v / 1e9 for k, v in row["seconds"].items()}
+    if not any("ibp_none" in row["seconds"] for row in rows):
+        return {}  # no GPU: nothing to evaluate
+    targets: dict[str, list[str]] = {"compressed_vs_raw": [], "raw_vs_h2d": [], "pooled_vs_cpu": []}
+    for row in rows:
+        t = row["seconds"]
+        gbps = row["raw_equiv_gbps"]
+        row["ibp_wire_gbps"] = row["ibp_wire_bytes"] / t["ibp_none"] / 1e9
+        byte_ratio = row["raw_bytes"] / row["ibp_wire_bytes"]
+        row["byte_ratio"] = byte_ratio
+        row["ibp_vs_raw"] = t["raw_none"] / t["ibp_none"]
+        row["ibp_sum_vs_cpu_h2d"] = t["cpu_h2d"] / t["ibp_sum"]
+        key = f"R={row['row_bytes']} n={row['batch']} {row['ids']}"
+        if row["ibp_vs_raw"] < 0.95 * byte_ratio:
+            targets["compressed_vs_raw"].append(key)
+        if row["ibp_sum_vs_cpu_h2d"] <= 1.0:
+            targets["pooled_vs_cpu"].append(key)
+        at_512 = row["row_bytes"] == 512 and row["batch"] == max(BATCHES)
+        if at_512 and h2d and gbps["raw_none"] < 0.6 * h2d:
+            targets["raw_vs_h2d"].append(key)
+    return {name: {"met": not misses, "misses": misses} for name, misses in targets.items()}
+
+
+def print_table(rows: list[dict[str, Any]], h2d: float | None) -> None:
+    cols = ("ibp_none", "ibp_sum", "raw_none", "raw_sum", "uva", "cpu_h2d")
+    head = f"{'R':>5} {'batch':>6} {'ids':>8} " + " ".join(f"{c:>9}" for c in cols)
+    head += f" {'wire':>7} {'bytes×':>7} {'ibp/raw':>7} {'sum/cpu':>7}"
+    log(f"\nGB/s of raw-equivalent bytes (pinned H2D copy ceiling: {h2d or float('nan'):.1f} GB/s)")
+    log(head)
+    for row in rows:
+        g = row["raw_equiv_gbps"]
+        cells = " ".join(f"{g[c]:9.2f}" if c in g else f"{'-':>9}" for c in cols)
+        extra = ""
+        if "byte_ratio" in row:
+            extra = (
+                f" {row['ibp_wire_gbps']:7.2f} {row['byte_ratio']:7.3f} {row['ibp_vs_raw']:7.3f}"
+                f" {row['ibp_sum_vs_cpu_h2d']:7.2f}"
+            )
+        log(f"{row['row_bytes']:>5} {row['batch']:>6} {row['ids']:>8} {cells}{extra}")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def machine(gpu: bool) -> dict[str, Any]:
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "host": platform.node(),
+    }
+    if gpu:
+        props = torch.cuda.get_device_properties(0)
+        info |= {
+            "gpu": props.name,
+            "gpu_memory_gib": round(props.total_memory / GIB, 1),
+            "sms": props.multi_processor_count,
+            "cuda": torch.version.cuda,
+        }
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help="JSON path ($OUT/gpu_check.json)")
+    parser.add_argument("--table-gib", type=float, default=8.0, help="raw GiB per row size")
+    parser.add_argument("--zipf", default="1.2", help="comma-separated Zipf exponents")
+    parser.add_argument("--dry-run", action="store_true", help="no GPU: toy sizes, CPU only")
+    args = parser.parse_args(argv)
+    gpu = not args.dry_run
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --dry-run to check the script on a CPU")
+    total = int((0.01 if args.dry_run else args.table_gib) * GIB)
+    out = args.out or Path(os.environ.get("OUT", ROOT / "benchmarks" / ".cache")) / "gpu_check.json"
+    started = time.perf_counter()
+
+    report: dict[str, Any] = {"machine": machine(gpu), "build": build(args.dry_run)}
+    ibpembed, _ops = import_ibpembed()
+    ops = _ops.ops
+    if gpu and not torch._C._dispatch_has_kernel_for_dispatch_key("ibpembed::ibp_gather", "CUDA"):
+        raise SystemExit("ibpembed._C has no CUDA kernels: the build did not enable CUDA")
+    report["correctness"] = check_correctness(ibpembed, ops, gpu)
+
+    pinned = Pinned(gpu)
+    h2d = h2d_bandwidth(pinned, gpu)
+    pinned.release()
+    report["h2d_gbps"] = h2d
+    dists = ["uniform", *(f"zipf{a}" for a in args.zipf.split(","))]
+    rng = np.random.default_rng(1)
+    big_checks = Checks()
+    rows: list[dict[str, Any]] = []
+    for r in ROW_BYTES:
+        t0 = time.perf_counter()
+        big = build_big(ibpembed, pinned, r, total, gpu)
+        log(
+            f"R={r}: {big.num_rows} rows, {big.num_rows * r / GIB:.2f} GiB raw, payload "
+            f"{big.compressed_payload_bytes / GIB:.2f} GiB, stored ratio {big.ratio_stored:.3f} "
+            f"(built in {time.perf_counter() - t0:.1f} s)"
+        )
+        check_big(ops, big, gpu, big_checks, rng)
+        rows += time_table(ops, big, dists, gpu, rng)
+        del big
+        pinned.release()
+    report["big_table_checks"] = {
+        "passed": big_checks.passed,
+        "failures": big_checks.failures or [],
+    }
+    report["targets"] = summarise(rows, h2d)
+    report["results"] = rows
+    print_table(rows, h2d)
+    log("\ntargets (measured, not asserted):" + ("" if report["targets"] else " not measured"))
+    for name, result in report["targets"].items():
+        log(f"  {name}: {'met' if result['met'] else 'MISSED at ' + ', '.join(result['misses'])}")
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    log(f"\nwrote {out} ({report['wall_s']} s)")
+    failed = (report["correctness"].get("failures") or []) + (big_checks.failures or [])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
