@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from ibpembed.tables.store import TableSnapshot, TableStore
 Pooling = Literal["sum", "mean", "none"]
 POOLINGS: tuple[Pooling, ...] = ("sum", "mean", "none")
 _POOLABLE = (torch.float32, torch.float16, torch.bfloat16)
+T = TypeVar("T")
 
 
 class LookupObserver(Protocol):
@@ -193,7 +194,8 @@ class LookupEngine:
         pooling: Pooling,
         *,
         deadline: float | None = None,
-    ) -> LookupResult:
+        then: Callable[[LookupResult], T] | None = None,
+    ) -> LookupResult | T:
         """Look up a request off the event loop.
 
         Parameters
@@ -201,6 +203,9 @@ class LookupEngine:
         features : the request's features (each name at most once).
         pooling : ``"sum"``, ``"mean"`` or ``"none"``.
         deadline : ``time.monotonic()`` past which the work is not started.
+        then : applied to the result on the worker thread, and its value returned instead (the
+            server encodes responses there: copying a 27 MB response into a message would
+            otherwise stall the event loop and every other RPC with it).
 
         Raises
         ------
@@ -209,7 +214,7 @@ class LookupEngine:
         InvalidArgument : malformed ids / lengths / weights, or an id out of range.
         DeadlineExceeded : the deadline passed before a worker thread picked the request up.
         """
-        future = self.submit(features, pooling, deadline=deadline)
+        future = self.submit(features, pooling, deadline=deadline, then=then)
         # If the caller is cancelled (client gone, deadline) the thread still finishes its
         # kernel; the admission slot is released by the future's callback, not here, so the
         # bound on in-flight work holds.
@@ -221,11 +226,17 @@ class LookupEngine:
         pooling: Pooling,
         *,
         deadline: float | None = None,
-    ) -> Future[LookupResult]:
+        then: Callable[[LookupResult], T] | None = None,
+    ) -> Future[LookupResult | T]:
         """Admit a request and queue it on the worker threads (see :meth:`lookup`)."""
         self._admit()
+
+        def work() -> LookupResult | T:
+            result = self.run(features, pooling, deadline=deadline)
+            return result if then is None else then(result)
+
         try:
-            future = self._pool.submit(self.run, features, pooling, deadline=deadline)
+            future = self._pool.submit(work)
         except BaseException:
             self._release()
             raise

@@ -106,6 +106,20 @@ def test_retries_unavailable_only_within_the_deadline():
         assert info.value.code == grpc.StatusCode.NOT_FOUND and info.value.attempts == 1
 
 
+def test_router_picks_the_server_per_request():
+    with RunningServer(make_store()) as running:
+        seen = []
+
+        def route(request: pb.LookupRequest) -> str:
+            seen.append(request.request_id)
+            return running.target
+
+        # The default target has no server: only routed lookups can succeed.
+        with LookupClient(f"127.0.0.1:{_free_port()}", timeout=30, router=route) as client:
+            assert client.lookup({"user": [[1]]}, request_id="q1")["user"].shape == (1, 16)
+        assert seen == ["q1"]
+
+
 def test_async_client_matches_sync_client():
     with RunningServer(make_store()) as running:
         features = {"user": [[1, 2], [3]], "item": [[4]]}

@@ -148,10 +148,6 @@ class LookupServer:
         # Kernels of cancelled RPCs may still run; wait for them off the loop.
         await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
 
-    async def wait(self) -> None:
-        assert self._server is not None
-        await self._server.wait_for_termination()
-
 
 def example_query(host: str, port: int, feature: str, token_hint: bool) -> str:
     """Copy-pasteable queries (Python client and grpcurl) for the banner."""

@@ -9,6 +9,7 @@ LookupStream turns each failed request into an ``Error`` message through the sam
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -129,8 +130,12 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupResponse:
         features, pooling = decode_request(request)
-        result = await self.engine.lookup(features, pooling, deadline=deadline_of(context))
-        return encode_response(request.request_id, result)
+        return await self.engine.lookup(
+            features,
+            pooling,
+            deadline=deadline_of(context),
+            then=functools.partial(encode_response, request.request_id),
+        )
 
     async def LookupStream(
         self, request_iterator: AsyncIterator[pb.LookupRequest], context: grpc.aio.ServicerContext
@@ -168,7 +173,12 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         ensure_request_id(request)
         try:
             features, pooling = decode_request(request)
-            result = await self.engine.lookup(features, pooling, deadline=deadline)
+            return await self.engine.lookup(
+                features,
+                pooling,
+                deadline=deadline,
+                then=functools.partial(encode_response, request.request_id),
+            )
         except Exception as exc:
             code, message = status_for(exc, request.request_id)
             if code == grpc.StatusCode.INTERNAL:
@@ -176,7 +186,6 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             return pb.LookupResponse(
                 request_id=request.request_id, error=pb.Error(code=code.value[0], message=message)
             )
-        return encode_response(request.request_id, result)
 
     async def ListTables(
         self, request: pb.ListTablesRequest, context: grpc.aio.ServicerContext
