@@ -24,9 +24,19 @@ def num_blocks(num_rows: int) -> int:
     return -(-num_rows // ROWS_PER_BLOCK)
 
 
+# Blocks summed per step in block_bytes: widening all of row_units to int64 at once would take
+# 8 bytes per row of scratch memory.
+_SUM_STEP_BLOCKS = 1 << 16
+
+
 def block_bytes(row_units: torch.Tensor, unit_bytes: int) -> torch.Tensor:
     """int64 [B]: the byte length of each block's slots."""
-    return row_units.view(-1, ROWS_PER_BLOCK).to(torch.int64).sum(1) * unit_bytes
+    blocks = row_units.view(-1, ROWS_PER_BLOCK)
+    total = torch.empty(blocks.shape[0], dtype=torch.int64)
+    for begin in range(0, blocks.shape[0], _SUM_STEP_BLOCKS):
+        step = blocks[begin : begin + _SUM_STEP_BLOCKS]
+        total[begin : begin + step.shape[0]] = step.to(torch.int64).sum(1)
+    return total * unit_bytes
 
 
 def payload_end(table: CompressedTable) -> int:

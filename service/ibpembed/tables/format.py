@@ -770,7 +770,7 @@ def _check_index(path: Path, table: CompressedTable) -> None:
     max_units = -(-table.row_bytes // table.unit_bytes)
     real = table.row_units[: table.num_rows]
     if (
-        bool((real == 0).any())
+        int(real.min()) == 0
         or int(real.max()) > max_units
         or bool(table.row_units[table.num_rows :].any())
     ):

@@ -86,8 +86,10 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     path = Path(directory) / MANIFEST
     try:
         body = json.loads(path.read_bytes())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise TableSetError(f"{path}: no manifest; is this a packed table set?") from None
+    except OSError as exc:
+        raise TableSetError(f"{path}: cannot read the manifest: {exc.strerror}") from None
     except ValueError as exc:
         raise TableSetError(f"{path}: not valid JSON: {exc}") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
