@@ -775,8 +775,7 @@ def _check_index(path: Path, table: CompressedTable) -> None:
         or bool(table.row_units[table.num_rows :].any())
     ):
         raise TableFileError(path, "row_units", "row slot sizes out of range")
-    mask_bits = (1 << table.chunk_bits) - 1 if table.chunk_bits < 64 else -1
-    if table.chunk_bits < 64 and bool((table.mask & ~mask_bits).any()):
+    if table.chunk_bits < 64 and bool((table.mask >> table.chunk_bits).any()):
         raise TableFileError(path, "mask", "mask bits above the chunk width")
     if bool((table.bitval & ~table.mask).any()):
         raise TableFileError(path, "bitval", "bitval bits outside the mask")
