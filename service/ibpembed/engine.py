@@ -29,6 +29,7 @@ from typing import Literal, Protocol, TypeVar
 import numpy as np
 import torch
 
+from ibpembed._ops import INT8_ROWWISE_HEADER_BYTES
 from ibpembed.codec import CompressedTable
 from ibpembed.server.errors import DeadlineExceeded, InvalidArgument, NotFound, Overloaded
 from ibpembed.tables.store import TableSnapshot, TableStore
@@ -141,6 +142,9 @@ class LookupEngine:
         Measured on CPU (D=128 fp32, one thread): dedupe 2-5x faster at 0.13-0.22 on 40k-row
         tables, 10 % slower at 0.38 on a 2M-row table; 1.7x faster end to end on the demo set.
         NONE lookups always decode each distinct row once.
+    max_output_bytes : largest result a request may produce (the server passes its max message
+        size); a bigger request fails with :class:`InvalidArgument` before any memory is
+        allocated for it. None = no limit.
     observer : optional metrics hook.
     """
 
@@ -152,6 +156,7 @@ class LookupEngine:
         max_inflight: int = 64,
         device: str = "cpu",
         dedupe_max_unique_fraction: float = 0.5,
+        max_output_bytes: int | None = None,
         observer: LookupObserver | None = None,
     ) -> None:
         if max_workers < 1:
@@ -164,6 +169,7 @@ class LookupEngine:
         self.max_inflight = max_inflight
         self.device = resolve_device(device)
         self.dedupe_max_unique_fraction = dedupe_max_unique_fraction
+        self.max_output_bytes = max_output_bytes
         self.observer = observer
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="ibpembed-lookup")
         self._lock = threading.Lock()
@@ -271,6 +277,7 @@ class LookupEngine:
     ) -> list[_TableWork]:
         by_table: dict[str, _TableWork] = {}
         seen: set[str] = set()
+        output_bytes = 0
         for i, query in enumerate(features):
             if query.name in seen:
                 raise InvalidArgument(f"features[{i}].name", f"feature {query.name!r} repeated")
@@ -280,9 +287,16 @@ class LookupEngine:
             except KeyError:
                 raise NotFound(f"unknown feature {query.name!r}") from None
             _validate(query, i, pooling, table_name, table)
+            output_bytes += _output_bytes(query, pooling, table)
             item = by_table.setdefault(table_name, _TableWork(table_name, table))
             item.positions.append(i)
             item.queries.append(query)
+        if self.max_output_bytes is not None and output_bytes > self.max_output_bytes:
+            raise InvalidArgument(
+                "features",
+                f"the result would be {output_bytes} bytes, over this server's limit of "
+                f"{self.max_output_bytes}: split the batch (LookupStream pipelines the parts)",
+            )
         return list(by_table.values())
 
     def _run_table(self, item: _TableWork, pooling: Pooling) -> list[torch.Tensor]:
@@ -386,6 +400,14 @@ def _describe(
         row_start=0,
         row_end=table.num_rows,
     )
+
+
+def _output_bytes(query: FeatureQuery, pooling: Pooling, table: CompressedTable) -> int:
+    """Bytes of one feature's result: [nnz, row] for NONE, [B, pooled dim] fp32 otherwise."""
+    if pooling == "none":
+        return query.ids.size * table.row_bytes
+    dim = table.dim - INT8_ROWWISE_HEADER_BYTES if table.quant == "int8_rowwise" else table.dim
+    return query.lengths.size * dim * 4
 
 
 def _validate(

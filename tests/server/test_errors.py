@@ -77,6 +77,18 @@ def test_uint8_rows_only_pool_when_quantised(client):
     assert client.lookup({"quant": [[1]]}, "sum")["quant"].shape == (1, 12)
 
 
+def test_result_over_the_message_size_is_refused_up_front():
+    with RunningServer(make_store(), max_message_mb=1) as running:
+        client = LookupClient(running.target, timeout=30)
+        ids = np.arange(20_000, dtype=np.int64) % 1000  # 20000 x 64-byte rows = 1.28 MB
+        request = _raw(ids=ids, lengths=(20_000,), pooling=pb.POOLING_NONE)
+        details = _fails(client, request, grpc.StatusCode.INVALID_ARGUMENT)
+        assert details.startswith("features:") and "1280000 bytes" in details
+        request.pooling = pb.POOLING_SUM  # the pooled result is one 64-byte row: fine
+        assert client.lookup_request(request)["user"].shape == (1, 16)
+        client.close()
+
+
 def test_not_found(client):
     details = _fails(client, _raw(name="nope"), grpc.StatusCode.NOT_FOUND)
     assert "'nope'" in details

@@ -131,4 +131,17 @@ def test_bad_config_fails_fast(tmp_path: Path):
     result = subprocess.run(
         [*IBPEMBED, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60
     )
-    assert result.returncode != 0 and "no_such_setting" in result.stderr
+    assert result.returncode == 2 and "no_such_setting" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_table_set_fails_with_a_message(tmp_path: Path):
+    missing = tmp_path / "no_tables_here"
+    result = subprocess.run(
+        [*IBPEMBED, "serve", "--port", "0", "--tables", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1 and str(missing) in result.stderr
+    assert "Traceback" not in result.stderr

@@ -70,6 +70,8 @@ class LookupServer:
             max_inflight=config.max_inflight,
             device=config.device,
             dedupe_max_unique_fraction=config.dedupe_max_unique_fraction,
+            # Leave room for the response's framing (names, shapes: ~50 bytes a feature).
+            max_output_bytes=config.max_message_bytes * 15 // 16,
             observer=observer,
         )
         self.health = health.aio.HealthServicer()

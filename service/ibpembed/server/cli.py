@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
 from ibpembed.server import config as server_config
 
@@ -23,11 +24,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the config from flags, environment and file, then serve until SIGTERM."""
-    cfg = server_config.load(args)
+    try:
+        cfg = server_config.load(args)
+    except (ValueError, OSError) as exc:
+        print(f"ibpembed serve: bad configuration: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # Imported here so `ibpembed --help` does not pay for torch and grpc.
     from ibpembed.server.app import serve
 
-    return asyncio.run(serve(cfg))
+    try:
+        return asyncio.run(serve(cfg))
+    except (ValueError, OSError, RuntimeError) as exc:
+        # Tables that do not load, a port in use (grpc raises RuntimeError), unreadable certs.
+        print(f"ibpembed serve: {exc}", file=sys.stderr)
+        return 1
