@@ -16,6 +16,7 @@ import pytest
 from ibpembed_client import (
     AsyncLookupClient,
     FeatureBatch,
+    KeepAliveOptions,
     LookupClient,
     LookupServiceError,
     RetryPolicy,
@@ -115,7 +116,9 @@ def test_router_picks_the_server_per_request():
             return running.target
 
         # The default target has no server: only routed lookups can succeed.
-        with LookupClient(f"127.0.0.1:{_free_port()}", timeout=30, router=route) as client:
+        bogus = f"127.0.0.1:{_free_port()}"
+        keepalive = KeepAliveOptions(time_ms=10_000, timeout_ms=5_000)
+        with LookupClient(bogus, timeout=30, router=route, keepalive=keepalive) as client:
             assert client.lookup({"user": [[1]]}, request_id="q1")["user"].shape == (1, 16)
         assert seen == ["q1"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from ibpembed.codec import compress
 from ibpembed.engine import FeatureQuery, LookupEngine
-from ibpembed.server.errors import Overloaded
+from ibpembed.server.errors import DeadlineExceeded, Overloaded
 from ibpembed.tables.store import TableStore
 from tests.server.helpers import GateObserver, make_store
 
@@ -56,6 +57,15 @@ def test_admission_bound_and_release():
         assert future.result(timeout=30).version == 1
     engine.close()
     assert engine.inflight == 0
+
+
+def test_expired_deadline_is_not_started():
+    engine = LookupEngine(make_store(), max_workers=1)
+    query = [FeatureQuery("user", np.array([1], np.int64), np.array([1], np.int32))]
+    with pytest.raises(DeadlineExceeded):
+        engine.run(query, "sum", deadline=time.monotonic() - 1.0)
+    assert engine.run(query, "sum", deadline=time.monotonic() + 3600).version == 1
+    engine.close()
 
 
 def test_features_of_one_table_share_one_kernel_call():

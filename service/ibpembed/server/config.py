@@ -38,9 +38,7 @@ class ServerConfig:
         "Where kernels run: `cpu`, `cuda` or `auto` (CUDA when present).",
         choices=("cpu", "cuda", "auto"),
     )
-    workers: int = _setting(
-        min(4, os.cpu_count() or 1), "Threads running lookup kernels (default: min(4, CPUs))."
-    )
+    workers: int = _setting(min(4, os.cpu_count() or 1), "Threads running lookup kernels.")
     torch_threads: int = _setting(
         1,
         "torch intra-op threads per kernel call. 1 = parallelism comes from `workers`"
@@ -191,9 +189,15 @@ def load(
 
 def markdown_table() -> str:
     """The settings table for the README."""
-    lines = ["| flag | environment | config key | default | meaning |", "|---|---|---|---|---|"]
+    lines = [
+        "| flag | environment | config key | default | meaning |",
+        "|---|---|---|---|---|",
+        f"| `--config` | `{ENV_PREFIX}CONFIG` | — | — | TOML file setting any key below. |",
+    ]
     for f in _fields():
         default = "—" if f.default is None else f"`{f.default}`"
+        if isinstance(f.default, bool):
+            default = f"`{str(f.default).lower()}`"
         if f.name == "workers":
             default = "min(4, CPUs)"
         lines.append(
