@@ -4,7 +4,8 @@
 # Compile check of the CUDA path on machines without a GPU or a CUDA build of torch: every
 # csrc/cuda/*.cu (and the benchmark baseline benchmarks/cuda/*.cu) through nvcc -c for sm_80 and
 # sm_90 (-gencode, as setup.py builds them) with -Xptxas -v, and every host file that goes with
-# them (csrc/ops/*_cuda.cpp, benchmarks/cuda/*.cpp) through g++ -c, against the venv's torch headers.
+# them (csrc/ops/*_cuda.cpp, benchmarks/cuda/*.cpp) through g++ -c, against the venv's torch
+# headers.
 # Nothing is linked: the CPU torch wheel has no libtorch_cuda. Prints each kernel's registers,
 # spills and shared memory; exits non-zero on any compiler error or on a register spill.
 set -euo pipefail
@@ -42,7 +43,8 @@ for cu in csrc/cuda/*.cu benchmarks/cuda/*.cu; do
     | grep -Ev 'ptxas info *: Used|bytes stack frame' || true
   # One line per kernel and arch: demangled name, registers, spills, static shared memory.
   awk '
-    /Compiling entry function/ { match($0, /'"'"'[^'"'"']+'"'"'/); fn = substr($0, RSTART + 1, RLENGTH - 2);
+    /Compiling entry function/ { match($0, /'"'"'[^'"'"']+'"'"'/);
+                                 fn = substr($0, RSTART + 1, RLENGTH - 2);
                                  match($0, /sm_[0-9]+/); arch = substr($0, RSTART, RLENGTH) }
     /bytes stack frame/ { frame = $0; sub(/^[ \t]+/, "", frame) }
     /ptxas info *: Used/ { used = $0; sub(/.*Used/, "Used", used);

@@ -48,7 +48,8 @@ __device__ __forceinline__ int load_run(const GatherArgs& a, int64_t i, int lane
 // source, destination and width all allow, else 32-bit words realigned through the funnel read.
 __device__ __forceinline__ void copy_raw_row(const uint8_t* stage, int shift, int64_t row_bytes,
                                              uint8_t* dst, int lane) {
-  const bool vec_ok = ((shift | row_bytes | reinterpret_cast<uintptr_t>(dst)) & (kVecBytes - 1)) == 0;
+  const auto dst_bits = reinterpret_cast<uintptr_t>(dst);
+  const bool vec_ok = ((shift | row_bytes | dst_bits) & (kVecBytes - 1)) == 0;
   if (vec_ok) {  // shift is then 0: the slot starts the window
     const auto* src = reinterpret_cast<const uint4*>(stage);
     auto* out = reinterpret_cast<uint4*>(dst);
@@ -56,7 +57,7 @@ __device__ __forceinline__ void copy_raw_row(const uint8_t* stage, int shift, in
     return;
   }
   const auto* words = reinterpret_cast<const uint32_t*>(stage);
-  const bool word_ok = ((row_bytes | reinterpret_cast<uintptr_t>(dst)) & 3) == 0;
+  const bool word_ok = ((row_bytes | dst_bits) & 3) == 0;
   for (int64_t k = lane; 4 * k < row_bytes; k += kWarpSize) {
     const auto v = static_cast<uint32_t>(read_staged_bits<32>(words, 8 * (shift + 4 * k)));
     if (word_ok) {
@@ -82,6 +83,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
   if (blockIdx.x == 0 && warp == 0) check_table(a.table, lane, a.error);
   const bool aligned = t.row_bytes % (W / 8) == 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * warps;
+  const uint64_t exceptions = exception_area_start<W>(t, lane);
 
   int64_t cur = next_head(a, static_cast<int64_t>(blockIdx.x) * warps + warp, stride);
   StagedRow s_cur{};
@@ -101,12 +103,13 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
     __syncwarp();
     const uint8_t* stage = mine + (k & 1) * stage_bytes;
     if (s_cur.ok && s_cur.compressed) {
-      decode_staged_row<W>(t, s_cur, stage, lane, a.error, [&](const LaneChunk& c, uint64_t x) {
+      auto write = [&](const LaneChunk& c, uint64_t x) {
         if (!c.valid) return;
         for (int d = 0; d < run; ++d) {
           store_chunk_to<W>(a.out + dst_rows[d] * t.row_bytes, t.row_bytes, c.j, x, aligned);
         }
-      });
+      };
+      decode_staged_row<W>(t, s_cur, stage, exceptions, lane, a.error, write);
     } else if (s_cur.ok) {
       for (int d = 0; d < run; ++d) {
         copy_raw_row(stage, s_cur.shift, t.row_bytes, a.out + dst_rows[d] * t.row_bytes, lane);

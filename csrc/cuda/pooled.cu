@@ -138,6 +138,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
   for (int64_t d = lane; d < a.dim; d += kWarpSize) acc[d] = 0.0f;
 
   const int64_t stride = static_cast<int64_t>(gridDim.x) * warps;
+  const uint64_t exceptions = exception_area_start<W>(t, lane);
   // Start one stride before the warp's first bag with an exhausted range: advance() opens it.
   Cursor cur{static_cast<int64_t>(blockIdx.x) * warps + warp - stride, 0, 0, 0};
   bool have = advance(a, cur, stride, lane);
@@ -160,9 +161,10 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
     const float weight = a.weights != nullptr ? a.weights[cur.idx] : 1.0f;
     if (s_cur.ok && s_cur.compressed) {
       // Lanes own chunks while decoding but elements while accumulating: go through rowbuf.
-      decode_staged_row<W>(t, s_cur, stage, lane, a.error, [&](const LaneChunk& c, uint64_t x) {
+      auto to_rowbuf = [&](const LaneChunk& c, uint64_t x) {
         if (c.valid) store_chunk_to<W>(rowbuf, t.row_bytes, c.j, x, true);
-      });
+      };
+      decode_staged_row<W>(t, s_cur, stage, exceptions, lane, a.error, to_rowbuf);
       __syncwarp();
       accumulate_row_bits(a, reinterpret_cast<const uint32_t*>(rowbuf), 0, weight, acc, lane);
     } else if (s_cur.ok) {

@@ -105,29 +105,43 @@ __device__ __forceinline__ StagedRow stage_row(const DeviceTable& dt, int64_t r,
   return s;
 }
 
+// Stream bit where the exception area of every compressed row of the table starts (format.h's
+// E = V + sum_j k_j). A per-table constant: each warp computes it once, before its first row.
+template <int W>
+__device__ __forceinline__ uint64_t exception_area_start(const TableView& t, int lane) {
+  const uint32_t lane_sum = lane_free_bits_sum<W>(t.mask, lane, t.num_chunks);
+  const uint32_t sum = __reduce_add_sync(kFullWarp, lane_sum);
+  return static_cast<uint64_t>(t.num_chunks) + sum;
+}
+
 // Decodes a compressed staged row chunk-parallel; every lane calls sink(c, x) for every group
 // (also lanes whose chunk is past the end: c.valid is false), so sinks may use warp collectives.
+// exception_start is exception_area_start() of the table.
 template <int W, class Sink>
 __device__ __forceinline__ void decode_staged_row(const TableView& t, const StagedRow& s,
-                                                  const uint8_t* stage, int lane, int32_t* error,
-                                                  Sink&& sink) {
+                                                  const uint8_t* stage, uint64_t exception_start,
+                                                  int lane, int32_t* error, Sink&& sink) {
   const auto* words = reinterpret_cast<const uint32_t*>(stage);
   const uint64_t slot_bits = 8 * static_cast<uint64_t>(s.slot_bytes);
-  uint64_t base = static_cast<uint64_t>(t.num_chunks);  // data follows the V-bit header
+  uint64_t fbase = static_cast<uint64_t>(t.num_chunks);  // free fields follow the V-bit header
+  uint64_t ebase = exception_start;
   bool overrun = false;
   for (int g = 0; 32 * g < t.num_chunks; ++g) {
     const uint32_t part = group_participation(words, s.shift, g);
     const LaneChunk c = lane_chunk<W>(t.mask, t.bitval, part, g, lane, t.num_chunks);
-    const int incl = warp_inclusive_scan(c.len, lane);
-    uint64_t pos = base + static_cast<uint64_t>(incl - c.len);
+    const int incl = warp_inclusive_scan(pack_lengths(c), lane);
+    uint64_t field = fbase + static_cast<uint64_t>(packed_free(incl) - c.free);
+    uint64_t exception = ebase + static_cast<uint64_t>(packed_exception(incl) - c.exception);
     // A consistent table never needs bits past its slot; a corrupt one reads (in bounds) from
     // the slot start instead and is reported.
-    if (pos + c.len > slot_bits) {
+    if (field + c.free > slot_bits || exception + c.exception > slot_bits) {
       overrun = true;
-      pos = 0;
+      field = exception = 0;
     }
-    sink(c, lane_decode<W>(words, s.shift, pos, c));
-    base += static_cast<uint64_t>(__shfl_sync(kFullWarp, incl, kWarpSize - 1));
+    sink(c, lane_decode<W>(words, s.shift, field, exception, c));
+    const int total = __shfl_sync(kFullWarp, incl, kWarpSize - 1);
+    fbase += static_cast<uint64_t>(packed_free(total));
+    ebase += static_cast<uint64_t>(packed_exception(total));
   }
   if (__any_sync(kFullWarp, overrun)) report(error, kErrTable, lane);
 }
@@ -198,7 +212,8 @@ LaunchShape plan_launch(Kernel kernel, int64_t smem_per_warp, int64_t work_items
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * kWarpSize, smem));
   const int64_t needed = (work_items + warps - 1) / warps;
   const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sms;
-  return LaunchShape{warps, static_cast<int>(std::max<int64_t>(1, std::min(needed, resident))), smem};
+  const auto blocks = static_cast<int>(std::max<int64_t>(1, std::min(needed, resident)));
+  return LaunchShape{warps, blocks, smem};
 }
 
 }  // namespace ibpembed::gpu

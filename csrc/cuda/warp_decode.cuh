@@ -6,14 +6,19 @@
 // 32-iteration loop standing in for each shuffle, scan and reduction of the kernels. Only the
 // collectives themselves (and cp.async) are GPU-only; they live in row_pipeline.cuh.
 //
-// Decoding a staged compressed row, warp-wide (lane l owns chunk j = 32 g + l of group g):
+// Decoding a staged compressed row, warp-wide (lane l owns chunk j = 32 g + l of group g), in the
+// layout of format.h (header, free fields at per-table offsets, exception area from bit E):
 //   part  = group_participation(...)        the 32 header bits of group g
-//   c     = lane_chunk(...)                  does chunk j participate, how many stream bits it uses
-//   incl  = inclusive warp scan of c.len     (__shfl_up_sync in the kernel)
-//   pos   = base + incl - c.len              stream bit where chunk j starts
-//   x     = lane_decode(..., pos, c)         bitval | deposit(bits, ~mask), or the W stored bits
-//   base += incl of lane 31                  start of group g + 1
-// with base = V (the header's length) for group 0. Raw rows skip all this: plain copy.
+//   c     = lane_chunk(...)                  participation, free-field and exception lengths
+//   incl  = inclusive warp scan of pack_lengths(c)   (__shfl_up_sync in the kernel)
+//   field = fbase + free part of (incl) - c.free     F_j = V + sum_{i<j} k_i
+//   exc   = ebase + exception part of (incl) - c.exception
+//   x     = lane_decode(..., field, exc, c)  bitval | deposit(field bits, ~mask), then, for a
+//                                            non-participating chunk, its exception bits
+//                                            deposited into mask
+//   fbase, ebase += the group totals (lane 31's incl)
+// with fbase = V and ebase = E = V + sum_j k_j (lane_free_bits_sum, once per warp) for group 0.
+// Raw rows skip all this: plain copy.
 #pragma once
 
 #include <cstdint>
@@ -72,7 +77,8 @@ struct Window {
 IBP_HD Window stage_window(int64_t offset, int64_t bytes) {
   const int64_t first = offset & ~int64_t{kVecBytes - 1};
   const int64_t end = (offset + bytes + kVecBytes - 1) & ~int64_t{kVecBytes - 1};
-  return Window{first, static_cast<int>(offset - first), static_cast<int>((end - first) / kVecBytes)};
+  return Window{first, static_cast<int>(offset - first),
+                static_cast<int>((end - first) / kVecBytes)};
 }
 
 // Largest slot any row of the table can have: a raw row rounded up to whole units.
@@ -124,8 +130,9 @@ IBP_HD uint32_t group_participation(const uint32_t* words, int shift, int group)
 struct LaneChunk {
   int j;              // chunk position
   bool valid;         // j < num_chunks
-  bool participates;  // stored as free bits only
-  int len;            // stream bits the chunk occupies (0 when !valid)
+  bool participates;  // header bit: no exception bits
+  int free;           // k_j, bits of its free field (0 when !valid)
+  int exception;      // W - k_j for a non-participating chunk, else 0
   uint64_t mask;      // mask[j] (0 when !valid)
   uint64_t bitval;    // bitval[j] (0 when !valid)
 };
@@ -140,18 +147,43 @@ IBP_HD LaneChunk lane_chunk(const uint64_t* mask, const uint64_t* bitval, uint32
   c.participates = (participation >> lane) & 1u;
   c.mask = mask[c.j];
   c.bitval = bitval[c.j];
-  c.len = static_cast<int>(chunk_stream_bits<W>(c.participates, W - popcount64(c.mask)));
+  // Bits of a (corrupt) mask above W are ignored here so lengths stay in [0, W] and every read
+  // stays in bounds; check_table() reports such masks.
+  c.free = W - popcount64(c.mask & low_bits(W));
+  c.exception = c.participates ? 0 : W - c.free;
   return c;
 }
 
-// Chunk value of a lane whose data starts at stream bit `pos`; `shift` is the slot's byte offset
-// inside the staging buffer.
-// The chunk arithmetic itself is the CPU codec's decode_chunk(), with the run-based deposit.
+// Both lengths in one int, so that one warp scan yields the field and the exception offsets
+// together: a group's totals are at most 32 * 64 = 2048 each, far below 2^16.
+IBP_HD int pack_lengths(const LaneChunk& c) { return c.free | (c.exception << 16); }
+IBP_HD int packed_free(int packed) { return packed & 0xFFFF; }
+IBP_HD int packed_exception(int packed) { return packed >> 16; }
+
+// This lane's share of sum_j k_j (chunks lane, lane + 32, ...); summed over the warp and added to
+// V it is the stream bit where the exception area starts (row_codec.h's exception_start()), a
+// per-table constant each warp computes once.
 template <int W>
-IBP_HD uint64_t lane_decode(const uint32_t* words, int shift, uint64_t pos, const LaneChunk& c) {
-  const uint64_t bits = read_staged_bits<W>(words, 8 * static_cast<uint64_t>(shift) + pos);
-  return decode_chunk<W, RunDepositOps>(bits, c.participates ? 1u : 0u, ~c.mask & low_bits(W),
-                                        c.bitval);
+IBP_HD uint32_t lane_free_bits_sum(const uint64_t* mask, int lane, int num_chunks) {
+  uint32_t sum = 0;
+  for (int j = lane; j < num_chunks; j += kWarpSize) {
+    sum += static_cast<uint32_t>(W - popcount64(mask[j] & low_bits(W)));
+  }
+  return sum;
+}
+
+// Chunk value of a lane whose free field starts at stream bit `field` and (when it does not
+// participate) whose exception bits start at `exception`; `shift` is the slot's byte offset in the
+// staging buffer. The arithmetic is the CPU codec's decode_field() / patch_exception(), with the
+// run-based deposit.
+template <int W>
+IBP_HD uint64_t lane_decode(const uint32_t* words, int shift, uint64_t field, uint64_t exception,
+                            const LaneChunk& c) {
+  const uint64_t base = 8 * static_cast<uint64_t>(shift);
+  const uint64_t x = decode_field<RunDepositOps>(read_staged_bits<W>(words, base + field),
+                                                 ~c.mask & low_bits(W), c.bitval);
+  if (c.participates || !c.valid) return x;
+  return patch_exception<RunDepositOps>(x, read_staged_bits<W>(words, base + exception), c.mask);
 }
 
 // Gather dedupe. After the sort, equal ids are adjacent; position i is a run head when its id

@@ -122,29 +122,47 @@ uint64_t checked_read(const Stage& s, uint64_t bitpos) {
   return read_staged_bits<W>(s.words.data(), bitpos);
 }
 
+// exception_area_start() of row_pipeline.cuh: the warp's lane sums, reduced.
+template <int W>
+uint64_t emulate_exception_start(const uint64_t* mask, int v) {
+  uint64_t sum = 0;
+  for (int lane = 0; lane < kWarpSize; ++lane) sum += lane_free_bits_sum<W>(mask, lane, v);
+  return static_cast<uint64_t>(v) + sum;
+}
+
 // decode_staged_row() of row_pipeline.cuh with the warp unrolled into a loop over lanes.
 template <int W>
 std::vector<uint8_t> emulate_decode(const Stage& s, const uint64_t* mask, const uint64_t* bitval,
                                     int v, int64_t row_bytes, int64_t slot_bytes) {
   std::vector<uint8_t> row(static_cast<size_t>(row_bytes), 0);
-  uint64_t base = static_cast<uint64_t>(v);
+  const uint64_t slot_bits = 8 * static_cast<uint64_t>(slot_bytes);
+  const uint64_t base = 8 * static_cast<uint64_t>(s.shift);
+  uint64_t fbase = static_cast<uint64_t>(v);
+  uint64_t ebase = emulate_exception_start<W>(mask, v);
   for (int g = 0; 32 * g < v; ++g) {
-    checked_read<32>(s, 8 * static_cast<uint64_t>(s.shift) + 32 * static_cast<uint64_t>(g));
+    checked_read<32>(s, base + 32 * static_cast<uint64_t>(g));
     const uint32_t part = group_participation(s.words.data(), s.shift, g);
     LaneChunk c[kWarpSize];
     int incl[kWarpSize];
     for (int lane = 0; lane < kWarpSize; ++lane) {
       c[lane] = lane_chunk<W>(mask, bitval, part, g, lane, v);
-      incl[lane] = c[lane].len + (lane > 0 ? incl[lane - 1] : 0);  // the __shfl_up_sync scan
+      // The __shfl_up_sync scan of the packed lengths.
+      incl[lane] = pack_lengths(c[lane]) + (lane > 0 ? incl[lane - 1] : 0);
     }
     for (int lane = 0; lane < kWarpSize; ++lane) {
-      const uint64_t pos = base + static_cast<uint64_t>(incl[lane] - c[lane].len);
-      if (pos + c[lane].len > 8 * static_cast<uint64_t>(slot_bytes)) fail("overrun", g, lane, pos);
-      checked_read<W>(s, 8 * static_cast<uint64_t>(s.shift) + pos);
-      const uint64_t x = lane_decode<W>(s.words.data(), s.shift, pos, c[lane]);
+      const uint64_t field = fbase + static_cast<uint64_t>(packed_free(incl[lane]) - c[lane].free);
+      const uint64_t exception =
+          ebase + static_cast<uint64_t>(packed_exception(incl[lane]) - c[lane].exception);
+      if (field + c[lane].free > slot_bits || exception + c[lane].exception > slot_bits) {
+        fail("overrun", g, lane, static_cast<long long>(field));
+      }
+      checked_read<W>(s, base + field);
+      checked_read<W>(s, base + exception);
+      const uint64_t x = lane_decode<W>(s.words.data(), s.shift, field, exception, c[lane]);
       if (c[lane].valid) store_chunk<W>(row.data(), row_bytes, c[lane].j, x);
     }
-    base += static_cast<uint64_t>(incl[kWarpSize - 1]);
+    fbase += static_cast<uint64_t>(packed_free(incl[kWarpSize - 1]));
+    ebase += static_cast<uint64_t>(packed_exception(incl[kWarpSize - 1]));
   }
   return row;
 }
@@ -195,6 +213,9 @@ void test_rows(int64_t row_bytes) {
         encode_row<W, PortableBitOps>(row.data(), row_bytes, mask.data(), bitval.data(),
                                       free.data(), v, code.data());
         std::memcpy(payload.data() + offset, code.data(), static_cast<size_t>(enc));
+        if (emulate_exception_start<W>(mask.data(), v) != exception_start(free.data(), v)) {
+          fail("exception area start", W, row_bytes, v);
+        }
         const Stage s = stage_slot(payload, offset, comp_slot, stage_bytes);
         const std::vector<uint8_t> got =
             emulate_decode<W>(s, mask.data(), bitval.data(), v, row_bytes, comp_slot);
@@ -217,8 +238,8 @@ void test_rows(int64_t row_bytes) {
       }
       if (copy != row) fail("raw copy", W, row_bytes, offset);
       for (int64_t e = 0; 2 * e + 2 <= row_bytes; ++e) {
-        const auto h = static_cast<uint16_t>(
-            checked_read<16>(s, 8 * static_cast<uint64_t>(s.shift) + 16 * static_cast<uint64_t>(e)));
+        const uint64_t bit = 8 * static_cast<uint64_t>(s.shift) + 16 * static_cast<uint64_t>(e);
+        const auto h = static_cast<uint16_t>(checked_read<16>(s, bit));
         uint16_t want;
         std::memcpy(&want, row.data() + 2 * e, 2);
         if (h != want) fail("raw 16-bit element", W, row_bytes, e);
