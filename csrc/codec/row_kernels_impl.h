@@ -99,76 +99,88 @@ void encode_rows(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64
 }
 
 // Per-table constants of the decode loops, computed once per decode_rows call.
+//
+// NOTE(codec): free fields of consecutive chunks are adjacent in the stream, and pdep fills a
+// mask's set bits in order, so one pdep with the concatenated free masks of the chunks of an
+// 8-byte group decodes all of them at once. Every width then decodes 8 bytes per step.
 template <int W>
 struct DecodePlan {
-  std::vector<uint64_t> free_mask;  // ~mask[j] within W bits
-  std::vector<uint64_t> bitval;
-  std::vector<uint8_t> free_count;  // k_j
-  // Stream bit offset of chunk j when every chunk participates (the common case for tables
-  // with truly invariant bits): such rows decode with no serial dependency between chunks.
-  std::vector<uint32_t> packed_offset;
+  static constexpr int kChunksPerGroup = 64 / W;
+
+  std::vector<uint64_t> mask;
+  std::vector<uint8_t> free_count;       // k_j
+  std::vector<uint64_t> group_free_mask;  // concatenated ~mask of the group's chunks
+  std::vector<uint64_t> group_bitval;
+  std::vector<uint32_t> group_offset;     // stream bit of the group's first free field
+  std::vector<uint32_t> field_offset;     // F_j = V + sum_{i<j} k_i
+  uint64_t exception_start;               // E = V + sum_j k_j
 
   explicit DecodePlan(const TableView& t)
-      : free_mask(t.num_chunks), bitval(t.bitval, t.bitval + t.num_chunks),
-        free_count(t.num_chunks), packed_offset(t.num_chunks) {
-    uint32_t pos = static_cast<uint32_t>(t.num_chunks);
+      : mask(t.mask, t.mask + t.num_chunks), free_count(t.num_chunks),
+        field_offset(t.num_chunks) {
+    uint64_t pos = static_cast<uint64_t>(t.num_chunks);
     for (int j = 0; j < t.num_chunks; ++j) {
-      free_mask[j] = ~t.mask[j] & low_bits(W);
-      free_count[j] = static_cast<uint8_t>(popcount64(free_mask[j]));
-      packed_offset[j] = pos;
+      free_count[j] = static_cast<uint8_t>(popcount64(~mask[j] & low_bits(W)));
+      field_offset[j] = static_cast<uint32_t>(pos);
       pos += free_count[j];
+    }
+    exception_start = pos;
+    const int groups = static_cast<int>(t.row_bytes / 8);
+    group_free_mask.assign(groups, 0);
+    group_bitval.assign(groups, 0);
+    group_offset.resize(groups);
+    for (int g = 0; g < groups; ++g) {
+      const int first = g * kChunksPerGroup;
+      group_offset[g] = field_offset[first];
+      for (int c = 0; c < kChunksPerGroup; ++c) {
+        const int shift = c * W;
+        group_free_mask[g] |= (~mask[first + c] & low_bits(W)) << shift;
+        group_bitval[g] |= t.bitval[first + c] << shift;
+      }
     }
   }
 };
 
-inline bool all_chunks_participate(const uint8_t* header, int num_chunks) {
-  int j = 0;
-  for (; j + 64 <= num_chunks; j += 64) {
-    uint64_t word;
-    std::memcpy(&word, header + j / 8, 8);
-    if (word != ~uint64_t{0}) return false;
-  }
-  for (; j < num_chunks; ++j) {
-    if (!((header[j >> 3] >> (j & 7)) & 1)) return false;
-  }
-  return true;
-}
-
+// Two passes over a compressed row. Every chunk from its free field, a whole 8-byte group per
+// pdep at a constant offset: no dependency between groups. Then the exceptions: walk the clear
+// header bits (usually few) and patch those chunks in place.
 template <int W, class Ops>
-void decode_packed_row(const DecodePlan<W>& plan, const uint8_t* in, int whole_chunks,
-                       uint8_t* row) {
-  constexpr int S = W / 8;
-  for (int j = 0; j < whole_chunks; ++j) {
-    const uint64_t bits = read_stream_bits<W>(in, plan.packed_offset[j]);
-    const uint64_t x = plan.bitval[j] | Ops::deposit(bits, plan.free_mask[j]);
-    std::memcpy(row + static_cast<int64_t>(j) * S, &x, S);
+void decode_compressed_row(const DecodePlan<W>& plan, const TableView& t, const uint8_t* in,
+                           uint8_t* row) {
+  const int groups = static_cast<int>(plan.group_offset.size());
+  for (int g = 0; g < groups; ++g) {
+    const uint64_t x = decode_field<Ops>(read_stream_bits<64>(in, plan.group_offset[g]),
+                                         plan.group_free_mask[g], plan.group_bitval[g]);
+    std::memcpy(row + 8 * static_cast<int64_t>(g), &x, 8);
   }
-}
-
-template <int W, class Ops>
-void decode_mixed_row(const DecodePlan<W>& plan, const uint8_t* in, int num_chunks,
-                      int whole_chunks, uint8_t* row) {
-  constexpr int S = W / 8;
-  uint64_t pos = static_cast<uint64_t>(num_chunks);
-  uint64_t header = 0;
-  for (int j = 0; j < whole_chunks; ++j) {
-    if ((j & 63) == 0) std::memcpy(&header, in + j / 8, 8);  // bits past V are never used
-    const uint64_t participates = header & 1;
-    header >>= 1;
-    const uint64_t x = decode_chunk<W, Ops>(read_stream_bits<W>(in, pos), participates,
-                                            plan.free_mask[j], plan.bitval[j]);
-    pos += chunk_stream_bits<W>(participates, plan.free_count[j]);
-    std::memcpy(row + static_cast<int64_t>(j) * S, &x, S);
+  // Chunks past the last whole group (rows whose width is not a multiple of 8 bytes).
+  for (int j = groups * DecodePlan<W>::kChunksPerGroup; j < t.num_chunks; ++j) {
+    const uint64_t free_mask = ~plan.mask[j] & low_bits(W);
+    store_chunk<W>(row, t.row_bytes, j,
+                   decode_field<Ops>(read_stream_bits<W>(in, plan.field_offset[j]), free_mask,
+                                     t.bitval[j]));
+  }
+  uint64_t pos = plan.exception_start;
+  for (int base = 0; base < t.num_chunks; base += 64) {
+    uint64_t header;
+    std::memcpy(&header, in + base / 8, 8);
+    const int valid = t.num_chunks - base < 64 ? t.num_chunks - base : 64;
+    uint64_t missing = ~header & low_bits(valid);  // bits past V belong to the stream
+    while (missing != 0) {
+      const int j = base + __builtin_ctzll(missing);
+      missing &= missing - 1;
+      const uint64_t x = patch_exception<Ops>(load_chunk<W>(row, t.row_bytes, j),
+                                              read_stream_bits<W>(in, pos), plan.mask[j]);
+      store_chunk<W>(row, t.row_bytes, j, x);
+      pos += W - plan.free_count[j];
+    }
   }
 }
 
 template <int W, class Ops>
 void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, int64_t lookahead,
                    uint8_t* out) {
-  constexpr int S = W / 8;
   const DecodePlan<W> plan(t);
-  const int whole_chunks = static_cast<int>(t.row_bytes / S);
-  const bool has_tail = whole_chunks < t.num_chunks;
   const int64_t visible = n + lookahead;
   for (int64_t i = 0; i < n; ++i) {
     if (i + 2 * kPrefetchRows < visible) prefetch_index(t, ids[i + 2 * kPrefetchRows]);
@@ -176,17 +188,10 @@ void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, int64_t lo
     const int64_t r = ids[i];
     const uint8_t* src = t.payload + row_offset(t, r);
     uint8_t* dst = out + i * t.row_bytes;
-    if (!row_is_compressed(t, r)) {
-      std::memcpy(dst, src, static_cast<size_t>(t.row_bytes));
-    } else if (has_tail) {
-      // Rows whose width is not a multiple of the chunk: the plain per-chunk loop, which
-      // stores the partial last chunk.
-      decode_row<W, Ops>(src, t.mask, t.bitval, plan.free_count.data(), t.num_chunks,
-                         t.row_bytes, dst);
-    } else if (all_chunks_participate(src, t.num_chunks)) {
-      decode_packed_row<W, Ops>(plan, src, whole_chunks, dst);
+    if (row_is_compressed(t, r)) {
+      decode_compressed_row<W, Ops>(plan, t, src, dst);
     } else {
-      decode_mixed_row<W, Ops>(plan, src, t.num_chunks, whole_chunks, dst);
+      std::memcpy(dst, src, static_cast<size_t>(t.row_bytes));
     }
   }
 }

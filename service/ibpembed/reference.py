@@ -138,20 +138,24 @@ def fit_paper(rows: np.ndarray, chunk_bits: int) -> tuple[np.ndarray, np.ndarray
 
 # -- rows ----------------------------------------------------------------------------------------
 def encode_row(row: bytes, mask: np.ndarray, bitval: np.ndarray, chunk_bits: int) -> bytes:
-    """The compressed encoding of one row: participation bits, then chunk payloads, LSB-first."""
+    """The compressed encoding of one row: participation bits, free fields, exceptions."""
     chunks = chunks_of(row, chunk_bits)
+    full = (1 << chunk_bits) - 1
     v = len(chunks)
-    stream, pos = 0, v
+    stream, field = 0, v
+    exceptions: list[tuple[int, int]] = []  # (value, width) of non-participating chunks
     for j, x in enumerate(chunks):
         m, b = int(mask[j]), int(bitval[j])
+        stream |= extract(x, ~m & full) << field
+        field += bin(~m & full).count("1")
         if x & m == b:
             stream |= 1 << j
-            free = ~m & ((1 << chunk_bits) - 1)
-            stream |= extract(x, free) << pos
-            pos += bin(free).count("1")
         else:
-            stream |= x << pos
-            pos += chunk_bits
+            exceptions.append((extract(x, m), bin(m).count("1")))
+    pos = field
+    for value, width in exceptions:
+        stream |= value << pos
+        pos += width
     return stream.to_bytes(-(-pos // 8), "little")
 
 
@@ -159,18 +163,21 @@ def decode_row(
     enc: bytes, mask: np.ndarray, bitval: np.ndarray, chunk_bits: int, row_bytes: int
 ) -> bytes:
     v = num_chunks(row_bytes, chunk_bits)
+    full = (1 << chunk_bits) - 1
     stream = int.from_bytes(enc, "little")
-    pos, out = v, []
+    field = v
+    exception = v + sum(bin(~int(m) & full).count("1") for m in mask)
+    out = []
     for j in range(v):
         m, b = int(mask[j]), int(bitval[j])
-        if (stream >> j) & 1:
-            free = ~m & ((1 << chunk_bits) - 1)
-            k = bin(free).count("1")
-            out.append(b | deposit((stream >> pos) & ((1 << k) - 1), free))
-            pos += k
-        else:
-            out.append((stream >> pos) & ((1 << chunk_bits) - 1))
-            pos += chunk_bits
+        k = bin(~m & full).count("1")
+        x = b | deposit((stream >> field) & ((1 << k) - 1), ~m & full)
+        field += k
+        if not (stream >> j) & 1:
+            width = chunk_bits - k
+            x = (x & ~m) | deposit((stream >> exception) & ((1 << width) - 1), m)
+            exception += width
+        out.append(x)
     s = chunk_bits // 8
     return b"".join(x.to_bytes(s, "little") for x in out)[:row_bytes]
 

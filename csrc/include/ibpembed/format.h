@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //
-// The ibpembed compact table layout (format version 1). Torch-free: this header is compiled by
+// The ibpembed compact table layout (format version 2; version 1 stored non-participating chunks
+// inline and was never released). Torch-free: this header is compiled by
 // g++ for the CPU codec and by nvcc for the CUDA kernels, so both read the very same index math.
 //
 // A table has N rows of R bytes. It is cut into chunks of W bits (W in {16, 32, 64}, S = W / 8
@@ -13,9 +14,16 @@
 // stores only its k_j = W - popcount(mask[j]) free bits, pext(x, ~mask[j]).
 //
 // Compressed row = one LSB-first bit stream (stream bit p is bit p % 8 of byte p / 8):
-//   bits [0, V)  participation bit of chunk j at bit j;
-//   then, chunk after chunk, k_j bits (participating) or all W bits of x (not participating).
-// Its byte size is ceil((V + sum(len_j)) / 8). A raw row is the R source bytes verbatim.
+//   header       bits [0, V): participation bit of chunk j at bit j;
+//   free fields  chunk j's free bits pext(x, ~mask[j]) (k_j bits) at bit F_j = V + sum_{i<j} k_i,
+//                for every chunk, participating or not;
+//   exceptions   from bit E = V + sum_j k_j, for each non-participating chunk in order of j, its
+//                W - k_j masked bits pext(x, mask[j]).
+// Its byte size is ceil((E + sum over non-participating j of (W - k_j)) / 8) bytes: the same as
+// storing such chunks whole, but every free field sits at a per-table constant offset, so chunks
+// decode independently (bitval | pdep(field, ~mask)) and only the rare exceptions are read in
+// sequence and patched in ((x & ~mask) | pdep(exception, mask)). A raw row is the R source bytes
+// verbatim.
 //
 // Rows are stored back to back in one payload. Each row occupies a *slot* of a whole number of
 // units of U bytes (U a power of two, chosen so that a raw slot is at most 255 units), and a row
@@ -44,7 +52,7 @@
 
 namespace ibpembed {
 
-inline constexpr uint32_t kFormatVersion = 1;
+inline constexpr uint32_t kFormatVersion = 2;
 inline constexpr int kRowsPerBlock = 32;
 inline constexpr int kMaxUnitsPerRow = 255;
 inline constexpr int kPayloadPad = 16;

@@ -38,57 +38,63 @@ IBP_HD int64_t compressed_row_bytes(const uint8_t* row, int64_t row_bytes, const
   return (bits + 7) >> 3;
 }
 
+// Stream bit where the exception area starts: V + sum_j k_j.
+IBP_HD uint64_t exception_start(const uint8_t* free, int num_chunks) {
+  uint64_t start = static_cast<uint64_t>(num_chunks);
+  for (int j = 0; j < num_chunks; ++j) start += free[j];
+  return start;
+}
+
 // Writes the compressed encoding into `out`, which must be zeroed and hold
 // compressed_row_bytes(...) + 9 bytes.
 template <int W, class Ops>
 IBP_HD void encode_row(const uint8_t* row, int64_t row_bytes, const uint64_t* mask,
                        const uint64_t* bitval, const uint8_t* free, int num_chunks,
                        uint8_t* out) {
-  uint64_t pos = static_cast<uint64_t>(num_chunks);
+  uint64_t field = static_cast<uint64_t>(num_chunks);
+  uint64_t exception = exception_start(free, num_chunks);
   for (int j = 0; j < num_chunks; ++j) {
     const uint64_t x = load_chunk<W>(row, row_bytes, j);
+    write_stream_bits(out, field, Ops::extract(x, ~mask[j] & low_bits(W)), free[j]);
+    field += free[j];
     if ((x & mask[j]) == bitval[j]) {
       out[j >> 3] |= static_cast<uint8_t>(1u << (j & 7));
-      const int len = free[j];
-      write_stream_bits(out, pos, Ops::extract(x, ~mask[j] & low_bits(W)), len);
-      pos += len;
     } else {
-      write_stream_bits(out, pos, x, W);
-      pos += W;
+      write_stream_bits(out, exception, Ops::extract(x, mask[j]), W - free[j]);
+      exception += W - free[j];
     }
   }
 }
 
-// One chunk of a compressed row, without a branch: `bits` holds the stream from the chunk's
-// offset (at least W valid bits), `participates` is its header bit (0 or 1). A participating chunk
-// is bitval | deposit(bits, ~mask); any other chunk is its W stored bits, which is the same
-// deposit with an all-ones mask. Participation is data-dependent: a mispredicted branch would cost
-// more than the deposit.
-template <int W, class Ops>
-IBP_HD uint64_t decode_chunk(uint64_t bits, uint64_t participates, uint64_t free_mask,
-                             uint64_t bitval) {
-  const uint64_t select = 0 - participates;  // all ones when participating
-  return (bitval & select) | Ops::deposit(bits, (free_mask | ~select) & low_bits(W));
+// A chunk from its free field (at least k_j valid bits from the field's offset), as if it
+// participates.
+template <class Ops>
+IBP_HD uint64_t decode_field(uint64_t field_bits, uint64_t free_mask, uint64_t bitval) {
+  return bitval | Ops::deposit(field_bits, free_mask);
 }
 
-// Stream bits the chunk occupies: k_j when participating, else W.
-template <int W>
-IBP_HD uint64_t chunk_stream_bits(uint64_t participates, uint64_t free_count) {
-  return W - ((W - free_count) & (0 - participates));
+// A non-participating chunk: replace the assumed invariant bits with its stored exception bits.
+template <class Ops>
+IBP_HD uint64_t patch_exception(uint64_t chunk, uint64_t exception_bits, uint64_t mask) {
+  return (chunk & ~mask) | Ops::deposit(exception_bits, mask);
 }
 
-// Decodes a compressed row into row_bytes bytes. Reads up to 9 bytes past the encoding.
-// free[j] = k_j from compute_free_bits. The CPU fast path (csrc/codec) and the GPU kernels
-// schedule this differently but share decode_chunk.
+// Decodes a compressed row into row_bytes bytes, chunk after chunk: the plain statement of the
+// format (the CPU fast path and the GPU kernels schedule the same decode_field/patch_exception
+// differently). free[j] = k_j. Reads up to 9 bytes past the encoding.
 template <int W, class Ops>
 IBP_HD void decode_row(const uint8_t* in, const uint64_t* mask, const uint64_t* bitval,
                        const uint8_t* free, int num_chunks, int64_t row_bytes, uint8_t* row) {
-  uint64_t pos = static_cast<uint64_t>(num_chunks);
+  uint64_t field = static_cast<uint64_t>(num_chunks);
+  uint64_t exception = exception_start(free, num_chunks);
   for (int j = 0; j < num_chunks; ++j) {
-    const uint64_t participates = (in[j >> 3] >> (j & 7)) & 1;
-    const uint64_t x = decode_chunk<W, Ops>(read_stream_bits<W>(in, pos), participates,
-                                            ~mask[j] & low_bits(W), bitval[j]);
-    pos += chunk_stream_bits<W>(participates, free[j]);
+    uint64_t x = decode_field<Ops>(read_stream_bits<W>(in, field), ~mask[j] & low_bits(W),
+                                   bitval[j]);
+    field += free[j];
+    if (!((in[j >> 3] >> (j & 7)) & 1)) {
+      x = patch_exception<Ops>(x, read_stream_bits<W>(in, exception), mask[j]);
+      exception += W - free[j];
+    }
     store_chunk<W>(row, row_bytes, j, x);
   }
 }
