@@ -180,16 +180,20 @@ class Pinned:
         self.registered.clear()
 
 
-def device_args(c, payload: torch.Tensor | None = None, where: str = "pinned") -> tuple:
-    """A CompressedTable's op arguments as the CUDA ops take them (torch_bindings_cuda.cpp)."""
-    if payload is None:
-        payload = {"pinned": c.payload.pin_memory, "cuda": c.payload.cuda}.get(
-            where, lambda: c.payload
-        )()
+def device_args(c, dev: torch.device, where: str = "pinned") -> tuple:
+    """A CompressedTable's op arguments as the CUDA ops take them (torch_bindings_cuda.cpp):
+    the payload pinned (``where="pinned"``), on the GPU (``"device"``) or pageable (``"host"``),
+    the small tensors on ``dev``. With a CPU ``dev`` (--dry-run) these are the CPU ops' args."""
+    gpu = dev.type == "cuda"
+    payload = {
+        "pinned": c.payload.pin_memory() if gpu else c.payload,
+        "device": c.payload.to(dev),
+        "host": c.payload,
+    }[where]
     small = (c.block_base, c.row_units, c.bitmask, c.mask, c.bitval)
     return (
         payload,
-        *(t.cuda() for t in small),
+        *(t.to(dev) for t in small),
         c.chunk_bits,
         c.row_bytes,
         c.unit_bytes,
@@ -276,56 +280,54 @@ def small_cases() -> Iterator[tuple[str, torch.Tensor, dict[str, Any]]]:
         yield f"fp32 D=128 method={method}", base, {"method": method}
 
 
-def check_correctness(ibpembed, ops, gpu: bool) -> dict[str, Any]:
+def check_correctness(ibpembed, ops, dev: torch.device) -> dict[str, Any]:
+    """Every small case through the ops on ``dev`` against the CPU ops. On a CPU ``dev``
+    (--dry-run) both sides are the CPU ops: that only exercises this script."""
     from benchmarks import data
 
     checks = Checks()
-    if not gpu:
-        log("correctness: skipped (no GPU)")
-        return {"skipped": True}
     start = time.perf_counter()
     rng = np.random.default_rng(0)
     for label, table, kwargs in small_cases():
         c = ibpembed.compress(table, **kwargs)
         ids = request_ids(rng, c.num_rows, 3000)
         want = ops.ibp_gather(*c._args(), ids)
-        for where in ("pinned", "cuda"):
-            args = device_args(c, where=where)
-            got = ops.ibp_gather(*args, ids.cuda()).cpu()
+        for where in ("pinned", "device"):
+            got = ops.ibp_gather(*device_args(c, dev, where), ids.to(dev)).cpu()
             checks.record(same_bits(got, want), f"gather {label} payload={where}")
-        got = ops.ibp_decompress(*device_args(c)).cpu()
+        got = ops.ibp_decompress(*device_args(c, dev)).cpu()
         checks.record(
             same_bits(got.view(c.dtype).view(c.num_rows, c.dim), table), f"decompress {label}"
         )
         if table.dtype.is_floating_point:
-            check_pooled(ops, c, c._dtype_code(), rng, checks, label)
+            check_pooled(ops, c, c._dtype_code(), rng, checks, label, dev)
     q = ibpembed.compress(
         data.int8_rowwise(data.dlrm_table(1000, 129, seed=5)), quant="int8_rowwise"
     )
-    check_pooled(ops, q, 5, rng, checks, "int8 rowwise D=129")
-    check_errors(ibpembed, ops, checks)
+    check_pooled(ops, q, 5, rng, checks, "int8 rowwise D=129", dev)
+    check_errors(ibpembed, ops, checks, dev)
     log(
-        f"correctness: {checks.passed} checks passed, {len(checks.failures or [])} failed "
-        f"({time.perf_counter() - start:.1f} s)"
+        f"correctness on {dev}: {checks.passed} checks passed, {len(checks.failures or [])} "
+        f"failed ({time.perf_counter() - start:.1f} s)"
     )
-    return {"passed": checks.passed, "failures": checks.failures or []}
+    return {"device": str(dev), "passed": checks.passed, "failures": checks.failures or []}
 
 
-def check_pooled(ops, c, dtype_code: int, rng, checks: Checks, label: str) -> None:
+def check_pooled(ops, c, dtype_code: int, rng, checks: Checks, label: str, dev) -> None:
     lengths = rng.integers(0, 40, 200)
     lengths[::9] = 0  # empty bags
     offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
     ids = torch.from_numpy(rng.integers(0, c.num_rows, int(lengths.sum())))
     weights = torch.from_numpy(rng.random(ids.numel()).astype(np.float32))
-    args = device_args(c)
+    args = device_args(c, dev)
     for pooling in ("sum", "mean"):
         for w in (None, weights):
             want = ops.lookup_pooled(*c._args(), ids, offsets, w, dtype_code, POOLING[pooling])
             got = ops.lookup_pooled(
                 *args,
-                ids.cuda(),
-                offsets.cuda(),
-                None if w is None else w.cuda(),
+                ids.to(dev),
+                offsets.to(dev),
+                None if w is None else w.to(dev),
                 dtype_code,
                 POOLING[pooling],
             ).cpu()
@@ -335,27 +337,25 @@ def check_pooled(ops, c, dtype_code: int, rng, checks: Checks, label: str) -> No
             checks.record(equal, f"pooled {pooling} weighted={w is not None} {label}")
 
 
-def cuda(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device="cuda")
-
-
-def check_errors(ibpembed, ops, checks: Checks) -> None:
+def check_errors(ibpembed, ops, checks: Checks, dev: torch.device) -> None:
     c = ibpembed.compress(torch.randn(100, 16))
-    args = device_args(c)
+    args = device_args(c, dev)
+
+    def on(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=dev)
+
     cases: list[tuple[str, type, Callable[[], object]]] = [
-        ("id past the end", IndexError, lambda: ops.ibp_gather(*args, cuda([0, 100]))),
-        ("negative id", IndexError, lambda: ops.ibp_gather(*args, cuda([-1]))),
+        ("id past the end", IndexError, lambda: ops.ibp_gather(*args, on([0, 100]))),
+        ("negative id", IndexError, lambda: ops.ibp_gather(*args, on([-1]))),
         (
             "decreasing offsets",
             ValueError,
-            lambda: ops.lookup_pooled(*args, cuda([1, 2, 3]), cuda([0, 2, 1, 3]), None, 0, 0),
-        ),
-        (
-            "pageable payload",
-            ValueError,
-            lambda: ops.ibp_gather(*device_args(c, where="host"), cuda([0])),
+            lambda: ops.lookup_pooled(*args, on([1, 2, 3]), on([0, 2, 1, 3]), None, 0, 0),
         ),
     ]
+    if dev.type == "cuda":
+        host_args = device_args(c, dev, where="host")
+        cases.append(("pageable payload", ValueError, lambda: ops.ibp_gather(*host_args, on([0]))))
     for what, error, call in cases:
         try:
             call()
@@ -383,8 +383,11 @@ class BigTable:
     ratio_stored: float  # raw bytes / (payload + index + bitmask + masks)
 
 
-def build_big(ibpembed, pinned: Pinned, row_bytes: int, total_bytes: int, gpu: bool) -> BigTable:
-    """~total_bytes of fp32 DLRM-profile rows: one compressed tile repeated (memcpy cost only)."""
+def build_big(
+    ibpembed, pinned: Pinned, row_bytes: int, total_bytes: int, profile: str, gpu: bool
+) -> BigTable:
+    """~total_bytes of fp32 DLRM-profile rows (``profile="dlrm-bf16"``: rounded to bf16 values,
+    the low 16 bits zero): one compressed tile repeated, at memcpy cost."""
     from benchmarks import data
 
     dim = row_bytes // 4
@@ -392,6 +395,8 @@ def build_big(ibpembed, pinned: Pinned, row_bytes: int, total_bytes: int, gpu: b
     reps = max(1, total_bytes // (tile_rows * row_bytes))
     n = tile_rows * reps
     tile = data.dlrm_table(tile_rows, dim, seed=row_bytes)
+    if profile == "dlrm-bf16":
+        tile = data.bf16_rounded(tile)
     c = ibpembed.compress(tile, sample_rows=FIT_SAMPLE_ROWS)
     used = int(c.block_base[-1])
     # Tiling keeps the layout exact: block i of copy r starts at tile base + r * used.
@@ -509,14 +514,16 @@ def h2d_bandwidth(pinned: Pinned, gpu: bool) -> float | None:
     return GIB / seconds / 1e9
 
 
-def time_table(ops, big: BigTable, dists: list[str], gpu: bool, rng) -> list[dict[str, Any]]:
+def time_table(
+    ops, big: BigTable, dists: list[str], batches: tuple[int, ...], gpu: bool, rng
+) -> list[dict[str, Any]]:
     rows = []
     r = big.row_bytes
-    stage = torch.empty(max(BATCHES), r, dtype=torch.uint8, pin_memory=gpu)
-    dev = torch.empty(max(BATCHES), r, dtype=torch.uint8, device="cuda" if gpu else "cpu")
+    stage = torch.empty(max(batches), r, dtype=torch.uint8, pin_memory=gpu)
+    dev = torch.empty(max(batches), r, dtype=torch.uint8, device="cuda" if gpu else "cpu")
     units_gpu = big.comp[2]
     for dist in dists:
-        for n in BATCHES:
+        for n in batches:
             ids = id_stream(rng, big.num_rows, n, dist)
             offsets = torch.arange(0, n + 1, BAG_SIZE)
 
@@ -627,6 +634,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON path ($OUT/gpu_check.json)")
     parser.add_argument("--table-gib", type=float, default=8.0, help="raw GiB per row size")
     parser.add_argument("--zipf", default="1.2", help="comma-separated Zipf exponents")
+    parser.add_argument(
+        "--profile", choices=("dlrm", "dlrm-bf16"), default="dlrm", help="values of the big tables"
+    )
     parser.add_argument("--dry-run", action="store_true", help="no GPU: toy sizes, CPU only")
     args = parser.parse_args(argv)
     gpu = not args.dry_run
@@ -636,12 +646,17 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(os.environ.get("OUT", ROOT / "benchmarks" / ".cache")) / "gpu_check.json"
     started = time.perf_counter()
 
-    report: dict[str, Any] = {"machine": machine(gpu), "build": build(args.dry_run)}
+    report: dict[str, Any] = {
+        "machine": machine(gpu),
+        "command": " ".join(sys.argv),
+        "profile": args.profile,
+        "build": build(args.dry_run),
+    }
     ibpembed, _ops = import_ibpembed()
     ops = _ops.ops
     if gpu and not torch._C._dispatch_has_kernel_for_dispatch_key("ibpembed::ibp_gather", "CUDA"):
         raise SystemExit("ibpembed._C has no CUDA kernels: the build did not enable CUDA")
-    report["correctness"] = check_correctness(ibpembed, ops, gpu)
+    report["correctness"] = check_correctness(ibpembed, ops, torch.device("cuda" if gpu else "cpu"))
 
     pinned = Pinned(gpu)
     h2d = h2d_bandwidth(pinned, gpu)
@@ -653,14 +668,14 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for r in ROW_BYTES:
         t0 = time.perf_counter()
-        big = build_big(ibpembed, pinned, r, total, gpu)
+        big = build_big(ibpembed, pinned, r, total, args.profile, gpu)
         log(
             f"R={r}: {big.num_rows} rows, {big.num_rows * r / GIB:.2f} GiB raw, payload "
             f"{big.compressed_payload_bytes / GIB:.2f} GiB, stored ratio {big.ratio_stored:.3f} "
             f"(built in {time.perf_counter() - t0:.1f} s)"
         )
         check_big(ops, big, gpu, big_checks, rng)
-        rows += time_table(ops, big, dists, gpu, rng)
+        rows += time_table(ops, big, dists, BATCHES if gpu else BATCHES[:2], gpu, rng)
         del big
         pinned.release()
     report["big_table_checks"] = {
