@@ -58,6 +58,8 @@ def test_quick_core_functions_render(tables: list, tmp_path: Path) -> None:
         "machine": codec_bench.machine_description(),
         "date": "test",
         "command": "test",
+        "revision": codec_bench.source_revision(),
+        "load_average": [0.0, 0.0],
         "config": TINY.__dict__,
         "tables": [codec_bench.measure_table(t, reps=1) for t in tables],
         "alignment": codec_bench.alignment_sweep(tables[:1]),
