@@ -8,12 +8,12 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import grpc
 import numpy as np
 import torch
 
 from ibpembed.codec import CompressedTable, compress
-from ibpembed.engine import LookupObserver
-from ibpembed.server.app import LookupServer
+from ibpembed.server.app import LookupServer, ServerObserver
 from ibpembed.server.config import ServerConfig
 from ibpembed.tables.store import TableStore
 
@@ -64,12 +64,12 @@ class RunningServer:
     Parameters
     ----------
     store : the tables.
-    observer : passed to the engine (tests use it to hold requests inside a kernel call).
+    observer : the server's metrics hook (tests use it to hold requests inside a kernel call).
     settings : :class:`ServerConfig` fields (port is always 0).
     """
 
     def __init__(
-        self, store: TableStore, *, observer: LookupObserver | None = None, **settings: Any
+        self, store: TableStore, *, observer: ServerObserver | None = None, **settings: Any
     ) -> None:
         settings.setdefault("workers", 2)
         self.config = ServerConfig(port=0, **settings).validate()
@@ -102,13 +102,28 @@ class RunningServer:
         self.stop()
 
 
-class GateObserver:
+class RecordingObserver:
+    """Records every kernel call and finished RPC."""
+
+    def __init__(self) -> None:
+        self.kernels: list[tuple[str, str, int, int]] = []
+        self.rpcs: list[tuple[str, str]] = []
+
+    def table_lookup(self, table: str, pooling: str, nnz: int, unique: int, seconds: float) -> None:
+        self.kernels.append((table, pooling, nnz, unique))
+
+    def rpc_done(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        self.rpcs.append((method.rsplit("/", 1)[-1], code.name))
+
+
+class GateObserver(RecordingObserver):
     """Holds every kernel call until :meth:`open` (so tests control what is in flight).
 
     ``entered`` counts calls that reached the gate; ``wait_entered(n)`` blocks until n did.
     """
 
     def __init__(self) -> None:
+        super().__init__()
         self._gate = threading.Event()
         self._cond = threading.Condition()
         self.entered = 0
@@ -128,7 +143,7 @@ class GateObserver:
         self._gate.set()
 
 
-class FailingObserver:
+class FailingObserver(RecordingObserver):
     """Raises inside the engine: a stand-in for a server bug, to exercise INTERNAL."""
 
     def table_lookup(self, table: str, pooling: str, nnz: int, unique: int, seconds: float) -> None:

@@ -15,7 +15,7 @@ from ibpembed.codec import compress
 from ibpembed.engine import FeatureQuery, LookupEngine
 from ibpembed.server.errors import DeadlineExceeded, Overloaded
 from ibpembed.tables.store import TableStore
-from tests.server.helpers import GateObserver, make_store
+from tests.server.helpers import GateObserver, RecordingObserver, make_store
 
 
 def test_kernels_release_the_gil():
@@ -69,13 +69,8 @@ def test_expired_deadline_is_not_started():
 
 
 def test_features_of_one_table_share_one_kernel_call():
-    calls = []
-
-    class Recorder:
-        def table_lookup(self, table, pooling, nnz, unique, seconds):
-            calls.append((table, nnz, unique))
-
-    engine = LookupEngine(make_store(), max_workers=1, observer=Recorder())
+    recorder = RecordingObserver()
+    engine = LookupEngine(make_store(), max_workers=1, observer=recorder)
     ids = np.array([5, 5, 6], np.int64)
     query = [
         FeatureQuery("user", ids, np.array([3], np.int32)),
@@ -84,6 +79,6 @@ def test_features_of_one_table_share_one_kernel_call():
     ]
     result = asyncio.run(engine.lookup(query, "none"))
     engine.close()
-    assert sorted(calls) == [("emb_bf16", 3, 2), ("emb_f32", 6, 2)]
+    assert sorted(recorder.kernels) == [("emb_bf16", "none", 3, 2), ("emb_f32", "none", 6, 2)]
     assert [f.values.shape[0] for f in result.features] == [3, 3, 3]
     assert torch.equal(result.features[0].values, result.features[1].values)

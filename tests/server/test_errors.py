@@ -12,7 +12,13 @@ import pytest
 
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, build_request
 from ibpembed_client.v1 import lookup_pb2 as pb
-from tests.server.helpers import FailingObserver, GateObserver, RunningServer, make_store
+from tests.server.helpers import (
+    FailingObserver,
+    GateObserver,
+    RecordingObserver,
+    RunningServer,
+    make_store,
+)
 
 I64, I32, F32 = "<i8", "<i4", "<f4"
 
@@ -157,6 +163,26 @@ def test_unavailable_when_not_accepting(server, client):
     finally:
         server.server.state.accepting = True
     assert client.lookup({"user": [[1]]})["user"].shape == (1, 16)
+
+
+def test_rpc_observer_sees_every_outcome():
+    recorder = RecordingObserver()
+    with RunningServer(make_store(), observer=recorder) as running:
+        client = LookupClient(running.target, timeout=30)
+        client.lookup({"user": [[1]]})
+        for request in (_raw(name="nope"), _raw(ids=(1, 5000))):
+            with pytest.raises(LookupServiceError):
+                client.lookup_request(request)
+        list(client.lookup_stream([build_request({"user": [[1]]})]))
+        client.list_tables()
+        client.close()
+    assert recorder.rpcs == [
+        ("Lookup", "OK"),
+        ("Lookup", "NOT_FOUND"),
+        ("Lookup", "INVALID_ARGUMENT"),
+        ("LookupStream", "OK"),
+        ("ListTables", "OK"),
+    ]
 
 
 def test_internal_logs_request_id_and_hides_details(caplog):

@@ -14,7 +14,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Protocol, TextIO
 
 import grpc
 import torch
@@ -24,7 +24,12 @@ from grpc_reflection.v1alpha import reflection
 from ibpembed.engine import LookupEngine, LookupObserver, resolve_device
 from ibpembed.server import demo
 from ibpembed.server.config import ServerConfig
-from ibpembed.server.interceptors import BearerTokenInterceptor, ServiceInterceptor, ServingState
+from ibpembed.server.interceptors import (
+    BearerTokenInterceptor,
+    RpcObserver,
+    ServiceInterceptor,
+    ServingState,
+)
 from ibpembed.server.servicer import EmbeddingLookupServicer
 from ibpembed.tables.store import TableStore
 from ibpembed_client.v1 import lookup_pb2, lookup_pb2_grpc
@@ -34,6 +39,10 @@ log = logging.getLogger(__name__)
 # How often a draining server checks whether its in-flight RPCs are done.
 _DRAIN_POLL_S = 0.05
 SERVICE_NAME = lookup_pb2.DESCRIPTOR.services_by_name["EmbeddingLookup"].full_name
+
+
+class ServerObserver(LookupObserver, RpcObserver, Protocol):
+    """The metrics hook of a whole server (issue 6 implements it)."""
 
 
 def load_store(config: ServerConfig) -> TableStore:
@@ -56,11 +65,11 @@ class LookupServer:
     ----------
     config : validated settings.
     store : the tables (see :func:`load_store`).
-    observer : optional metrics hook handed to the engine.
+    observer : optional metrics hook: kernel calls (engine) and finished RPCs (interceptor).
     """
 
     def __init__(
-        self, config: ServerConfig, store: TableStore, *, observer: LookupObserver | None = None
+        self, config: ServerConfig, store: TableStore, *, observer: ServerObserver | None = None
     ) -> None:
         self.config = config
         self.state = ServingState()
@@ -74,6 +83,7 @@ class LookupServer:
             max_output_bytes=config.max_message_bytes * 15 // 16,
             observer=observer,
         )
+        self.observer = observer
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -83,7 +93,7 @@ class LookupServer:
         if self.config.auth_token_file is not None:
             token = _read(self.config.auth_token_file).decode().strip()
             interceptors.append(BearerTokenInterceptor(token))
-        interceptors.append(ServiceInterceptor(self.state))
+        interceptors.append(ServiceInterceptor(self.state, self.observer))
         return interceptors
 
     def _credentials(self) -> grpc.ServerCredentials | None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -46,11 +47,23 @@ class ServingState:
     active: int = 0
 
 
+class RpcObserver(Protocol):
+    """Optional hook for RPC metrics (issue 6), called on the event loop once per RPC."""
+
+    def rpc_done(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        """``method`` (e.g. ``/ibpembed.v1.EmbeddingLookup/Lookup``) ended with ``code``."""
+
+
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
     """Readiness gate, request ids and the exception -> status map for ``ibpembed.v1``."""
 
-    def __init__(self, state: ServingState) -> None:
+    def __init__(self, state: ServingState, observer: RpcObserver | None = None) -> None:
         self.state = state
+        self.observer = observer
+
+    def _done(self, method: str, code: grpc.StatusCode, started: float) -> None:
+        if self.observer is not None:
+            self.observer.rpc_done(method, code, time.perf_counter() - started)
 
     async def intercept_service(
         self,
@@ -80,29 +93,38 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             raise Unavailable(f"server not accepting requests: {self.state.reason}")
 
     async def _fail(
-        self, context: grpc.aio.ServicerContext, method: str, request_id: str, exc: Exception
+        self,
+        context: grpc.aio.ServicerContext,
+        method: str,
+        request_id: str,
+        exc: Exception,
+        started: float,
     ) -> None:
         code, message = status_for(exc, request_id)
         if isinstance(exc, ServiceError):
             log.debug("%s request %s: %s %s", method, request_id, code.name, message)
         else:
             log.error("%s request %s failed", method, request_id, exc_info=exc)
+        self._done(method, code, started)
         await context.abort(code, message)
 
     def _wrap_unary(self, method: str, behavior: Callable) -> Callable:
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             request_id = ensure_request_id(request)
+            started = time.perf_counter()
             try:
                 self._check_state()
                 self.state.active += 1
                 try:
-                    return await behavior(request, context)
+                    response = await behavior(request, context)
                 finally:
                     self.state.active -= 1
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                await self._fail(context, method, request_id, exc)
+                await self._fail(context, method, request_id, exc, started)
+            self._done(method, grpc.StatusCode.OK, started)
+            return response
 
         return unary
 
@@ -112,6 +134,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             # stream's own id (the client's x-request-id metadata, or a fresh one).
             metadata = dict(context.invocation_metadata() or ())
             stream_id = metadata.get("x-request-id") or uuid.uuid4().hex
+            started = time.perf_counter()
             try:
                 self._check_state()
                 self.state.active += 1
@@ -123,7 +146,8 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                await self._fail(context, method, stream_id, exc)
+                await self._fail(context, method, stream_id, exc, started)
+            self._done(method, grpc.StatusCode.OK, started)
 
         return stream
 
