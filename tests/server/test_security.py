@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, TlsOptions
+from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, TlsOptions, loadgen
 from tests.server.helpers import RunningServer, make_store
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
@@ -83,6 +83,10 @@ def test_mtls_requires_a_client_certificate_from_the_ca(pki):
     with RunningServer(make_store(), **settings) as running:
         ok = LookupClient(running.target, tls=_tls(pki, "client"), timeout=30)
         assert _code(ok) is None
+        mtls_flags = ["--tls-ca", str(pki / "ca.crt"), "--tls-cert", str(pki / "client.crt"),
+                      "--tls-key", str(pki / "client.key")]  # fmt: skip
+        argv = ["--target", running.target, "--requests", "3", "--warmup", "0", "--no-progress"]
+        assert loadgen.main([*argv, *mtls_flags]) == 0
         for tls in (_tls(pki), _tls(pki, "rogue_client")):
             client = LookupClient(running.target, tls=tls, timeout=5, retry=NO_RETRY)
             assert _code(client) == grpc.StatusCode.UNAVAILABLE

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ibpembed_client._common import LookupServiceError, RetryPolicy
+from ibpembed_client._common import LookupServiceError, RetryPolicy, TlsOptions
 from ibpembed_client.aio import AsyncLookupClient
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.workload import hotness_for, make_requests
@@ -58,6 +58,7 @@ class LoadConfig:
     request_pool: int = 16
     seed: int = 0
     token: str | None = None
+    tls: TlsOptions | None = None
     progress: bool = True
 
     def validate(self) -> LoadConfig:
@@ -142,7 +143,9 @@ async def run_load(cfg: LoadConfig) -> dict:
     """Run the load described by ``cfg`` and return the report (see :func:`summarize`)."""
     cfg.validate()
     # No retries: the load generator reports what the server answered.
-    client = AsyncLookupClient(cfg.target, token=cfg.token, retry=RetryPolicy(max_attempts=1))
+    client = AsyncLookupClient(
+        cfg.target, token=cfg.token, tls=cfg.tls, retry=RetryPolicy(max_attempts=1)
+    )
     try:
         requests = await _prepare(client, cfg)
         tally = _Tally()
@@ -221,7 +224,8 @@ def summarize(cfg: LoadConfig, tally: _Tally, measured_s: float) -> dict:
             pct[name] = float(np.percentile(lat, q))
         pct |= {"mean": float(lat.mean()), "max": float(lat.max())}
     return {
-        "config": asdict(cfg) | {"token": None},  # never write a secret to a report
+        # Never write a secret (token, TLS key) into a report.
+        "config": asdict(cfg) | {"token": None, "tls": cfg.tls is not None},
         "mode": "concurrency" if cfg.concurrency is not None else "request_rate",
         "measured_s": measured_s,
         "ok": int(lat.size),
@@ -284,6 +288,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--request-pool", type=int, default=16, help="distinct prebuilt requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--token", help="bearer token")
+    p.add_argument("--tls-ca", help="PEM CA bundle: connect with TLS, trusting this CA")
+    p.add_argument("--tls-cert", help="PEM client certificate (mTLS; with --tls-key)")
+    p.add_argument("--tls-key", help="PEM client private key (mTLS)")
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--png", help="write a latency histogram here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -294,6 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.concurrency is None and args.rate is None:
         args.concurrency = 8
+    tls = None
+    if args.tls_ca or args.tls_cert:
+        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+        tls = TlsOptions(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
     cfg = LoadConfig(
         target=args.target,
         concurrency=args.concurrency,
@@ -311,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         request_pool=args.request_pool,
         seed=args.seed,
         token=args.token,
+        tls=tls,
         progress=not args.no_progress,
     )
     try:
