@@ -368,6 +368,10 @@ def test_state_dict_mismatches_are_reported(mixed) -> None:
     old["embedding_bags.t_small.meta"][0] = 99
     with pytest.raises(RuntimeError, match="state version 99 is not supported"):
         CompressedEmbeddingBagCollection(TABLES).load_state_dict(old)
+    old["embedding_bags.t_small.meta"][0] = state["embedding_bags.t_small.meta"][0]
+    old["embedding_bags.t_small.meta"][1] = 99
+    with pytest.raises(RuntimeError, match="compact layout version 99, this build decodes"):
+        CompressedEmbeddingBagCollection(TABLES).load_state_dict(old)
     partial = {k: v for k, v in state.items() if not k.endswith("t_one.payload")}
     with pytest.raises(RuntimeError, match=r"Missing key\(s\).*t_one.payload"):
         CompressedEmbeddingBagCollection(TABLES).load_state_dict(partial)

@@ -23,6 +23,7 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from ibpembed import _C
 from ibpembed._ops import DTYPE_CODES, ops
 from ibpembed.codec import CompressedTable, compress
 from ibpembed.tables.manifest import load_table_set
@@ -39,8 +40,10 @@ _TORCH_DTYPES: dict[DataType, torch.dtype] = {
 }
 _DATA_TYPES = {str(dtype).removeprefix("torch."): d for d, dtype in _TORCH_DTYPES.items()}
 _BUFFER_NAMES = ("payload", "block_base", "row_units", "bitmask", "mask", "bitval", "meta")
-# meta = [STATE_VERSION, chunk_bits, unit_bytes, num_rows, dim, dtype code]
-_META_FIELDS = 6
+# The compact row layout the payload is in (format.h); a payload in another layout must be repacked.
+LAYOUT_VERSION = int(_C.FORMAT_VERSION)
+# meta = [STATE_VERSION, LAYOUT_VERSION, chunk_bits, unit_bytes, num_rows, dim, dtype code]
+_META_FIELDS = 7
 
 
 class CompressedEmbeddingBag(nn.Module):
@@ -93,7 +96,8 @@ class CompressedEmbeddingBag(nn.Module):
             )
         for name in _BUFFER_NAMES[:-1]:
             self.register_buffer(name, getattr(table, name))
-        meta = [STATE_VERSION, table.chunk_bits, table.unit_bytes, table.num_rows, table.dim]
+        meta = [STATE_VERSION, LAYOUT_VERSION, table.chunk_bits, table.unit_bytes, table.num_rows,
+                table.dim]  # fmt: skip
         self.register_buffer("meta", torch.tensor([*meta, self.dtype_code], dtype=torch.int64))
         self.chunk_bits = table.chunk_bits
         self.unit_bytes = table.unit_bytes
@@ -177,11 +181,17 @@ class CompressedEmbeddingBag(nn.Module):
         if meta.dtype != torch.int64 or meta.numel() != _META_FIELDS:
             error_msgs.append(f"{prefix}meta: expected {_META_FIELDS} int64 values")
             return
-        version, chunk_bits, unit_bytes, num_rows, dim, dtype_code = meta.tolist()
+        version, layout, chunk_bits, unit_bytes, num_rows, dim, dtype_code = meta.tolist()
         if version != STATE_VERSION:
             error_msgs.append(
                 f"{prefix}meta: state version {version} is not supported (this build reads "
                 f"version {STATE_VERSION})"
+            )
+            return
+        if layout != LAYOUT_VERSION:
+            error_msgs.append(
+                f"{prefix}meta: rows are in compact layout version {layout}, this build decodes "
+                f"version {LAYOUT_VERSION}; compress the table again"
             )
             return
         expected = (self.num_embeddings, self.embedding_dim, self.dtype_code)
