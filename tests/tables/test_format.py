@@ -210,9 +210,20 @@ def test_cpp_header_matches_python_structs(tmp_path: Path) -> None:
         assert int(out[f"SectionEntry.{name}"]) == struct.calcsize("<" + prefix), name
 
 
-# -- golden file: format changes must be deliberate ---------------------------------------------
+# -- golden files: format changes must be deliberate ----------------------------------------
+#
+# data/golden_layout<N>.ibpt is the golden table packed by the build whose compact layout
+# (kFormatVersion in format.h) is N. A layout change must bump kFormatVersion and add a golden
+# file for the new version: python -c "from tests.tables.test_format import write_golden as w; w()"
+# Older golden files stay, to prove that files in a layout this build cannot decode are refused.
 
-GOLDEN = Path(__file__).parent / "data" / "golden_v1.ibpt"
+GOLDEN_DIR = Path(__file__).parent / "data"
+GOLDEN = GOLDEN_DIR / f"golden_layout{tf.LAYOUT_VERSION}.ibpt"
+
+
+def write_golden() -> None:
+    """Pack the golden table with this build (run once per new layout version)."""
+    tf.pack_table(GOLDEN, golden_weight(), name="golden", sample_rows=None)
 
 
 def golden_weight() -> torch.Tensor:
@@ -223,10 +234,19 @@ def golden_weight() -> torch.Tensor:
 
 
 def test_golden_file_reads_to_the_known_rows() -> None:
+    assert GOLDEN.exists(), f"no golden file for layout {tf.LAYOUT_VERSION}: see write_golden"
     loaded = tf.read_table(GOLDEN, verify=True)
     assert loaded.name == "golden"
     assert same_bits(loaded.table.decompress(), golden_weight())
     tf.verify_file(GOLDEN)
+
+
+def test_files_in_other_layouts_are_refused() -> None:
+    others = [p for p in GOLDEN_DIR.glob("golden_layout*.ibpt") if p != GOLDEN]
+    assert others or tf.LAYOUT_VERSION == 1  # every earlier layout keeps its golden file
+    for path in others:
+        with pytest.raises(tf.TableFileError, match=r"compact layout version \d+, .* repack"):
+            tf.read_table(path)
 
 
 def test_writer_reproduces_the_golden_bytes(tmp_path: Path) -> None:

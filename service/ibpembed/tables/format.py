@@ -31,14 +31,16 @@ from typing import Any, BinaryIO
 import torch
 import xxhash
 
-from ibpembed import codec
+from ibpembed import _C, codec
 from ibpembed._ops import DTYPE_CODES, INT8_ROWWISE_CODE, ops
 from ibpembed.codec import CompressedTable
 from ibpembed.tables import _layout
 
 MAGIC = b"IBPTABLE"
 VERSION = 1
-LAYOUT_VERSION = 1  # kFormatVersion in format.h
+# kFormatVersion of format.h as built into _C: a file in another compact layout is refused,
+# never decoded with the wrong rules.
+LAYOUT_VERSION = int(_C.FORMAT_VERSION)
 SECTION_ALIGN = 64
 PAYLOAD_ALIGN = 4096
 SUFFIX = ".ibpt"
@@ -649,10 +651,15 @@ def read_header(path: str | os.PathLike[str], data: memoryview | bytes, size: in
         )
     if (header_bytes, section_count, entry_bytes) != (HEADER.size, len(SectionKind), SECTION.size):
         raise TableFileError(path, "header", "unexpected header/section table sizes")
-    if any(reserved) or layout_version != LAYOUT_VERSION:
+    if layout_version != LAYOUT_VERSION:
         raise TableFileError(
-            path, "header", f"unsupported layout version {layout_version} or reserved bytes set"
+            path,
+            "header",
+            f"rows are in compact layout version {layout_version}, this build decodes version "
+            f"{LAYOUT_VERSION}; repack the table",
         )
+    if any(reserved):
+        raise TableFileError(path, "header", "reserved header bytes are set")
     if code not in (*_DTYPES_BY_CODE, INT8_ROWWISE_CODE):
         raise TableFileError(path, "header", f"unknown dtype code {code}")
     if num_rows <= 0 or dim <= 0 or chunk_bits not in codec.CHUNK_BITS_CHOICES:
