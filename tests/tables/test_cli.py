@@ -148,6 +148,13 @@ def test_inspect_does_not_decode(packed: Path, capsys) -> None:
     assert run(["verify", str(one)]) == 1
 
 
+def test_inspect_shows_files_of_other_layouts(capsys) -> None:
+    # inspect decodes nothing, so a file in a layout this build cannot decode still shows.
+    old = Path(__file__).parent / "data" / "golden_layout1.ibpt"
+    assert run(["inspect", str(old), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tables"][0]["header"]["layout_version"] == 1
+
+
 def test_inspect_foreign_file_exits_1(tmp_path: Path, capsys) -> None:
     (tmp_path / "x.ibpt").write_bytes(b"hello world" * 20)
     assert run(["inspect", str(tmp_path / "x.ibpt")]) == 1

@@ -192,7 +192,7 @@ def describe_file(path: Path) -> dict[str, Any]:
         size = f.seek(0, 2)
         f.seek(0)
         head = f.read(tf.HEADER.size + tf.SECTION.size * len(tf.SectionKind))
-        header = tf.read_header(path, head, size)
+        header = tf.read_header(path, head, size, any_layout=True)
         sections = tf.read_sections(path, head, header)
         meta_section = sections[-1]
         f.seek(meta_section.offset)

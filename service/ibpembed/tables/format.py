@@ -607,8 +607,13 @@ def write_table(
 # -- reading ---------------------------------------------------------------------------------
 
 
-def read_header(path: str | os.PathLike[str], data: memoryview | bytes, size: int) -> FileHeader:
-    """Decode and check the header: magic, version, checksum, reserved bytes."""
+def read_header(
+    path: str | os.PathLike[str], data: memoryview | bytes, size: int, *, any_layout: bool = False
+) -> FileHeader:
+    """Decode and check the header: magic, version, checksum, layout, shape, size.
+
+    ``any_layout`` accepts rows in a compact layout this build cannot decode (for ``inspect``).
+    """
     if size < len(MAGIC) or bytes(data[: len(MAGIC)]) != MAGIC:
         raise TableFileError(path, "header", "not an ibpembed table file (bad magic)")
     if size < HEADER.size:
@@ -651,7 +656,7 @@ def read_header(path: str | os.PathLike[str], data: memoryview | bytes, size: in
         )
     if (header_bytes, section_count, entry_bytes) != (HEADER.size, len(SectionKind), SECTION.size):
         raise TableFileError(path, "header", "unexpected header/section table sizes")
-    if layout_version != LAYOUT_VERSION:
+    if layout_version != LAYOUT_VERSION and not any_layout:
         raise TableFileError(
             path,
             "header",
