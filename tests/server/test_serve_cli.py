@@ -75,7 +75,7 @@ def serve():
 
 
 def test_banner_example_query_health_and_reflection(serve):
-    serve.wait_for(serve.stdout, "grpcurl -plaintext")
+    serve.wait_for(serve.stdout, "grpcurl -plaintext -d")
     line = next(x for x in serve.banner if x.strip().startswith("python -c"))
     argv = shlex.split(line.strip())
     argv[0] = sys.executable

@@ -161,19 +161,27 @@ class LookupServer:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
 
 
-def example_query(host: str, port: int, feature: str, token_hint: bool) -> str:
+def example_query(host: str, port: int, feature: str, *, tls: bool, token: bool) -> str:
     """Copy-pasteable queries (Python client and grpcurl) for the banner."""
     host = "127.0.0.1" if host in ("0.0.0.0", "[::]", "::") else host
     target = f"{host}:{port}"
     ids = base64.b64encode((1).to_bytes(8, "little") + (2).to_bytes(8, "little")).decode()
     lengths = base64.b64encode((2).to_bytes(4, "little")).decode()
-    auth = "  (add token=... : this server requires a bearer token)" if token_hint else ""
+    client_args = f"'{target}'"
+    grpcurl_args = "-plaintext"
+    if tls:
+        client_args += ", tls=TlsOptions(open('ca.pem', 'rb').read())"
+        grpcurl_args = "-cacert ca.pem"
+    if token:
+        client_args += ", token=open('token').read().strip()"
+        grpcurl_args += ' -H "authorization: Bearer $(cat token)"'
+    imports = "LookupClient, TlsOptions" if tls else "LookupClient"
     return (
         "example query (Python client):\n"
-        f'  python -c "from ibpembed_client import LookupClient; '
-        f"print(LookupClient('{target}').lookup({{'{feature}': [[1, 2]]}})['{feature}'])\"{auth}\n"
-        "example query (grpcurl, plaintext):\n"
-        f'  grpcurl -plaintext -d \'{{"features": [{{"name": "{feature}", '
+        f'  python -c "from ibpembed_client import {imports}; '
+        f"print(LookupClient({client_args}).lookup({{'{feature}': [[1, 2]]}})['{feature}'])\"\n"
+        "example query (grpcurl):\n"
+        f'  grpcurl {grpcurl_args} -d \'{{"features": [{{"name": "{feature}", '
         f'"ids": "{ids}", "lengths": "{lengths}"}}]}}\' {target} '
         f"{SERVICE_NAME}/Lookup"
     )
@@ -193,7 +201,13 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     print(
         f"ibpembed serving {source} on {server.engine.device}\n"
         f"listening on {config.host}:{port} ({scheme})\n"
-        + example_query(config.host, port, first_feature, config.auth_token_file is not None),
+        + example_query(
+            config.host,
+            port,
+            first_feature,
+            tls=config.tls_cert is not None,
+            token=config.auth_token_file is not None,
+        ),
         file=out,
         flush=True,
     )
