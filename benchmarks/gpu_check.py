@@ -10,10 +10,12 @@
    every dtype (fp32/fp16/bf16/uint8/int8, fbgemm row-wise int8), edge rows (NaN payloads, inf,
    -0.0, subnormals, raw rows, D = 1, D = 129), every chunk width and slot alignment, unsorted and
    duplicate ids, payload pinned and on the GPU; pooled SUM/MEAN with and without weights equal
-   to the CPU bit for bit (NaN payloads aside); bad ids and offsets raise like the CPU ops.
+   to the CPU bit for bit (NaN payloads aside); bad ids and offsets raise like the CPU ops. On
+   a failure the checks run again with synchronous staging, to tell a cp.async problem apart.
 3. Timing on >= --table-gib GiB of pinned tables per row size (64/256/512/1024 B fp32 rows, DLRM
    value profile), batches of 1k..64k ids, uniform and Zipf ids:
      ibp_none  compressed zero-copy gather (torch.ops.ibpembed.ibp_gather)
+     ibp_none_sync  the same with IBPEMBED_CUDA_STAGING=sync: does cp.async staging pay?
      ibp_sum   compressed pooled lookup, SUM over bags of 16 ids (lookup_pooled)
      raw_none / raw_sum  the same kernels on the same rows stored raw (bitmask all clear)
      uva       plain UVA gather: warp per row, 16-byte loads, no staging (benchmarks/cuda)
@@ -30,6 +32,7 @@ torch, numpy and this repository (no torchrec/fbgemm, nothing downloaded).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -62,6 +65,7 @@ EDGE_BITS = {
     1: [0x00, 0x80, 0xFF, 0x7F, 0x01],
 }  # fmt: skip
 POOLING = {"sum": 0, "mean": 1}
+STAGING_ENV = "IBPEMBED_CUDA_STAGING"
 
 
 def log(msg: str) -> None:
@@ -551,11 +555,28 @@ def time_table(
     return rows
 
 
+@contextlib.contextmanager
+def staging(mode: str) -> Iterator[None]:
+    """Run the CUDA ops with IBPEMBED_CUDA_STAGING=mode (async: cp.async, sync: plain loads)."""
+    previous = os.environ.get(STAGING_ENV)
+    os.environ[STAGING_ENV] = mode
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[STAGING_ENV]
+        else:
+            os.environ[STAGING_ENV] = previous
+
+
 def gpu_times(ops, big: BigTable, ids: torch.Tensor, offsets: torch.Tensor) -> dict[str, float]:
     """Seconds per call of the GPU methods on one batch (ids and offsets on the GPU)."""
     uva = torch.ops.ibpembed_bench.uva_gather
+    with staging("sync"):
+        sync_staging = timed(lambda: ops.ibp_gather(*big.comp, ids), True)
     return {
         "ibp_none": timed(lambda: ops.ibp_gather(*big.comp, ids), True),
+        "ibp_none_sync": sync_staging,
         "raw_none": timed(lambda: ops.ibp_gather(*big.raw, ids), True),
         "ibp_sum": timed(lambda: ops.lookup_pooled(*big.comp, ids, offsets, None, 0, 0), True),
         "raw_sum": timed(lambda: ops.lookup_pooled(*big.raw, ids, offsets, None, 0, 0), True),
@@ -590,7 +611,7 @@ def summarise(rows: list[dict[str, Any]], h2d: float | None) -> dict[str, Any]:
 
 
 def print_table(rows: list[dict[str, Any]], h2d: float | None) -> None:
-    cols = ("ibp_none", "ibp_sum", "raw_none", "raw_sum", "uva", "cpu_h2d")
+    cols = ("ibp_none", "ibp_none_sync", "ibp_sum", "raw_none", "raw_sum", "uva", "cpu_h2d")
     head = f"{'R':>5} {'batch':>6} {'ids':>8} " + " ".join(f"{c:>9}" for c in cols)
     head += f" {'wire':>7} {'bytes×':>7} {'ibp/raw':>7} {'sum/cpu':>7}"
     log(f"\nGB/s of raw-equivalent bytes (pinned H2D copy ceiling: {h2d or float('nan'):.1f} GB/s)")
@@ -656,7 +677,12 @@ def main(argv: list[str] | None = None) -> int:
     ops = _ops.ops
     if gpu and not torch._C._dispatch_has_kernel_for_dispatch_key("ibpembed::ibp_gather", "CUDA"):
         raise SystemExit("ibpembed._C has no CUDA kernels: the build did not enable CUDA")
-    report["correctness"] = check_correctness(ibpembed, ops, torch.device("cuda" if gpu else "cpu"))
+    dev = torch.device("cuda" if gpu else "cpu")
+    report["correctness"] = check_correctness(ibpembed, ops, dev)
+    if gpu and report["correctness"]["failures"]:
+        log("correctness failed: again with IBPEMBED_CUDA_STAGING=sync (plain loads, no cp.async)")
+        with staging("sync"):
+            report["correctness_sync_staging"] = check_correctness(ibpembed, ops, dev)
 
     pinned = Pinned(gpu)
     h2d = h2d_bandwidth(pinned, gpu)

@@ -71,11 +71,12 @@ __device__ __forceinline__ void copy_raw_row(const uint8_t* stage, int shift, in
 
 template <int W>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
-    gather_kernel(GatherArgs a, int64_t stage_bytes) {
+    gather_kernel(GatherArgs a, Staging st) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int warps = static_cast<int>(blockDim.x) / kWarpSize;
+  const int64_t stage_bytes = st.buffer_bytes;
   uint8_t* mine = smem + warp * gather_smem_per_warp(stage_bytes);
   auto* dst_rows = reinterpret_cast<int64_t*>(mine + kStages * stage_bytes);
 
@@ -87,14 +88,14 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
 
   int64_t cur = next_head(a, static_cast<int64_t>(blockIdx.x) * warps + warp, stride);
   StagedRow s_cur{};
-  if (cur < a.n) s_cur = stage_row(a.table, row_at(a, cur), mine, stage_bytes, lane, a.error);
+  if (cur < a.n) s_cur = stage_row(a.table, row_at(a, cur), mine, st, lane, a.error);
   for (int k = 0; cur < a.n; ++k) {
     // Issue the next row before waiting for this one: two rows in flight per warp.
     const int64_t nxt = next_head(a, cur + stride, stride);
     StagedRow s_nxt{};
     if (nxt < a.n) {
-      s_nxt = stage_row(a.table, row_at(a, nxt), mine + ((k + 1) & 1) * stage_bytes, stage_bytes,
-                        lane, a.error);
+      s_nxt = stage_row(a.table, row_at(a, nxt), mine + ((k + 1) & 1) * stage_bytes, st, lane,
+                        a.error);
     } else {
       cp_async_commit();
     }
@@ -125,11 +126,11 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
 template <int W>
 void launch_gather_w(const GatherArgs& a, cudaStream_t stream) {
   const TableView& t = a.table.view;
-  const int64_t stage_bytes = stage_buffer_bytes(t.row_bytes, t.unit_bytes);
-  const int64_t per_warp = gather_smem_per_warp(stage_bytes);
+  const Staging st = staging_for(t);
+  const int64_t per_warp = gather_smem_per_warp(st.buffer_bytes);
   const LaunchShape shape = plan_launch(gather_kernel<W>, per_warp, a.n);
   gather_kernel<W><<<shape.blocks, shape.warps_per_block * kWarpSize, shape.smem_bytes, stream>>>(
-      a, stage_bytes);
+      a, st);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -124,13 +124,14 @@ __device__ __forceinline__ void finish_bag(const PooledArgs& a, const Cursor& c,
 
 template <int W>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
-    pooled_kernel(PooledArgs a, int64_t stage_bytes) {
+    pooled_kernel(PooledArgs a, Staging st) {
   static_assert(kStages == 2, "the loop alternates between two staging buffers with k & 1");
   extern __shared__ __align__(16) uint8_t smem[];
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int warps = static_cast<int>(blockDim.x) / kWarpSize;
   const TableView& t = a.table.view;
+  const int64_t stage_bytes = st.buffer_bytes;
   uint8_t* mine = smem + warp * pooled_smem_per_warp(t, stage_bytes, a.dim);
   uint8_t* rowbuf = mine + kStages * stage_bytes;
   auto* acc = reinterpret_cast<float*>(rowbuf + rowbuf_bytes(t));
@@ -143,15 +144,15 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
   Cursor cur{static_cast<int64_t>(blockIdx.x) * warps + warp - stride, 0, 0, 0};
   bool have = advance(a, cur, stride, lane);
   StagedRow s_cur{};
-  if (have) s_cur = stage_row(a.table, a.ids[cur.idx], mine, stage_bytes, lane, a.error);
+  if (have) s_cur = stage_row(a.table, a.ids[cur.idx], mine, st, lane, a.error);
   for (int k = 0; have; ++k) {
     // Issue the next id's copy (possibly in a later bag) before waiting for this one.
     Cursor nxt = cur;
     const bool have_nxt = advance(a, nxt, stride, lane);
     StagedRow s_nxt{};
     if (have_nxt) {
-      s_nxt = stage_row(a.table, a.ids[nxt.idx], mine + ((k + 1) & 1) * stage_bytes, stage_bytes,
-                        lane, a.error);
+      s_nxt = stage_row(a.table, a.ids[nxt.idx], mine + ((k + 1) & 1) * stage_bytes, st, lane,
+                        a.error);
     } else {
       cp_async_commit();
     }
@@ -183,11 +184,11 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
 template <int W>
 void launch_pooled_w(const PooledArgs& a, cudaStream_t stream) {
   const TableView& t = a.table.view;
-  const int64_t stage_bytes = stage_buffer_bytes(t.row_bytes, t.unit_bytes);
-  const int64_t per_warp = pooled_smem_per_warp(t, stage_bytes, a.dim);
+  const Staging st = staging_for(t);
+  const int64_t per_warp = pooled_smem_per_warp(t, st.buffer_bytes, a.dim);
   const LaunchShape shape = plan_launch(pooled_kernel<W>, per_warp, a.num_bags);
   pooled_kernel<W><<<shape.blocks, shape.warps_per_block * kWarpSize, shape.smem_bytes, stream>>>(
-      a, stage_bytes);
+      a, st);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

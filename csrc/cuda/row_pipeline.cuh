@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 
 #include "kernels.h"
 #include "warp_decode.cuh"
@@ -59,6 +61,12 @@ __device__ __forceinline__ int warp_inclusive_scan(int v, int lane) {
   return v;
 }
 
+// How a launch stages rows: the size of each staging buffer and how the copies are made.
+struct Staging {
+  int64_t buffer_bytes;  // stage_buffer_bytes() of the table
+  bool async;            // cp.async (default), or plain 16-byte loads and stores
+};
+
 // A row whose slot copy has been issued into a staging buffer.
 struct StagedRow {
   int64_t slot_bytes;
@@ -70,7 +78,7 @@ struct StagedRow {
 // Warp-uniform r. Finds row r's slot, issues its window's copies into `stage` and commits one
 // cp.async group (also when nothing is copied, so every thread's group count stays in step).
 __device__ __forceinline__ StagedRow stage_row(const DeviceTable& dt, int64_t r, uint8_t* stage,
-                                               int64_t stage_bytes, int lane, int32_t* error) {
+                                               const Staging& st, int lane, int32_t* error) {
   const TableView& t = dt.view;
   StagedRow s{0, 0, false, false};
   if (r < 0 || r >= t.num_rows) {
@@ -92,11 +100,17 @@ __device__ __forceinline__ StagedRow stage_row(const DeviceTable& dt, int64_t r,
   // A raw slot must hold the row; any slot must fit the buffer and the payload. Checked before
   // the copy so a corrupt index cannot make the warp read out of bounds.
   s.ok = offset >= 0 && w.first + int64_t{kVecBytes} * w.vecs <= dt.payload_bytes &&
-         int64_t{kVecBytes} * w.vecs + 2 * kVecBytes <= stage_bytes &&
+         int64_t{kVecBytes} * w.vecs + 2 * kVecBytes <= st.buffer_bytes &&
          (s.compressed || s.slot_bytes >= t.row_bytes);
   if (s.ok) {
     for (int v = lane; v < w.vecs; v += kWarpSize) {
-      cp_async16(stage + kVecBytes * v, t.payload + w.first + int64_t{kVecBytes} * v);
+      uint8_t* dst = stage + kVecBytes * v;
+      const uint8_t* src = t.payload + w.first + int64_t{kVecBytes} * v;
+      if (st.async) {
+        cp_async16(dst, src);
+      } else {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+      }
     }
   } else {
     report(error, kErrTable, lane);
@@ -183,6 +197,18 @@ __device__ __forceinline__ void store_chunk_to(uint8_t* dst, int64_t row_bytes, 
 
 // ---------------------------------------------------------------------------------------------
 // Host side.
+
+// IBPEMBED_CUDA_STAGING=sync swaps cp.async for plain 16-byte loads and stores (the warp then
+// waits for each row before decoding the previous one): the A/B switch gpu_check.py uses to see
+// whether asynchronous staging pays, and a fallback for a platform whose cp.async cannot read
+// mapped host memory. Read at every launch, so a process can switch.
+inline Staging staging_for(const TableView& t) {
+  const char* mode = std::getenv("IBPEMBED_CUDA_STAGING");
+  const std::string_view m = mode != nullptr ? mode : "async";
+  TORCH_CHECK(m == "async" || m == "sync", "IBPEMBED_CUDA_STAGING must be 'async' or 'sync', got '",
+              m, "'");
+  return Staging{stage_buffer_bytes(t.row_bytes, t.unit_bytes), m == "async"};
+}
 
 struct LaunchShape {
   int warps_per_block;
