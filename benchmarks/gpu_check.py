@@ -173,6 +173,7 @@ class Pinned:
         if not self.gpu:
             return buf
         err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        err = err[0] if isinstance(err, tuple) else err  # some torch builds return a tuple
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
         self.registered.append(buf)
