@@ -203,7 +203,8 @@ def _as_offsets(offsets: torch.Tensor | None, lengths: torch.Tensor | None) -> t
     return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
 
 
-def _validate_table(table: torch.Tensor, quant: str | None) -> None:
+def validate_table(table: torch.Tensor, quant: str | None = None) -> None:
+    """Raise TypeError/ValueError unless ``table`` is something ``compress`` accepts."""
     if not isinstance(table, torch.Tensor):
         raise TypeError(f"table must be a torch.Tensor, got {type(table).__name__}")
     if table.dtype not in DTYPE_CODES:
@@ -248,8 +249,8 @@ def paper_chunk_bits(row_bytes: int) -> int:
     return 16
 
 
-def fit(
-    sample: torch.Tensor, *, method: Method, align: int, chunk_bits: int | None, seed: int = 0
+def _fit_sample(
+    sample: torch.Tensor, *, method: Method, align: int, chunk_bits: int | None, seed: int
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
     """(chunk_bits, mask, bitval) for uint8 sample rows [n, row_bytes]."""
     row_bytes = sample.shape[1]
@@ -286,6 +287,43 @@ def fit(
     return bits, mask, bitval
 
 
+@dataclass(frozen=True)
+class TableFit:
+    """What ``compress`` decides before it writes a byte: chunk width, masks and slot unit."""
+
+    chunk_bits: int
+    mask: torch.Tensor  # int64 [V]
+    bitval: torch.Tensor  # int64 [V]
+    unit_bytes: int
+
+
+def fit_table(
+    table: torch.Tensor,
+    *,
+    method: Method = "ibpembed",
+    sample_rows: int | None = DEFAULT_SAMPLE_ROWS,
+    seed: int = 0,
+    align: int = DEFAULT_ALIGN,
+    chunk_bits: int | None = None,
+    quant: str | None = None,
+) -> TableFit:
+    """The fit ``compress`` runs (same arguments, same sample): for writers that stream rows."""
+    validate_table(table, quant)
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"align must be a power of two, got {align}")
+    if chunk_bits is not None and chunk_bits not in CHUNK_BITS_CHOICES:
+        raise ValueError(f"chunk_bits must be one of {CHUNK_BITS_CHOICES}, got {chunk_bits}")
+    rows = table.view(torch.uint8).view(table.shape[0], -1)
+    bits, mask, bitval = _fit_sample(
+        _sample(rows, sample_rows, seed),
+        method=method,
+        align=align,
+        chunk_bits=chunk_bits,
+        seed=seed,
+    )
+    return TableFit(bits, mask, bitval, slot_unit_bytes(rows.shape[1], align))
+
+
 def compress(
     table: torch.Tensor,
     *,
@@ -309,32 +347,30 @@ def compress(
     chunk_bits : force the chunk width (16, 32 or 64) instead of choosing it.
     quant : ``"int8_rowwise"`` for uint8 rows in fbgemm's row-wise int8 layout.
     """
-    _validate_table(table, quant)
-    if align <= 0 or align & (align - 1):
-        raise ValueError(f"align must be a power of two, got {align}")
-    if chunk_bits is not None and chunk_bits not in CHUNK_BITS_CHOICES:
-        raise ValueError(f"chunk_bits must be one of {CHUNK_BITS_CHOICES}, got {chunk_bits}")
-    rows = table.view(torch.uint8).view(table.shape[0], -1)
-    bits, mask, bitval = fit(
-        _sample(rows, sample_rows, seed),
+    fitted = fit_table(
+        table,
         method=method,
+        sample_rows=sample_rows,
+        seed=seed,
         align=align,
         chunk_bits=chunk_bits,
-        seed=seed,
+        quant=quant,
     )
-    unit = slot_unit_bytes(rows.shape[1], align)
-    payload, block_base, row_units, bitmask = ops.ibp_compress(rows, bits, mask, bitval, unit)
+    rows = table.view(torch.uint8).view(table.shape[0], -1)
+    payload, block_base, row_units, bitmask = ops.ibp_compress(
+        rows, fitted.chunk_bits, fitted.mask, fitted.bitval, fitted.unit_bytes
+    )
     return CompressedTable(
         payload=payload,
         block_base=block_base,
         row_units=row_units,
         bitmask=bitmask,
-        mask=mask,
-        bitval=bitval,
-        chunk_bits=bits,
+        mask=fitted.mask,
+        bitval=fitted.bitval,
+        chunk_bits=fitted.chunk_bits,
         num_rows=table.shape[0],
         dim=table.shape[1],
         dtype=table.dtype,
-        unit_bytes=unit,
+        unit_bytes=fitted.unit_bytes,
         quant=quant,
     )

@@ -32,6 +32,11 @@
 //   row_units[r]     uint8, slot size of row r in units (padded with zeros to a multiple of 32);
 //   block_base[b]    int64, payload byte offset of row 32 * b (one extra entry: payload end);
 //   offset(r) = block_base[r / 32] + U * sum(row_units[32 * (r / 32) .. r - 1]).
+// Only a block's start comes from block_base: a slot's length comes from row_units alone. Blocks
+// are in payload order in a freshly compressed table and in files, but the table store's
+// update_rows re-encodes a block into a spare area past the payload end, after which block_base
+// is no longer sorted (the last entry is then the largest slot end). Never derive a block's size
+// from neighbouring bases.
 // The compressed bitmask has one bit per row (bit r % 32 of int32 word r / 32, set = compressed).
 // The payload carries kPayloadPad zero bytes past its end so decoders may read 8 bytes ahead.
 #pragma once

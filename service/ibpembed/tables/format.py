@@ -381,19 +381,20 @@ def _pack_into(
     progress: Callable[[int], None] | None,
 ) -> _Written:
     """Fit on a sample, then compress and write step by step."""
-    codec._validate_table(weight, quant)
+    # The same sample and fit as codec.compress, so the file holds exactly its bytes.
+    fitted = codec.fit_table(
+        weight,
+        method=method,
+        sample_rows=sample_rows,
+        seed=seed,
+        align=align,
+        chunk_bits=chunk_bits,
+        quant=quant,
+    )
     num_rows, dim = weight.shape
     rows = weight.view(torch.uint8).view(num_rows, -1)
     row_bytes = rows.shape[1]
-    # The same sample and fit as codec.compress, so the file holds exactly its bytes.
-    bits, mask, bitval = codec.fit(
-        codec._sample(rows, sample_rows, seed),
-        method=method,
-        align=align,
-        chunk_bits=chunk_bits,
-        seed=seed,
-    )
-    unit = codec.slot_unit_bytes(row_bytes, align)
+    bits, mask, bitval, unit = fitted.chunk_bits, fitted.mask, fitted.bitval, fitted.unit_bytes
     blocks = _layout.num_blocks(num_rows)
     block_base = torch.empty(blocks + 1, dtype=torch.int64)
     row_units = torch.zeros(blocks * _layout.ROWS_PER_BLOCK, dtype=torch.uint8)

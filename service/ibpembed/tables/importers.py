@@ -81,7 +81,7 @@ class TableSet:
                 raise SourceError(f"{source.origin}: table '{source.name}' appears twice")
             seen.add(source.name)
             try:
-                codec._validate_table(source.weight, source.quant)
+                codec.validate_table(source.weight, source.quant)
             except (TypeError, ValueError) as exc:
                 raise SourceError(f"{source.origin}: table '{source.name}': {exc}") from None
         for feature, table in self.extra_features.items():
