@@ -64,14 +64,19 @@ def test_quick_core_functions_render(tables: list, tmp_path: Path) -> None:
         "tables": [codec_bench.measure_table(t, reps=1) for t in tables],
         "alignment": codec_bench.alignment_sweep(tables[:1]),
         "cpu_paths": codec_bench.cpu_path_decode(tables[:1], reps=1),
-        "gather": codec_bench.gather_bench(TINY),
+        "gather": [codec_bench.gather_bench(TINY, profile) for profile in ("fp32", "bf16r")],
     }
     for row in results["tables"]:
         assert row["ours"] >= row["paper"] - 0.02, row["name"]
         assert row["decode_gbps"]["ours"] > 0
         assert row["target"] in ("met", "missed", "n/a")
-    rates = results["gather"]["mlookups_per_s"]["1"]
+    rates = results["gather"][1]["mlookups_per_s"]["1"]
     assert rates["ibpembed compressed"] > 0 and rates["ibpembed raw rows"] > 0
     markdown = codec_bench.render_markdown(results)
-    assert "tiny_bf16" in markdown and "ibpembed raw rows" in markdown
+    assert "tiny_bf16" in markdown and "ibpembed raw rows" in markdown and "| target |" in markdown
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text(f"intro\n{codec_bench.RESULTS_BEGIN}\nold\n{codec_bench.RESULTS_END}\nend\n")
+    codec_bench.splice_markdown(doc, markdown)
+    text = doc.read_text()
+    assert "old" not in text and "tiny_bf16" in text and text.endswith("end\n")
     codec_bench.plot_savings(results, tmp_path / "chart.png")
