@@ -14,7 +14,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <mutex>
 #include <string_view>
+#include <vector>
 
 #include "kernels.h"
 #include "warp_decode.cuh"
@@ -210,36 +212,74 @@ inline Staging staging_for(const TableView& t) {
   return Staging{stage_buffer_bytes(t.row_bytes, t.unit_bytes), m == "async"};
 }
 
+// Block shape and residency of one kernel on one device for one shared-memory need per warp.
+struct LaunchPlan {
+  int warps_per_block;
+  size_t smem_bytes;
+  int64_t resident_blocks;  // blocks that fit on the whole device at once
+};
+
+// Most warps per block (up to kMaxWarpsPerBlock) whose shared memory fits the device, and how
+// many such blocks the device holds at the occupancy that leaves.
+template <class Kernel>
+LaunchPlan compute_plan(Kernel kernel, int device, int64_t smem_per_warp) {
+  int optin = 0, sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  TORCH_CHECK(smem_per_warp <= optin, "ibpembed CUDA: rows of this table need ", smem_per_warp,
+              " bytes of shared memory per warp, more than the ", optin,
+              " this GPU allows per block; use the CPU path for such wide rows");
+  int warps = kMaxWarpsPerBlock;
+  while (warps > 1 && warps * smem_per_warp > optin) warps /= 2;
+  const auto smem = static_cast<size_t>(warps * smem_per_warp);
+  // The opt-in maximum once for all tables: a launch still gets only the shared memory it asks
+  // for, so smaller tables keep their L1.
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+  int per_sm = 0;
+  C10_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * kWarpSize, smem));
+  return LaunchPlan{warps, smem, static_cast<int64_t>(std::max(per_sm, 1)) * sms};
+}
+
 struct LaunchShape {
   int warps_per_block;
   int blocks;
   size_t smem_bytes;
 };
 
-// Most warps per block (up to kMaxWarpsPerBlock) whose shared memory fits the device, and enough
-// blocks to fill every SM at the occupancy that leaves, but no more than the work needs (warps
-// loop over work items with a grid stride).
+// The launch for `work_items` items (rows or bags): the kernel's plan on the current device, with
+// enough blocks to fill every SM but no more than the work needs (warps loop over items with a
+// grid stride). Plans are computed once per kernel, device and shared-memory need: the driver
+// queries behind them cost microseconds, a visible share of a small batch.
 template <class Kernel>
 LaunchShape plan_launch(Kernel kernel, int64_t smem_per_warp, int64_t work_items) {
-  int device = 0, optin = 0, sms = 0;
+  struct Entry {
+    const void* kernel;
+    int device;
+    int64_t smem_per_warp;
+    LaunchPlan plan;
+  };
+  static std::mutex mutex;
+  static std::vector<Entry> plans;
+  int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  int warps = kMaxWarpsPerBlock;
-  while (warps > 1 && warps * smem_per_warp > optin) warps /= 2;
-  TORCH_CHECK(smem_per_warp <= optin, "ibpembed CUDA: rows of this table need ", smem_per_warp,
-              " bytes of shared memory per warp, more than the ", optin,
-              " this GPU allows per block; use the CPU path for such wide rows");
-  const auto smem = static_cast<size_t>(warps * smem_per_warp);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
-  int per_sm = 0;
-  C10_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * kWarpSize, smem));
-  const int64_t needed = (work_items + warps - 1) / warps;
-  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sms;
-  const auto blocks = static_cast<int>(std::max<int64_t>(1, std::min(needed, resident)));
-  return LaunchShape{warps, blocks, smem};
+  const auto* id = reinterpret_cast<const void*>(kernel);
+  LaunchPlan plan{};
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto it = std::find_if(plans.begin(), plans.end(), [&](const Entry& e) {
+      return e.kernel == id && e.device == device && e.smem_per_warp == smem_per_warp;
+    });
+    if (it != plans.end()) {
+      plan = it->plan;
+    } else {
+      plan = compute_plan(kernel, device, smem_per_warp);
+      plans.push_back(Entry{id, device, smem_per_warp, plan});
+    }
+  }
+  const int64_t needed = (work_items + plan.warps_per_block - 1) / plan.warps_per_block;
+  const int64_t blocks = std::max<int64_t>(1, std::min(needed, plan.resident_blocks));
+  return LaunchShape{plan.warps_per_block, static_cast<int>(blocks), plan.smem_bytes};
 }
 
 }  // namespace ibpembed::gpu
