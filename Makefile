@@ -5,13 +5,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip --disable-pip-version-check -q
 
-.PHONY: setup build test lint cuda-check bench-codec
+.PHONY: setup build test lint cuda-check bench-codec bench-service proto
 
 # Creates the venv, installs every pinned dependency, builds the native extension.
 setup:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -r requirements/dev.txt
 	$(PIP) install --no-deps -r requirements/torchrec.txt
+	$(PIP) install --no-deps -e clients/python
 	$(MAKE) build
 
 # Rebuilds ibpembed._C in place (incremental; ~1 min from scratch on 2 cores).
@@ -26,9 +27,15 @@ test: lint
 	$(PY) -m pytest -q
 
 bench-codec:
-	$(PIP) install -r requirements/bench.txt
 	$(PIP) install --no-deps -r requirements/data.txt
 	$(PY) -m benchmarks.codec
+
+bench-service:
+	$(PY) -m benchmarks.service
+
+# Regenerates the gRPC stubs in clients/python from proto/ (a test checks they are fresh).
+proto:
+	$(PY) proto/generate.py
 
 # nvcc compile check of the CUDA kernels (sm_80 + sm_90, -Xptxas -v; no link, no GPU needed).
 cuda-check:
