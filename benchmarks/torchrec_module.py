@@ -217,7 +217,8 @@ def markdown(ml: list[dict[str, object]], syn: list[dict[str, object]], args) ->
     out = [
         "## torchrec integration: compressed EBC vs torchrec EBC vs torchrec INT8 EBC",
         "",
-        f"`python benchmarks/torchrec_module.py{' --quick' if args.quick else ''}` "
+        f"`python benchmarks/torchrec_module.py{' --quick' if args.quick else ''}"
+        f"{f' --threads {args.threads}' if args.threads != 1 else ''}` "
         f"({time.strftime('%Y-%m-%d')}; {cpu}, {os.cpu_count()} cores, "
         f"{torch.get_num_threads()} torch threads; torch {torch.__version__}; "
         f"ibpembed CPU path `{ibpembed.cpu_path()}`). Same Zipf batches (B={BATCH}, "
@@ -263,12 +264,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=100_000, help="rows per synthetic table")
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per batch (best kept)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per batch (best kept)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (1: stable on shared CPUs)"
+    )
     parser.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent")
     parser.add_argument("--out", type=Path, help="also write the Markdown section here")
     args = parser.parse_args()
     if args.quick:
         args.rows, args.batches, args.warmup = 5_000, 4, 1
+    # NOTE: with several threads on CPUs shared with other jobs, a parallel_for waits for its
+    # slowest, descheduled thread and the timings become noise; one thread for all three modules.
+    torch.set_num_threads(args.threads)
     ml = run_movielens(args)
     syn = []
     factors = {"f0": 1, "f1": 4, "f2": 16, "f3": 32}
