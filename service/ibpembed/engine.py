@@ -9,6 +9,11 @@ A request is a set of features, each a jagged batch of ids (one key of a KeyedJa
     pooling "sum":       out[f][b] = sum_j w[j] * table[ids[j]]    [B, D]    fp32, j in sample b
     pooling "mean":      out[f][b] = out_sum[f][b] / lengths[b]     (zeros for empty samples)
 
+Ids are global row numbers. A server holding a row shard of a table (a table set packed with
+``ibpembed pack --shards``) holds global rows ``[row_start, row_end)`` of it: it accepts ids in
+that range only (others are INVALID_ARGUMENT naming the range) and subtracts ``row_start``
+before the kernels, so clients route ids without renumbering them.
+
 The engine validates the request, groups features by table (one kernel call per table, whatever
 the number of features reading it), deduplicates ids, and runs the kernels in a thread pool so the
 asyncio event loop never waits on them (torch ops run their C++ without holding the GIL, so the
@@ -32,6 +37,7 @@ import torch
 from ibpembed._ops import INT8_ROWWISE_HEADER_BYTES
 from ibpembed.codec import CompressedTable
 from ibpembed.server.errors import DeadlineExceeded, InvalidArgument, NotFound, Overloaded
+from ibpembed.tables.manifest import RowRange
 from ibpembed.tables.store import TableSnapshot, TableStore
 
 Pooling = Literal["sum", "mean", "none"]
@@ -110,6 +116,7 @@ class _TableWork:
 
     table_name: str
     table: CompressedTable
+    rows: RowRange  # global rows the table holds; ids are shifted by rows.start
     positions: list[int] = field(default_factory=list)  # indexes into the request's features
     queries: list[FeatureQuery] = field(default_factory=list)
 
@@ -289,9 +296,10 @@ class LookupEngine:
                 table_name, table = snap.table_for_feature(query.name)
             except KeyError:
                 raise NotFound(f"unknown feature {query.name!r}") from None
-            _validate(query, i, pooling, table_name, table)
+            rows = snap.row_range(table_name)
+            _validate(query, i, pooling, table_name, table, rows)
             output_bytes += _output_bytes(query, pooling, table)
-            item = by_table.setdefault(table_name, _TableWork(table_name, table))
+            item = by_table.setdefault(table_name, _TableWork(table_name, table, rows))
             item.positions.append(i)
             item.queries.append(query)
         if self.max_output_bytes is not None and output_bytes > self.max_output_bytes:
@@ -310,6 +318,8 @@ class LookupEngine:
         # Concatenating also copies the request's read-only message bytes into writable memory,
         # which torch.from_numpy wants (a memcpy, small next to the decode).
         ids_np = np.concatenate([q.ids for q in qs])
+        if item.rows.start:
+            ids_np -= item.rows.start  # global ids -> rows of this shard's file
         ids = torch.from_numpy(ids_np).to(self.device)
         nnz = ids.numel()
         counts = [q.ids.size for q in qs]
@@ -377,7 +387,13 @@ class LookupEngine:
                 features.setdefault(table_name, []).append(feature)
             names = [name] if name is not None else sorted(snap.tables)
             return [
-                _describe(n, snap.tables[n], snap.version, tuple(sorted(features.get(n, ()))))
+                _describe(
+                    n,
+                    snap.tables[n],
+                    snap.row_range(n),
+                    snap.version,
+                    tuple(sorted(features.get(n, ()))),
+                )
                 for n in names
             ]
 
@@ -387,11 +403,13 @@ class LookupEngine:
 
 
 def _describe(
-    name: str, table: CompressedTable, version: int, features: tuple[str, ...]
+    name: str, table: CompressedTable, rows: RowRange, version: int, features: tuple[str, ...]
 ) -> TableDescription:
+    """``num_rows`` is the whole table's; ``row_start``/``row_end`` and the byte counts are
+    what this server holds."""
     return TableDescription(
         name=name,
-        num_rows=table.num_rows,
+        num_rows=rows.total,
         dim=table.dim,
         dtype=table.dtype,
         quant=table.quant,
@@ -400,8 +418,8 @@ def _describe(
         chunk_bits=table.chunk_bits,
         version=version,
         features=features,
-        row_start=0,
-        row_end=table.num_rows,
+        row_start=rows.start,
+        row_end=rows.end,
     )
 
 
@@ -414,7 +432,12 @@ def _output_bytes(query: FeatureQuery, pooling: Pooling, table: CompressedTable)
 
 
 def _validate(
-    query: FeatureQuery, index: int, pooling: Pooling, table_name: str, table: CompressedTable
+    query: FeatureQuery,
+    index: int,
+    pooling: Pooling,
+    table_name: str,
+    table: CompressedTable,
+    rows: RowRange,
 ) -> None:
     """Everything the kernels assume, checked with messages naming the field."""
     where = f"features[{index}]"
@@ -446,10 +469,15 @@ def _validate(
         )
     if ids.size:
         lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= table.num_rows:
-            bad = lo if lo < 0 else hi
+        if lo < rows.start or hi >= rows.end:
+            bad = lo if lo < rows.start else hi
+            held = (
+                f"with {rows.total} rows"
+                if rows.is_whole
+                else f"(this server holds the shard of rows [{rows.start}, {rows.end}) of "
+                f"{rows.total})"
+            )
             raise InvalidArgument(
                 f"{where}.ids",
-                f"feature {query.name!r}: id {bad} out of range for table {table_name!r} "
-                f"with {table.num_rows} rows",
+                f"feature {query.name!r}: id {bad} out of range for table {table_name!r} {held}",
             )

@@ -64,6 +64,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FEATURE=TABLE",
         help="also serve FEATURE from TABLE (repeatable)",
     )
+    pack.add_argument(
+        "--shards",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split every table into N contiguous row ranges: DIR/shard-<k>-of-<N>/ table sets "
+        "and DIR/shard_map.json (one server per shard)",
+    )
+    pack.add_argument(
+        "--shard-address",
+        default=None,
+        metavar="TEMPLATE",
+        help="shard addresses for shard_map.json, {shard} standing for k "
+        "(e.g. ibpembed-{shard}.ibpembed:50051); needs --shards",
+    )
     pack.add_argument("--no-progress", action="store_true", help="no progress bar")
     pack.add_argument("--json", action="store_true", help="print the report as JSON")
     pack.set_defaults(func=_pack)
@@ -159,27 +174,48 @@ def _pack(args: argparse.Namespace) -> int:
         extra = _feature_pairs(args.feature)
         if extra:
             table_set = importers.TableSet(table_set.tables, extra)
-        reports = manifest.pack_table_set(
-            args.output,
-            table_set,
-            method=args.method,
-            sample_rows=args.sample_rows or None,
-            seed=args.seed,
-            align=args.align,
-            chunk_bits=args.chunk_bits,
-            progress=_progress_factory(not args.no_progress),
-        )
+        pack_args: dict[str, Any] = {
+            "method": args.method,
+            "sample_rows": args.sample_rows or None,
+            "seed": args.seed,
+            "align": args.align,
+            "chunk_bits": args.chunk_bits,
+            "progress": _progress_factory(not args.no_progress),
+        }
+        if args.shards is None:
+            if args.shard_address is not None:
+                raise ValueError("--shard-address needs --shards")
+            shards = [(None, manifest.pack_table_set(args.output, table_set, **pack_args))]
+        else:
+            if args.shards < 1:
+                raise ValueError(f"--shards must be >= 1, got {args.shards}")
+            written = manifest.pack_shards(
+                args.output,
+                table_set,
+                args.shards,
+                address_template=args.shard_address,
+                **pack_args,
+            )
+            shards = [(r.index, r.tables) for r in written]
     except (ValueError, OSError) as exc:  # SourceError, TableSetError, TableFileError are these
         return _fail("pack", exc)
-    rows = [_report_row(p) for p in reports]
+    rows = [
+        _report_row(p) if k is None else {"shard": k, **_report_row(p)}
+        for k, reports in shards
+        for p in reports
+    ]
     if args.json:
         print(json.dumps({"output": str(args.output), "tables": rows}, indent=1))
     else:
         for row in rows:
             row["savings"] = f"{100 * row['savings']:.1f}%"
             row["seconds"] = f"{row['seconds']:.2f}"
-        _print_table(rows, ("table", "rows", "dim", "dtype", "chunk_bits", "savings", "seconds"))
-        print(f"wrote {len(rows)} table(s) to {args.output}")
+        columns = ("table", "rows", "dim", "dtype", "chunk_bits", "savings", "seconds")
+        _print_table(rows, columns if args.shards is None else ("shard", *columns))
+        if args.shards is None:
+            print(f"wrote {len(rows)} table(s) to {args.output}")
+        else:
+            print(f"wrote {len(rows)} table file(s) in {args.shards} shards to {args.output}")
     return EXIT_OK
 
 

@@ -14,11 +14,21 @@ Manifest (JSON)::
                             "num_rows": N, "dim": D, "dtype": "float32", "quant": null,
                             "pooling": "sum", "feature_names": ["f1", ...]}, ...},
      "features": {"<feature>": "<table>", ...}}
+
+Row shards (manifest version 2). ``ibpembed pack --shards N`` splits every table into N
+contiguous row ranges and writes one table set per shard (``shard-<k>-of-<N>/``); each entry of
+a shard's manifest then also records ``"row_start"`` and ``"total_rows"``: the file holds global
+rows ``[row_start, row_start + num_rows)`` of a table of ``total_rows`` rows. Version 2 is written
+only when some entry is such a range, so whole-table sets stay version 1 (and byte for byte what
+they were); a version-1 reader refuses a shard instead of serving its rows under the wrong ids.
+Next to the shard directories, ``shard_map.json`` (:data:`SHARD_MAP`) lists every table's ranges
+and the shards' addresses, for clients (``ibpembed_client.shards``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -35,7 +45,11 @@ from ibpembed.tables.importers import TableSet, TableSource
 MANIFEST = "manifest.json"
 FORMAT_NAME = "ibpembed.table_set"
 MANIFEST_VERSION = 1
+SHARDED_MANIFEST_VERSION = 2  # entries may hold a row range of a larger table
 LOCK_FILE = ".pack.lock"
+SHARD_MAP = "shard_map.json"
+SHARD_MAP_FORMAT = "ibpembed.shard_map"
+SHARD_MAP_VERSION = 1
 
 
 class TableSetError(ValueError):
@@ -43,8 +57,51 @@ class TableSetError(ValueError):
 
 
 @dataclass(frozen=True)
+class RowRange:
+    """Global rows ``[start, end)`` of a table of ``total`` rows that one table set holds."""
+
+    start: int
+    end: int
+    total: int
+
+    @classmethod
+    def whole(cls, num_rows: int) -> RowRange:
+        return cls(0, num_rows, num_rows)
+
+    @property
+    def is_whole(self) -> bool:
+        return self.start == 0 and self.end == self.total
+
+
+def split_rows(num_rows: int, shards: int) -> list[RowRange]:
+    """The row range of each of ``shards`` shards of a ``num_rows``-row table.
+
+    Contiguous and balanced: shard k holds ``[k * N // S, (k + 1) * N // S)``, so shard sizes
+    differ by at most one row and a range is empty only when the table has fewer rows than there
+    are shards. NOTE(sharding): contiguous ranges rather than ``id % S`` keep each shard's file a
+    plain slice of the source (packed, fitted and verified like any table) and make routing a
+    binary search over S boundaries; the cost is that hot ids clustered in one range load one
+    shard more, which a hashed split would spread.
+    """
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    bounds = [k * num_rows // shards for k in range(shards + 1)]
+    return [RowRange(bounds[k], bounds[k + 1], num_rows) for k in range(shards)]
+
+
+def shard_directory(index: int, count: int) -> str:
+    """Directory name of shard ``index`` of ``count`` under a sharded pack's output."""
+    return f"shard-{index}-of-{count}"
+
+
+@dataclass(frozen=True)
 class ManifestEntry:
-    """One table of a set, as the manifest records it."""
+    """One table of a set, as the manifest records it.
+
+    ``row_start`` and ``total_rows`` are set for a shard: the file holds global rows
+    ``[row_start, row_start + num_rows)`` of a ``total_rows``-row table. ``total_rows`` None
+    means the file is the whole table.
+    """
 
     file: str
     header_xxh3: str
@@ -54,6 +111,13 @@ class ManifestEntry:
     quant: str | None
     pooling: str | None
     feature_names: tuple[str, ...]
+    row_start: int = 0
+    total_rows: int | None = None
+
+    @property
+    def row_range(self) -> RowRange:
+        total = self.num_rows if self.total_rows is None else self.total_rows
+        return RowRange(self.row_start, self.row_start + self.num_rows, total)
 
 
 @dataclass(frozen=True)
@@ -62,13 +126,17 @@ class Manifest:
     features: Mapping[str, str]  # feature -> table
 
     def to_json(self) -> bytes:
+        tables = {}
+        for name, e in self.tables.items():
+            entry = {**asdict(e), "feature_names": list(e.feature_names)}
+            if e.row_range.is_whole:
+                del entry["row_start"], entry["total_rows"]
+            tables[name] = entry
+        sharded = any(not e.row_range.is_whole for e in self.tables.values())
         body = {
             "format": FORMAT_NAME,
-            "version": MANIFEST_VERSION,
-            "tables": {
-                name: {**asdict(e), "feature_names": list(e.feature_names)}
-                for name, e in self.tables.items()
-            },
+            "version": SHARDED_MANIFEST_VERSION if sharded else MANIFEST_VERSION,
+            "tables": tables,
             "features": dict(self.features),
         }
         return json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
@@ -94,10 +162,11 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         raise TableSetError(f"{path}: not valid JSON: {exc}") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
         raise TableSetError(f"{path}: not an ibpembed table set manifest")
-    if body.get("version") != MANIFEST_VERSION:
+    version = body.get("version")
+    if version not in (MANIFEST_VERSION, SHARDED_MANIFEST_VERSION):
         raise TableSetError(
-            f"{path}: unknown manifest version {body.get('version')!r} "
-            f"(this reader knows version {MANIFEST_VERSION})"
+            f"{path}: unknown manifest version {version!r} "
+            f"(this reader knows versions {MANIFEST_VERSION} and {SHARDED_MANIFEST_VERSION})"
         )
     try:
         tables = {
@@ -107,6 +176,15 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         features = {str(f): str(t) for f, t in body["features"].items()}
     except (KeyError, TypeError, AttributeError) as exc:
         raise TableSetError(f"{path}: malformed manifest: {exc!r}") from None
+    for name, entry in tables.items():
+        rows = entry.row_range
+        if version == MANIFEST_VERSION and entry.total_rows is not None:
+            raise TableSetError(f"{path}: table '{name}': a row range needs manifest version 2")
+        if not 0 <= rows.start < rows.end <= rows.total:
+            raise TableSetError(
+                f"{path}: table '{name}': row range [{rows.start}, {rows.end}) does not lie in "
+                f"a table of {rows.total} rows"
+            )
     for feature, table in features.items():
         if table not in tables:
             raise TableSetError(
@@ -180,7 +258,13 @@ def _publish(directory: Path, manifest: Manifest) -> None:
             path.unlink(missing_ok=True)
 
 
-def _entry(packed: tf.PackedTable, pooling: str | None, features: tuple[str, ...]) -> ManifestEntry:
+def _entry(
+    packed: tf.PackedTable,
+    pooling: str | None,
+    features: tuple[str, ...],
+    rows: RowRange | None = None,
+) -> ManifestEntry:
+    sharded = rows is not None and not rows.is_whole
     return ManifestEntry(
         file=packed.path.name,
         header_xxh3=f"{packed.header_xxh3:016x}",
@@ -190,10 +274,12 @@ def _entry(packed: tf.PackedTable, pooling: str | None, features: tuple[str, ...
         quant=packed.quant,
         pooling=pooling,
         feature_names=features,
+        row_start=rows.start if sharded else 0,
+        total_rows=rows.total if sharded else None,
     )
 
 
-def _source_meta(source: TableSource) -> dict[str, Any]:
+def _source_meta(source: TableSource, rows: RowRange) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "feature_names": list(source.features),
         "pooling": source.pooling,
@@ -201,6 +287,8 @@ def _source_meta(source: TableSource) -> dict[str, Any]:
     }
     if source.layout is not None:
         meta["layout"] = source.layout
+    if not rows.is_whole:
+        meta["row_start"], meta["total_rows"] = rows.start, rows.total
     return meta
 
 
@@ -215,6 +303,7 @@ def pack_table_set(
     chunk_bits: int | None = None,
     progress: Callable[[TableSource], Callable[[int], None] | None] | None = None,
     on_table: Callable[[tf.PackedTable], None] | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> list[tf.PackedTable]:
     """Pack every table of a set into ``directory`` and publish its manifest.
 
@@ -223,8 +312,11 @@ def pack_table_set(
 
     Parameters
     ----------
-    progress : given a table, returns a per-step callback (rows done) or None.
+    progress : given a table (its rows sliced to the shard's range), returns a per-step
+        callback (rows done) or None.
     on_table : called with each table's report as soon as it is written.
+    shard : ``(k, N)``: pack only shard k's rows of each table (:func:`split_rows`), fitted on
+        those rows alone; a table with no row in the range is left out of this shard's set.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -232,9 +324,19 @@ def pack_table_set(
     entries: dict[str, ManifestEntry] = {}
     with _pack_lock(directory):
         for source in table_set.tables:
+            num_rows = source.weight.shape[0]
+            rows = (
+                RowRange.whole(num_rows)
+                if shard is None
+                else split_rows(num_rows, shard[1])[shard[0]]
+            )
+            if rows.start == rows.end:
+                continue
+            # A row slice of a contiguous tensor is itself contiguous: no copy.
+            part = dataclasses.replace(source, weight=source.weight[rows.start : rows.end])
             packed = tf.pack_table(
                 directory,
-                source.weight,
+                part.weight,
                 name=source.name,
                 content_named=True,
                 quant=source.quant,
@@ -243,15 +345,108 @@ def pack_table_set(
                 seed=seed,
                 align=align,
                 chunk_bits=chunk_bits,
-                meta=_source_meta(source),
-                progress=progress(source) if progress else None,
+                meta=_source_meta(source, rows),
+                progress=progress(part) if progress else None,
             )
-            entries[source.name] = _entry(packed, source.pooling, source.features)
+            entries[source.name] = _entry(packed, source.pooling, source.features, rows)
             reports.append(packed)
             if on_table is not None:
                 on_table(packed)
-        _publish(directory, Manifest(tables=entries, features=table_set.features()))
+        features = {f: t for f, t in table_set.features().items() if t in entries}
+        _publish(directory, Manifest(tables=entries, features=features))
     return reports
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """One shard of a sharded pack: its directory and the tables written there."""
+
+    index: int
+    directory: Path
+    tables: list[tf.PackedTable]
+
+
+def pack_shards(
+    directory: str | os.PathLike[str],
+    table_set: TableSet,
+    shards: int,
+    *,
+    address_template: str | None = None,
+    progress: Callable[[TableSource], Callable[[int], None] | None] | None = None,
+    **pack_args: Any,
+) -> list[ShardReport]:
+    """Split every table into ``shards`` row ranges and pack one table set per shard.
+
+    Writes ``directory/shard-<k>-of-<N>/`` (each a complete table set, see
+    :func:`pack_table_set` with ``shard=(k, N)``), then ``directory/shard_map.json``
+    (:func:`shard_map`) atomically, last.
+
+    Parameters
+    ----------
+    address_template : the shards' gRPC addresses, ``{shard}`` standing for k (e.g.
+        ``ibpembed-{shard}.ibpembed:50051`` for a StatefulSet's pods); None leaves the
+        addresses out of the shard map, for clients to supply.
+    progress : as for :func:`pack_table_set`.
+    pack_args : ``method``, ``sample_rows``, ``seed``, ``align``, ``chunk_bits``.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    reports = []
+    for k in range(shards):
+        target = directory / shard_directory(k, shards)
+        packed = pack_table_set(
+            target, table_set, shard=(k, shards), progress=progress, **pack_args
+        )
+        reports.append(ShardReport(k, target, packed))
+    body = shard_map(table_set, shards, address_template)
+    tf.write_bytes_atomic(
+        directory / SHARD_MAP, json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
+    )
+    return reports
+
+
+def shard_map(
+    table_set: TableSet, shards: int, address_template: str | None = None
+) -> dict[str, Any]:
+    """The ``shard_map.json`` body of a sharded pack (format in ``docs/format.md``)::
+
+        {"format": "ibpembed.shard_map", "version": 1,
+         "shards": [{"index": 0, "directory": "shard-0-of-3", "address": "host:port" | null}],
+         "tables": {"<table>": {"num_rows": N, "dim": D, "dtype": "float32", "quant": null,
+                                "ranges": [{"shard": 0, "row_start": 0, "row_end": 334}, ...]}},
+         "features": {"<feature>": "<table>"}}
+
+    Shards whose range of a table is empty are not listed among that table's ranges.
+    """
+    tables = {}
+    for source in table_set.tables:
+        num_rows = source.weight.shape[0]
+        ranges = [
+            {"shard": k, "row_start": r.start, "row_end": r.end}
+            for k, r in enumerate(split_rows(num_rows, shards))
+            if r.start < r.end
+        ]
+        tables[source.name] = {
+            "num_rows": num_rows,
+            "dim": source.weight.shape[1],
+            "dtype": tf.dtype_name(source.weight.dtype),
+            "quant": source.quant,
+            "ranges": ranges,
+        }
+    return {
+        "format": SHARD_MAP_FORMAT,
+        "version": SHARD_MAP_VERSION,
+        "shards": [
+            {
+                "index": k,
+                "directory": shard_directory(k, shards),
+                "address": None if address_template is None else address_template.format(shard=k),
+            }
+            for k in range(shards)
+        ],
+        "tables": tables,
+        "features": dict(table_set.features()),
+    }
 
 
 def save_table_set(
@@ -259,11 +454,16 @@ def save_table_set(
     tables: Mapping[str, CompressedTable],
     features: Mapping[str, str],
     pooling: Mapping[str, str | None] | None = None,
+    row_ranges: Mapping[str, RowRange] | None = None,
 ) -> list[tf.PackedTable]:
-    """Write already compressed tables (e.g. a store snapshot with row updates) as a table set."""
+    """Write already compressed tables (e.g. a store snapshot with row updates) as a table set.
+
+    ``row_ranges`` gives the global rows of tables that are shards (default: whole tables).
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     pooling = pooling or {}
+    row_ranges = row_ranges or {}
     by_table: dict[str, list[str]] = {name: [] for name in tables}
     for feature, table in features.items():
         by_table[table].append(feature)
@@ -271,9 +471,12 @@ def save_table_set(
     entries: dict[str, ManifestEntry] = {}
     with _pack_lock(directory):
         for name, table in tables.items():
-            meta = {"feature_names": by_table[name], "pooling": pooling.get(name)}
+            rows = row_ranges.get(name, RowRange.whole(table.num_rows))
+            meta: dict[str, Any] = {"feature_names": by_table[name], "pooling": pooling.get(name)}
+            if not rows.is_whole:
+                meta["row_start"], meta["total_rows"] = rows.start, rows.total
             packed = tf.write_table(directory, table, name=name, meta=meta, content_named=True)
-            entries[name] = _entry(packed, pooling.get(name), tuple(by_table[name]))
+            entries[name] = _entry(packed, pooling.get(name), tuple(by_table[name]), rows)
             reports.append(packed)
         _publish(directory, Manifest(tables=entries, features=dict(features)))
     return reports

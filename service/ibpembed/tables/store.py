@@ -45,7 +45,7 @@ from ibpembed._ops import ops
 from ibpembed.codec import CompressedTable
 from ibpembed.tables import _layout
 from ibpembed.tables import format as tf
-from ibpembed.tables.manifest import ManifestEntry, load_table_set, save_table_set
+from ibpembed.tables.manifest import ManifestEntry, RowRange, load_table_set, save_table_set
 
 # Spare payload bytes a compaction reserves for later spills: this fraction of the payload, and
 # at least enough for a few updates like the one that triggered it.
@@ -93,6 +93,13 @@ class TableSnapshot:
     version: int
     tables: Mapping[str, CompressedTable]
     features: Mapping[str, str]  # feature -> table
+    # Global rows of the tables that are row shards; a table not listed is whole.
+    shards: Mapping[str, RowRange] = dataclasses.field(default_factory=dict)
+
+    def row_range(self, name: str) -> RowRange:
+        """Global rows ``table`` holds here: its shard's range, or all its rows."""
+        rows = self.shards.get(name)
+        return rows if rows is not None else RowRange.whole(self.tables[name].num_rows)
 
     def table_for_feature(self, feature: str) -> tuple[str, CompressedTable]:
         """(table name, table) serving ``feature``.
@@ -139,6 +146,11 @@ def _frozen(mapping: Mapping) -> Mapping:
     return types.MappingProxyType(dict(mapping))
 
 
+def _shards(entries: Mapping[str, ManifestEntry]) -> Mapping[str, RowRange]:
+    """Row ranges of the manifest entries that are shards of a larger table."""
+    return _frozen({n: e.row_range for n, e in entries.items() if not e.row_range.is_whole})
+
+
 def _check_features(tables: Mapping[str, CompressedTable], features: Mapping[str, str]) -> None:
     for feature, table in features.items():
         if table not in tables:
@@ -171,7 +183,9 @@ class TableStore:
         self._verify = verify
         self._pin = pin
         self._spill: dict[str, _Spill] = {}
-        self._current = TableSnapshot(1, _frozen(self._pinned(tables)), _frozen(features))
+        self._current = TableSnapshot(
+            1, _frozen(self._pinned(tables)), _frozen(features), _shards(self._entries)
+        )
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -241,10 +255,18 @@ class TableStore:
         }
 
     # -- writing ---------------------------------------------------------------------------------
-    def _publish(self, tables: Mapping[str, CompressedTable], features: Mapping[str, str]) -> None:
+    def _publish(
+        self,
+        tables: Mapping[str, CompressedTable],
+        features: Mapping[str, str],
+        shards: Mapping[str, RowRange] | None = None,
+    ) -> None:
+        """Publish the next version; ``shards`` default: the current ranges of kept tables."""
+        if shards is None:
+            shards = {n: r for n, r in self._current.shards.items() if n in tables}
         with self._lock:
             self._current = TableSnapshot(
-                self._current.version + 1, _frozen(tables), _frozen(features)
+                self._current.version + 1, _frozen(tables), _frozen(features), _frozen(shards)
             )
 
     def reload(self, directory: str | os.PathLike[str] | None = None) -> None:
@@ -277,7 +299,7 @@ class TableStore:
             manifest, tables = load_table_set(target, verify=self._verify, reuse=reuse)
             fresh = {n: t for n, t in tables.items() if t is not current.get(n)}
             tables.update(self._pinned(fresh))
-            self._publish(tables, manifest.features)
+            self._publish(tables, manifest.features, _shards(manifest.tables))
             self._directory = target
             self._entries = dict(manifest.tables)
             self._spill.clear()
@@ -292,7 +314,9 @@ class TableStore:
             if name not in self._current.tables and not features:
                 merged.setdefault(name, name)
             _check_features(tables, merged)
-            self._publish(tables, merged)
+            # A table put in by hand is whole: it replaces any shard of the same name.
+            shards = {n: r for n, r in self._current.shards.items() if n != name}
+            self._publish(tables, merged, shards)
             self._entries.pop(name, None)
             self._spill.pop(name, None)
 
@@ -301,7 +325,8 @@ class TableStore:
 
         Parameters
         ----------
-        ids : [n] distinct integer row ids, each in [0, num_rows).
+        ids : [n] distinct integer row ids, each in [0, num_rows) of the table as held here
+            (for a row shard: global id - ``row_range(table).start``).
         rows : [n, dim] tensor of the table's dtype (uint8 for int8_rowwise tables).
 
         Raises
@@ -390,7 +415,9 @@ class TableStore:
         """Write the current version (row updates included) as a table set."""
         with self.acquire() as snapshot:
             pooling = {n: e.pooling for n, e in self._entries.items()}
-            return save_table_set(directory, snapshot.tables, snapshot.features, pooling)
+            return save_table_set(
+                directory, snapshot.tables, snapshot.features, pooling, snapshot.shards
+            )
 
 
 def _check_update(
