@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ibpembed.engine import LookupEngine, LookupObserver, resolve_device
+from ibpembed.metrics import ServerMetrics
 from ibpembed.server import demo
 from ibpembed.server.config import ServerConfig
 from ibpembed.server.interceptors import (
@@ -94,6 +95,10 @@ class LookupServer:
             token = _read(self.config.auth_token_file).decode().strip()
             interceptors.append(BearerTokenInterceptor(token))
         interceptors.append(ServiceInterceptor(self.state, self.observer))
+        # An observer that is also an interceptor (ibpembed.metrics) goes innermost: it reads the
+        # lookup requests (pooling) and the servicer's own handlers.
+        if isinstance(self.observer, grpc.aio.ServerInterceptor):
+            interceptors.append(self.observer)
         return interceptors
 
     def _credentials(self) -> grpc.ServerCredentials | None:
@@ -192,7 +197,11 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     # Process-wide, hence here and not in LookupServer (see ServerConfig.torch_threads).
     torch.set_num_threads(config.torch_threads)
     store = load_store(config)
-    server = LookupServer(config, store)
+    metrics = None
+    if config.metrics_port:
+        metrics = ServerMetrics(store, device=resolve_device(config.device).type)
+        metrics_port = metrics.start_http_server(config.host, config.metrics_port)
+    server = LookupServer(config, store, observer=metrics)
     port = await server.start()
     tables = server.engine.describe()
     first_feature = next((t.features[0] for t in tables if t.features), "cat_0")
@@ -201,6 +210,7 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     print(
         f"ibpembed serving {source} on {server.engine.device}\n"
         f"listening on {config.host}:{port} ({scheme})\n"
+        + (f"metrics on http://{config.host}:{metrics_port}/metrics\n" if metrics else "")
         + example_query(
             config.host,
             port,
@@ -218,5 +228,7 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     await stop.wait()
     log.warning("signal received: draining (grace %.1f s)", config.grace_s)
     await server.stop()
+    if metrics is not None:
+        metrics.stop_http_server()
     log.warning("stopped")
     return 0

@@ -1,0 +1,377 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every Prometheus metric of the server, in one place.
+
+:class:`ServerMetrics` is the server's observer (``LookupServer(observer=...)``): the engine
+reports each kernel call (:meth:`~ServerMetrics.table_lookup`, worker threads), the service
+interceptor each finished RPC (:meth:`~ServerMetrics.rpc_done`, event loop), and the metrics
+object is itself an interceptor that times every lookup request, including each request inside a
+``LookupStream``, by pooling. Table sizes, versions and the build are read from the store when
+Prometheus scrapes, so they cost nothing per request.
+
+Names end in their unit (``_seconds``, ``_bytes``, ``_total``, ``_ratio``). Labels take bounded
+values only: the RPC method, the status code name, the pooling mode and the table name (tables
+come from the server's own table set, never from a request). Ids, feature names sent by clients
+and request ids never become labels.
+
+=====================================================  =========  ==================================
+metric                                                 type       labels
+=====================================================  =========  ==================================
+``ibpembed_build_info``                                gauge      version, device, cpu_path, torch
+``ibpembed_requests_total``                            counter    method, code
+``ibpembed_lookup_duration_seconds``                   histogram  method, pooling
+``ibpembed_inflight_requests``                         gauge      —
+``ibpembed_kernel_duration_seconds``                   histogram  pooling
+``ibpembed_rows_looked_up_total``                      counter    table, pooling
+``ibpembed_decoded_bytes_total``                       counter    table
+``ibpembed_table_raw_bytes``                           gauge      table
+``ibpembed_table_stored_bytes``                        gauge      table
+``ibpembed_table_saved_bytes``                         gauge      table
+``ibpembed_table_compression_ratio``                   gauge      table
+``ibpembed_table_version``                             gauge      table
+``ibpembed_table_reloads_total``                       counter    table
+=====================================================  =========  ==================================
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import grpc
+import prometheus_client
+import torch
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+import ibpembed
+from ibpembed.codec import CompressedTable
+from ibpembed.tables.store import TableStore
+from ibpembed_client.v1 import lookup_pb2 as pb
+
+NAMESPACE = "ibpembed"
+# Sub-millisecond resolution at the bottom (a cached B=1 lookup is ~100 us on CPU; the
+# client library's default buckets start at 5 ms), up to 10 s for huge batches and stalls.
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    25e-6,
+    50e-6,
+    100e-6,
+    250e-6,
+    500e-6,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    10e-3,
+    25e-3,
+    50e-3,
+    100e-3,
+    250e-3,
+    500e-3,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+LOOKUP_METHOD = "/ibpembed.v1.EmbeddingLookup/Lookup"
+STREAM_METHOD = "/ibpembed.v1.EmbeddingLookup/LookupStream"
+# Protocol enum -> the engine's pooling names; values the server rejects share one label.
+_POOLING_NAMES = {
+    pb.POOLING_UNSPECIFIED: "sum",
+    pb.POOLING_SUM: "sum",
+    pb.POOLING_MEAN: "mean",
+    pb.POOLING_NONE: "none",
+}
+_INVALID_POOLING = "invalid"
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+def _short(method: str) -> str:
+    """``/ibpembed.v1.EmbeddingLookup/Lookup`` -> ``Lookup``."""
+    return method.rsplit("/", 1)[-1]
+
+
+class _TableCollector(Collector):
+    """Per-table gauges read from the store at scrape time, plus the replacement counts.
+
+    A table counts as reloaded when the store publishes a different table object under its
+    name (``reload`` of a changed file, ``put_table``, ``update_rows``). Publications are
+    noticed on the first lookup or scrape after them (:meth:`sync`), so two publications with
+    no lookup and no scrape in between count once.
+    """
+
+    def __init__(self, store: TableStore) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._version = 0  # store version last synced
+        # Weak references: holding old tables here would keep their memory alive.
+        self._seen: dict[str, weakref.ref[CompressedTable]] = {}
+        self._reloads: collections.Counter[str] = collections.Counter()
+        self.row_bytes: dict[str, int] = {}
+
+    def sync(self) -> None:
+        """Catch up with the store's published version (cheap when nothing changed)."""
+        if self.store.version == self._version:
+            return
+        with self._lock, self.store.acquire() as snap:
+            if snap.version == self._version:
+                return
+            for name, table in snap.tables.items():
+                seen = self._seen.get(name)
+                if seen is not None and seen() is not table:
+                    self._reloads[name] += 1
+                self._seen[name] = weakref.ref(table)
+            for gone in set(self._seen) - set(snap.tables):
+                del self._seen[gone]
+            self.row_bytes = {name: t.row_bytes for name, t in snap.tables.items()}
+            self._version = snap.version
+
+    def collect(self) -> Iterator[Metric]:
+        self.sync()
+        families = {
+            "raw": GaugeMetricFamily(
+                f"{NAMESPACE}_table_raw_bytes",
+                "Bytes of the uncompressed table (rows x row bytes).",
+                labels=["table"],
+            ),
+            "stored": GaugeMetricFamily(
+                f"{NAMESPACE}_table_stored_bytes",
+                "Bytes held to serve the table: payload, index, bitmask and masks.",
+                labels=["table"],
+            ),
+            "saved": GaugeMetricFamily(
+                f"{NAMESPACE}_table_saved_bytes",
+                "Raw bytes minus stored bytes (negative for tiny tables).",
+                labels=["table"],
+            ),
+            "ratio": GaugeMetricFamily(
+                f"{NAMESPACE}_table_compression_ratio",
+                "Raw bytes / stored bytes.",
+                labels=["table"],
+            ),
+            "version": GaugeMetricFamily(
+                f"{NAMESPACE}_table_version",
+                "Table-set version serving the table (DescribeTable's version).",
+                labels=["table"],
+            ),
+        }
+        reloads = CounterMetricFamily(
+            f"{NAMESPACE}_table_reloads",
+            "Times the table was replaced since start (reload, put_table, update_rows).",
+            labels=["table"],
+        )
+        accounting = self.store.accounting()
+        version = self.store.version
+        for name, sizes in sorted(accounting.items()):
+            families["raw"].add_metric([name], sizes.raw)
+            families["stored"].add_metric([name], sizes.total)
+            families["saved"].add_metric([name], sizes.raw - sizes.total)
+            families["ratio"].add_metric([name], sizes.ratio)
+            families["version"].add_metric([name], version)
+            reloads.add_metric([name], self._reloads[name])
+        yield from families.values()
+        yield reloads
+
+
+class ServerMetrics(grpc.aio.ServerInterceptor):
+    """The server's metrics: observer of the engine and the RPCs, and a lookup-timing interceptor.
+
+    Parameters
+    ----------
+    store : the table store the server serves (per-table gauges are read from it at scrape).
+    device : where the kernels run (``"cpu"`` or ``"cuda"``), for ``ibpembed_build_info``.
+    registry : where the metrics live; a fresh registry by default, so several servers can run
+        in one process (tests) without colliding in the client library's global one.
+    """
+
+    def __init__(
+        self, store: TableStore, *, device: str, registry: CollectorRegistry | None = None
+    ) -> None:
+        # The client library's ``*_created`` samples would double the series of every counter
+        # and histogram for a start time that process_start_time_seconds already gives.
+        prometheus_client.disable_created_metrics()
+        self.registry = CollectorRegistry() if registry is None else registry
+        reg = self.registry
+        prometheus_client.ProcessCollector(registry=reg)
+        info = prometheus_client.Info(
+            f"{NAMESPACE}_build", "Server build: package version, device, CPU path.", registry=reg
+        )
+        info.info(
+            {
+                "version": ibpembed.__version__,
+                "device": device,
+                "cpu_path": ibpembed.cpu_path(),
+                "torch": torch.__version__,
+            }
+        )
+        self._requests = prometheus_client.Counter(
+            f"{NAMESPACE}_requests",
+            "Finished requests by status code: unary RPCs, and each request of a LookupStream"
+            " (a stream failing as a whole counts once more, with its code).",
+            ["method", "code"],
+            registry=reg,
+        )
+        self._latency = prometheus_client.Histogram(
+            f"{NAMESPACE}_lookup_duration_seconds",
+            "Lookup request latency in the server: Lookup calls, and each LookupStream request"
+            " from its arrival to its response.",
+            ["method", "pooling"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=reg,
+        )
+        self._kernel = prometheus_client.Histogram(
+            f"{NAMESPACE}_kernel_duration_seconds",
+            "One table's share of a lookup on a worker thread (decode, pool, copy out).",
+            ["pooling"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=reg,
+        )
+        self._rows = prometheus_client.Counter(
+            f"{NAMESPACE}_rows_looked_up",
+            "Ids looked up (repeats included).",
+            ["table", "pooling"],
+            registry=reg,
+        )
+        self._decoded = prometheus_client.Counter(
+            f"{NAMESPACE}_decoded_bytes",
+            "Bytes of rows decoded from the compressed store (each distinct row once when"
+            " lookups deduplicate).",
+            ["table"],
+            registry=reg,
+        )
+        # Touched on the event loop only (interceptor), so a plain int read at scrape will do.
+        self._inflight = 0
+        prometheus_client.Gauge(
+            f"{NAMESPACE}_inflight_requests",
+            "Lookup requests received and not yet answered (LookupStream: per request).",
+            registry=reg,
+        ).set_function(lambda: self._inflight)
+        self._tables = _TableCollector(store)
+        reg.register(self._tables)
+        # Label children cached per label tuple: ``labels()`` takes a lock and builds a key on
+        # every call, which is a measurable part of a ~100 us lookup.
+        self._children: dict[tuple, Any] = {}
+        self._handlers: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._http: prometheus_client.exposition.WSGIServer | None = None
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children.setdefault(key, metric.labels(*labels))
+        return child
+
+    # -- observer hooks ----------------------------------------------------------------------
+    def table_lookup(self, table: str, pooling: str, nnz: int, unique: int, seconds: float) -> None:
+        """One kernel call (engine worker thread): ``unique`` of ``nnz`` ids decoded."""
+        self._tables.sync()
+        self._child(self._kernel, pooling).observe(seconds)
+        self._child(self._rows, table, pooling).inc(nnz)
+        self._child(self._decoded, table).inc(unique * self._tables.row_bytes.get(table, 0))
+
+    def rpc_done(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        """One finished ``ibpembed.v1`` RPC (event loop).
+
+        A LookupStream that ends OK is not counted here: its requests were, one by one.
+        """
+        if method == STREAM_METHOD and code == grpc.StatusCode.OK:
+            return
+        self._child(self._requests, _short(method), code.name).inc()
+
+    # -- interceptor ---------------------------------------------------------------------------
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method not in (LOOKUP_METHOD, STREAM_METHOD):
+            return handler
+        # Innermost interceptor: ``handler`` is the servicer's own, the same object on every
+        # call, so the wrapped one is built once per method.
+        cached = self._handlers.get(details.method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        if handler.unary_unary is not None:
+            wrapped = grpc.unary_unary_rpc_method_handler(
+                self._timed_unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        else:
+            wrapped = grpc.stream_stream_rpc_method_handler(
+                self._timed_stream(handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        self._handlers[details.method] = (handler, wrapped)
+        return wrapped
+
+    def _timed_unary(self, behavior: Callable) -> Callable:
+        async def unary(request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> Any:
+            pooling = _POOLING_NAMES.get(request.pooling, _INVALID_POOLING)
+            self._inflight += 1
+            started = time.perf_counter()
+            try:
+                return await behavior(request, context)
+            finally:
+                self._inflight -= 1
+                self._child(self._latency, "Lookup", pooling).observe(time.perf_counter() - started)
+
+        return unary
+
+    def _timed_stream(self, behavior: Callable) -> Callable:
+        async def stream(
+            requests: AsyncIterator[pb.LookupRequest], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[pb.LookupResponse]:
+            # The servicer answers every request exactly once and in order, so arrivals and
+            # responses pair up first in, first out.
+            arrivals: collections.deque[tuple[float, str]] = collections.deque()
+
+            async def arriving() -> AsyncIterator[pb.LookupRequest]:
+                async for request in requests:
+                    pooling = _POOLING_NAMES.get(request.pooling, _INVALID_POOLING)
+                    arrivals.append((time.perf_counter(), pooling))
+                    self._inflight += 1
+                    yield request
+
+            try:
+                async for response in behavior(arriving(), context):
+                    started, pooling = arrivals.popleft()
+                    self._inflight -= 1
+                    self._child(self._latency, "LookupStream", pooling).observe(
+                        time.perf_counter() - started
+                    )
+                    code = _CODE_NAMES[response.error.code] if response.HasField("error") else "OK"
+                    self._child(self._requests, "LookupStream", code).inc()
+                    yield response
+            finally:
+                # Requests left unanswered by a failed or cancelled stream.
+                self._inflight -= len(arrivals)
+
+        return stream
+
+    # -- exposition ----------------------------------------------------------------------------
+    def start_http_server(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` over HTTP on ``host:port`` (0 = a free port); returns the port.
+
+        Raises
+        ------
+        OSError
+            when the port cannot be bound.
+        """
+        # ``[::]`` is how the gRPC side spells "all IPv6 addresses"; sockets want it bare.
+        address = host.strip("[]")
+        self._http, _ = prometheus_client.start_http_server(
+            port, addr=address, registry=self.registry
+        )
+        return self._http.server_address[1]
+
+    def stop_http_server(self) -> None:
+        """Stop serving ``/metrics`` (no-op when not started)."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
