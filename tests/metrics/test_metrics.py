@@ -1,0 +1,229 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Metrics of a real gRPC server, scraped over real HTTP and parsed with prometheus_client.
+
+Every value is checked against what the test sent; ``promtool check metrics`` lints the
+exposition.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import ibpembed
+from ibpembed.codec import compress
+from ibpembed.metrics import LATENCY_BUCKETS_S, ServerMetrics
+from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, build_request
+from tests.metrics.helpers import PROMTOOL, fetch, needs_promtool, parse, value
+from tests.server.helpers import RunningServer, make_store
+
+F32_ROW = 16 * 4  # emb_f32: D=16 fp32 (features user, user_hist)
+BF16_ROW = 8 * 2  # emb_bf16: D=8 bf16 (feature item)
+F16_ROW = 3 * 2  # emb_f16: D=3 fp16 (feature ctx)
+# Values a request carries that must never become label values.
+SECRET_FEATURE = "no_such_feature_7f3a"
+SECRET_ID = 987_654_321
+
+
+class Served:
+    """A server with metrics on a free port, and a client to it."""
+
+    def __init__(self, metrics_class: type[ServerMetrics] = ServerMetrics) -> None:
+        self.store = make_store()
+        self.metrics = metrics_class(self.store, device="cpu")
+        self.running = RunningServer(self.store, observer=self.metrics)
+        self.port = self.metrics.start_http_server("127.0.0.1", 0)
+        self.client = LookupClient(
+            self.running.target, timeout=30, retry=RetryPolicy(max_attempts=1)
+        )
+
+    def text(self) -> str:
+        return fetch(f"http://127.0.0.1:{self.port}/metrics")
+
+    def scrape(self) -> dict:
+        return parse(self.text())
+
+    def close(self) -> None:
+        self.client.close()
+        self.running.stop()
+        self.metrics.stop_http_server()
+
+
+@pytest.fixture
+def served():
+    s = Served()
+    yield s
+    s.close()
+
+
+def test_values_match_what_was_sent(served):
+    client = served.client
+    for _ in range(3):  # 3 SUM lookups: 3 emb_f32 ids + 1 emb_bf16 id each
+        client.lookup({"user": [[1, 2], [3]], "item": [[4]]}, pooling="sum")
+    client.lookup({"user": [[5, 5, 6]]}, pooling="none")  # 3 ids, 2 distinct rows decoded
+    client.lookup({"ctx": [[1, 2, 3], []]}, pooling="mean")
+    with pytest.raises(LookupServiceError) as not_found:
+        client.lookup({SECRET_FEATURE: [[1]]})
+    assert not_found.value.code.name == "NOT_FOUND"
+    with pytest.raises(LookupServiceError) as out_of_range:
+        client.lookup({"user": [[SECRET_ID]]})
+    assert out_of_range.value.code.name == "INVALID_ARGUMENT"
+    stream = [
+        build_request({"item": [[1, 2]]}, "none"),
+        build_request({SECRET_FEATURE: [[1]]}, "sum"),
+        build_request({"item": [[3], [4, 5]]}, "sum"),
+    ]
+    errors = [r.error is not None for r in client.lookup_stream(stream)]
+    assert errors == [False, True, False]
+    client.list_tables()
+
+    s = served.scrape()
+    requests = "ibpembed_requests_total"
+    assert value(s, requests, method="Lookup", code="OK") == 5
+    assert value(s, requests, method="Lookup", code="NOT_FOUND") == 1
+    assert value(s, requests, method="Lookup", code="INVALID_ARGUMENT") == 1
+    assert value(s, requests, method="LookupStream", code="OK") == 2
+    assert value(s, requests, method="LookupStream", code="NOT_FOUND") == 1
+    assert value(s, requests, method="ListTables", code="OK") == 1
+
+    count = "ibpembed_lookup_duration_seconds_count"
+    assert value(s, count, method="Lookup", pooling="sum") == 5  # 3 OK + the 2 failures
+    assert value(s, count, method="Lookup", pooling="none") == 1
+    assert value(s, count, method="Lookup", pooling="mean") == 1
+    assert value(s, count, method="LookupStream", pooling="none") == 1
+    assert value(s, count, method="LookupStream", pooling="sum") == 2
+    # Buckets are cumulative and end in +Inf == count; the first bound is 25 us.
+    bounds = sorted(
+        float(dict(labels)["le"])
+        for name, labels in s
+        if name == "ibpembed_lookup_duration_seconds_bucket"
+        and ("pooling", "sum") in labels
+        and ("method", "Lookup") in labels
+    )
+    assert bounds == sorted([*LATENCY_BUCKETS_S, float("inf")])
+    assert bounds[0] == 25e-6
+    inf = value(
+        s, "ibpembed_lookup_duration_seconds_bucket", method="Lookup", pooling="sum", le="+Inf"
+    )
+    assert inf == 5
+
+    rows = "ibpembed_rows_looked_up_total"
+    assert value(s, rows, table="emb_f32", pooling="sum") == 9
+    assert value(s, rows, table="emb_bf16", pooling="sum") == 3 + 3  # unary + stream
+    assert value(s, rows, table="emb_f32", pooling="none") == 3
+    assert value(s, rows, table="emb_bf16", pooling="none") == 2
+    assert value(s, rows, table="emb_f16", pooling="mean") == 3
+    # Small pooled lookups decode every id; NONE decodes each distinct row once.
+    decoded = "ibpembed_decoded_bytes_total"
+    assert value(s, decoded, table="emb_f32") == (9 + 2) * F32_ROW
+    assert value(s, decoded, table="emb_bf16") == (6 + 2) * BF16_ROW
+    assert value(s, decoded, table="emb_f16") == 3 * F16_ROW
+    kernel_calls = sum(
+        v for (name, _), v in s.items() if name == "ibpembed_kernel_duration_seconds_count"
+    )
+    assert kernel_calls == 3 * 2 + 1 + 1 + 2  # one call per table per request
+    assert value(s, "ibpembed_inflight_requests") == 0
+
+    info = value(
+        s,
+        "ibpembed_build_info",
+        version=ibpembed.__version__,
+        device="cpu",
+        cpu_path=ibpembed.cpu_path(),
+        torch=torch.__version__,
+    )
+    assert info == 1
+
+
+def test_no_request_values_in_labels(served):
+    """Feature names, ids and request ids sent by clients never reach the exposition."""
+    for i in range(20):
+        with pytest.raises(LookupServiceError):
+            served.client.lookup({f"{SECRET_FEATURE}_{i}": [[SECRET_ID + i]]})
+    served.client.lookup({"user": [[SECRET_ID % 1000]]}, request_id="req-5ec2e7")
+    text = served.text()
+    for needle in (SECRET_FEATURE, str(SECRET_ID), "req-5ec2e7"):
+        assert needle not in text
+    labels = {k for (_, labels) in served.scrape() for k, _ in labels}
+    assert labels == {"version", "device", "cpu_path", "torch", "method", "code", "pooling"} | {
+        "le",
+        "table",
+    }
+
+
+def test_table_gauges_follow_the_store(served):
+    store = served.store
+    s = served.scrape()
+    for name, sizes in store.accounting().items():
+        assert value(s, "ibpembed_table_raw_bytes", table=name) == sizes.raw
+        assert value(s, "ibpembed_table_stored_bytes", table=name) == sizes.total
+        assert value(s, "ibpembed_table_saved_bytes", table=name) == sizes.raw - sizes.total
+        assert value(s, "ibpembed_table_compression_ratio", table=name) == pytest.approx(
+            sizes.ratio
+        )
+        assert value(s, "ibpembed_table_version", table=name) == 1
+        assert value(s, "ibpembed_table_reloads_total", table=name) == 0
+    assert value(s, "ibpembed_table_raw_bytes", table="emb_f32") == 1000 * F32_ROW
+
+    bigger = (torch.randn(700, 3, generator=torch.Generator().manual_seed(1)) * 0.05).half()
+    store.put_table("emb_f16", compress(bigger))
+    served.client.lookup({"ctx": [[1]]})  # noticed at the first lookup after a publication
+    store.update_rows("emb_f32", torch.tensor([0]), torch.ones(1, 16))
+    s = served.scrape()
+    assert value(s, "ibpembed_table_raw_bytes", table="emb_f16") == 700 * F16_ROW
+    assert value(s, "ibpembed_table_version", table="emb_f16") == 3
+    assert value(s, "ibpembed_table_reloads_total", table="emb_f16") == 1
+    assert value(s, "ibpembed_table_reloads_total", table="emb_f32") == 1
+    assert value(s, "ibpembed_table_reloads_total", table="emb_bf16") == 0
+
+
+class GatedMetrics(ServerMetrics):
+    """Holds kernel calls until released, so the test knows what is in flight."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.entered = threading.Semaphore(0)
+
+    def table_lookup(self, *args: object) -> None:
+        super().table_lookup(*args)
+        self.entered.release()
+        self.gate.wait(timeout=60)
+
+
+def test_inflight_counts_unary_and_stream_requests():
+    served = Served(GatedMetrics)
+    metrics = served.metrics
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            unary = pool.submit(served.client.lookup, {"user": [[1]]})
+            stream = pool.submit(
+                lambda: list(served.client.lookup_stream([build_request({"item": [[1]]}, "sum")]))
+            )
+            for _ in range(2):
+                assert metrics.entered.acquire(timeout=30)
+            assert value(served.scrape(), "ibpembed_inflight_requests") == 2
+            metrics.gate.set()
+            unary.result(timeout=30)
+            stream.result(timeout=30)
+        assert value(served.scrape(), "ibpembed_inflight_requests") == 0
+    finally:
+        metrics.gate.set()
+        served.close()
+
+
+@needs_promtool
+def test_promtool_check_metrics(served):
+    served.client.lookup({"user": [[1, 2]], "item": [[3]]})
+    served.client.lookup({"ctx": [[1]]}, pooling="none")
+    text = served.text()
+    assert "ibpembed_lookup_duration_seconds_bucket" in text
+    result = subprocess.run(
+        [PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "" and result.stderr.strip() == "", result.stdout
