@@ -6,6 +6,7 @@
 ...     pooled = client.lookup({"cat_0": [[1, 2], [3]]}, pooling="mean")["cat_0"]  # [2, D] fp32
 
 Needs only grpcio, protobuf and numpy. :mod:`ibpembed_client.aio` has the asyncio client,
+:mod:`ibpembed_client.shards` the clients over row-sharded servers (``ibpembed pack --shards``),
 :mod:`ibpembed_client.loadgen` the load generator (``ibpembed-loadgen``), and
 :mod:`ibpembed_client.v1` the generated stubs (shared with the server).
 """
@@ -25,9 +26,17 @@ from ibpembed_client._common import (
     decode_response,
 )
 from ibpembed_client.aio import AsyncLookupClient
+from ibpembed_client.shards import (
+    AsyncShardedLookupClient,
+    ShardedLookupClient,
+    ShardedTable,
+    ShardMap,
+    ShardRange,
+)
 
 __all__ = [
     "AsyncLookupClient",
+    "AsyncShardedLookupClient",
     "FeatureBatch",
     "KeepAliveOptions",
     "LookupClient",
@@ -35,6 +44,10 @@ __all__ = [
     "LookupServiceError",
     "RetryPolicy",
     "Router",
+    "ShardMap",
+    "ShardRange",
+    "ShardedLookupClient",
+    "ShardedTable",
     "TableInfo",
     "TlsOptions",
     "bf16_to_float32",

@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Source tables for the sharding tests and ``ibpembed serve`` child processes."""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ibpembed import reference
+from ibpembed.tables.importers import TableSet, TableSource
+
+SHARDS = 3
+
+# Awkward shapes, every dtype and a table with fewer rows than shards (left out of shard 0).
+# Two features share emb_f32, so a shard request can carry two parts of one table.
+FEATURES = {
+    "user": "emb_f32",
+    "user_hist": "emb_f32",
+    "item": "emb_bf16",
+    "ctx": "emb_f16",
+    "quant": "emb_q8",
+    "tiny": "emb_tiny",
+}
+
+
+def _int8_rowwise(rows: int, codes: int, rng: np.random.Generator) -> torch.Tensor:
+    """fbgemm row-wise int8 rows: fp16 scale, fp16 bias, then ``codes`` uint8 codes."""
+    header = np.stack(
+        [rng.uniform(0.001, 0.01, rows), rng.uniform(-0.5, 0.0, rows)], axis=1
+    ).astype(np.float16)
+    body = rng.integers(0, 256, (rows, codes), dtype=np.uint8)
+    return torch.from_numpy(np.concatenate([header.view(np.uint8), body], axis=1))
+
+
+def make_table_set(seed: int = 0) -> TableSet:
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    f32 = torch.randn(1000, 16, generator=gen) * 0.05
+    f32[::97] = 0.0
+    f32[5] = -0.0  # a sign bit only a bit-exact path keeps
+    sources = (
+        TableSource("emb_f32", f32, feature_names=("user", "user_hist")),
+        TableSource(
+            "emb_bf16",
+            (torch.randn(500, 8, generator=gen) * 0.05).to(torch.bfloat16),
+            feature_names=("item",),
+        ),
+        TableSource(
+            "emb_f16",
+            (torch.randn(301, 3, generator=gen) * 0.05).to(torch.float16),
+            feature_names=("ctx",),
+        ),
+        TableSource(
+            "emb_q8", _int8_rowwise(300, 12, rng), quant="int8_rowwise", feature_names=("quant",)
+        ),
+        TableSource("emb_tiny", torch.randn(2, 4, generator=gen), feature_names=("tiny",)),
+    )
+    return TableSet(sources)
+
+
+def values_of(source: TableSource) -> np.ndarray:
+    """The table's rows as exact float64 values (dequantised for int8 row-wise)."""
+    rows = source.weight.contiguous().view(torch.uint8).numpy().reshape(source.weight.shape[0], -1)
+    kind = source.quant or str(source.weight.dtype).removeprefix("torch.")
+    return reference.row_values(rows, kind)
+
+
+class ServeProcess:
+    """``ibpembed serve --tables DIR --port 0`` in a child process; ``target`` once listening."""
+
+    def __init__(self, tables: Path) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ibpembed.cli",
+                "serve",
+                "--tables",
+                str(tables),
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--workers",
+                "1",
+                "--torch-threads",
+                "1",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.target = ""
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+
+    def wait_listening(self, timeout: float = 180.0) -> str:
+        """Block until the banner names the port; returns ``127.0.0.1:<port>``."""
+        seen = []
+        while True:
+            try:
+                line = self._lines.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(
+                    f"server did not start (exit code {self.proc.poll()}): {''.join(seen)}"
+                ) from None
+            seen.append(line)
+            if line.startswith("listening on "):
+                port = int(line.split()[2].rsplit(":", 1)[1])
+                self.target = f"127.0.0.1:{port}"
+                return self.target
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)

@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The client's shard map and request split, without servers."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import numpy as np
+import pytest
+
+from ibpembed_client import (
+    FeatureBatch,
+    LookupResult,
+    LookupServiceError,
+    ShardedTable,
+    ShardMap,
+    ShardRange,
+    TableInfo,
+    build_request,
+)
+from ibpembed_client.shards import merge_results, split_request
+from ibpembed_client.v1 import lookup_pb2 as pb
+from tests.sharding.helpers import SHARDS
+
+ADDRESSES = [f"127.0.0.1:{5000 + k}" for k in range(SHARDS)]
+
+
+def info(name: str, start: int, end: int, total: int = 10, features=("f",)) -> TableInfo:
+    return TableInfo(name, total, 4, "float32", "", 0, 0, 32, 1, start, end, tuple(features))
+
+
+def two_shard_map() -> ShardMap:
+    return ShardMap.from_table_infos(ADDRESSES[:2], [[info("t", 0, 4)], [info("t", 4, 10)]])
+
+
+def test_load_matches_the_packed_ranges(packed):
+    shard_map = ShardMap.load(packed.sharded, ADDRESSES)
+    f32 = shard_map.tables["emb_f32"]
+    assert f32.ranges == (ShardRange(0, 0, 333), ShardRange(1, 333, 666), ShardRange(2, 666, 1000))
+    assert shard_map.tables["emb_q8"].pooled_dim == 12
+    assert shard_map.features["user_hist"] == "emb_f32"
+    assert shard_map.addresses == tuple(ADDRESSES)
+
+
+def test_load_needs_an_address_per_shard(packed, tmp_path):
+    with pytest.raises(ValueError, match=r"shards \[0, 1, 2\] have no address"):
+        ShardMap.load(packed.sharded)
+    with pytest.raises(ValueError, match="2 addresses for 3 shards"):
+        ShardMap.load(packed.sharded, ADDRESSES[:2])
+    (tmp_path / "shard_map.json").write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ValueError, match="not an ibpembed shard map"):
+        ShardMap.load(tmp_path, ADDRESSES)
+
+
+@pytest.mark.parametrize(
+    ("ranges", "problem"),
+    [
+        ([(0, 0, 4), (1, 5, 10)], r"rows \[4, 5\) are held by no shard"),
+        ([(0, 0, 6), (1, 4, 10)], r"rows \[4, 6\) are held by more than one shard"),
+        ([(0, 0, 4), (1, 4, 9)], r"rows \[9, 10\) are held by no shard"),
+        ([(0, 2, 10)], r"rows \[0, 2\) are held by no shard"),
+    ],
+)
+def test_ranges_must_tile_the_table(ranges, problem):
+    with pytest.raises(ValueError, match=problem):
+        ShardedTable("t", 10, 4, "float32", None, tuple(ShardRange(*r) for r in ranges))
+
+
+def test_servers_must_agree():
+    with pytest.raises(ValueError, match=r"shard 0 .* reports rows, dim"):
+        ShardMap.from_table_infos(ADDRESSES[:2], [[info("t", 0, 4)], [info("t", 4, 10, 11)]])
+    with pytest.raises(ValueError, match="feature 'g' reads table 'a' on one shard and 'b'"):
+        ShardMap.from_table_infos(
+            ADDRESSES[:2],
+            [[info("a", 0, 10, features=("g",))], [info("b", 0, 10, features=("g",))]],
+        )
+
+
+def test_server_without_a_range_holds_the_whole_table():
+    shard_map = ShardMap.from_table_infos(ADDRESSES[:1], [[info("t", 0, 0)]])
+    assert shard_map.tables["t"].ranges == (ShardRange(0, 0, 10),)
+
+
+def test_split_keeps_request_order_and_only_samples_with_ids():
+    ids = np.array([9, 1, 4, 3, 8, 0], dtype=np.int64)
+    weights = np.arange(6, dtype=np.float32)
+    batch = FeatureBatch(ids, np.array([2, 0, 3, 1], dtype=np.int32), weights)
+    plan = split_request(two_shard_map(), build_request({"f": batch}, "mean", "r1"))
+    low, high = plan.requests[0].features[0], plan.requests[1].features[0]
+    assert plan.requests[0].pooling == plan.requests[1].pooling == pb.POOLING_SUM
+    assert np.frombuffer(low.ids, "<i8").tolist() == [1, 3, 0]
+    assert np.frombuffer(low.lengths, "<i4").tolist() == [1, 1, 1]  # samples 0, 2 and 3
+    assert np.frombuffer(low.weights, "<f4").tolist() == [1, 3, 5]
+    assert np.frombuffer(high.ids, "<i8").tolist() == [9, 4, 8]
+    assert np.frombuffer(high.lengths, "<i4").tolist() == [1, 2]  # samples 0 and 2
+    assert {r.request_id for r in plan.requests.values()} == {"r1"}
+    # Partial sums as the shards would return them, merged and divided by the full lengths.
+    dim = 4
+    partial = {
+        0: LookupResult("r1", 3, {"f": np.array([[1.0] * dim, [2.0] * dim, [3.0] * dim], "f4")}),
+        1: LookupResult("r1", 5, {"f": np.array([[10.0] * dim, [20.0] * dim], "f4")}),
+    }
+    merged = merge_results(plan, partial)
+    assert merged.table_version == 3
+    assert merged["f"][:, 0].tolist() == [np.float32(11 / 2), 0.0, np.float32(22 / 3), 3.0]
+
+
+def test_split_rejects_what_a_server_would():
+    shard_map = two_shard_map()
+    with pytest.raises(LookupServiceError) as err:
+        split_request(shard_map, build_request({"nope": [[1]]}))
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(LookupServiceError, match=r"features\[0\].ids: .*id 10 out of range") as err:
+        split_request(shard_map, build_request({"f": [[1, 10]]}))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    bad = build_request({"f": [[1, 2]]})
+    bad.features[0].lengths = np.array([3], np.int32).tobytes()
+    with pytest.raises(LookupServiceError, match="sum to 3 but there are 2 ids"):
+        split_request(shard_map, bad)
