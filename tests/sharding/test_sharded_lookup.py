@@ -1,0 +1,159 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Three shard server processes against one server holding everything, same requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from ibpembed import reference
+from ibpembed_client import (
+    AsyncShardedLookupClient,
+    FeatureBatch,
+    LookupClient,
+    LookupServiceError,
+    RetryPolicy,
+    ShardedLookupClient,
+    ShardMap,
+    build_request,
+)
+from tests.sharding.helpers import FEATURES, SHARDS, values_of
+
+BATCH = 48
+POOLINGS = ["sum", "mean"]
+
+
+def table_rows(packed) -> dict[str, int]:
+    return {s.name: s.weight.shape[0] for s in packed.table_set.tables}
+
+
+def make_batches(packed, seed: int, weighted: bool) -> dict[str, FeatureBatch]:
+    """Ids over every shard's range, empty bags, and ids repeated within and across shards."""
+    rng = np.random.default_rng(seed)
+    rows = table_rows(packed)
+    batches = {}
+    for feature, table in FEATURES.items():
+        n = rows[table]
+        samples = [
+            rng.integers(0, n, 0 if b % 5 == 0 else rng.integers(1, 7)) for b in range(BATCH)
+        ]
+        samples[1] = np.array([0, n - 1, 0, n // 2, n - 1])  # every edge row, twice
+        ids = np.concatenate(samples).astype(np.int64)
+        lengths = np.array([s.size for s in samples], dtype=np.int32)
+        weights = rng.uniform(-2, 2, ids.size).astype(np.float32) if weighted else None
+        batches[feature] = FeatureBatch(ids, lengths, weights)
+    return batches
+
+
+@pytest.fixture(scope="module")
+def shard_map(servers) -> ShardMap:
+    return ShardMap.discover(servers.shards)
+
+
+@pytest.fixture(scope="module")
+def clients(servers, shard_map):
+    with LookupClient(servers.whole) as single, ShardedLookupClient(shard_map) as sharded:
+        yield single, sharded
+
+
+def test_describe_table_reports_each_shards_range(servers):
+    with LookupClient(servers.shards[1]) as client:
+        info = client.describe_table("emb_f32")
+        whole = LookupClient(servers.whole).describe_table("emb_f32")
+    assert (info.num_rows, info.row_start, info.row_end) == (1000, 333, 666)
+    assert (whole.num_rows, whole.row_start, whole.row_end) == (1000, 0, 1000)
+
+
+def test_discovered_map_equals_the_packed_file(packed, servers, shard_map):
+    from_file = ShardMap.load(packed.sharded, servers.shards)
+    assert shard_map.tables == from_file.tables
+    assert dict(shard_map.features) == dict(from_file.features)
+
+
+def test_shard_rejects_ids_outside_its_range_naming_it(servers):
+    with LookupClient(servers.shards[1]) as client, pytest.raises(LookupServiceError) as err:
+        client.lookup({"user": [[100, 400]]}, pooling="none")
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "id 100" in err.value.details
+    assert "shard of rows [333, 666) of 1000" in err.value.details
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_none_is_bit_exact(packed, clients, seed):
+    single, sharded = clients
+    request = build_request(make_batches(packed, seed, weighted=False), "none", f"none-{seed}")
+    want, got = single.lookup_request(request), sharded.lookup_request(request)
+    assert got.request_id == f"none-{seed}"
+    for feature in FEATURES:
+        assert got.dtypes[feature] == want.dtypes[feature]
+        assert got[feature].shape == want[feature].shape
+        assert got[feature].tobytes() == want[feature].tobytes(), feature
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("pooling", POOLINGS)
+def test_pooled_matches_one_server_within_fp32_tolerance(packed, clients, pooling, weighted):
+    single, sharded = clients
+    batches = make_batches(packed, 7, weighted)
+    request = build_request(batches, pooling)
+    want, got = single.lookup_request(request), sharded.lookup_request(request)
+    sources = {s.name: s for s in packed.table_set.tables}
+    for feature, table in FEATURES.items():
+        batch = batches[feature]
+        offsets = np.concatenate([[0], np.cumsum(batch.lengths)])
+        values = values_of(sources[table])
+        tol = reference.pooled_tolerance(values, batch.ids, offsets, batch.weights, pooling)
+        exact = reference.lookup_pooled(values, batch.ids, offsets, batch.weights, pooling)
+        assert got[feature].shape == want[feature].shape == exact.shape
+        assert np.all(np.abs(got[feature] - want[feature]) <= tol), feature
+        assert np.all(np.abs(got[feature] - exact) <= tol), feature
+        empty = batch.lengths == 0
+        assert not got[feature][empty].any()
+
+
+def test_all_empty_request_needs_no_shard(clients):
+    _, sharded = clients
+    empty = FeatureBatch(np.zeros(0, np.int64), np.zeros(3, np.int32))
+    pooled = sharded.lookup({"user": empty, "quant": empty}, pooling="mean")
+    assert pooled["user"].shape == (3, 16) and not pooled["user"].any()
+    assert pooled["quant"].shape == (3, 12)
+    rows = sharded.lookup({"item": empty}, pooling="none")
+    assert rows["item"].shape == (0, 8) and rows.dtypes["item"] == "bfloat16"
+
+
+def test_async_client_gives_the_same_rows(packed, servers, shard_map, clients):
+    single, _ = clients
+    request = build_request(make_batches(packed, 3, weighted=False), "none")
+
+    async def run():
+        async with AsyncShardedLookupClient(shard_map) as client:
+            return await client.lookup_request(request)
+
+    got, want = asyncio.run(run()), single.lookup_request(request)
+    for feature in FEATURES:
+        assert got[feature].tobytes() == want[feature].tobytes()
+
+
+def test_killed_shard_is_unavailable_naming_it(servers, shard_map):
+    spare = servers.spare
+    addresses = list(shard_map.addresses)
+    addresses[1] = spare.target
+    spare_map = ShardMap(tuple(addresses), shard_map.tables, shard_map.features)
+    retry = RetryPolicy(max_attempts=2, initial_backoff_s=0.01)
+    with ShardedLookupClient(spare_map, retry=retry, timeout=30) as client:
+        assert client.lookup({"user": [[10, 400, 900]]}, pooling="sum")["user"].shape == (1, 16)
+        spare.kill()
+        with pytest.raises(LookupServiceError) as err:
+            client.lookup({"user": [[10, 400, 900]]}, pooling="sum")
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        assert f"shard 1 at {spare.target} (emb_f32 rows [333, 666))" in err.value.details
+        # Requests that need only the live shards still work.
+        assert client.lookup({"user": [[10, 900]]}, pooling="sum")["user"].shape == (1, 16)
+
+
+def test_every_shard_serves(shard_map):
+    assert len(shard_map.addresses) == SHARDS
+    assert {r.shard for t in shard_map.tables.values() for r in t.ranges} == set(range(SHARDS))
