@@ -9,8 +9,11 @@ statuses (unary RPCs) and the stream servicer into per-request ``Error`` message
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 
 class ServiceError(Exception):
@@ -57,6 +60,36 @@ class Unauthenticated(ServiceError):
     """Missing or wrong bearer token."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class UndecodableRequest:
+    """Stands in for a request message whose bytes do not parse.
+
+    grpc answers a deserializer exception with UNKNOWN (INTERNAL on streams) and logs a
+    traceback per message, so a client sending garbage could flood the log. The servicer side
+    turns this placeholder into INVALID_ARGUMENT instead (per message on LookupStream).
+    """
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+        self.request_id = ""
+
+    def error(self) -> InvalidArgument:
+        return InvalidArgument("request", f"not a valid protobuf message: {self.problem}")
+
+
+def tolerant_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    """``deserialize``, returning :class:`UndecodableRequest` instead of raising DecodeError."""
+
+    def parse(data: bytes) -> Any:
+        if deserialize is None:
+            return data
+        try:
+            return deserialize(data)
+        except DecodeError as exc:
+            return UndecodableRequest(str(exc))
+
+    return parse
 
 
 def status_for(exc: BaseException, request_id: str) -> tuple[grpc.StatusCode, str]:

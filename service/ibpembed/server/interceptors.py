@@ -23,8 +23,10 @@ import grpc
 from ibpembed.server.errors import (
     ServiceError,
     Unavailable,
+    UndecodableRequest,
     ensure_request_id,
     status_for,
+    tolerant_deserializer,
 )
 
 log = logging.getLogger(__name__)
@@ -74,16 +76,17 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not details.method.startswith(SERVICE_PREFIX):
             return handler
         method = details.method
+        deserializer = tolerant_deserializer(handler.request_deserializer)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap_unary(method, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
                 self._wrap_stream(method, handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -114,6 +117,8 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             started = time.perf_counter()
             try:
                 self._check_state()
+                if isinstance(request, UndecodableRequest):
+                    raise request.error()
                 self.state.active += 1
                 try:
                     response = await behavior(request, context)

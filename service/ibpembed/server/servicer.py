@@ -19,7 +19,12 @@ import numpy as np
 import torch
 
 from ibpembed.engine import FeatureQuery, LookupEngine, LookupResult, Pooling, TableDescription
-from ibpembed.server.errors import InvalidArgument, ensure_request_id, status_for
+from ibpembed.server.errors import (
+    InvalidArgument,
+    UndecodableRequest,
+    ensure_request_id,
+    status_for,
+)
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 
@@ -54,6 +59,8 @@ def _array(data: bytes, dtype: str, field: str) -> np.ndarray:
 
 def decode_request(request: pb.LookupRequest) -> tuple[list[FeatureQuery], Pooling]:
     """Features and pooling of a request; :class:`InvalidArgument` for undecodable fields."""
+    if isinstance(request, UndecodableRequest):  # a LookupStream message that did not parse
+        raise request.error()
     if request.pooling not in _POOLING:
         raise InvalidArgument("pooling", f"unknown value {request.pooling}")
     features = []

@@ -1,0 +1,174 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared pieces of the reliability scripts: a small table set and a real server process.
+
+The RPC fuzz, the soak, the fault injections and the security checks all drive ``ibpembed serve``
+as a separate process (so a crash is a dead process, not a test exception, and its RSS and open
+file descriptors can be read from ``/proc``), serving a table set packed on disk by the same
+code ``ibpembed pack`` runs.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ibpembed.tables.importers import TableSet, TableSource
+from ibpembed.tables.manifest import pack_table_set
+
+REPO = Path(__file__).resolve().parent.parent
+IBPEMBED = (sys.executable, "-m", "ibpembed.cli")
+
+
+@dataclass(frozen=True)
+class FuzzTable:
+    """One table of the fuzz set: its rows as packed, and the features reading it."""
+
+    name: str
+    weight: torch.Tensor
+    features: tuple[str, ...]
+    quant: str | None = None
+
+
+def fuzz_tables(seed: int = 0, rows: int = 1000) -> list[FuzzTable]:
+    """Awkward tables: fp32 D=16 read by two features, bf16 D=8, fp16 D=3, row-wise int8, D=1."""
+    gen = torch.Generator().manual_seed(seed)
+    f32 = torch.randn(rows, 16, generator=gen) * 0.05
+    f32[::97] = 0.0
+    f32[1, 0] = float("nan")  # NaN rows travel bit-exact and pool to NaN, not to an error
+    rng = np.random.default_rng(seed)
+    header = np.stack([rng.uniform(1e-3, 1e-2, rows), rng.uniform(-0.5, 0, rows)], 1)
+    q8 = np.concatenate(
+        [header.astype(np.float16).view(np.uint8), rng.integers(0, 256, (rows, 12), np.uint8)], 1
+    )
+    return [
+        FuzzTable("emb_f32", f32, ("user", "user_hist")),
+        FuzzTable(
+            "emb_bf16", (torch.randn(rows // 2, 8, generator=gen) * 0.05).bfloat16(), ("item",)
+        ),
+        FuzzTable("emb_f16", (torch.randn(rows // 3, 3, generator=gen) * 0.05).half(), ("ctx",)),
+        FuzzTable("emb_q8", torch.from_numpy(q8.copy()), ("quant",), "int8_rowwise"),
+        FuzzTable("emb_d1", torch.randn(7, 1, generator=gen), ("tiny",)),
+    ]
+
+
+def pack_fuzz_set(directory: Path, tables: Sequence[FuzzTable]) -> None:
+    """Pack ``tables`` as a table set in ``directory`` (what ``ibpembed pack`` writes)."""
+    sources = tuple(
+        TableSource(t.name, t.weight.contiguous(), quant=t.quant, feature_names=t.features)
+        for t in tables
+    )
+    pack_table_set(directory, TableSet(sources))
+
+
+def proc_rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def proc_fds(pid: int) -> int:
+    """Open file descriptors of ``pid``."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class ServerProcess:
+    """``ibpembed serve --port 0 ...`` as a child process; stdout and stderr collected.
+
+    Parameters
+    ----------
+    flags : extra ``serve`` flags (``--tables DIR``, TLS, token, limits).
+    env : extra environment variables.
+    """
+
+    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+        argv = [*IBPEMBED, "serve", "--port", "0", "--metrics-port", "0", *flags]
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        self.pid = self.proc.pid
+        self.stdout_lines: list[str] = []
+        self.stderr_lines: list[str] = []
+        self._lines: queue.Queue[str] = queue.Queue()
+        for stream, sink in (
+            (self.proc.stdout, self.stdout_lines),
+            (self.proc.stderr, self.stderr_lines),
+        ):
+            threading.Thread(target=self._pump, args=(stream, sink), daemon=True).start()
+        line = self.wait_for("listening on ")
+        self.port = int(line.split(":")[-1].split()[0])
+        self.target = f"127.0.0.1:{self.port}"
+
+    def _pump(self, stream, sink: list[str]) -> None:
+        for line in stream:
+            sink.append(line)
+            self._lines.put(line)
+
+    def wait_for(self, text: str, timeout: float = 180.0) -> str:
+        """The first output line (stdout or stderr) from now on that contains ``text``."""
+        give_up = time.monotonic() + timeout
+        while time.monotonic() < give_up:
+            try:
+                line = self._lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None and self._lines.empty():
+                    break
+                continue
+            if text in line:
+                return line
+        raise RuntimeError(
+            f"server never printed {text!r} (exit {self.proc.poll()}):\n{self.log()[-4000:]}"
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def rss(self) -> int:
+        return proc_rss_bytes(self.pid)
+
+    def fds(self) -> int:
+        return proc_fds(self.pid)
+
+    def log(self) -> str:
+        """Everything the server wrote so far."""
+        return "".join(self.stdout_lines) + "".join(self.stderr_lines)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Send ``sig``, wait for the exit code (SIGKILL after ``timeout``)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def settle(server: ServerProcess, seconds: float = 0.5) -> tuple[int, int]:
+    """(RSS, fds) of an idle server after a short pause (closed sockets take a moment to go)."""
+    time.sleep(seconds)
+    return server.rss(), server.fds()
