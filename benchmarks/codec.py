@@ -70,7 +70,7 @@ FULL = Config(
     gather_profiles=("fp32", "bf16r"),
     gather_batches=24,
     rounds=5,
-    threads=(1, 2),
+    threads=(1,),
     decode_reps=5,
 )
 QUICK = Config(
@@ -531,8 +531,8 @@ def _peak_rss_gib() -> float | None:
 
 
 # -- report -------------------------------------------------------------------------------------
-def _pct(x: float | None) -> str:
-    return "—" if x is None else f"{100 * x:.1f} %"
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "—" if x is None else f"{100 * x:.{digits}f} %"
 
 
 # Tables smaller than this sit in the last-level cache: their decode speed is not a DRAM-scale
@@ -570,8 +570,8 @@ def target_summary(results: dict[str, Any]) -> list[tuple[str, str, str]]:
     out.append(
         (
             "host bytes ≤ rows' own size + 0.5 % of raw",
-            f"overhead {_pct(min(r['ours_overhead'] for r in tables))} .. "
-            f"{_pct(worst['ours_overhead'])} ({worst['name']})",
+            f"overhead {_pct(min(r['ours_overhead'] for r in tables), 2)} .. "
+            f"{_pct(worst['ours_overhead'], 2)} ({worst['name']})",
             "met" if not over else f"missed on {', '.join(r['name'] for r in over)}",
         )
     )
@@ -659,7 +659,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             f"{_pct(r['paper'])} ({r['paper_chunk_bits']}) | {ratio} | "
             f"≥{r['target_ratio']:.1f}× {verdict} | {_pct(r['paper_inplace'])} | "
             f"{_pct(r['zstd3'])} | {_pct(r['lz4'])} | {_pct(r['bound'])} | "
-            f"{_pct(r['ours_overhead'])} |"
+            f"{_pct(r['ours_overhead'], 2)} |"
         )
     lines += [
         "",

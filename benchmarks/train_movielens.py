@@ -3,7 +3,8 @@
 
 The trained ``EmbeddingBagCollection`` tables (user_id, item_id) are the closest thing to a DLRM
 checkpoint available offline: real ids, real popularity skew, real optimiser updates. Runs on
-CPU in well under a minute; the tables are cached under ``benchmarks/.cache/`` (gitignored).
+one CPU core in seconds to a few minutes (depending on how busy the host is); the tables are
+cached under ``benchmarks/.cache/`` (gitignored).
 
     python -m benchmarks.train_movielens [--dim 32] [--epochs 12] [--force]
 """
@@ -73,15 +74,22 @@ def train(
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     mean = ratings[train_idx].mean()
     start = time.perf_counter()
-    for _ in range(epochs):
-        order = train_idx[torch.randperm(split)]
-        for b in range(0, split, batch_size):
-            idx = order[b : b + batch_size]
-            pred = model(users[idx], items[idx]) + mean
-            loss = nn.functional.mse_loss(pred, ratings[idx])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+    # One thread: the model is tiny, and on a busy host a second OpenMP worker that spins while
+    # descheduled slows every step down by an order of magnitude.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(epochs):
+            order = train_idx[torch.randperm(split)]
+            for b in range(0, split, batch_size):
+                idx = order[b : b + batch_size]
+                pred = model(users[idx], items[idx]) + mean
+                loss = nn.functional.mse_loss(pred, ratings[idx])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
     elapsed = time.perf_counter() - start
     with torch.no_grad():
         pred = model(users[test_idx], items[test_idx]) + mean
