@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Codec benchmark: savings, decode speed, fit time and pooled-lookup throughput, side by side.
 
-    python -m benchmarks.codec [--quick] [--out DIR] [--chart PATH]
+    python -m benchmarks.codec [--quick] [--out DIR] [--markdown FILE] [--chart PNG]
 
 Everything is measured in one run on one machine, so the ratios (ours vs the paper's method,
 vs zstd/lz4, vs memcpy, vs torchrec and fbgemm) hold even on a shared, noisy host where the
@@ -57,7 +57,7 @@ class Config:
     gather_gib: float  # size of the fp32 D=128 table of the lookup benchmark
     gather_profiles: tuple[str, ...]  # value profiles of that table: "fp32", "bf16r"
     gather_batches: int  # B=512 batches per timed pass
-    rounds: int  # timed passes per engine (median reported)
+    rounds: int  # timed passes per engine, round-robin (fastest reported)
     threads: tuple[int, ...]  # torch thread counts for the lookup benchmark
     decode_reps: int  # decode passes per table (best reported)
 
