@@ -429,25 +429,25 @@ def split_request(shard_map: ShardMap, request: pb.LookupRequest) -> _Plan:
                 request_id,
             )
         index = table.range_index(ids)
-        # Stable: inside each shard's part the ids keep request order, so samples stay
-        # contiguous and in order, which is what a jagged (lengths) batch needs.
-        order = np.argsort(index, kind="stable")
-        ends = np.cumsum(np.bincount(index, minlength=len(table.ranges)))
-        sample_of = None if none else np.repeat(np.arange(lengths.size), lengths)
-        start = 0
-        for r, end in zip(table.ranges, ends.tolist(), strict=True):
-            if end == start:
+        if not none:
+            # Ids per (range, sample) in one pass: row r of ``counts`` is range r's lengths.
+            sample_of = np.repeat(np.arange(lengths.size), lengths)
+            counts = np.bincount(
+                index * lengths.size + sample_of, minlength=len(table.ranges) * lengths.size
+            ).reshape(len(table.ranges), lengths.size)
+        for r, shard_range in enumerate(table.ranges):
+            # Ascending positions: each part keeps request order, so its samples stay
+            # contiguous and in order, which is what a jagged (lengths) batch needs.
+            positions = np.flatnonzero(index == r)
+            if not positions.size:
                 continue
-            positions = order[start:end]
-            start = end
-            if sample_of is None:
+            if none:
                 samples, part_lengths = None, np.array([positions.size], dtype="<i4")
             else:
-                counts = np.bincount(sample_of[positions], minlength=lengths.size)
-                samples = np.flatnonzero(counts)
-                part_lengths = counts[samples].astype("<i4")
-            plan.parts.append(_Part(r.shard, positions, samples))
-            shard_request(r.shard).features.add(
+                samples = np.flatnonzero(counts[r])
+                part_lengths = counts[r, samples].astype("<i4")
+            plan.parts.append(_Part(shard_range.shard, positions, samples))
+            shard_request(shard_range.shard).features.add(
                 name=feature.name,
                 ids=ids[positions].tobytes(),
                 lengths=part_lengths.tobytes(),
@@ -476,9 +476,25 @@ def merge_results(plan: _Plan, results: Mapping[int, LookupResult]) -> LookupRes
                 out[part.positions] = results[part.shard][feature.name]
             merged.dtypes[feature.name] = table.dtype
         else:
-            out = np.zeros((feature.lengths.size, table.pooled_dim), dtype=np.float32)
+            bags = feature.lengths.size
+            out = None
             for part in sorted(feature.parts, key=lambda p: p.shard):
-                out[part.samples] += results[part.shard][feature.name]
+                partial = results[part.shard][feature.name]
+                assert part.samples is not None  # pooled parts always list their samples
+                # Big batches usually have ids of every sample on every shard: whole-array
+                # copies and adds then replace the zero fill and the scatter.
+                whole = part.samples.size == bags
+                if out is None and whole:
+                    out = partial.copy()
+                    continue
+                if out is None:
+                    out = np.zeros((bags, table.pooled_dim), dtype=np.float32)
+                if whole:
+                    out += partial
+                else:
+                    out[part.samples] += partial
+            if out is None:
+                out = np.zeros((bags, table.pooled_dim), dtype=np.float32)
             if plan.pooling == pb.POOLING_MEAN:
                 out /= np.maximum(feature.lengths, 1).astype(np.float32)[:, None]
             merged.dtypes[feature.name] = "float32"
