@@ -220,7 +220,7 @@ def markdown(ml: list[dict[str, object]], syn: list[dict[str, object]], args) ->
         f"`python benchmarks/torchrec_module.py{' --quick' if args.quick else ''}"
         f"{f' --threads {args.threads}' if args.threads != 1 else ''}` "
         f"({time.strftime('%Y-%m-%d')}; {cpu}, {os.cpu_count()} cores, "
-        f"{torch.get_num_threads()} torch threads; torch {torch.__version__}; "
+        f"torch threads: {torch.get_num_threads()}; torch {torch.__version__}; "
         f"ibpembed CPU path `{ibpembed.cpu_path()}`). Same Zipf batches (B={BATCH}, "
         f"alpha {args.alpha}, hot ids permuted) for all three modules; per batch the best of "
         f"{args.repeats} runs (shared CPUs), then the median over {args.batches} batches after "
