@@ -24,6 +24,7 @@ from torchrec import (
     KeyedJaggedTensor,
     PoolingType,
 )
+from torchrec.fx import symbolic_trace
 
 import ibpembed.torchrec.module as module_impl
 from ibpembed.tables.importers import TableSet, TableSource, from_torchrec
@@ -509,6 +510,34 @@ def test_torch_jit_script(mixed) -> None:
     # The checks survive scripting; TorchScript re-raises them as torch.jit.Error.
     with pytest.raises(torch.jit.Error, match=r"IndexError: feature 'f_c' \(table 't_one'\)"):
         scripted(batch_with(f_c=[3]))
+
+
+class Head(torch.nn.Module):
+    """A model around the collection, as torchrec's inference flow traces it."""
+
+    def __init__(self, sparse: torch.nn.Module) -> None:
+        super().__init__()
+        self.sparse = sparse
+        self.linear = torch.nn.Linear(3 + 129 + 129 + 1 + 16, 1)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return self.linear(self.sparse(features).values())
+
+
+def test_fx_trace_as_a_leaf_module_then_script(mixed) -> None:
+    ebc, ours = mixed
+    model = Head(ours)
+    kjt = random_kjt(ebc, 8, 4, seed=5)
+    with torch.no_grad():
+        expected = model(kjt)
+        # The input checks branch on the ids, which FX cannot trace through...
+        with pytest.raises(torch.fx.proxy.TraceError, match="cannot be iterated"):
+            symbolic_trace(model)
+        # ...so the collection is traced as a leaf, as torchrec does for its own sharded modules.
+        traced = symbolic_trace(model, leaf_modules=["CompressedEmbeddingBagCollection"])
+        torch.testing.assert_close(traced(kjt), expected, rtol=0, atol=0)
+        scripted = torch.jit.script(traced)
+        torch.testing.assert_close(scripted(kjt), expected, rtol=0, atol=0)
 
 
 def test_torch_compile_with_graph_breaks(mixed) -> None:
