@@ -34,18 +34,26 @@ metric                                                 type       labels
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
 import prometheus_client
 import torch
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.utils import floatToGoString
 
 import ibpembed
 from ibpembed.codec import CompressedTable
@@ -91,6 +99,152 @@ _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 def _short(method: str) -> str:
     """``/ibpembed.v1.EmbeddingLookup/Lookup`` -> ``Lookup``."""
     return method.rsplit("/", 1)[-1]
+
+
+class _Counters:
+    """A labelled counter kept as plain numbers under one lock, exposed at scrape.
+
+    NOTE(metrics): the client library's metric objects cost 1-3 us per update (a lock per
+    value, ``labels()`` building a key each time); a 26-feature request updates several
+    metrics per table, so the hot paths use these accumulators and a collector instead.
+    """
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
+        self.name, self.documentation, self.labels = name, documentation, list(labels)
+        self._lock = threading.Lock()
+        self._values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, labels: tuple[str, ...], amount: float = 1.0) -> None:
+        with self._lock:
+            self._values[labels] = self._values.get(labels, 0.0) + amount
+
+    def family(self) -> CounterMetricFamily:
+        with self._lock:
+            values = sorted(self._values.items())
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+        for labels, total in values:
+            family.add_metric(list(labels), total)
+        return family
+
+
+def _histogram(
+    name: str,
+    documentation: str,
+    labels: Sequence[str],
+    bounds: Sequence[float],
+    series: Sequence[tuple[tuple[str, ...], Sequence[float]]],
+) -> HistogramMetricFamily:
+    """A histogram family from per-bucket counts: ``[count per bound..., above, sum]``."""
+    family = HistogramMetricFamily(name, documentation, labels=list(labels))
+    edges = [floatToGoString(b) for b in bounds] + ["+Inf"]
+    for label_values, values in series:
+        cumulative = itertools.accumulate(values[: len(edges)])
+        family.add_metric(
+            list(label_values),
+            list(zip(edges, cumulative, strict=True)),
+            sum_value=values[len(edges)],
+        )
+    return family
+
+
+class _Histograms:
+    """A labelled histogram kept as per-bucket counts under one lock, exposed at scrape."""
+
+    def __init__(
+        self, name: str, documentation: str, labels: Sequence[str], bounds: Sequence[float]
+    ) -> None:
+        self.name, self.documentation, self.labels = name, documentation, list(labels)
+        self.bounds = tuple(bounds)
+        self._lock = threading.Lock()
+        # labels -> [count in (bound[i-1], bound[i]] for each bound, count above the last, sum]
+        self._series: dict[tuple[str, ...], list[float]] = {}
+
+    def observe(self, labels: tuple[str, ...], value: float) -> None:
+        # First bound >= value: Prometheus buckets are "less than or equal".
+        bucket = bisect.bisect_left(self.bounds, value)
+        with self._lock:
+            series = self._series.get(labels)
+            if series is None:
+                series = self._series[labels] = [0.0] * (len(self.bounds) + 2)
+            series[bucket] += 1
+            series[-1] += value
+
+    def family(self) -> HistogramMetricFamily:
+        with self._lock:
+            series = sorted((labels, list(values)) for labels, values in self._series.items())
+        return _histogram(self.name, self.documentation, self.labels, self.bounds, series)
+
+
+class _Families(Collector):
+    """Exposes accumulators through the registry."""
+
+    def __init__(self, *accumulators: _Counters | _Histograms) -> None:
+        self.accumulators = accumulators
+
+    def collect(self) -> Iterator[Metric]:
+        for accumulator in self.accumulators:
+            yield accumulator.family()
+
+
+class _KernelTally(Collector):
+    """Kernel calls per (table, pooling): latency buckets, ids and decoded bytes, one lock.
+
+    Exposed as ``ibpembed_kernel_duration_seconds{pooling}``,
+    ``ibpembed_rows_looked_up_total{table, pooling}`` and ``ibpembed_decoded_bytes_total{table}``
+    (a request updates these once per table it reads: one lock and one dict lookup then).
+    """
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self._lock = threading.Lock()
+        # (table, pooling) -> [latency bucket counts..., latency sum, ids, decoded bytes]
+        self._series: dict[tuple[str, str], list[float]] = {}
+
+    def add(self, table: str, pooling: str, seconds: float, ids: int, decoded: int) -> None:
+        bucket = bisect.bisect_left(self.bounds, seconds)
+        key = (table, pooling)
+        with self._lock:
+            series = self._series.get(key)
+            if series is None:
+                series = self._series[key] = [0.0] * (len(self.bounds) + 4)
+            series[bucket] += 1
+            series[-3] += seconds
+            series[-2] += ids
+            series[-1] += decoded
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            series = sorted((key, list(values)) for key, values in self._series.items())
+        latency: dict[tuple[str], list[float]] = {}
+        rows = CounterMetricFamily(
+            f"{NAMESPACE}_rows_looked_up",
+            "Ids looked up (repeats included).",
+            labels=["table", "pooling"],
+        )
+        decoded: collections.Counter[str] = collections.Counter()
+        for (table, pooling), values in series:
+            summed = latency.setdefault((pooling,), [0.0] * (len(values) - 2))
+            for i, v in enumerate(values[:-2]):
+                summed[i] += v
+            rows.add_metric([table, pooling], values[-2])
+            decoded[table] += values[-1]
+        yield _histogram(
+            f"{NAMESPACE}_kernel_duration_seconds",
+            "One table's share of a lookup on a worker thread (decode, pool, copy out).",
+            ["pooling"],
+            self.bounds,
+            sorted(latency.items()),
+        )
+        yield rows
+        bytes_family = CounterMetricFamily(
+            f"{NAMESPACE}_decoded_bytes",
+            "Bytes of rows decoded from the compressed store (each distinct row once when"
+            " lookups deduplicate).",
+            labels=["table"],
+        )
+        for table, total in sorted(decoded.items()):
+            bytes_family.add_metric([table], total)
+        yield bytes_family
 
 
 class _TableCollector(Collector):
@@ -206,41 +360,22 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
                 "torch": torch.__version__,
             }
         )
-        self._requests = prometheus_client.Counter(
+        self._requests = _Counters(
             f"{NAMESPACE}_requests",
             "Finished requests by status code: unary RPCs, and each request of a LookupStream"
             " (a stream failing as a whole counts once more, with its code).",
             ["method", "code"],
-            registry=reg,
         )
-        self._latency = prometheus_client.Histogram(
+        self._latency = _Histograms(
             f"{NAMESPACE}_lookup_duration_seconds",
             "Lookup request latency in the server: Lookup calls, and each LookupStream request"
             " from its arrival to its response.",
             ["method", "pooling"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=reg,
+            LATENCY_BUCKETS_S,
         )
-        self._kernel = prometheus_client.Histogram(
-            f"{NAMESPACE}_kernel_duration_seconds",
-            "One table's share of a lookup on a worker thread (decode, pool, copy out).",
-            ["pooling"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=reg,
-        )
-        self._rows = prometheus_client.Counter(
-            f"{NAMESPACE}_rows_looked_up",
-            "Ids looked up (repeats included).",
-            ["table", "pooling"],
-            registry=reg,
-        )
-        self._decoded = prometheus_client.Counter(
-            f"{NAMESPACE}_decoded_bytes",
-            "Bytes of rows decoded from the compressed store (each distinct row once when"
-            " lookups deduplicate).",
-            ["table"],
-            registry=reg,
-        )
+        reg.register(_Families(self._requests, self._latency))
+        self._kernel = _KernelTally(LATENCY_BUCKETS_S)
+        reg.register(self._kernel)
         # Touched on the event loop only (interceptor), so a plain int read at scrape will do.
         self._inflight = 0
         prometheus_client.Gauge(
@@ -250,26 +385,15 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
         ).set_function(lambda: self._inflight)
         self._tables = _TableCollector(store)
         reg.register(self._tables)
-        # Label children cached per label tuple: ``labels()`` takes a lock and builds a key on
-        # every call, which is a measurable part of a ~100 us lookup.
-        self._children: dict[tuple, Any] = {}
         self._handlers: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._http: prometheus_client.exposition.WSGIServer | None = None
-
-    def _child(self, metric: Any, *labels: str) -> Any:
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children.setdefault(key, metric.labels(*labels))
-        return child
 
     # -- observer hooks ----------------------------------------------------------------------
     def table_lookup(self, table: str, pooling: str, nnz: int, unique: int, seconds: float) -> None:
         """One kernel call (engine worker thread): ``unique`` of ``nnz`` ids decoded."""
         self._tables.sync()
-        self._child(self._kernel, pooling).observe(seconds)
-        self._child(self._rows, table, pooling).inc(nnz)
-        self._child(self._decoded, table).inc(unique * self._tables.row_bytes.get(table, 0))
+        decoded = unique * self._tables.row_bytes.get(table, 0)
+        self._kernel.add(table, pooling, seconds, nnz, decoded)
 
     def rpc_done(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         """One finished ``ibpembed.v1`` RPC (event loop).
@@ -278,7 +402,7 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
         """
         if method == STREAM_METHOD and code == grpc.StatusCode.OK:
             return
-        self._child(self._requests, _short(method), code.name).inc()
+        self._requests.inc((_short(method), code.name))
 
     # -- interceptor ---------------------------------------------------------------------------
     async def intercept_service(
@@ -318,7 +442,7 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
                 return await behavior(request, context)
             finally:
                 self._inflight -= 1
-                self._child(self._latency, "Lookup", pooling).observe(time.perf_counter() - started)
+                self._latency.observe(("Lookup", pooling), time.perf_counter() - started)
 
         return unary
 
@@ -341,11 +465,9 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
                 async for response in behavior(arriving(), context):
                     started, pooling = arrivals.popleft()
                     self._inflight -= 1
-                    self._child(self._latency, "LookupStream", pooling).observe(
-                        time.perf_counter() - started
-                    )
+                    self._latency.observe(("LookupStream", pooling), time.perf_counter() - started)
                     code = _CODE_NAMES[response.error.code] if response.HasField("error") else "OK"
-                    self._child(self._requests, "LookupStream", code).inc()
+                    self._requests.inc(("LookupStream", code))
                     yield response
             finally:
                 # Requests left unanswered by a failed or cancelled stream.
