@@ -545,11 +545,11 @@ def test_torch_compile_with_graph_breaks(mixed) -> None:
     torch._dynamo.reset()
     # aot_eager runs the ops' fake kernels without needing a C++ toolchain for inductor.
     compiled = torch.compile(ours, backend="aot_eager")
-    for seed in range(2):
-        kjt = random_kjt(ebc, 8, 4, seed=seed)
+    kjt = random_kjt(ebc, 8, 4, seed=0)
+    with torch.no_grad():  # inference graphs: no backward to trace
         torch.testing.assert_close(compiled(kjt).values(), ours(kjt).values(), rtol=0, atol=0)
-    with pytest.raises(IndexError, match="table 't_one'"):
-        compiled(batch_with(f_c=[3]))
+        with pytest.raises(IndexError, match="table 't_one'"):
+            compiled(batch_with(f_c=[3]))
 
 
 def test_torch_compile_fullgraph_and_export_are_not_supported(mixed) -> None:
