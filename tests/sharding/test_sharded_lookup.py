@@ -60,9 +60,9 @@ def clients(servers, shard_map):
 
 
 def test_describe_table_reports_each_shards_range(servers):
-    with LookupClient(servers.shards[1]) as client:
-        info = client.describe_table("emb_f32")
-        whole = LookupClient(servers.whole).describe_table("emb_f32")
+    with LookupClient(servers.shards[1]) as shard, LookupClient(servers.whole) as single:
+        info = shard.describe_table("emb_f32")
+        whole = single.describe_table("emb_f32")
     assert (info.num_rows, info.row_start, info.row_end) == (1000, 333, 666)
     assert (whole.num_rows, whole.row_start, whole.row_end) == (1000, 0, 1000)
 
@@ -154,6 +154,8 @@ def test_killed_shard_is_unavailable_naming_it(servers, shard_map):
         assert client.lookup({"user": [[10, 900]]}, pooling="sum")["user"].shape == (1, 16)
 
 
-def test_every_shard_serves(shard_map):
-    assert len(shard_map.addresses) == SHARDS
+def test_client_discovers_its_map(servers, shard_map):
+    with ShardedLookupClient.discover(servers.shards, timeout=30) as client:
+        assert client.shard_map.tables == shard_map.tables
+        assert client.lookup({"tiny": [[1, 0]]}, pooling="none")["tiny"].shape == (2, 4)
     assert {r.shard for t in shard_map.tables.values() for r in t.ranges} == set(range(SHARDS))

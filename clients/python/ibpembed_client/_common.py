@@ -27,8 +27,9 @@ DTYPES: dict[int, tuple[str, np.dtype]] = {
 }
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-# A routing hook: picks the server ("host:port") for a lookup request. The scale-out layer plugs
-# in here (e.g. by table or by row range); None sends everything to the client's target.
+# A routing hook: picks the server ("host:port") for a whole lookup request (e.g. by table, or
+# one of several replicas); None sends everything to the client's target. Tables sharded by row
+# range need each request split across servers: ibpembed_client.shards does that.
 Router = Callable[[pb.LookupRequest], str]
 
 
