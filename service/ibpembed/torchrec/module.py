@@ -232,10 +232,6 @@ class TableBytes:
     stored_bytes: int
 
     @property
-    def saved_bytes(self) -> int:
-        return self.raw_bytes - self.stored_bytes
-
-    @property
     def savings(self) -> float:
         """1 - stored / raw."""
         return 1.0 - self.stored_bytes / self.raw_bytes
@@ -244,11 +240,11 @@ class TableBytes:
 class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     """torchrec ``EmbeddingBagCollection`` for inference, with IBP-compressed host tables.
 
-    Build it with :meth:`from_ebc`, or from configs and ``load_state_dict``. ``forward`` returns the
-    ``KeyedTensor`` torchrec's module would: keys in table order (a feature shared by several tables
-    is named ``feature@table``), ``length_per_key`` the table dims, fp32 values pooled with each
-    table's SUM or MEAN. Weighted collections (``is_weighted=True``) multiply each row by the
-    KJT's weight; as in torchrec, weights are ignored otherwise.
+    Build it with :meth:`from_ebc`, :meth:`from_table_set`, or from configs and ``load_state_dict``.
+    ``forward`` returns the ``KeyedTensor`` torchrec's module would: keys in table order (a feature
+    shared by several tables is named ``feature@table``), ``length_per_key`` the table dims, fp32
+    values pooled with each table's SUM or MEAN. Weighted collections (``is_weighted=True``)
+    multiply each row by the KJT's weight; as in torchrec, weights are ignored otherwise.
 
     Every batch is checked before any kernel runs; the errors are:
 
