@@ -1,0 +1,224 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Metrics overhead: lookup throughput of ``ibpembed serve`` with metrics on vs off, same run.
+
+    python -m benchmarks.metrics_overhead [--quick] [--out DIR] [--rounds N] [--concurrency C]
+
+One table set (the DLRM-DCNv2-profile demo tables, compressed) is served by two server
+processes started side by side with the same flags, except ``--metrics-port``: free port (on)
+or 0 (off). For each batch size B (26 features, DCNv2 pooling factors, Zipf ids, SUM pooling) the
+load generator measures both servers in alternating rounds (on/off, then off/on, ...), so drift
+in the machine's load hits both arms alike. While the "on" server is measured, /metrics is
+scraped every second (Prometheus is typically configured at 15 s: this is pessimistic).
+
+Reported per B: median QPS of each arm, and the overhead, ``1 - on / off``, as the median of the
+per-round ratios (the target is <= 3 %). Client and servers share the machine's cores.
+Results: DIR/metrics_overhead.json and DIR/metrics_overhead.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ibpembed.server import demo
+from ibpembed.tables.manifest import save_table_set
+from ibpembed_client.loadgen import LoadConfig, run_load
+
+DEFAULT_OUT = Path(__file__).resolve().parent / ".cache" / "results"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Sizes of one run; ``quick`` is the smoke-test size."""
+
+    max_rows: int  # rows per demo table cap (DCNv2 cardinalities capped to it)
+    batches: tuple[int, ...]
+    seconds: float  # measured seconds per round and arm
+    warmup_s: float
+    rounds: int
+
+
+FULL = Config(max_rows=100_000, batches=(1, 64, 512), seconds=4.0, warmup_s=0.5, rounds=6)
+QUICK = Config(max_rows=2_000, batches=(1,), seconds=0.5, warmup_s=0.1, rounds=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """``ibpembed serve --tables DIR`` in a child process, metrics on a free port or off."""
+
+    def __init__(self, tables: Path, *, metrics: bool, workers: int) -> None:
+        self.metrics_port = _free_port() if metrics else 0
+        argv = [
+            *(sys.executable, "-m", "ibpembed.cli", "serve", "--port", "0"),
+            *("--tables", str(tables), "--workers", str(workers), "--device", "cpu"),
+            *("--max-inflight", "1024", "--log-level", "warning"),
+            *("--metrics-port", str(self.metrics_port)),
+        ]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("listening on "):
+                self.target = "127.0.0.1:" + line.split(":")[-1].split()[0]
+                break
+        else:
+            raise RuntimeError(f"server exited with {self.proc.wait()}")
+        # Keep draining stdout so the child never blocks on a full pipe.
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+class Scraper:
+    """Fetches /metrics every ``interval_s`` until stopped, as Prometheus would."""
+
+    def __init__(self, port: int, interval_s: float = 1.0) -> None:
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.interval_s = interval_s
+        self.scrapes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            with urllib.request.urlopen(self.url, timeout=10) as response:
+                response.read()
+            self.scrapes += 1
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        return self.scrapes
+
+
+def measure(server: Server, cfg: Config, batch: int, concurrency: int) -> dict:
+    """One closed-loop load run against ``server``; scraped while it runs when metrics are on."""
+    scraper = Scraper(server.metrics_port) if server.metrics_port else None
+    load = LoadConfig(
+        target=server.target,
+        concurrency=concurrency,
+        duration_s=cfg.seconds,
+        warmup_s=cfg.warmup_s,
+        batch_size=batch,
+        request_pool=8 if batch < 512 else 2,
+        deadline_ms=60_000,
+        progress=False,
+    )
+    report = asyncio.run(run_load(load))
+    scrapes = scraper.stop() if scraper is not None else 0
+    return {"qps": report["qps"], "errors": report["errors"], "scrapes": scrapes}
+
+
+def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="ibpembed-metrics-bench-") as tmp:
+        tables = demo.build(cfg.max_rows)
+        save_table_set(tmp, tables, {name: name for name in tables})
+        servers = {
+            arm: Server(Path(tmp), metrics=arm == "on", workers=workers) for arm in ("on", "off")
+        }
+        try:
+            for batch in cfg.batches:
+                runs: dict[str, list[dict]] = {"on": [], "off": []}
+                for r in range(cfg.rounds):
+                    order = ("on", "off") if r % 2 == 0 else ("off", "on")
+                    for arm in order:
+                        runs[arm].append(measure(servers[arm], cfg, batch, concurrency))
+                ratios = [
+                    on["qps"] / off["qps"]
+                    for on, off in zip(runs["on"], runs["off"], strict=True)
+                    if off["qps"]
+                ]
+                row = {
+                    "batch": batch,
+                    "qps_on": statistics.median(x["qps"] for x in runs["on"]),
+                    "qps_off": statistics.median(x["qps"] for x in runs["off"]),
+                    "overhead": 1.0 - statistics.median(ratios) if ratios else None,
+                    "ratios": ratios,
+                    "scrapes": sum(x["scrapes"] for x in runs["on"]),
+                    "errors": {arm: [x["errors"] for x in runs[arm]] for arm in runs},
+                }
+                results.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            for server in servers.values():
+                server.close()
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "load_average": os.getloadavg()[0],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "config": cfg.__dict__ | {"workers": workers, "concurrency": concurrency},
+        "command": " ".join(["python -m benchmarks.metrics_overhead", *sys.argv[1:]]),
+        "results": results,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics_overhead.json").write_text(json.dumps(report, indent=2))
+    (out / "metrics_overhead.md").write_text(markdown(report))
+    return report
+
+
+def markdown(report: dict) -> str:
+    """The table pasted into BENCHMARKS.md."""
+    cfg = report["config"]
+    lines = [
+        f"{report['date']}, {report['machine']} (load average {report['load_average']:.1f}), "
+        f"torch {report['torch']}, `{report['command']}`: {cfg['rounds']} alternating rounds "
+        f"of {cfg['seconds']} s per arm, {cfg['concurrency']} requests in flight, "
+        f"{cfg['workers']} server workers, 26 features, tables capped at {cfg['max_rows']} rows.",
+        "",
+        "| B | QPS metrics off | QPS metrics on | overhead (median of rounds) | per-round on/off "
+        "| scrapes |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        overhead = "—" if r["overhead"] is None else f"{100 * r['overhead']:+.1f} %"
+        ratios = ", ".join(f"{x:.3f}" for x in r["ratios"])
+        lines.append(
+            f"| {r['batch']} | {r['qps_off']:.1f} | {r['qps_on']:.1f} | {overhead} | {ratios} "
+            f"| {r['scrapes']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small tables, B=1, short rounds")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds per B")
+    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
+    parser.add_argument("--concurrency", type=int, default=None, help="default 2 x workers")
+    args = parser.parse_args()
+    cfg = QUICK if args.quick else FULL
+    if args.rounds is not None:
+        cfg = Config(**(cfg.__dict__ | {"rounds": args.rounds}))
+    report = run(cfg, args.out, args.workers, args.concurrency or 2 * args.workers)
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
