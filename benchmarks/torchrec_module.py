@@ -214,6 +214,11 @@ def run_movielens(args: argparse.Namespace) -> list[dict[str, object]]:
 def markdown(ml: list[dict[str, object]], syn: list[dict[str, object]], args) -> str:
     """The BENCHMARKS.md section."""
     cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():  # Linux names the model; platform only gives the architecture
+        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
+                 if ln.startswith("model name")]  # fmt: skip
+        cpu = names[0] if names else cpu
     out = [
         "## torchrec integration: compressed EBC vs torchrec EBC vs torchrec INT8 EBC",
         "",
