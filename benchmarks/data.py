@@ -126,7 +126,8 @@ def write_int8_rowwise(table: torch.Tensor, codes: torch.Tensor, scale_bias: tor
         rows = table[start : start + step]
         low = rows.min(dim=1, keepdim=True).values
         high = rows.max(dim=1, keepdim=True).values
-        scale = ((high - low) / 255.0).clamp_min(1e-8).half()
+        # Floor above fp16's smallest subnormal (6e-8): a zero row must not get a zero scale.
+        scale = ((high - low) / 255.0).clamp_min(1e-7).half()
         bias = low.half()
         # Quantise against the fp16-rounded scale and bias: those are what the kernel reads.
         q = ((rows - bias.float()) / scale.float()).round_().clamp_(0, 255)
