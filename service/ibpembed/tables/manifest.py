@@ -247,6 +247,28 @@ def _pack_lock(directory: Path) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _unpublished_removed_on_error(directory: Path, written: list[tf.PackedTable]) -> Iterator[None]:
+    """On a failure (a full disk, an interrupt), delete the table files this pack wrote.
+
+    They are complete but no manifest names them; left behind they would only be swept by the
+    next successful pack, filling a disk that is already full. A file the current manifest
+    names (an unchanged table has the same content name) stays.
+    """
+    try:
+        yield
+    except BaseException:
+        try:
+            live: set[str] | None = {e.file for e in read_manifest(directory).tables.values()}
+        except TableSetError:
+            # No manifest yet: nothing names these files. An unreadable one: leave them be.
+            live = None if (directory / MANIFEST).exists() else set()
+        for packed in written if live is not None else ():
+            if packed.path.name not in live:
+                packed.path.unlink(missing_ok=True)
+        raise
+
+
 def _publish(directory: Path, manifest: Manifest) -> None:
     """Replace the manifest, then remove files no manifest refers to any more."""
     tf.write_bytes_atomic(directory / MANIFEST, manifest.to_json())
@@ -322,7 +344,7 @@ def pack_table_set(
     directory.mkdir(parents=True, exist_ok=True)
     reports = []
     entries: dict[str, ManifestEntry] = {}
-    with _pack_lock(directory):
+    with _pack_lock(directory), _unpublished_removed_on_error(directory, reports):
         for source in table_set.tables:
             num_rows = source.weight.shape[0]
             rows = (
