@@ -118,3 +118,10 @@ def test_split_rejects_what_a_server_would():
     bad.features[0].lengths = np.array([3], np.int32).tobytes()
     with pytest.raises(LookupServiceError, match="sum to 3 but there are 2 ids"):
         split_request(shard_map, bad)
+    weighted = build_request({"f": FeatureBatch.from_lists([[1]], [[2.0]])}, "none")
+    with pytest.raises(LookupServiceError, match="weights need pooling SUM or MEAN"):
+        split_request(shard_map, weighted)
+    bad = build_request({"f": [[1]]})
+    bad.pooling = 9
+    with pytest.raises(LookupServiceError, match="pooling: unknown value 9"):
+        split_request(shard_map, bad)

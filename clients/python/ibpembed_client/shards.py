@@ -67,6 +67,7 @@ SHARD_MAP_VERSION = 1
 # fbgemm row-wise int8 rows start with an fp16 scale and an fp16 bias; pooling drops them.
 _INT8_ROWWISE_HEADER_BYTES = 4
 _NUMPY_DTYPES: dict[str, np.dtype] = dict(DTYPES.values())
+_POOLINGS = (pb.POOLING_UNSPECIFIED, pb.POOLING_SUM, pb.POOLING_MEAN, pb.POOLING_NONE)
 
 
 @dataclass(frozen=True)
@@ -345,8 +346,11 @@ class _FeaturePlan:
 
 
 @dataclass
-class _Plan:
-    """A request split by shard: ``requests[shard]`` and how to merge their answers."""
+class SplitPlan:
+    """A request split by shard: ``requests[shard]`` to send, and how to merge the answers.
+
+    Made by :func:`split_request`, consumed by :func:`merge_results`.
+    """
 
     request_id: str
     pooling: int
@@ -369,7 +373,7 @@ def _array(data: bytes, dtype: str, field_name: str, request_id: str) -> np.ndar
     return np.frombuffer(data, dtype=dtype)
 
 
-def split_request(shard_map: ShardMap, request: pb.LookupRequest) -> _Plan:
+def split_request(shard_map: ShardMap, request: pb.LookupRequest) -> SplitPlan:
     """Split ``request`` into one request per shard holding any of its ids.
 
     Checks what routing relies on (known features, lengths summing to the ids, ids inside the
@@ -377,6 +381,8 @@ def split_request(shard_map: ShardMap, request: pb.LookupRequest) -> _Plan:
     :class:`LookupServiceError`; everything else the shards check.
     """
     request_id = request.request_id or uuid.uuid4().hex
+    if request.pooling not in _POOLINGS:
+        raise _invalid("pooling", f"unknown value {request.pooling}", request_id)
     none = request.pooling == pb.POOLING_NONE
     shard_pooling = pb.POOLING_NONE if none else pb.POOLING_SUM
     requests: dict[int, pb.LookupRequest] = {}
@@ -453,10 +459,10 @@ def split_request(shard_map: ShardMap, request: pb.LookupRequest) -> _Plan:
                 lengths=part_lengths.tobytes(),
                 weights=weights[positions].tobytes() if feature.weights else b"",
             )
-    return _Plan(request_id, request.pooling, plans, requests)
+    return SplitPlan(request_id, request.pooling, plans, requests)
 
 
-def merge_results(plan: _Plan, results: Mapping[int, LookupResult]) -> LookupResult:
+def merge_results(plan: SplitPlan, results: Mapping[int, LookupResult]) -> LookupResult:
     """Put the shards' answers (``results[shard]``) back together in request order.
 
     ``table_version`` is the smallest version among the shards that answered (0 when no shard
