@@ -172,3 +172,70 @@ def settle(server: ServerProcess, seconds: float = 0.5) -> tuple[int, int]:
     """(RSS, fds) of an idle server after a short pause (closed sockets take a moment to go)."""
     time.sleep(seconds)
     return server.rss(), server.fds()
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=120)
+
+
+def make_pki(directory: Path) -> Path:
+    """Two CAs (``ca``, ``rogue``), a ``server`` cert for 127.0.0.1 and a ``client`` cert, by ca.
+
+    Files: ``<name>.crt`` and ``<name>.key`` in ``directory`` (needs the openssl CLI).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    for ca in ("ca", "rogue"):
+        _openssl(
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{ca}.key",
+            "-subj",
+            f"/CN={ca}",
+            "-days",
+            "2",
+            "-out",
+            f"{ca}.crt",
+            cwd=directory,
+        )
+    leaves = {
+        "server": "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
+        "client": "extendedKeyUsage=clientAuth\n",
+    }
+    for name, ext in leaves.items():
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-subj",
+            f"/CN={name}",
+            "-out",
+            f"{name}.csr",
+            cwd=directory,
+        )
+        (directory / f"{name}.ext").write_text(ext)
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+            "-out",
+            f"{name}.crt",
+            cwd=directory,
+        )
+    return directory
