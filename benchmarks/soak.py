@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import threading
 import time
@@ -85,6 +86,8 @@ def soak(server: ServerProcess, args: argparse.Namespace) -> dict:
                 "latency_ms": {k: round(v, 2) for k, v in report["latency_ms"].items()},
                 "rss_mib": round(server.rss() / 2**20, 1),
                 "fds": server.fds(),
+                # Shared hosts: other work on the cores moves the percentiles, so say how busy.
+                "load_avg_1m": round(os.getloadavg()[0], 2),
             }
         )
         print(json.dumps(windows[-1]), flush=True)
