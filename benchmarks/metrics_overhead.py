@@ -10,8 +10,14 @@ load generator measures both servers in alternating rounds (on/off, then off/on,
 in the machine's load hits both arms alike. While the "on" server is measured, /metrics is
 scraped every second (Prometheus is typically configured at 15 s: this is pessimistic).
 
-Reported per B: median QPS of each arm, and the overhead, ``1 - on / off``, as the median of the
-per-round ratios (the target is <= 3 %). Client and servers share the machine's cores.
+Reported per B, each as the median over rounds of the per-round on/off ratio:
+
+* **QPS overhead** ``1 - qps_on / qps_off`` (the target is <= 3 %). Client and servers share the
+  machine's cores, so on a busy machine this swings by tens of percent from round to round;
+* **server CPU overhead** ``cpu_on / cpu_off - 1``, the server process's CPU seconds (all threads,
+  ``/proc/<pid>/stat``) per request answered. A saturated server's throughput is its cores over
+  this, and it hardly depends on what else runs on the machine.
+
 Results: DIR/metrics_overhead.json and DIR/metrics_overhead.md.
 """
 
@@ -85,6 +91,12 @@ class Server:
         # Keep draining stdout so the child never blocks on a full pipe.
         threading.Thread(target=self.proc.stdout.read, daemon=True).start()
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server process so far (all its threads)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        # utime and stime are fields 14 and 15 of stat(5); the split dropped fields 1-2.
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=60)
@@ -113,22 +125,40 @@ class Scraper:
         return self.scrapes
 
 
-def measure(server: Server, cfg: Config, batch: int, concurrency: int) -> dict:
-    """One closed-loop load run against ``server``; scraped while it runs when metrics are on."""
-    scraper = Scraper(server.metrics_port) if server.metrics_port else None
-    load = LoadConfig(
+def load(server: Server, batch: int, concurrency: int, seconds: float) -> dict:
+    """One closed-loop load generator run against ``server`` (no warm-up phase of its own)."""
+    config = LoadConfig(
         target=server.target,
         concurrency=concurrency,
-        duration_s=cfg.seconds,
-        warmup_s=cfg.warmup_s,
+        duration_s=seconds,
+        warmup_s=0.0,
         batch_size=batch,
         request_pool=8 if batch < 512 else 2,
         deadline_ms=60_000,
         progress=False,
     )
-    report = asyncio.run(run_load(load))
+    return asyncio.run(run_load(config))
+
+
+def measure(server: Server, cfg: Config, batch: int, concurrency: int) -> dict:
+    """QPS and server CPU per request of one run; scraped while it runs when metrics are on."""
+    scraper = Scraper(server.metrics_port) if server.metrics_port else None
+    cpu = server.cpu_seconds()
+    report = load(server, batch, concurrency, cfg.seconds)
+    cpu = server.cpu_seconds() - cpu
     scrapes = scraper.stop() if scraper is not None else 0
-    return {"qps": report["qps"], "errors": report["errors"], "scrapes": scrapes}
+    answered = report["ok"] + sum(report["errors"].values())
+    return {
+        "qps": report["qps"],
+        "cpu_per_request_s": cpu / answered if answered else None,
+        "errors": report["errors"],
+        "scrapes": scrapes,
+    }
+
+
+def _median_ratio(on: list[dict], off: list[dict], key: str) -> float | None:
+    ratios = [a[key] / b[key] for a, b in zip(on, off, strict=True) if a[key] and b[key]]
+    return statistics.median(ratios) if ratios else None
 
 
 def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
@@ -141,24 +171,23 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
         }
         try:
             for batch in cfg.batches:
+                for server in servers.values():  # warm caches, threads and connections
+                    load(server, batch, concurrency, cfg.warmup_s)
                 runs: dict[str, list[dict]] = {"on": [], "off": []}
                 for r in range(cfg.rounds):
                     order = ("on", "off") if r % 2 == 0 else ("off", "on")
                     for arm in order:
                         runs[arm].append(measure(servers[arm], cfg, batch, concurrency))
-                ratios = [
-                    on["qps"] / off["qps"]
-                    for on, off in zip(runs["on"], runs["off"], strict=True)
-                    if off["qps"]
-                ]
+                qps_ratio = _median_ratio(runs["on"], runs["off"], "qps")
+                cpu_ratio = _median_ratio(runs["on"], runs["off"], "cpu_per_request_s")
                 row = {
                     "batch": batch,
                     "qps_on": statistics.median(x["qps"] for x in runs["on"]),
                     "qps_off": statistics.median(x["qps"] for x in runs["off"]),
-                    "overhead": 1.0 - statistics.median(ratios) if ratios else None,
-                    "ratios": ratios,
+                    "qps_overhead": None if qps_ratio is None else 1.0 - qps_ratio,
+                    "cpu_overhead": None if cpu_ratio is None else cpu_ratio - 1.0,
+                    "runs": runs,
                     "scrapes": sum(x["scrapes"] for x in runs["on"]),
-                    "errors": {arm: [x["errors"] for x in runs[arm]] for arm in runs},
                 }
                 results.append(row)
                 print(json.dumps(row), flush=True)
@@ -190,18 +219,33 @@ def markdown(report: dict) -> str:
         f"of {cfg['seconds']} s per arm, {cfg['concurrency']} requests in flight, "
         f"{cfg['workers']} server workers, 26 features, tables capped at {cfg['max_rows']} rows.",
         "",
-        "| B | QPS metrics off | QPS metrics on | overhead (median of rounds) | per-round on/off "
-        "| scrapes |",
-        "|---|---|---|---|---|---|",
+        "| B | QPS off | QPS on | QPS overhead | server CPU/request off | server CPU/request on "
+        "| server CPU overhead | per-round CPU on/off | scrapes |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
-        overhead = "—" if r["overhead"] is None else f"{100 * r['overhead']:+.1f} %"
-        ratios = ", ".join(f"{x:.3f}" for x in r["ratios"])
+        cpu = {
+            arm: statistics.median(
+                x["cpu_per_request_s"] for x in r["runs"][arm] if x["cpu_per_request_s"]
+            )
+            for arm in ("off", "on")
+        }
+        rounds = ", ".join(
+            f"{a['cpu_per_request_s'] / b['cpu_per_request_s']:.3f}"
+            for a, b in zip(r["runs"]["on"], r["runs"]["off"], strict=True)
+            if a["cpu_per_request_s"] and b["cpu_per_request_s"]
+        )
         lines.append(
-            f"| {r['batch']} | {r['qps_off']:.1f} | {r['qps_on']:.1f} | {overhead} | {ratios} "
+            f"| {r['batch']} | {r['qps_off']:.1f} | {r['qps_on']:.1f} "
+            f"| {_percent(r['qps_overhead'])} | {1e3 * cpu['off']:.2f} ms "
+            f"| {1e3 * cpu['on']:.2f} ms | {_percent(r['cpu_overhead'])} | {rounds} "
             f"| {r['scrapes']} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _percent(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:+.1f} %"
 
 
 def main() -> int:

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 import ibpembed
 from ibpembed.codec import compress
@@ -227,3 +228,41 @@ def test_promtool_check_metrics(served):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == "" and result.stderr.strip() == "", result.stdout
+
+
+def test_kernel_tallies_of_many_threads_add_up():
+    """Worker threads update without a lock; scrapes meanwhile see consistent, growing totals."""
+    metrics = ServerMetrics(make_store(), device="cpu")
+    threads, calls = 4, 3000
+    stop = threading.Event()
+    seen: list[float] = []
+
+    def scrape_until_stopped() -> None:
+        while not stop.is_set():
+            text = generate_latest(metrics.registry).decode()
+            seen.append(
+                value(parse(text), "ibpembed_rows_looked_up_total", table="emb_f32", pooling="sum")
+            )
+
+    def work(worker: int) -> None:
+        for i in range(calls):
+            metrics.table_lookup("emb_f32", "sum", 3, 2, (i % 7) * 1e-4)
+            metrics.table_lookup("emb_f16", "none", 1, 1, 2e-5)
+
+    scraper = threading.Thread(target=scrape_until_stopped)
+    scraper.start()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(work, range(threads)))
+    stop.set()
+    scraper.join(timeout=60)
+    assert seen == sorted(seen)  # counters never go backwards
+    s = parse(generate_latest(metrics.registry).decode())
+    n = threads * calls
+    assert value(s, "ibpembed_rows_looked_up_total", table="emb_f32", pooling="sum") == 3 * n
+    assert value(s, "ibpembed_decoded_bytes_total", table="emb_f32") == 2 * n * F32_ROW
+    assert value(s, "ibpembed_decoded_bytes_total", table="emb_f16") == n * F16_ROW
+    assert value(s, "ibpembed_kernel_duration_seconds_count", pooling="sum") == n
+    assert value(s, "ibpembed_kernel_duration_seconds_bucket", pooling="none", le="2.5e-05") == n
+    # 0 and 1e-4 (i % 7 in {0, 1}) fall at or below the 100 us bound; 2e-4 and up do not.
+    below = sum(1 for i in range(calls) if i % 7 <= 1) * threads
+    assert value(s, "ibpembed_kernel_duration_seconds_bucket", pooling="sum", le="0.0001") == below
