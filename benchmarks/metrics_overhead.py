@@ -16,7 +16,11 @@ Reported per B, each as the median over rounds of the per-round on/off ratio:
   machine's cores, so on a busy machine this swings by tens of percent from round to round;
 * **server CPU overhead** ``cpu_on / cpu_off - 1``, the server process's CPU seconds (all threads,
   ``/proc/<pid>/stat``) per request answered. A saturated server's throughput is its cores over
-  this, and it hardly depends on what else runs on the machine.
+  this; it depends less on what else runs on the machine, but cache and core sharing still move
+  it by several percent per round.
+* **hook estimate**: the metrics code's own cost per request, timed in process (best of several
+  repeats, so other load hardly matters): the interceptor, ``rpc_done`` and one
+  ``table_lookup`` per table read, divided by the "off" server's CPU per request.
 
 Results: DIR/metrics_overhead.json and DIR/metrics_overhead.md.
 """
@@ -35,15 +39,20 @@ import subprocess
 import sys
 import tempfile
 import threading
+import timeit
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import torch
 
+from ibpembed.metrics import LOOKUP_METHOD, ServerMetrics
 from ibpembed.server import demo
 from ibpembed.tables.manifest import save_table_set
+from ibpembed.tables.store import TableStore
 from ibpembed_client.loadgen import LoadConfig, run_load
+from ibpembed_client.v1 import lookup_pb2 as pb
 
 DEFAULT_OUT = Path(__file__).resolve().parent / ".cache" / "results"
 
@@ -156,6 +165,60 @@ def measure(server: Server, cfg: Config, batch: int, concurrency: int) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class _CallDetails:
+    """What an interceptor reads of a call (grpc.HandlerCallDetails)."""
+
+    method: str
+    invocation_metadata: tuple = ()
+
+
+def hook_costs(store: TableStore, repeats: int = 7, number: int = 20_000) -> dict:
+    """Seconds the metrics code adds per request and per table read (best of ``repeats``)."""
+    metrics = ServerMetrics(store, device="cpu")
+    table = next(iter(store.accounting()))
+
+    async def behavior(request: pb.LookupRequest, context: object) -> None:
+        return None
+
+    handler = grpc.unary_unary_rpc_method_handler(behavior)
+    details = _CallDetails(LOOKUP_METHOD)
+    request = pb.LookupRequest(pooling=pb.POOLING_SUM)
+
+    async def continuation(_: object) -> grpc.RpcMethodHandler:
+        return handler
+
+    async def calls(n: int, timed: bool) -> None:
+        for _ in range(n):
+            if timed:
+                wrapped = await metrics.intercept_service(continuation, details)
+                await wrapped.unary_unary(request, None)
+                metrics.rpc_done(LOOKUP_METHOD, grpc.StatusCode.OK, 1e-3)
+            else:
+                await (await continuation(details)).unary_unary(request, None)
+
+    loop = asyncio.new_event_loop()
+    try:
+        with_metrics = min(
+            timeit.repeat(lambda: loop.run_until_complete(calls(number, True)), number=1,
+                          repeat=repeats)
+        )  # fmt: skip
+        without = min(
+            timeit.repeat(lambda: loop.run_until_complete(calls(number, False)), number=1,
+                          repeat=repeats)
+        )  # fmt: skip
+    finally:
+        loop.close()
+    per_table = min(
+        timeit.repeat(
+            lambda: metrics.table_lookup(table, "sum", 64, 60, 2e-4),
+            number=number,
+            repeat=repeats,
+        )
+    )
+    return {"per_request_s": (with_metrics - without) / number, "per_table_s": per_table / number}
+
+
 def _median_ratio(on: list[dict], off: list[dict], key: str) -> float | None:
     ratios = [a[key] / b[key] for a, b in zip(on, off, strict=True) if a[key] and b[key]]
     return statistics.median(ratios) if ratios else None
@@ -166,6 +229,7 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="ibpembed-metrics-bench-") as tmp:
         tables = demo.build(cfg.max_rows)
         save_table_set(tmp, tables, {name: name for name in tables})
+        costs = hook_costs(TableStore.load(tmp))
         servers = {
             arm: Server(Path(tmp), metrics=arm == "on", workers=workers) for arm in ("on", "off")
         }
@@ -180,8 +244,14 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
                         runs[arm].append(measure(servers[arm], cfg, batch, concurrency))
                 qps_ratio = _median_ratio(runs["on"], runs["off"], "qps")
                 cpu_ratio = _median_ratio(runs["on"], runs["off"], "cpu_per_request_s")
+                cpu_off = statistics.median(
+                    x["cpu_per_request_s"] for x in runs["off"] if x["cpu_per_request_s"]
+                )
+                # Every demo feature reads its own table: one kernel call per table.
+                hooks = costs["per_request_s"] + len(tables) * costs["per_table_s"]
                 row = {
                     "batch": batch,
+                    "hook_estimate": hooks / cpu_off,
                     "qps_on": statistics.median(x["qps"] for x in runs["on"]),
                     "qps_off": statistics.median(x["qps"] for x in runs["off"]),
                     "qps_overhead": None if qps_ratio is None else 1.0 - qps_ratio,
@@ -202,6 +272,7 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
         "torch": torch.__version__,
         "config": cfg.__dict__ | {"workers": workers, "concurrency": concurrency},
         "command": " ".join(["python -m benchmarks.metrics_overhead", *sys.argv[1:]]),
+        "hook_costs": costs,
         "results": results,
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -219,9 +290,12 @@ def markdown(report: dict) -> str:
         f"of {cfg['seconds']} s per arm, {cfg['concurrency']} requests in flight, "
         f"{cfg['workers']} server workers, 26 features, tables capped at {cfg['max_rows']} rows.",
         "",
+        f"Metrics code per request: {1e6 * report['hook_costs']['per_request_s']:.1f} us, "
+        f"plus {1e6 * report['hook_costs']['per_table_s']:.2f} us per table read.",
+        "",
         "| B | QPS off | QPS on | QPS overhead | server CPU/request off | server CPU/request on "
-        "| server CPU overhead | per-round CPU on/off | scrapes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| server CPU overhead | hook estimate | per-round CPU on/off | scrapes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         cpu = {
@@ -238,7 +312,8 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {r['batch']} | {r['qps_off']:.1f} | {r['qps_on']:.1f} "
             f"| {_percent(r['qps_overhead'])} | {1e3 * cpu['off']:.2f} ms "
-            f"| {1e3 * cpu['on']:.2f} ms | {_percent(r['cpu_overhead'])} | {rounds} "
+            f"| {1e3 * cpu['on']:.2f} ms | {_percent(r['cpu_overhead'])} "
+            f"| {_percent(r['hook_estimate'])} | {rounds} "
             f"| {r['scrapes']} |"
         )
     return "\n".join(lines) + "\n"
