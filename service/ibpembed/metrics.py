@@ -96,6 +96,11 @@ _INVALID_POOLING = "invalid"
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
+def _pooling(request: object) -> str:
+    """The pooling label of a request; undecodable messages (no ``pooling``) count as invalid."""
+    return _POOLING_NAMES.get(getattr(request, "pooling", None), _INVALID_POOLING)
+
+
 def _short(method: str) -> str:
     """``/ibpembed.v1.EmbeddingLookup/Lookup`` -> ``Lookup``."""
     return method.rsplit("/", 1)[-1]
@@ -456,7 +461,7 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
 
     def _timed_unary(self, behavior: Callable) -> Callable:
         async def unary(request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> Any:
-            pooling = _POOLING_NAMES.get(request.pooling, _INVALID_POOLING)
+            pooling = _pooling(request)
             self._inflight += 1
             started = time.perf_counter()
             try:
@@ -477,7 +482,7 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
 
             async def arriving() -> AsyncIterator[pb.LookupRequest]:
                 async for request in requests:
-                    pooling = _POOLING_NAMES.get(request.pooling, _INVALID_POOLING)
+                    pooling = _pooling(request)
                     arrivals.append((time.perf_counter(), pooling))
                     self._inflight += 1
                     yield request

@@ -11,14 +11,16 @@ import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 import torch
 from prometheus_client import generate_latest
 
 import ibpembed
 from ibpembed.codec import compress
-from ibpembed.metrics import LATENCY_BUCKETS_S, ServerMetrics
+from ibpembed.metrics import LATENCY_BUCKETS_S, STREAM_METHOD, ServerMetrics
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, build_request
+from ibpembed_client.v1 import lookup_pb2 as pb
 from tests.metrics.helpers import PROMTOOL, fetch, needs_promtool, parse, value
 from tests.server.helpers import RunningServer, make_store
 
@@ -266,3 +268,30 @@ def test_kernel_tallies_of_many_threads_add_up():
     # 0 and 1e-4 (i % 7 in {0, 1}) fall at or below the 100 us bound; 2e-4 and up do not.
     below = sum(1 for i in range(calls) if i % 7 <= 1) * threads
     assert value(s, "ibpembed_kernel_duration_seconds_bucket", pooling="sum", le="0.0001") == below
+
+
+def test_stream_with_an_undecodable_message(served):
+    """A LookupStream message that does not parse is one INVALID_ARGUMENT request, pooling
+    ``invalid``; the stream and its metrics go on."""
+    with grpc.insecure_channel(served.running.target) as channel:
+        call = channel.stream_stream(
+            STREAM_METHOD,
+            request_serializer=lambda raw: raw,
+            response_deserializer=pb.LookupResponse.FromString,
+        )
+        messages = [
+            build_request({"item": [[1]]}, "sum").SerializeToString(),
+            b"\x0a\xff",  # field 1 with a truncated length: not a message
+            build_request({"item": [[2, 3]]}, "none").SerializeToString(),
+        ]
+        codes = [r.error.code if r.HasField("error") else 0 for r in call(iter(messages))]
+    assert codes == [0, grpc.StatusCode.INVALID_ARGUMENT.value[0], 0]
+    s = served.scrape()
+    requests = "ibpembed_requests_total"
+    assert value(s, requests, method="LookupStream", code="OK") == 2
+    assert value(s, requests, method="LookupStream", code="INVALID_ARGUMENT") == 1
+    count = "ibpembed_lookup_duration_seconds_count"
+    assert value(s, count, method="LookupStream", pooling="invalid") == 1
+    assert value(s, count, method="LookupStream", pooling="sum") == 1
+    assert value(s, count, method="LookupStream", pooling="none") == 1
+    assert value(s, "ibpembed_inflight_requests") == 0
