@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import json
 import os
 import sys
@@ -44,7 +45,11 @@ C = grpc.StatusCode
 SERVICE = "/ibpembed.v1.EmbeddingLookup/"
 MAX_MESSAGE_MB = 4
 MAX_INFLIGHT = 64
-# Lookups may always meet the in-flight limit (RESOURCE_EXHAUSTED is overload by design).
+# Lookups may always meet the in-flight limit (RESOURCE_EXHAUSTED is overload by design; any
+# other RESOURCE_EXHAUSTED, e.g. a client-side size limit, is a finding).
+OVERLOAD = "server at capacity"
+# Per case (each case runs in its own task, hence its own context): such RESOURCE_EXHAUSTEDs.
+_EXHAUSTED: contextvars.ContextVar[list[str]] = contextvars.ContextVar("exhausted")
 _LOOKUP = {C.RESOURCE_EXHAUSTED}
 ALLOWED: dict[str, set[C]] = {
     "garbage": {C.OK, C.INVALID_ARGUMENT, C.NOT_FOUND} | _LOOKUP,
@@ -246,15 +251,22 @@ class Fuzzer:
         self.stream = channel.stream_stream(SERVICE + "LookupStream", _identity, _identity)
 
     async def call(self, method: str, body: bytes, timeout: float = 30.0) -> tuple[C, bytes]:
+        """(code, reply bytes); RESOURCE_EXHAUSTED other than overload is noted as a finding."""
         try:
             reply = await self.unary[method](body, timeout=timeout)
         except grpc.aio.AioRpcError as err:
+            details = err.details() or ""
+            if err.code() == C.RESOURCE_EXHAUSTED and OVERLOAD not in details:
+                _EXHAUSTED.get().append(details[:200])
             return err.code(), b""
         return C.OK, reply
 
     async def case(self, category: str) -> None:
         handler: Callable = getattr(self, f"_{category}", None) or self._broken
+        _EXHAUSTED.set(notes := [])
         code, detail = await handler(category)
+        if category != "oversize_request" and notes:
+            detail = detail or f"RESOURCE_EXHAUSTED but not overload: {notes[-1]}"
         self.findings.add(category, code, detail)
 
     async def _garbage(self, category: str) -> tuple[C, str]:
@@ -468,6 +480,13 @@ async def fuzz(
     return findings
 
 
+def _error_excerpts(log: str, limit: int = 3, lines: int = 30) -> list[str]:
+    """The first ``limit`` ERROR entries of the server log, with what follows them."""
+    text = log.splitlines()
+    starts = [i for i, line in enumerate(text) if " ERROR " in line][:limit]
+    return ["\n".join(text[i : i + lines]) for i in starts]
+
+
 def verdict(findings: Findings, server: ServerProcess, idle: tuple[int, int]) -> dict:
     """Pass/fail of each property, with the figures behind it."""
     warm = findings.samples[min(1, len(findings.samples) - 1)]
@@ -480,6 +499,7 @@ def verdict(findings: Findings, server: ServerProcess, idle: tuple[int, int]) ->
         "serving_at_end": last.get("serving", False),
         "tracebacks_in_log": log.count("Traceback"),
         "error_lines_in_log": sum(" ERROR " in line for line in log.splitlines()),
+        "log_errors": _error_excerpts(log),
         "rss_after_warmup_mib": round(warm["rss"] / 2**20, 1),
         "rss_end_mib": round(idle[0] / 2**20, 1),
         "rss_growth": round(rss_growth, 4),

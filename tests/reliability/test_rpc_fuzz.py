@@ -73,3 +73,17 @@ def test_undecodable_request_without_token_is_unauthenticated(tmp_path) -> None:
     ):
         _raw(channel, LOOKUP)(GARBAGE, timeout=30)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_status_message_echoing_a_huge_name_is_truncated(server) -> None:
+    # Found by the fuzz: NOT_FOUND for a 10000-character feature name carried the name back in
+    # the status message; past the client's 8 KiB trailer limit it arrived as RESOURCE_EXHAUSTED.
+    request = pb.LookupRequest(features=[pb.FeatureInput(name="é" * 10_000)])
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            _raw(channel, LOOKUP)(request.SerializeToString(), timeout=30)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert info.value.details().endswith("(truncated)")
+        stream = _raw(channel, STREAM, "stream")(iter([request.SerializeToString()]), timeout=30)
+        (reply,) = (pb.LookupResponse.FromString(r) for r in stream)
+    assert reply.error.code == grpc.StatusCode.NOT_FOUND.value[0]

@@ -92,6 +92,12 @@ def tolerant_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callabl
     return parse
 
 
+# Messages echo request fields (feature and table names). The status message travels in the
+# trailers, which clients cap at 8 KiB by default (percent-encoded: up to 6 bytes a character):
+# past that the client sees RESOURCE_EXHAUSTED instead of the real code.
+MAX_MESSAGE_CHARS = 512
+
+
 def status_for(exc: BaseException, request_id: str) -> tuple[grpc.StatusCode, str]:
     """The status and message a client sees for ``exc``.
 
@@ -99,7 +105,10 @@ def status_for(exc: BaseException, request_id: str) -> tuple[grpc.StatusCode, st
     the request id (to find the logged traceback) and none of the exception's text.
     """
     if isinstance(exc, ServiceError):
-        return exc.code, str(exc)
+        message = str(exc)
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[:MAX_MESSAGE_CHARS] + "... (truncated)"
+        return exc.code, message
     return grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})"
 
 
