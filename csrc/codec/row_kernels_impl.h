@@ -14,19 +14,15 @@
 namespace ibpembed::detail {
 namespace {
 
-// How far ahead of the row being decoded the gather loop touches: the index entries at twice
-// this distance, the payload lines at this distance. DRAM latency over a ~100 ns row decode.
-inline constexpr int64_t kPrefetchRows = 8;
-
 inline void prefetch_index(const TableView& t, int64_t r) {
-  __builtin_prefetch(t.row_units + r, 0, 1);
-  __builtin_prefetch(t.block_base + r / kRowsPerBlock, 0, 1);
+  __builtin_prefetch(t.row_units + r, 0, 3);
+  __builtin_prefetch(t.block_base + r / kRowsPerBlock, 0, 3);
 }
 
-inline void prefetch_row(const TableView& t, int64_t r) {
-  const int64_t offset = row_offset(t, r);
+inline void prefetch_slot(const TableView& t, int64_t r) {
+  const uint8_t* slot = t.payload + row_offset(t, r);
   const int64_t bytes = t.unit_bytes * t.row_units[r];
-  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(t.payload + offset + line, 0, 0);
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(slot + line, 0, 3);
 }
 
 template <int W>
@@ -177,21 +173,46 @@ void decode_compressed_row(const DecodePlan<W>& plan, const TableView& t, const 
   }
 }
 
+// Rows staged per round. NOTE(codec): the decode loop issues ~250 instructions per 64-byte line,
+// so out-of-order execution cannot see the next line's load and a row fetched from DRAM would
+// miss line after line. So rows move through a three-round pipeline: index entries are
+// prefetched two rounds ahead, slot lines one round ahead (while this round decodes), then a
+// round's slots are copied into an L1-resident stage and decoded from there.
+inline constexpr int64_t kStageRows = 16;
+
 template <int W, class Ops>
 void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, int64_t lookahead,
                    uint8_t* out) {
   const DecodePlan<W> plan(t);
   const int64_t visible = n + lookahead;
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + 2 * kPrefetchRows < visible) prefetch_index(t, ids[i + 2 * kPrefetchRows]);
-    if (i + kPrefetchRows < visible) prefetch_row(t, ids[i + kPrefetchRows]);
-    const int64_t r = ids[i];
-    const uint8_t* src = t.payload + row_offset(t, r);
-    uint8_t* dst = out + i * t.row_bytes;
-    if (row_is_compressed(t, r)) {
-      decode_compressed_row<W, Ops>(plan, t, src, dst);
-    } else {
-      std::memcpy(dst, src, static_cast<size_t>(t.row_bytes));
+  const int64_t slot_cap = t.unit_bytes * units_for(t.row_bytes, t.unit_bytes);
+  // Each staged slot keeps kPayloadPad readable bytes after it, as the payload does.
+  std::vector<uint8_t> stage(static_cast<size_t>(kStageRows * (slot_cap + kPayloadPad)));
+  for (int64_t i = kStageRows; i < 2 * kStageRows && i < visible; ++i) prefetch_index(t, ids[i]);
+  for (int64_t begin = 0; begin < n; begin += kStageRows) {
+    const int64_t end = begin + kStageRows < n ? begin + kStageRows : n;
+    for (int64_t i = end + kStageRows; i < end + 2 * kStageRows && i < visible; ++i) {
+      prefetch_index(t, ids[i]);
+    }
+    for (int64_t i = end; i < end + kStageRows && i < visible; ++i) prefetch_slot(t, ids[i]);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = ids[i];
+      const uint8_t* src = t.payload + row_offset(t, r);
+      uint8_t* dst = out + i * t.row_bytes;
+      if (row_is_compressed(t, r)) {
+        const int64_t bytes = t.unit_bytes * t.row_units[r];
+        std::memcpy(stage.data() + (i - begin) * (slot_cap + kPayloadPad), src,
+                    static_cast<size_t>(bytes + kPayloadPad));
+      } else {
+        std::memcpy(dst, src, static_cast<size_t>(t.row_bytes));
+      }
+    }
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = ids[i];
+      if (row_is_compressed(t, r)) {
+        decode_compressed_row<W, Ops>(plan, t, stage.data() + (i - begin) * (slot_cap + kPayloadPad),
+                                      out + i * t.row_bytes);
+      }
     }
   }
 }

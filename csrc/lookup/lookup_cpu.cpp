@@ -14,9 +14,14 @@
 namespace ibpembed {
 namespace {
 
-// Rows decoded per batch: enough for the prefetch pipeline to run ahead, small enough to stay in
-// L1/L2 (64 rows x 512 B = 32 KiB).
-constexpr int64_t kDecodeBatch = 64;
+// Rows decoded per decode_rows call: enough to amortise its per-call setup and keep its prefetch
+// pipeline full, few enough bytes to stay in L2.
+constexpr int64_t kDecodeBatchBytes = 128 * 1024;
+constexpr int64_t kMaxDecodeBatch = 256;
+
+int64_t decode_batch_rows(int64_t row_bytes) {
+  return std::max<int64_t>(16, std::min(kMaxDecodeBatch, kDecodeBatchBytes / row_bytes));
+}
 // Grain sizes: below these a thread's share is not worth the fork.
 constexpr int64_t kGatherGrain = 256;
 constexpr int64_t kBagGrain = 32;
@@ -35,7 +40,8 @@ void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
                        const float* per_sample_weights, Pooling pooling, float* out) {
   const int64_t dim = pooled_dim(dtype, t.row_bytes);
   at::parallel_for(0, num_bags, kBagGrain, [&](int64_t bag_begin, int64_t bag_end) {
-    std::vector<uint8_t> scratch(static_cast<size_t>(kDecodeBatch * t.row_bytes));
+    const int64_t batch = decode_batch_rows(t.row_bytes);
+    std::vector<uint8_t> scratch(static_cast<size_t>(batch * t.row_bytes));
     float* const out_begin = out + bag_begin * dim;
     std::fill(out_begin, out + bag_end * dim, 0.0f);
     // Walk this thread's indices in fixed batches that ignore bag boundaries, so short bags
@@ -43,9 +49,9 @@ void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
     const int64_t first = offsets[bag_begin];
     const int64_t last = offsets[bag_end];
     int64_t bag = bag_begin;
-    for (int64_t s = first; s < last; s += kDecodeBatch) {
-      const int64_t m = std::min(kDecodeBatch, last - s);
-      k.decode_rows(t, indices + s, m, std::min(kDecodeBatch, last - s - m), scratch.data());
+    for (int64_t s = first; s < last; s += batch) {
+      const int64_t m = std::min(batch, last - s);
+      k.decode_rows(t, indices + s, m, std::min(batch, last - s - m), scratch.data());
       for (int64_t i = 0; i < m; ++i) {
         const int64_t idx = s + i;
         while (offsets[bag + 1] <= idx) ++bag;

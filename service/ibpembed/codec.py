@@ -22,7 +22,10 @@ from ibpembed._ops import DTYPE_CODES, INT8_ROWWISE_CODE, INT8_ROWWISE_HEADER_BY
 Method = Literal["ibpembed", "paper", "raw"]
 Pooling = Literal["sum", "mean"]
 
-CHUNK_BITS_CHOICES = (64, 32, 16)  # tie on stored size -> the wider chunk decodes faster
+CHUNK_BITS_CHOICES = (64, 32, 16)
+# A wider chunk decodes more bytes per step (fewer exceptions to patch, fewer header bits to
+# walk): it is kept unless a narrower one saves more than this fraction of the raw bytes.
+WIDER_CHUNK_SLACK = 0.01
 DEFAULT_SAMPLE_ROWS = 1_000_000
 DEFAULT_ALIGN = 8
 WIDTH_PROBE_ROWS = 65_536  # rows on which the chunk width is chosen
@@ -274,11 +277,12 @@ def _fit_sample(
         gen = torch.Generator().manual_seed(seed)
         picks = torch.randperm(sample.shape[0], generator=gen)[:WIDTH_PROBE_ROWS]
         probe = sample.index_select(0, picks.sort().values)
+    slack = WIDER_CHUNK_SLACK * probe.numel()
     best: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
-    for bits in (chunk_bits,) if chunk_bits else CHUNK_BITS_CHOICES:
+    for bits in (chunk_bits,) if chunk_bits else CHUNK_BITS_CHOICES:  # widest first
         mask, bitval = ops.ibp_fit(probe, bits, "ibpembed")
         size = int(ops.ibp_slot_bytes(probe, bits, mask, bitval, unit).sum()) + 16 * mask.numel()
-        if best is None or size < best[0]:
+        if best is None or size < best[0] - slack:
             best = (size, bits, mask, bitval)
     assert best is not None
     _, bits, mask, bitval = best
