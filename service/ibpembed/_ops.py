@@ -96,7 +96,7 @@ def _gather_fake(
     num_rows,
     indices,
 ) -> torch.Tensor:
-    return payload.new_empty((indices.shape[0], row_bytes), dtype=torch.uint8)
+    return block_base.new_empty((indices.shape[0], row_bytes), dtype=torch.uint8)
 
 
 @torch.library.register_fake("ibpembed::lookup_pooled")
@@ -117,6 +117,6 @@ def _lookup_pooled_fake(
     dtype,
     pooling,
 ) -> torch.Tensor:
-    return payload.new_empty(
+    return block_base.new_empty(
         (offsets.shape[0] - 1, pooled_dim(dtype, row_bytes)), dtype=torch.float32
     )
