@@ -66,6 +66,8 @@ def _compress_fake(rows, chunk_bits, mask, bitval, unit_bytes) -> tuple[torch.Te
     )
 
 
+# Lookup outputs live where the table's small tensors live: on a GPU the payload stays in pinned
+# host memory (a CPU tensor) while block_base and the rest are CUDA tensors.
 @torch.library.register_fake("ibpembed::ibp_decompress")
 def _decompress_fake(
     payload,
@@ -79,7 +81,7 @@ def _decompress_fake(
     unit_bytes,
     num_rows,
 ) -> torch.Tensor:
-    return payload.new_empty((num_rows, row_bytes), dtype=torch.uint8)
+    return block_base.new_empty((num_rows, row_bytes), dtype=torch.uint8)
 
 
 @torch.library.register_fake("ibpembed::ibp_gather")
