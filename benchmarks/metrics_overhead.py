@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Metrics overhead: lookup throughput of ``ibpembed serve`` with metrics on vs off, same run.
 
-    python -m benchmarks.metrics_overhead [--quick] [--out DIR] [--rounds N] [--concurrency C]
+    python -m benchmarks.metrics_overhead [--quick] [--out DIR] [--rounds N] [--batches B ...]
 
 One table set (the DLRM-DCNv2-profile demo tables, compressed) is served by two server
 processes started side by side with the same flags, except ``--metrics-port``: free port (on)
@@ -328,12 +328,15 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small tables, B=1, short rounds")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds per B")
+    parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes B")
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
     parser.add_argument("--concurrency", type=int, default=None, help="default 2 x workers")
     args = parser.parse_args()
     cfg = QUICK if args.quick else FULL
     if args.rounds is not None:
         cfg = Config(**(cfg.__dict__ | {"rounds": args.rounds}))
+    if args.batches is not None:
+        cfg = Config(**(cfg.__dict__ | {"batches": tuple(args.batches)}))
     report = run(cfg, args.out, args.workers, args.concurrency or 2 * args.workers)
     print(markdown(report))
     return 0
