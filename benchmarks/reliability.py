@@ -79,6 +79,12 @@ def proc_rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU time ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def proc_fds(pid: int) -> int:
     """Open file descriptors of ``pid``."""
     return len(os.listdir(f"/proc/{pid}/fd"))
@@ -145,6 +151,9 @@ class ServerProcess:
 
     def fds(self) -> int:
         return proc_fds(self.pid)
+
+    def cpu_seconds(self) -> float:
+        return proc_cpu_seconds(self.pid)
 
     def log(self) -> str:
         """Everything the server wrote so far."""
