@@ -492,7 +492,11 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
                     started, pooling = arrivals.popleft()
                     self._inflight -= 1
                     self._latency.observe(("LookupStream", pooling), time.perf_counter() - started)
-                    code = _CODE_NAMES[response.error.code] if response.HasField("error") else "OK"
+                    code = (
+                        _CODE_NAMES.get(response.error.code, "UNKNOWN")
+                        if response.HasField("error")
+                        else "OK"
+                    )
                     self._requests.inc(("LookupStream", code))
                     yield response
             finally:
