@@ -187,7 +187,8 @@ void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, int64_t lo
   const int64_t visible = n + lookahead;
   const int64_t slot_cap = t.unit_bytes * units_for(t.row_bytes, t.unit_bytes);
   // Each staged slot keeps kPayloadPad readable bytes after it, as the payload does.
-  std::vector<uint8_t> stage(static_cast<size_t>(kStageRows * (slot_cap + kPayloadPad)));
+  const int64_t stride = slot_cap + kPayloadPad;
+  std::vector<uint8_t> stage(static_cast<size_t>(kStageRows * stride));
   for (int64_t i = kStageRows; i < 2 * kStageRows && i < visible; ++i) prefetch_index(t, ids[i]);
   for (int64_t begin = 0; begin < n; begin += kStageRows) {
     const int64_t end = begin + kStageRows < n ? begin + kStageRows : n;
@@ -201,7 +202,7 @@ void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, int64_t lo
       uint8_t* dst = out + i * t.row_bytes;
       if (row_is_compressed(t, r)) {
         const int64_t bytes = t.unit_bytes * t.row_units[r];
-        std::memcpy(stage.data() + (i - begin) * (slot_cap + kPayloadPad), src,
+        std::memcpy(stage.data() + (i - begin) * stride, src,
                     static_cast<size_t>(bytes + kPayloadPad));
       } else {
         std::memcpy(dst, src, static_cast<size_t>(t.row_bytes));
@@ -210,7 +211,7 @@ void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, int64_t lo
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = ids[i];
       if (row_is_compressed(t, r)) {
-        decode_compressed_row<W, Ops>(plan, t, stage.data() + (i - begin) * (slot_cap + kPayloadPad),
+        decode_compressed_row<W, Ops>(plan, t, stage.data() + (i - begin) * stride,
                                       out + i * t.row_bytes);
       }
     }
