@@ -8,6 +8,10 @@ import logging
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
 
 from benchmarks import fuzz_rpc
 from benchmarks.reliability import fuzz_tables
@@ -87,3 +91,29 @@ def test_status_message_echoing_a_huge_name_is_truncated(server) -> None:
         stream = _raw(channel, STREAM, "stream")(iter([request.SerializeToString()]), timeout=30)
         (reply,) = (pb.LookupResponse.FromString(r) for r in stream)
     assert reply.error.code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
+@pytest.mark.parametrize(
+    ("method", "kind"),
+    [
+        ("/grpc.health.v1.Health/Check", "unary"),
+        ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "stream"),
+    ],
+)
+def test_undecodable_probe_request_is_invalid_argument(server, caplog, method, kind) -> None:
+    # Health needs no token even when the service does: an ERROR traceback per garbage message
+    # there was an anonymous way to flood the log.
+    with caplog.at_level(logging.WARNING), grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            call = _raw(channel, method, kind)
+            list(call(iter([GARBAGE]), timeout=30)) if kind == "stream" else call(GARBAGE)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # Well-formed probes still work, streaming health included.
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        assert (
+            "ibpembed.v1.EmbeddingLookup"
+            in ProtoReflectionDescriptorDatabase(channel).get_services()
+        )
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

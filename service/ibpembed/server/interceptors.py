@@ -11,6 +11,7 @@ Health and reflection pass through untouched, so probes keep working while drain
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
 import time
 import uuid
@@ -73,8 +74,10 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or not details.method.startswith(SERVICE_PREFIX):
+        if handler is None:
             return handler
+        if not details.method.startswith(SERVICE_PREFIX):
+            return _decode_guarded(handler)
         method = details.method
         deserializer = tolerant_deserializer(handler.request_deserializer)
         if handler.unary_unary is not None:
@@ -155,6 +158,57 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             self._done(method, grpc.StatusCode.OK, started)
 
         return stream
+
+
+async def _drain(result: Any, context: grpc.aio.ServicerContext) -> None:
+    """Run a streaming behavior, whether it yields its responses or writes them itself."""
+    if inspect.isasyncgen(result):
+        async for response in result:
+            await context.write(response)
+    else:
+        await result
+
+
+def _decode_guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` (health, reflection) answering undecodable requests with INVALID_ARGUMENT.
+
+    Otherwise untouched (no readiness gate: probes work while draining). Health needs no token,
+    so without this any anonymous client could write an ERROR traceback to the log per message.
+    """
+
+    async def check(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(request, UndecodableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request.error()))
+
+    async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await check(request, context)
+        return await handler.unary_unary(request, context)
+
+    async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await check(request, context)
+        await _drain(handler.unary_stream(request, context), context)
+
+    async def stream_stream(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
+        async def checked() -> AsyncIterator:
+            async for request in requests:
+                await check(request, context)
+                yield request
+
+        await _drain(handler.stream_stream(checked(), context), context)
+
+    kinds = {
+        "unary_unary": (grpc.unary_unary_rpc_method_handler, unary_unary),
+        "unary_stream": (grpc.unary_stream_rpc_method_handler, unary_stream),
+        "stream_stream": (grpc.stream_stream_rpc_method_handler, stream_stream),
+    }
+    for attr, (make, behavior) in kinds.items():
+        if getattr(handler, attr) is not None:
+            return make(
+                behavior,
+                request_deserializer=tolerant_deserializer(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
+    return handler
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
