@@ -74,6 +74,7 @@ ALLOWED: dict[str, set[C]] = {
     "list_tables": {C.OK, C.INVALID_ARGUMENT},
     "describe_table": {C.OK, C.NOT_FOUND, C.INVALID_ARGUMENT},
     "unknown_method": {C.UNIMPLEMENTED},
+    "probe_garbage": {C.OK, C.INVALID_ARGUMENT},
 }
 # Categories a stream message can be drawn from, and what its per-message error may be.
 STREAM_MESSAGES = ("valid", "empty", "bad_ids", "bad_lengths", "bad_bytes", "bad_weights",
@@ -84,7 +85,7 @@ WEIGHTS: dict[str, float] = {
     "bad_bytes": 5, "bad_weights": 5, "unknown_feature": 3, "bad_name": 3, "bad_pooling": 3,
     "oversize_request": 0.3, "oversize_response": 0.5, "deadline": 6, "cancelled": 6,
     "stream": 4, "stream_garbage": 1, "stream_cancelled": 2, "stream_abandoned": 1,
-    "list_tables": 1, "describe_table": 2, "unknown_method": 1,
+    "list_tables": 1, "describe_table": 2, "unknown_method": 1, "probe_garbage": 1,
 }  # fmt: skip
 
 
@@ -401,6 +402,15 @@ class Fuzzer:
         else:
             body = pb.DescribeTableRequest(name=name).SerializeToString()
         return (await self.call("DescribeTable", body))[0], ""
+
+    async def _probe_garbage(self, category: str) -> tuple[C, str]:
+        # Health needs no token even when lookups do: garbage there must not reach the log.
+        check = self.channel.unary_unary("/grpc.health.v1.Health/Check", _identity, _identity)
+        try:
+            await check(self.req.garbage(), timeout=10)
+        except grpc.aio.AioRpcError as err:
+            return err.code(), ""
+        return C.OK, ""
 
     async def _unknown_method(self, category: str) -> tuple[C, str]:
         method = str(self.rng.choice(["Nope", "lookup", "Lookup/x", ""]))
