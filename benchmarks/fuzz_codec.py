@@ -10,8 +10,9 @@ per tiny table would time the dispatcher, not the codec, so cases are batched: t
 batch share dtype and row width and are stacked into one tensor, and one ``ibp_fit`` /
 ``ibp_compress`` / ``ibp_decompress`` / ``ibp_gather`` call handles them all. The masks are
 fitted on the whole stack or on one member table (so the other members are mostly exceptions
-and raw rows), or are random bit patterns (so every mask/bitval combination the decoder can meet
-is reachable, not only those a fit produces); every method and chunk width is drawn.
+and raw rows), or are a fit with random bits flipped and a random bitval (pairs no fit produces,
+next to chunks that still participate), or are empty (the raw path). Every fit method, chunk
+width and alignment is drawn.
 
 Two more checks run on a sample of the cases: each alone through ``ibpembed.compress`` (its own
 fit, chunk width chosen by the codec), and each against the independent numpy reference
@@ -97,7 +98,7 @@ KINDS = (
     "low_entropy",
     "int8_rowwise",
 )
-FIT_SOURCES = ("stack", "member", "random_masks", "raw")
+FIT_SOURCES = ("stack", "member", "perturbed_fit", "raw")
 ALIGNS = (1, 8, 16, 32)
 CHUNK_BITS = (16, 32, 64)
 BATCH_BYTES = 1 << 17  # rows bytes per batch: large enough to amortise each op call
