@@ -184,9 +184,8 @@ while True:
     try:
         store.reload()
         reloads += 1
-    except Exception as exc:  # a pack swept files between manifest read and open: keep serving
+    except Exception:  # e.g. a pack swept files between manifest read and open: keep serving
         reload_errors += 1
-        err = repr(exc)
     if time.monotonic() - last > 0.2:
         print(f"reads {reads} reloads {reloads} errors {reload_errors} bad {len(bad)}", flush=True)
         last = time.monotonic()
