@@ -8,7 +8,8 @@ processes started side by side with the same flags, except ``--metrics-port``: f
 or 0 (off). For each batch size B (26 features, DCNv2 pooling factors, Zipf ids, SUM pooling) the
 load generator measures both servers in alternating rounds (on/off, then off/on, ...), so drift
 in the machine's load hits both arms alike. While the "on" server is measured, /metrics is
-scraped every second (Prometheus is typically configured at 15 s: this is pessimistic).
+scraped every ``--scrape-interval`` seconds (default 1; Prometheus is typically configured at
+15 s, so the default is pessimistic; 0 = no scrapes).
 
 Reported per B, each as the median over rounds of the per-round on/off ratio:
 
@@ -66,6 +67,7 @@ class Config:
     seconds: float  # measured seconds per round and arm
     warmup_s: float
     rounds: int
+    scrape_interval_s: float = 1.0  # 0 = the "on" server is not scraped
 
 
 FULL = Config(max_rows=100_000, batches=(1, 64, 512), seconds=4.0, warmup_s=0.5, rounds=6)
@@ -114,7 +116,7 @@ class Server:
 class Scraper:
     """Fetches /metrics every ``interval_s`` until stopped, as Prometheus would."""
 
-    def __init__(self, port: int, interval_s: float = 1.0) -> None:
+    def __init__(self, port: int, interval_s: float) -> None:
         self.url = f"http://127.0.0.1:{port}/metrics"
         self.interval_s = interval_s
         self.scrapes = 0
@@ -151,7 +153,8 @@ def load(server: Server, batch: int, concurrency: int, seconds: float) -> dict:
 
 def measure(server: Server, cfg: Config, batch: int, concurrency: int) -> dict:
     """QPS and server CPU per request of one run; scraped while it runs when metrics are on."""
-    scraper = Scraper(server.metrics_port) if server.metrics_port else None
+    scrape = server.metrics_port and cfg.scrape_interval_s > 0
+    scraper = Scraper(server.metrics_port, cfg.scrape_interval_s) if scrape else None
     cpu = server.cpu_seconds()
     report = load(server, batch, concurrency, cfg.seconds)
     cpu = server.cpu_seconds() - cpu
@@ -288,6 +291,7 @@ def markdown(report: dict) -> str:
         f"{report['date']}, {report['machine']} (load average {report['load_average']:.1f}), "
         f"torch {report['torch']}, `{report['command']}`: {cfg['rounds']} alternating rounds "
         f"of {cfg['seconds']} s per arm, {cfg['concurrency']} requests in flight, "
+        f"scraped every {cfg['scrape_interval_s']} s (0 = never), "
         f"{cfg['workers']} server workers, 26 features, tables capped at {cfg['max_rows']} rows.",
         "",
         f"Metrics code per request: {1e6 * report['hook_costs']['per_request_s']:.1f} us, "
@@ -329,6 +333,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds per B")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes B")
+    parser.add_argument(
+        "--scrape-interval", type=float, default=1.0, help="seconds between scrapes (0 = none)"
+    )
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
     parser.add_argument("--concurrency", type=int, default=None, help="default 2 x workers")
     args = parser.parse_args()
@@ -337,6 +344,7 @@ def main() -> int:
         cfg = Config(**(cfg.__dict__ | {"rounds": args.rounds}))
     if args.batches is not None:
         cfg = Config(**(cfg.__dict__ | {"batches": tuple(args.batches)}))
+    cfg = Config(**(cfg.__dict__ | {"scrape_interval_s": args.scrape_interval}))
     report = run(cfg, args.out, args.workers, args.concurrency or 2 * args.workers)
     print(markdown(report))
     return 0
