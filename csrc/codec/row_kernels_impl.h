@@ -19,10 +19,14 @@ inline void prefetch_index(const TableView& t, int64_t r) {
   __builtin_prefetch(t.block_base + r / kRowsPerBlock, 0, 3);
 }
 
+// Every cache line the staging copy will touch: slots need not start on a line, and the copy
+// reads kPayloadPad bytes past the slot.
 inline void prefetch_slot(const TableView& t, int64_t r) {
-  const uint8_t* slot = t.payload + row_offset(t, r);
-  const int64_t bytes = t.unit_bytes * t.row_units[r];
-  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(slot + line, 0, 3);
+  const auto begin = reinterpret_cast<uintptr_t>(t.payload + row_offset(t, r));
+  const uintptr_t end = begin + t.unit_bytes * t.row_units[r] + kPayloadPad;
+  for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
+  }
 }
 
 template <int W>

@@ -27,7 +27,7 @@ CHUNK_BITS_CHOICES = (64, 32, 16)
 # walk): it is kept unless a narrower one saves more than this fraction of the raw bytes.
 WIDER_CHUNK_SLACK = 0.01
 DEFAULT_SAMPLE_ROWS = 1_000_000
-DEFAULT_ALIGN = 8
+DEFAULT_ALIGN: int | None = None  # None: the slot unit is chosen by measured size
 WIDTH_PROBE_ROWS = 65_536  # rows on which the chunk width is chosen
 ROWS_PER_BLOCK = 32
 _POOLING_CODES = {"sum": 0, "mean": 1}
@@ -38,6 +38,21 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 def cpu_path() -> str:
     """The CPU codec path in use: ``"bmi2"`` (pext/pdep) or ``"ref"`` (portable scalar)."""
     return _C.cpu_path()
+
+
+def slot_unit_candidates(row_bytes: int, align: int | None) -> list[int]:
+    """Slot units ``compress`` may use, finest first.
+
+    With ``align`` given: the one unit that honours it. Otherwise every power of two up to 64
+    that divides the row width (so raw rows carry no padding: an incompressible table costs raw
+    + index + metadata, nothing more) and keeps a raw row within 255 units; the finest valid unit
+    when none divides. The fit then keeps the one that stores the sample smallest.
+    """
+    if align is not None:
+        return [slot_unit_bytes(row_bytes, align)]
+    finest = slot_unit_bytes(row_bytes, 1)
+    dividing = [u for u in (1, 2, 4, 8, 16, 32, 64) if u >= finest and row_bytes % u == 0]
+    return dividing or [finest]
 
 
 def slot_unit_bytes(row_bytes: int, align: int) -> int:
@@ -252,12 +267,21 @@ def paper_chunk_bits(row_bytes: int) -> int:
     return 16
 
 
+def _probe(sample: torch.Tensor, seed: int) -> torch.Tensor:
+    """At most WIDTH_PROBE_ROWS random rows of the sample: enough to compare sizes."""
+    if sample.shape[0] <= WIDTH_PROBE_ROWS:
+        return sample
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.randperm(sample.shape[0], generator=gen)[:WIDTH_PROBE_ROWS]
+    return sample.index_select(0, picks.sort().values)
+
+
 def _fit_sample(
-    sample: torch.Tensor, *, method: Method, align: int, chunk_bits: int | None, seed: int
+    sample: torch.Tensor, *, method: Method, unit: int, chunk_bits: int | None, seed: int
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(chunk_bits, mask, bitval) for uint8 sample rows [n, row_bytes]."""
+    """(chunk_bits, mask, bitval) for uint8 sample rows [n, row_bytes]; sizes measured in
+    slots of ``unit`` bytes."""
     row_bytes = sample.shape[1]
-    unit = slot_unit_bytes(row_bytes, align)
     if method == "paper":
         bits = chunk_bits or paper_chunk_bits(row_bytes)
         return (bits, *ops.ibp_fit(sample, bits, "paper"))
@@ -272,11 +296,7 @@ def _fit_sample(
         raise ValueError(f"method must be 'ibpembed', 'paper' or 'raw', got {method!r}")
     # The width is chosen on a sub-sample (a 3-way fit is the costly part), then the masks of
     # the chosen width are fitted on the whole sample.
-    probe = sample
-    if chunk_bits is None and sample.shape[0] > WIDTH_PROBE_ROWS:
-        gen = torch.Generator().manual_seed(seed)
-        picks = torch.randperm(sample.shape[0], generator=gen)[:WIDTH_PROBE_ROWS]
-        probe = sample.index_select(0, picks.sort().values)
+    probe = sample if chunk_bits else _probe(sample, seed)
     slack = WIDER_CHUNK_SLACK * probe.numel()
     best: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
     for bits in (chunk_bits,) if chunk_bits else CHUNK_BITS_CHOICES:  # widest first
@@ -307,25 +327,29 @@ def fit_table(
     method: Method = "ibpembed",
     sample_rows: int | None = DEFAULT_SAMPLE_ROWS,
     seed: int = 0,
-    align: int = DEFAULT_ALIGN,
+    align: int | None = DEFAULT_ALIGN,
     chunk_bits: int | None = None,
     quant: str | None = None,
 ) -> TableFit:
     """The fit ``compress`` runs (same arguments, same sample): for writers that stream rows."""
     validate_table(table, quant)
-    if align <= 0 or align & (align - 1):
+    if align is not None and (align <= 0 or align & (align - 1)):
         raise ValueError(f"align must be a power of two, got {align}")
     if chunk_bits is not None and chunk_bits not in CHUNK_BITS_CHOICES:
         raise ValueError(f"chunk_bits must be one of {CHUNK_BITS_CHOICES}, got {chunk_bits}")
     rows = table.view(torch.uint8).view(table.shape[0], -1)
+    sample = _sample(rows, sample_rows, seed)
+    units = slot_unit_candidates(rows.shape[1], align)
     bits, mask, bitval = _fit_sample(
-        _sample(rows, sample_rows, seed),
-        method=method,
-        align=align,
-        chunk_bits=chunk_bits,
-        seed=seed,
+        sample, method=method, unit=units[0], chunk_bits=chunk_bits, seed=seed
     )
-    return TableFit(bits, mask, bitval, slot_unit_bytes(rows.shape[1], align))
+    unit = units[0]
+    if len(units) > 1:
+        probe = _probe(sample, seed)
+        sizes = [int(ops.ibp_slot_bytes(probe, bits, mask, bitval, u).sum()) for u in units]
+        # Coarser units align rows better for wide loads: keep the coarsest of the smallest.
+        unit = max(u for u, size in zip(units, sizes, strict=True) if size == min(sizes))
+    return TableFit(bits, mask, bitval, unit)
 
 
 def compress(
@@ -334,7 +358,7 @@ def compress(
     method: Method = "ibpembed",
     sample_rows: int | None = DEFAULT_SAMPLE_ROWS,
     seed: int = 0,
-    align: int = DEFAULT_ALIGN,
+    align: int | None = DEFAULT_ALIGN,
     chunk_bits: int | None = None,
     quant: str | None = None,
 ) -> CompressedTable:
@@ -347,7 +371,8 @@ def compress(
         ``"paper"`` (the published global-threshold sweep on the widest integer view), or
         ``"raw"`` (every row stored raw: the uncompressed baseline in the same layout and engine).
     sample_rows : rows sampled uniformly at random (``seed``) to fit the masks; None = all rows.
-    align : minimum slot alignment in bytes (a power of two; raised for very wide rows).
+    align : slot alignment in bytes (a power of two; raised for very wide rows). None: the
+        unit that stores the sample smallest among those that leave raw rows unpadded.
     chunk_bits : force the chunk width (16, 32 or 64) instead of choosing it.
     quant : ``"int8_rowwise"`` for uint8 rows in fbgemm's row-wise int8 layout.
     """

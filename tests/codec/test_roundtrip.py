@@ -77,6 +77,27 @@ def test_incompressible_table_costs_only_index_and_metadata(dtype: torch.dtype) 
     assert c.stored_bytes <= c.raw_bytes + c.index_bytes + c.metadata_bytes + 16
 
 
+@pytest.mark.parametrize("row_bytes", [4, 20, 132, 250, 1000, 4100])
+def test_incompressible_odd_widths_need_no_raw_padding(row_bytes: int) -> None:
+    # fbgemm int8 rows are D + 4 bytes wide: raw slots must not be padded to an 8-byte unit.
+    table = make_table(torch.uint8, 300, row_bytes, "random_bits", seed=row_bytes)
+    c = compress(table)
+    assert same_bits(c.decompress(), table)
+    padding = c.payload_bytes - 16 - c.raw_bytes
+    if row_bytes % 4 == 0 and row_bytes <= 4 * 255:
+        assert padding <= 0
+    else:  # no power-of-two unit divides the row within 255 units: under 1/255 of a row
+        assert padding <= c.num_rows * (c.unit_bytes - 1)
+
+
+def test_narrow_rows_get_a_fine_slot_unit() -> None:
+    table = make_table(torch.bfloat16, 2000, 16, "trained_like", seed=9)
+    fine, coarse = compress(table), compress(table, align=8)
+    assert fine.unit_bytes < 8
+    assert fine.stored_bytes < coarse.stored_bytes
+    assert same_bits(fine.decompress(), table)
+
+
 def test_compressible_table_really_shrinks_host_bytes() -> None:
     values = torch.randn(4096, 128) * 0.05
     table = values.to(torch.bfloat16).float()  # bf16-rounded fp32: 16 invariant low bits

@@ -35,7 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pack.add_argument("sources", nargs="+", metavar="SRC", type=Path)
     pack.add_argument("-o", "--output", required=True, type=Path, metavar="DIR")
     pack.add_argument("--method", choices=("ibpembed", "paper", "raw"), default="ibpembed")
-    pack.add_argument("--align", type=int, default=codec.DEFAULT_ALIGN, help="slot alignment")
+    pack.add_argument(
+        "--align",
+        type=int,
+        default=codec.DEFAULT_ALIGN,
+        help="slot alignment in bytes (default: the unit that stores the table smallest)",
+    )
     pack.add_argument(
         "--chunk-bits",
         type=int,

@@ -321,7 +321,7 @@ def pack_table_set(
     method: codec.Method = "ibpembed",
     sample_rows: int | None = codec.DEFAULT_SAMPLE_ROWS,
     seed: int = 0,
-    align: int = codec.DEFAULT_ALIGN,
+    align: int | None = codec.DEFAULT_ALIGN,
     chunk_bits: int | None = None,
     progress: Callable[[TableSource], Callable[[int], None] | None] | None = None,
     on_table: Callable[[tf.PackedTable], None] | None = None,
