@@ -41,7 +41,6 @@ import sys
 import tempfile
 import threading
 import timeit
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,27 +112,35 @@ class Server:
         self.proc.wait(timeout=60)
 
 
+# The scraper runs in its own process, as Prometheus does: a thread in this process would take
+# the GIL from the load generator and make the server look slower for the wrong reason.
+_SCRAPE_LOOP = """
+import sys, time, urllib.request
+url, every = sys.argv[1], float(sys.argv[2])
+while True:
+    time.sleep(every)
+    with urllib.request.urlopen(url, timeout=10) as response:
+        response.read()
+    print(flush=True)
+"""
+
+
 class Scraper:
-    """Fetches /metrics every ``interval_s`` until stopped, as Prometheus would."""
+    """Fetches /metrics every ``interval_s`` from a child process until stopped."""
 
     def __init__(self, port: int, interval_s: float) -> None:
-        self.url = f"http://127.0.0.1:{port}/metrics"
-        self.interval_s = interval_s
-        self.scrapes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            with urllib.request.urlopen(self.url, timeout=10) as response:
-                response.read()
-            self.scrapes += 1
+        url = f"http://127.0.0.1:{port}/metrics"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SCRAPE_LOOP, url, str(interval_s)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def stop(self) -> int:
-        self._stop.set()
-        self._thread.join(timeout=30)
-        return self.scrapes
+        """Stop scraping; returns the number of scrapes done."""
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=30)
+        return out.count("\n")
 
 
 def load(server: Server, batch: int, concurrency: int, seconds: float) -> dict:
