@@ -516,9 +516,13 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
         """
         # ``[::]`` is how the gRPC side spells "all IPv6 addresses"; sockets want it bare.
         address = host.strip("[]")
-        self._http, _ = prometheus_client.start_http_server(
-            port, addr=address, registry=self.registry
-        )
+        try:
+            self._http, _ = prometheus_client.start_http_server(
+                port, addr=address, registry=self.registry
+            )
+        except OSError as exc:
+            # Say which port: the bare errno text does not tell it from the gRPC one.
+            raise OSError(exc.errno, f"metrics port {host}:{port}: {exc.strerror}") from exc
         return self._http.server_address[1]
 
     def stop_http_server(self) -> None:

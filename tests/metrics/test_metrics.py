@@ -7,6 +7,7 @@ exposition.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -295,3 +296,13 @@ def test_stream_with_an_undecodable_message(served):
     assert value(s, count, method="LookupStream", pooling="sum") == 1
     assert value(s, count, method="LookupStream", pooling="none") == 1
     assert value(s, "ibpembed_inflight_requests") == 0
+
+
+def test_metrics_port_in_use_names_the_port():
+    metrics = ServerMetrics(make_store(), device="cpu")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"metrics port 127.0.0.1:{port}"):
+            metrics.start_http_server("127.0.0.1", port)
