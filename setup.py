@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Builds ibpembed._C from csrc/: the CPU codec always, the CUDA kernels when torch has CUDA.
 
-Only csrc/codec/row_kernels_bmi2.cpp is compiled with -mbmi2: it is built to an object first and
-linked in, because setuptools has no per-file flags. The path is chosen at load time, never here.
+Two translation units get an ISA flag, each alone: csrc/codec/row_kernels_bmi2.cpp (-mbmi2) and
+csrc/lookup/accumulate_avx2.cpp (-mavx2). They are built to objects first and linked in, because
+setuptools has no per-file flags. Which one runs is chosen at load time, never here.
 Set IBPEMBED_SKIP_CUDA_BUILD=1 to build the CPU extension on a CUDA torch.
 """
 
@@ -16,7 +17,11 @@ from torch.utils import cpp_extension
 
 ROOT = Path(__file__).parent
 CSRC = ROOT / "csrc"
-BMI2_SOURCE = "csrc/codec/row_kernels_bmi2.cpp"
+# Sources compiled with their own ISA flags (torch-free, so plain compiler calls build them).
+ISA_SOURCES = {
+    "csrc/codec/row_kernels_bmi2.cpp": ["-mbmi2"],
+    "csrc/lookup/accumulate_avx2.cpp": ["-mavx2"],
+}
 CXX_FLAGS = [
     "-O3",
     "-std=c++17",
@@ -40,24 +45,28 @@ def _cuda_enabled() -> bool:
 
 
 class BuildExtension(cpp_extension.BuildExtension):
-    """Compiles the BMI2 translation unit with its own ISA flag, then builds as usual."""
+    """Compiles the ISA-specific translation units with their own flags, then builds as usual."""
 
     def build_extensions(self) -> None:
         include = str(CSRC / "include")
-        objects = self.compiler.compile(
-            [BMI2_SOURCE],
-            output_dir=self.build_temp,
-            include_dirs=[include],
-            extra_postargs=[*CXX_FLAGS, "-fPIC", "-mbmi2"],
-        )
+        objects = []
+        for source, isa_flags in ISA_SOURCES.items():
+            objects += self.compiler.compile(
+                [source],
+                output_dir=self.build_temp,
+                include_dirs=[include],
+                extra_postargs=[*CXX_FLAGS, "-fPIC", *isa_flags],
+            )
         for ext in self.extensions:
             ext.extra_objects = [*ext.extra_objects, *objects]
         super().build_extensions()
 
 
 def _extension() -> cpp_extension.CppExtension:
-    sources = [s for s in _sources("codec/*.cpp") if s != BMI2_SOURCE]
-    sources += [*_sources("lookup/*.cpp"), "csrc/ops/torch_bindings.cpp"]
+    sources = [
+        s for s in _sources("codec/*.cpp") + _sources("lookup/*.cpp") if s not in ISA_SOURCES
+    ]
+    sources.append("csrc/ops/torch_bindings.cpp")
     include_dirs = [str(CSRC / "include")]
     if not _cuda_enabled():
         return cpp_extension.CppExtension(

@@ -186,7 +186,7 @@ inline constexpr int64_t kStageRows = 16;
 
 template <int W, class Ops>
 void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, int64_t lookahead,
-                   uint8_t* out) {
+                   uint8_t* out, const uint8_t** row_ptrs) {
   const DecodePlan<W> plan(t);
   const int64_t visible = n + lookahead;
   const int64_t slot_cap = t.unit_bytes * units_for(t.row_bytes, t.unit_bytes);
@@ -208,6 +208,9 @@ void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, int64_t lo
         const int64_t bytes = t.unit_bytes * t.row_units[r];
         std::memcpy(stage.data() + (i - begin) * stride, src,
                     static_cast<size_t>(bytes + kPayloadPad));
+        if (row_ptrs != nullptr) row_ptrs[i] = dst;
+      } else if (row_ptrs != nullptr) {
+        row_ptrs[i] = src;
       } else {
         std::memcpy(dst, src, static_cast<size_t>(t.row_bytes));
       }
@@ -224,11 +227,11 @@ void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, int64_t lo
 
 template <class Ops>
 void decode_rows(const TableView& t, const int64_t* ids, int64_t n, int64_t lookahead,
-                 uint8_t* out) {
+                 uint8_t* out, const uint8_t** row_ptrs) {
   switch (t.chunk_bits) {
-    case 16: return decode_rows_w<16, Ops>(t, ids, n, lookahead, out);
-    case 32: return decode_rows_w<32, Ops>(t, ids, n, lookahead, out);
-    default: return decode_rows_w<64, Ops>(t, ids, n, lookahead, out);
+    case 16: return decode_rows_w<16, Ops>(t, ids, n, lookahead, out, row_ptrs);
+    case 32: return decode_rows_w<32, Ops>(t, ids, n, lookahead, out, row_ptrs);
+    default: return decode_rows_w<64, Ops>(t, ids, n, lookahead, out, row_ptrs);
   }
 }
 

@@ -49,8 +49,10 @@ struct RowKernels {
                       const uint8_t* compressed, const int64_t* offsets, uint8_t* payload);
   // Decode rows ids[0..n) of the table into out (row_bytes each, back to back). Raw rows copy.
   // ids[n..n + lookahead) are the ids the caller decodes next: only prefetched.
+  // With row_ptrs, row i is at row_ptrs[i] instead: raw rows are then not copied (the pointer
+  // is into the payload), compressed rows still decode into out.
   void (*decode_rows)(const TableView& table, const int64_t* ids, int64_t n, int64_t lookahead,
-                      uint8_t* out);
+                      uint8_t* out, const uint8_t** row_ptrs);
 };
 
 const RowKernels& row_kernels(CpuPath path);
