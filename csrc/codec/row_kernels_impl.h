@@ -179,9 +179,9 @@ void decode_compressed_row(const DecodePlan<W>& plan, const TableView& t, const 
 
 // Rows staged per round. NOTE(codec): the decode loop issues ~250 instructions per 64-byte line,
 // so out-of-order execution cannot see the next line's load and a row fetched from DRAM would
-// miss line after line. So rows move through a three-round pipeline: index entries are
-// prefetched two rounds ahead, slot lines one round ahead (while this round decodes), then a
-// round's slots are copied into an L1-resident stage and decoded from there.
+// miss line after line. So rows move through a pipeline: index entries are prefetched two rounds
+// ahead, slot lines one round ahead, then a round's slots are copied into an L1-resident stage
+// and decoded from there.
 inline constexpr int64_t kStageRows = 16;
 
 template <int W, class Ops>
@@ -193,14 +193,15 @@ void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, int64_t lo
   // Each staged slot keeps kPayloadPad readable bytes after it, as the payload does.
   const int64_t stride = slot_cap + kPayloadPad;
   std::vector<uint8_t> stage(static_cast<size_t>(kStageRows * stride));
+  for (int64_t i = 0; i < kStageRows && i < visible; ++i) prefetch_index(t, ids[i]);
   for (int64_t i = kStageRows; i < 2 * kStageRows && i < visible; ++i) prefetch_index(t, ids[i]);
   for (int64_t begin = 0; begin < n; begin += kStageRows) {
     const int64_t end = begin + kStageRows < n ? begin + kStageRows : n;
-    for (int64_t i = end + kStageRows; i < end + 2 * kStageRows && i < visible; ++i) {
-      prefetch_index(t, ids[i]);
-    }
-    for (int64_t i = end; i < end + kStageRows && i < visible; ++i) prefetch_slot(t, ids[i]);
     for (int64_t i = begin; i < end; ++i) {
+      // One row's prefetches per row copied: a burst of a whole round's lines would overflow
+      // the core's miss queue and stall.
+      if (i + 2 * kStageRows < visible) prefetch_index(t, ids[i + 2 * kStageRows]);
+      if (i + kStageRows < visible) prefetch_slot(t, ids[i + kStageRows]);
       const int64_t r = ids[i];
       const uint8_t* src = t.payload + row_offset(t, r);
       uint8_t* dst = out + i * t.row_bytes;
