@@ -21,6 +21,7 @@
 #include "ibpembed/codec.h"
 #include "ibpembed/lookup.h"
 #include "ibpembed/numeric.h"
+#include "op_checks.h"
 
 namespace ibpembed {
 namespace {
@@ -281,23 +282,14 @@ at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& blo
                                 int64_t dtype, int64_t pooling) {
   const TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval,
                                  chunk_bits, row_bytes, unit_bytes, num_rows);
-  TORCH_CHECK_VALUE(dtype >= 0 && dtype <= static_cast<int64_t>(DType::kInt8Rowwise),
-                    "unknown dtype code ", dtype);
-  TORCH_CHECK_VALUE(pooling == 0 || pooling == 1, "pooling must be 0 (sum) or 1 (mean), got ",
-                    pooling);
+  const int64_t dim = check_pooling_args(dtype, pooling, row_bytes);
   const auto dt = static_cast<DType>(dtype);
-  const int64_t dim = pooled_dim(dt, row_bytes);
-  TORCH_CHECK_VALUE(dim > 0, "tables of dtype code ", dtype, " with ", row_bytes,
-                    "-byte rows cannot be pooled (plain int8/uint8 rows carry no scale)");
   check_indices(indices, num_rows);
   check_offsets(offsets, indices.numel());
   const float* weights = nullptr;
   if (per_sample_weights.has_value()) {
     check_cpu_contiguous(*per_sample_weights, "per_sample_weights", at::kFloat);
-    TORCH_CHECK_VALUE(per_sample_weights->dim() == 1 &&
-                          per_sample_weights->numel() == indices.numel(),
-                      "per_sample_weights must be 1-D with one weight per index (",
-                      indices.numel(), "), got shape ", per_sample_weights->sizes());
+    check_weights_shape(*per_sample_weights, indices.numel());
     weights = per_sample_weights->data_ptr<float>();
   }
   const int64_t bags = offsets.numel() - 1;

@@ -36,6 +36,7 @@
 #include "../cuda/kernels.h"
 #include "ibpembed/format.h"
 #include "ibpembed/numeric.h"
+#include "op_checks.h"
 
 namespace ibpembed::gpu {
 namespace {
@@ -218,14 +219,8 @@ at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block
   const c10::cuda::CUDAGuard guard(device);
   const DeviceTable table = device_table(payload, block_base, row_units, bitmask, mask, bitval,
                                          chunk_bits, row_bytes, unit_bytes, num_rows);
-  TORCH_CHECK_VALUE(dtype >= 0 && dtype <= static_cast<int64_t>(DType::kInt8Rowwise),
-                    "unknown dtype code ", dtype);
-  TORCH_CHECK_VALUE(pooling == 0 || pooling == 1, "pooling must be 0 (sum) or 1 (mean), got ",
-                    pooling);
+  const int64_t dim = check_pooling_args(dtype, pooling, row_bytes);
   const auto dt = static_cast<DType>(dtype);
-  const int64_t dim = pooled_dim(dt, row_bytes);
-  TORCH_CHECK_VALUE(dim > 0, "tables of dtype code ", dtype, " with ", row_bytes,
-                    "-byte rows cannot be pooled (plain int8/uint8 rows carry no scale)");
   check_indices_tensor(indices, device);
   check_device_tensor(offsets, "offsets", at::kLong, device);
   TORCH_CHECK_VALUE(offsets.dim() == 1 && offsets.numel() >= 1,
@@ -233,10 +228,7 @@ at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block
   const float* weights = nullptr;
   if (per_sample_weights.has_value()) {
     check_device_tensor(*per_sample_weights, "per_sample_weights", at::kFloat, device);
-    TORCH_CHECK_VALUE(per_sample_weights->dim() == 1 &&
-                          per_sample_weights->numel() == indices.numel(),
-                      "per_sample_weights must be 1-D with one weight per index (",
-                      indices.numel(), "), got shape ", per_sample_weights->sizes());
+    check_weights_shape(*per_sample_weights, indices.numel());
     weights = per_sample_weights->data_ptr<float>();
   }
   const int64_t bags = offsets.numel() - 1;
