@@ -145,3 +145,17 @@ def test_pooled_matches_torchrec_embedding_bag_collection(pooling: str, weighted
         diff = (got - expected[f"f_{name}"]).abs().numpy()
         assert np.all(diff <= tol), float((diff - tol).max())
         offset += n
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_raw_and_compressed_rows_pool_to_the_same_bits(dtype: torch.dtype) -> None:
+    # Raw rows are summed in place from the payload, compressed ones after decoding: the same
+    # values in the same order must give the same bits.
+    rng = np.random.default_rng(11)
+    table = make_table(dtype, 2000, 129, "trained_like", 11)
+    ids, offsets, _ = _batch(rng, 2000, 300, 40)
+    weights = torch.from_numpy(rng.normal(size=len(ids)).astype(np.float32))
+    args = (torch.from_numpy(ids), torch.from_numpy(offsets), weights)
+    compressed, raw = compress(table), compress(table, method="raw")
+    assert compressed.compressed_rows > 0 and raw.compressed_rows == 0
+    assert torch.equal(compressed.lookup(*args), raw.lookup(*args))
