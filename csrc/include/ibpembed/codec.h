@@ -38,6 +38,19 @@ ChunkMasks fit_masks(const uint8_t* rows, int64_t num_rows, int64_t row_bytes, i
 
 enum class CpuPath { kRef, kBmi2 };
 
+// Rows decode_rows stages per round. NOTE(codec): a round's rows are handed to a fused consumer
+// (pooled lookups) while they are still in L1, and the slot lines of the next round are
+// prefetched meanwhile, one row at a time, so the consumer rarely waits on DRAM.
+inline constexpr int64_t kDecodeStageRows = 32;
+
+// Consumer of decoded rows: called once per round, in id order, with rows[k] = row first + k of
+// the decode_rows call (k < count). Raw rows point into the payload; decoded rows are only valid
+// until the call returns.
+struct RowSink {
+  void (*consume)(void* ctx, int64_t first, int64_t count, const uint8_t* const* rows);
+  void* ctx;
+};
+
 struct RowKernels {
   // comp_bytes[r] = compressed encoding size of row r in bytes (before slot rounding).
   void (*size_rows)(const uint8_t* rows, int64_t num_rows, int64_t row_bytes,
@@ -47,12 +60,12 @@ struct RowKernels {
   void (*encode_rows)(const uint8_t* rows, int64_t num_rows, int64_t row_bytes,
                       const uint64_t* mask, const uint64_t* bitval, int chunk_bits,
                       const uint8_t* compressed, const int64_t* offsets, uint8_t* payload);
-  // Decode rows ids[0..n) of the table into out (row_bytes each, back to back). Raw rows copy.
-  // ids[n..n + lookahead) are the ids the caller decodes next: only prefetched.
-  // With row_ptrs, row i is at row_ptrs[i] instead: raw rows are then not copied (the pointer
-  // is into the payload), compressed rows still decode into out.
-  void (*decode_rows)(const TableView& table, const int64_t* ids, int64_t n, int64_t lookahead,
-                      uint8_t* out, const uint8_t** row_ptrs);
+  // Decode rows ids[0..n) of the table, in order. Without a sink, row i lands at
+  // out + i * row_bytes (raw rows are copied). With a sink, row i is handed to it as soon as it
+  // is ready instead, a round at a time: raw rows as pointers into the payload (never copied),
+  // compressed rows decoded into out, which then only needs kDecodeStageRows rows and is reused.
+  void (*decode_rows)(const TableView& table, const int64_t* ids, int64_t n, uint8_t* out,
+                      const RowSink* sink);
 };
 
 const RowKernels& row_kernels(CpuPath path);
