@@ -105,6 +105,9 @@ void encode_rows(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64
 // NOTE(codec): free fields of consecutive chunks are adjacent in the stream, and pdep fills a
 // mask's set bits in order, so one pdep with the concatenated free masks of the chunks of an
 // 8-byte group decodes all of them at once. Every width then decodes 8 bytes per step.
+// Valid bits of one unaligned 8-byte stream read at the worst bit shift (7).
+inline constexpr int kOneLoadBits = 57;
+
 template <int W>
 struct DecodePlan {
   static constexpr int kChunksPerGroup = 64 / W;
@@ -116,6 +119,9 @@ struct DecodePlan {
   std::vector<uint32_t> group_offset;     // stream bit of the group's first free field
   std::vector<uint32_t> field_offset;     // F_j = V + sum_{i<j} k_i
   uint64_t exception_start;               // E = V + sum_j k_j
+  // Every group's free bits fit the 57 bits one unaligned 8-byte load holds at any bit shift
+  // (true when each 8 bytes keep >= 7 invariant bits), so no group needs a 9th byte.
+  bool groups_fit_one_load = true;
 
   explicit DecodePlan(const TableView& t)
       : mask(t.mask, t.mask + t.num_chunks), free_count(t.num_chunks),
@@ -139,6 +145,7 @@ struct DecodePlan {
         group_free_mask[g] |= (~mask[first + c] & low_bits(W)) << shift;
         group_bitval[g] |= t.bitval[first + c] << shift;
       }
+      groups_fit_one_load &= popcount64(group_free_mask[g]) <= kOneLoadBits;
     }
   }
 };
@@ -150,10 +157,18 @@ template <int W, class Ops>
 void decode_compressed_row(const DecodePlan<W>& plan, const TableView& t, const uint8_t* in,
                            uint8_t* row) {
   const int groups = static_cast<int>(plan.group_offset.size());
-  for (int g = 0; g < groups; ++g) {
-    const uint64_t x = decode_field<Ops>(read_stream_bits<64>(in, plan.group_offset[g]),
-                                         plan.group_free_mask[g], plan.group_bitval[g]);
-    std::memcpy(row + 8 * static_cast<int64_t>(g), &x, 8);
+  if (plan.groups_fit_one_load) {
+    for (int g = 0; g < groups; ++g) {
+      const uint64_t x = decode_field<Ops>(read_stream_bits<kOneLoadBits>(in, plan.group_offset[g]),
+                                           plan.group_free_mask[g], plan.group_bitval[g]);
+      std::memcpy(row + 8 * static_cast<int64_t>(g), &x, 8);
+    }
+  } else {
+    for (int g = 0; g < groups; ++g) {
+      const uint64_t x = decode_field<Ops>(read_stream_bits<64>(in, plan.group_offset[g]),
+                                           plan.group_free_mask[g], plan.group_bitval[g]);
+      std::memcpy(row + 8 * static_cast<int64_t>(g), &x, 8);
+    }
   }
   // Chunks past the last whole group (rows whose width is not a multiple of 8 bytes).
   for (int j = groups * DecodePlan<W>::kChunksPerGroup; j < t.num_chunks; ++j) {
