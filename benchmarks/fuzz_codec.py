@@ -12,11 +12,15 @@ batch share dtype and row width and are stacked into one tensor, and one ``ibp_f
 fitted on the whole stack or on one member table (so the other members are mostly exceptions
 and raw rows), or are a fit with random bits flipped and a random bitval (pairs no fit produces,
 next to chunks that still participate), or are empty (the raw path). Every fit method, chunk
-width and alignment is drawn.
+width, code width and alignment is drawn: code width C = 1 is plain IBP (one pattern per chunk
+position); C = 2..4 are format.h's exponent-aware codebooks of 2^C - 1 patterns per position,
+fitted ones (``ibp_fit(..., code_bits)``) and random ones inside perturbed masks (duplicate
+entries, patterns no row has, patterns taken from rows).
 
 Two more checks run on a sample of the cases: each alone through ``ibpembed.compress`` (its own
-fit, chunk width chosen by the codec), and each against the independent numpy reference
-(``ibpembed.reference``: same masks, same payload bytes, same rows).
+fit, chunk and code width chosen by the codec or forced), and each against the independent numpy
+reference (``ibpembed.reference``: same masks and codebooks, same payload bytes, same rows; for
+fitted or perturbed codebooks).
 
 Jobs alternate the CPU path (``IBPEMBED_CPU_PATH=bmi2`` / ``ref``) when the CPU has BMI2. A
 mismatch is saved (``--failures DIR``) with the command that replays its batch; the exit status
@@ -101,6 +105,9 @@ KINDS = (
 FIT_SOURCES = ("stack", "member", "perturbed_fit", "raw")
 ALIGNS = (1, 8, 16, 32)
 CHUNK_BITS = (16, 32, 64)
+# Code widths C (format.h): 1 is plain IBP, 2..4 the codebook mode. Half the batches take C > 1.
+CODE_BITS = (1, 2, 3, 4)
+CODE_BITS_P = (0.5, 0.5 / 3, 0.5 / 3, 0.5 / 3)
 BATCH_BYTES = 1 << 17  # rows bytes per batch: large enough to amortise each op call
 MAX_TABLES_PER_BATCH = 256
 
@@ -117,6 +124,7 @@ class Batch:
     align: int
     fit_source: str
     method: str  # ibp_fit method for the "stack" and "member" sources
+    code_bits: int = 1  # C: bitval holds V * (2^C - 1) codebook entries
 
 
 @dataclass
@@ -135,6 +143,7 @@ class Stats:
     by_dtype: Counter = field(default_factory=Counter)
     by_kind: Counter = field(default_factory=Counter)
     by_chunk_bits: Counter = field(default_factory=Counter)
+    by_code_bits: Counter = field(default_factory=Counter)
     by_fit_source: Counter = field(default_factory=Counter)
     by_cpu_path: Counter = field(default_factory=Counter)
 
@@ -151,7 +160,14 @@ class Stats:
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.mismatches += other.mismatches
-        for name in ("by_dtype", "by_kind", "by_chunk_bits", "by_fit_source", "by_cpu_path"):
+        for name in (
+            "by_dtype",
+            "by_kind",
+            "by_chunk_bits",
+            "by_code_bits",
+            "by_fit_source",
+            "by_cpu_path",
+        ):
             getattr(self, name).update(getattr(other, name))
 
 
@@ -311,15 +327,22 @@ def make_batch(seed: int) -> Batch:
             for k, n in zip(kinds, sizes, strict=True)
         ]
     weights = np.array([0.35, 0.35, 0.2, 0.1])
+    chunk_bits = int(rng.choice(CHUNK_BITS))
+    align = int(rng.choice(ALIGNS, p=[0.4, 0.4, 0.1, 0.1]))
+    fit_source = str(rng.choice(FIT_SOURCES, p=weights))
+    paper = rng.random() < 0.25
+    code_bits = int(rng.choice(CODE_BITS, p=CODE_BITS_P))
     return Batch(
         dtype=dtype,
         dim=dim,
         tables=tables,
         kinds=kinds,
-        chunk_bits=int(rng.choice(CHUNK_BITS)),
-        align=int(rng.choice(ALIGNS, p=[0.4, 0.4, 0.1, 0.1])),
-        fit_source=str(rng.choice(FIT_SOURCES, p=weights)),
-        method="paper" if rng.random() < 0.25 else "ibpembed",
+        chunk_bits=chunk_bits,
+        align=align,
+        fit_source=fit_source,
+        # The paper's fit has no codebooks: C > 1 always fits with "ibpembed".
+        method="paper" if paper and code_bits == 1 else "ibpembed",
+        code_bits=code_bits,
     )
 
 
@@ -336,37 +359,64 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def codebook_size(code_bits: int) -> int:
+    """K = 2^C - 1 patterns per chunk position (code 0 is the escape)."""
+    return (1 << code_bits) - 1
+
+
+def perturbed_masks(
+    rows: torch.Tensor, chunk_bits: int, code_bits: int, rng: np.random.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fit of ``rows`` with random bits added and dropped per position, and a codebook inside
+    the new masks, so rows meet mask/pattern pairs no fit would produce while many chunks still
+    match a pattern (escapes next to coded chunks).
+
+    Each of the K codebook slots is filled for all positions at once from one source: a random
+    row's chunks (they match at least that row), random bits, or (C > 1) the fitted entry of
+    that slot; all masked to the new masks, so entries may repeat and may match nothing.
+    """
+    v = -(-rows.shape[1] // (chunk_bits // 8))
+    k = codebook_size(code_bits)
+    fitted, fitted_book = ops.ibp_fit(rows, chunk_bits, "ibpembed", code_bits)
+    flips = rng.random((v, chunk_bits)) < rng.uniform(0, 0.3, (v, 1))
+    weights = np.uint64(1) << np.arange(chunk_bits, dtype=np.uint64)
+    mask = fitted.numpy().view(np.uint64) ^ (flips * weights).sum(1, dtype=np.uint64)
+    fitted_book = fitted_book.numpy().view(np.uint64).reshape(v, k)
+    book = np.zeros((v, k), dtype=np.uint64)
+    for slot in range(k):
+        u = rng.random()
+        if u < 0.7:
+            padded = np.zeros(v * chunk_bits // 8, np.uint8)
+            row = rows[int(rng.integers(rows.shape[0]))].numpy()
+            padded[: row.size] = row
+            source = padded.view({16: np.uint16, 32: np.uint32, 64: np.uint64}[chunk_bits])
+            book[:, slot] = source.astype(np.uint64) & mask
+        elif code_bits == 1 or u < 0.85:
+            top = (1 << chunk_bits) - 1
+            book[:, slot] = rng.integers(0, top, v, dtype=np.uint64, endpoint=True) & mask
+        else:
+            book[:, slot] = fitted_book[:, slot] & mask
+    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int64).copy())  # noqa: E731
+    return as_tensor(mask), as_tensor(book.reshape(-1))
+
+
 def batch_masks(
     batch: Batch, stack: torch.Tensor, rng: np.random.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask, bitval) for the stacked rows, from the batch's fit source."""
+    """(mask, bitval) for the stacked rows, from the batch's fit source; bitval holds the
+    V * (2^C - 1) codebook entries."""
     v = -(-stack.shape[1] // (batch.chunk_bits // 8))
+    c = batch.code_bits
     if batch.fit_source == "stack":
-        return ops.ibp_fit(stack, batch.chunk_bits, batch.method)
+        return ops.ibp_fit(stack, batch.chunk_bits, batch.method, c)
     if batch.fit_source == "member":
         member = batch.tables[int(rng.integers(len(batch.tables)))]
-        return ops.ibp_fit(u8_rows(member), batch.chunk_bits, batch.method)
+        return ops.ibp_fit(u8_rows(member), batch.chunk_bits, batch.method, c)
     if batch.fit_source == "raw":
-        zeros = torch.zeros(v, dtype=torch.int64)
-        return zeros, zeros.clone()
-    # Perturbed masks: a fit with random bits added and dropped per position, and bitval from
-    # a random row or random bits, so rows meet mask/bitval pairs no fit would produce while
-    # many still participate (exceptions next to participating chunks).
-    fitted, _ = ops.ibp_fit(stack, batch.chunk_bits, "ibpembed")
-    flips = rng.random((v, batch.chunk_bits)) < rng.uniform(0, 0.3, (v, 1))
-    weights = np.uint64(1) << np.arange(batch.chunk_bits, dtype=np.uint64)
-    mask = fitted.numpy().view(np.uint64) ^ (flips * weights).sum(1, dtype=np.uint64)
-    if rng.random() < 0.7:
-        padded = np.zeros(v * batch.chunk_bits // 8, np.uint8)
-        row = stack[int(rng.integers(stack.shape[0]))].numpy()
-        padded[: row.size] = row
-        source = padded.view({16: np.uint16, 32: np.uint32, 64: np.uint64}[batch.chunk_bits])
-        bitval = source.astype(np.uint64) & mask
-    else:
-        top = (1 << batch.chunk_bits) - 1
-        bitval = rng.integers(0, top, v, dtype=np.uint64, endpoint=True) & mask
-    as_tensor = lambda a: torch.from_numpy(a.view(np.int64).copy())  # noqa: E731
-    return as_tensor(mask), as_tensor(bitval)
+        return torch.zeros(v, dtype=torch.int64), torch.zeros(
+            v * codebook_size(c), dtype=torch.int64
+        )
+    return perturbed_masks(stack, batch.chunk_bits, c, rng)
 
 
 # -- checks ----------------------------------------------------------------------------------------
@@ -410,8 +460,17 @@ def check_solo(table: torch.Tensor, rng: np.random.Generator) -> list[str]:
     """One case alone through the public API: its own fit and (usually) its own chunk width."""
     method = str(rng.choice(("ibpembed", "ibpembed", "paper", "raw")))
     chunk_bits = None if rng.random() < 0.6 else int(rng.choice(CHUNK_BITS))
-    c = codec.compress(table, method=method, chunk_bits=chunk_bits, align=int(rng.choice(ALIGNS)))
+    # The codec's own choice of code width, or a forced one (codebooks need "ibpembed").
+    code_bits = None
+    if method == "ibpembed" and rng.random() < 0.5:
+        code_bits = int(rng.choice(CODE_BITS))
+    align = int(rng.choice(ALIGNS))
+    c = codec.compress(
+        table, method=method, chunk_bits=chunk_bits, code_bits=code_bits, align=align
+    )
     problems = [] if same_bits(c.decompress(), table) else ["solo decompress"]
+    if code_bits is not None and c.code_bits != code_bits:
+        problems.append(f"solo code_bits {c.code_bits} != {code_bits}")
     ids = torch.from_numpy(rng.integers(0, table.shape[0], 2 * table.shape[0]))
     if not same_bits(c.gather(ids), table[ids]):
         problems.append("solo gather")
@@ -419,24 +478,38 @@ def check_solo(table: torch.Tensor, rng: np.random.Generator) -> list[str]:
 
 
 def check_reference(table: torch.Tensor, rng: np.random.Generator) -> list[str]:
-    """One case against the numpy reference: masks, payload, index and rows identical."""
+    """One case against the numpy reference: masks and codebooks, payload, index and rows
+    identical. The bytes are compared for the fit or (one case in three) a perturbed one."""
     rows = u8_rows(table)
     npy = rows.numpy()
     bits = int(rng.choice(CHUNK_BITS))
-    method = "paper" if rng.random() < 0.3 else "ibpembed"
+    code_bits = int(rng.choice(CODE_BITS, p=CODE_BITS_P))
+    method = "paper" if code_bits == 1 and rng.random() < 0.3 else "ibpembed"
     align = int(rng.choice(ALIGNS))
-    mask, bitval = ops.ibp_fit(rows, bits, method)
-    ref_mask, ref_bitval = (ref.fit_paper if method == "paper" else ref.fit_greedy)(npy, bits)
+    mask, bitval = ops.ibp_fit(rows, bits, method, code_bits)
+    if code_bits > 1:
+        ref_mask, ref_bitval = ref.fit_codebooks(npy, bits, code_bits)
+    else:
+        ref_mask, ref_bitval = (ref.fit_paper if method == "paper" else ref.fit_greedy)(npy, bits)
     problems = []
     if not (
         np.array_equal(mask.numpy().view(np.uint64), ref_mask)
         and np.array_equal(bitval.numpy().view(np.uint64), ref_bitval)
     ):
-        problems.append(f"reference fit ({method}, W={bits})")
+        problems.append(f"reference fit ({method}, W={bits}, C={code_bits})")
+    source = "fit"
+    if rng.random() < 1 / 3:
+        mask, bitval = perturbed_masks(rows, bits, code_bits, rng)
+        source = "perturbed"
     unit = codec.slot_unit_bytes(npy.shape[1], align)
     payload, block_base, row_units, bitmask = ops.ibp_compress(rows, bits, mask, bitval, unit)
     expected = ref.compress(
-        npy, bits, mask.numpy().view(np.uint64), bitval.numpy().view(np.uint64), align
+        npy,
+        bits,
+        mask.numpy().view(np.uint64),
+        bitval.numpy().view(np.uint64),
+        align,
+        code_bits,
     )
     same = (
         np.array_equal(payload.numpy(), expected.payload)
@@ -445,7 +518,7 @@ def check_reference(table: torch.Tensor, rng: np.random.Generator) -> list[str]:
         and np.array_equal(bitmask.numpy().view(np.uint32), expected.bitmask)
     )
     if not same:
-        problems.append(f"reference bytes (W={bits}, align={align})")
+        problems.append(f"reference bytes (W={bits}, C={code_bits}, {source}, align={align})")
     if not np.array_equal(ref.decompress(expected), npy):
         problems.append("reference decode")
     return problems
@@ -510,6 +583,7 @@ def run_batch(plan: JobPlan, index: int, stats: Stats, path: str) -> None:
     stats.by_dtype[str(batch.dtype).removeprefix("torch.")] += len(batch.tables)
     stats.by_kind.update(batch.kinds)
     stats.by_chunk_bits[str(batch.chunk_bits)] += len(batch.tables)
+    stats.by_code_bits[str(batch.code_bits)] += len(batch.tables)
     stats.by_fit_source[batch.fit_source] += len(batch.tables)
     stats.by_cpu_path[path] += len(batch.tables)
     if problems:
@@ -529,6 +603,7 @@ def _record(plan: JobPlan, index: int, batch: Batch, problems: list[str], path: 
         "dtype": str(batch.dtype),
         "dim": batch.dim,
         "chunk_bits": batch.chunk_bits,
+        "code_bits": batch.code_bits,
         "align": batch.align,
         "fit_source": batch.fit_source,
         "method": batch.method,
@@ -608,6 +683,7 @@ def report(stats: Stats, seconds: float, args: argparse.Namespace) -> dict:
         "by_dtype": dict(stats.by_dtype),
         "by_kind": dict(stats.by_kind),
         "by_chunk_bits": dict(stats.by_chunk_bits),
+        "by_code_bits": dict(stats.by_code_bits),
         "by_fit_source": dict(stats.by_fit_source),
         "by_cpu_path": dict(stats.by_cpu_path),
     }

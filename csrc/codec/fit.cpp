@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 //
-// Mask fitting. Both methods start from a bit census of the sample; the greedy method then makes
+// Mask fitting. Every method starts from a bit census of the sample; the greedy method then makes
 // one more pass to count, per chunk position, how many rows agree with the majority on each
-// prefix of the agreement ranking.
+// prefix of the agreement ranking; the codebook fit (C > 1) counts the patterns of each prefix.
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <functional>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "ibpembed/bits.h"
@@ -58,6 +60,22 @@ uint64_t load_chunk_any(const uint8_t* row, int64_t row_bytes, int chunk_bits, i
   }
 }
 
+// The W bits of chunk position j, most agreeing with their majority value first (agreement =
+// max(ones, n - ones)); ties by bit index.
+std::array<uint8_t, 64> rank_bits(const std::vector<int64_t>& ones, int64_t n, int64_t row_bytes,
+                                  int w, int j) {
+  std::array<int64_t, 64> agree{};
+  for (int t = 0; t < w; ++t) {
+    const int64_t c = chunk_bit_ones(ones, row_bytes, w, j, t);
+    agree[t] = std::max(c, n - c);
+  }
+  std::array<uint8_t, 64> order{};
+  std::iota(order.begin(), order.begin() + w, 0);
+  std::stable_sort(order.begin(), order.begin() + w,
+                   [&](uint8_t a, uint8_t b) { return agree[a] > agree[b]; });
+  return order;
+}
+
 // prefix_rows[j * (w + 1) + L] = rows whose chunk j agrees with the majority on exactly the
 // first L ranked bits (L = w: on all of them). top[j * w + k - 1] is the mask of the k best-ranked
 // bits; the masks are nested, so L is the number of prefixes without a disagreeing bit: a
@@ -96,20 +114,14 @@ ChunkMasks fit_greedy(const uint8_t* rows, int64_t n, int64_t row_bytes, int w) 
   const std::vector<int64_t> ones = bit_census(rows, n, row_bytes);
   ChunkMasks out{std::vector<uint64_t>(v, 0), std::vector<uint64_t>(v, 0)};
 
-  // Per position: majority word and the bit ranking (most agreeing first; ties by bit index).
+  // Per position: majority word and the bit ranking.
   std::vector<uint64_t> majority(v, 0);
   std::vector<std::array<uint8_t, 64>> ranking(v);
   for (int j = 0; j < v; ++j) {
-    std::array<int64_t, 64> agree{};
     for (int t = 0; t < w; ++t) {
-      const int64_t c = chunk_bit_ones(ones, row_bytes, w, j, t);
-      if (2 * c > n) majority[j] |= uint64_t{1} << t;
-      agree[t] = std::max(c, n - c);
+      if (2 * chunk_bit_ones(ones, row_bytes, w, j, t) > n) majority[j] |= uint64_t{1} << t;
     }
-    std::array<uint8_t, 64>& order = ranking[j];
-    std::iota(order.begin(), order.begin() + w, 0);
-    std::stable_sort(order.begin(), order.begin() + w,
-                     [&](uint8_t a, uint8_t b) { return agree[a] > agree[b]; });
+    ranking[j] = rank_bits(ones, n, row_bytes, w, j);
   }
 
   // top[j][k] = mask of the k best-ranked bits of position j (k = 1..w).
@@ -146,6 +158,97 @@ ChunkMasks fit_greedy(const uint8_t* rows, int64_t n, int64_t row_bytes, int w) 
     for (int i = 0; i < best_k; ++i) mask |= uint64_t{1} << ranking[j][i];
     out.mask[j] = mask;
     out.bitval[j] = majority[j] & mask;
+  }
+  return out;
+}
+
+// Sum of the k largest of counts[0, size).
+int64_t top_k_sum(const int64_t* counts, int64_t size, int k) {
+  std::array<int64_t, 16> top{};  // descending; k <= 15
+  for (int64_t i = 0; i < size; ++i) {
+    int64_t c = counts[i];
+    if (c <= top[k - 1]) continue;
+    int p = k - 1;
+    while (p > 0 && top[p - 1] < c) {
+      top[p] = top[p - 1];
+      --p;
+    }
+    top[p] = c;
+  }
+  return std::accumulate(top.begin(), top.begin() + k, int64_t{0});
+}
+
+// The codebook fit of format.h's C > 1 (docs/codec.md states it; reference.py mirrors it). Per
+// position, the s best-ranked bits (s <= kMaxCodebookMaskBits) become the mask, s chosen to
+// minimise (W - s) * n + s * (rows outside the K most frequent patterns), ties to the smallest s;
+// the codebook is those K patterns, most frequent first (ties: smaller pattern first), padded
+// with the first one when fewer occur.
+//
+// NOTE(codec): the pattern counts of every prefix come from one histogram. Each row's chunk
+// becomes a 16-bit key holding its best-ranked bits from the top down, so the patterns of the s
+// best bits are the key's top s bits: level s of the histogram is level s + 1 with neighbouring
+// bins summed.
+ChunkMasks fit_codebooks(const uint8_t* rows, int64_t num_rows, int64_t row_bytes, int w,
+                         int code_bits) {
+  static_assert(kMaxCodebookMaskBits == 16, "keys are 16-bit");
+  const int64_t n = std::min(num_rows, kCodebookFitRows);
+  const int v = chunks_per_row(row_bytes, w);
+  const int k = codebook_size(code_bits);
+  const int max_s = std::min(w, kMaxCodebookMaskBits);
+  const std::vector<int64_t> ones = bit_census(rows, n, row_bytes);
+  ChunkMasks out{std::vector<uint64_t>(v, 0), std::vector<uint64_t>(static_cast<size_t>(v) * k, 0)};
+  // levels[s] holds 2^s bins at offset 2^s - 1 (1 + 2 + ... + 2^16 bins in all).
+  std::vector<int64_t> levels((size_t{2} << max_s) - 1);
+  const auto level = [&](int s) { return levels.data() + ((size_t{1} << s) - 1); };
+  for (int j = 0; j < v; ++j) {
+    const std::array<uint8_t, 64> ranking = rank_bits(ones, n, row_bytes, w, j);
+    int64_t* hist = level(max_s);
+    std::fill(hist, hist + (size_t{1} << max_s), 0);
+    for (int64_t r = 0; r < n; ++r) {
+      const uint64_t x = load_chunk_any(rows + r * row_bytes, row_bytes, w, j);
+      uint32_t key = 0;
+      for (int i = 0; i < max_s; ++i) {
+        key |= static_cast<uint32_t>((x >> ranking[i]) & 1) << (max_s - 1 - i);
+      }
+      ++hist[key];
+    }
+    for (int s = max_s - 1; s >= 0; --s) {
+      int64_t* dst = level(s);
+      const int64_t* src = level(s + 1);
+      for (size_t b = 0; b < (size_t{1} << s); ++b) dst[b] = src[2 * b] + src[2 * b + 1];
+    }
+    int best_s = 0;
+    int64_t best_cost = static_cast<int64_t>(w) * n;
+    for (int s = 1; s <= max_s; ++s) {
+      const int64_t covered = top_k_sum(level(s), int64_t{1} << s, k);
+      const int64_t cost =
+          static_cast<int64_t>(w - s) * n + static_cast<int64_t>(s) * (n - covered);
+      if (cost < best_cost) {
+        best_cost = cost;
+        best_s = s;
+      }
+    }
+    uint64_t mask = 0;
+    for (int i = 0; i < best_s; ++i) mask |= uint64_t{1} << ranking[i];
+    out.mask[j] = mask;
+    // (count, pattern) of every pattern of the chosen prefix, in the codebook's order.
+    std::vector<std::pair<int64_t, uint64_t>> patterns;
+    const int64_t* bins = level(best_s);
+    for (size_t b = 0; b < (size_t{1} << best_s); ++b) {
+      if (bins[b] == 0) continue;
+      uint64_t pattern = 0;
+      for (int i = 0; i < best_s; ++i) {
+        pattern |= static_cast<uint64_t>((b >> (best_s - 1 - i)) & 1) << ranking[i];
+      }
+      patterns.emplace_back(bins[b], pattern);
+    }
+    std::sort(patterns.begin(), patterns.end(), [](const auto& a, const auto& b) {
+      return a.first != b.first ? a.first > b.first : a.second < b.second;
+    });
+    for (int i = 0; i < k && !patterns.empty(); ++i) {
+      const size_t p = static_cast<size_t>(i) < patterns.size() ? static_cast<size_t>(i) : 0;
+      out.bitval[static_cast<size_t>(j) * k + i] = patterns[p].second;
+    }
   }
   return out;
 }
@@ -197,7 +300,8 @@ ChunkMasks fit_paper(const uint8_t* rows, int64_t n, int64_t row_bytes, int w) {
 }  // namespace
 
 ChunkMasks fit_masks(const uint8_t* rows, int64_t num_rows, int64_t row_bytes, int chunk_bits,
-                     FitMethod method) {
+                     FitMethod method, int code_bits) {
+  if (code_bits > 1) return fit_codebooks(rows, num_rows, row_bytes, chunk_bits, code_bits);
   return method == FitMethod::kPaper ? fit_paper(rows, num_rows, row_bytes, chunk_bits)
                                      : fit_greedy(rows, num_rows, row_bytes, chunk_bits);
 }

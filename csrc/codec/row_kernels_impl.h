@@ -40,29 +40,29 @@ std::vector<uint8_t> free_counts(const uint64_t* mask, int num_chunks) {
 
 template <int W>
 void size_rows_w(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64_t* mask,
-                 const uint64_t* bitval, int64_t* comp_bytes) {
+                 const uint64_t* bitval, int code_bits, int64_t* comp_bytes) {
   const int v = chunks_per_row(row_bytes, W);
   const std::vector<uint8_t> free = free_counts<W>(mask, v);
   for (int64_t r = 0; r < n; ++r) {
     comp_bytes[r] = compressed_row_bytes<W>(rows + r * row_bytes, row_bytes, mask, bitval,
-                                            free.data(), v);
+                                            code_bits, free.data(), v);
   }
 }
 
 template <class Ops>
 void size_rows(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64_t* mask,
-               const uint64_t* bitval, int chunk_bits, int64_t* comp_bytes) {
+               const uint64_t* bitval, int chunk_bits, int code_bits, int64_t* comp_bytes) {
   switch (chunk_bits) {
-    case 16: return size_rows_w<16>(rows, n, row_bytes, mask, bitval, comp_bytes);
-    case 32: return size_rows_w<32>(rows, n, row_bytes, mask, bitval, comp_bytes);
-    default: return size_rows_w<64>(rows, n, row_bytes, mask, bitval, comp_bytes);
+    case 16: return size_rows_w<16>(rows, n, row_bytes, mask, bitval, code_bits, comp_bytes);
+    case 32: return size_rows_w<32>(rows, n, row_bytes, mask, bitval, code_bits, comp_bytes);
+    default: return size_rows_w<64>(rows, n, row_bytes, mask, bitval, code_bits, comp_bytes);
   }
 }
 
 template <int W, class Ops>
 void encode_rows_w(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64_t* mask,
-                   const uint64_t* bitval, const uint8_t* compressed, const int64_t* offsets,
-                   uint8_t* payload) {
+                   const uint64_t* bitval, int code_bits, const uint8_t* compressed,
+                   const int64_t* offsets, uint8_t* payload) {
   const int v = chunks_per_row(row_bytes, W);
   const std::vector<uint8_t> free = free_counts<W>(mask, v);
   // Encoding ORs bits into a zeroed scratch row with write slack, then copies only the encoded
@@ -76,63 +76,77 @@ void encode_rows_w(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint
       continue;
     }
     // A row is only encoded when it shrinks, so its encoding is < row_bytes.
-    const int64_t bytes = compressed_row_bytes<W>(row, row_bytes, mask, bitval, free.data(), v);
+    const int64_t bytes =
+        compressed_row_bytes<W>(row, row_bytes, mask, bitval, code_bits, free.data(), v);
     std::memset(scratch.data(), 0, static_cast<size_t>(bytes) + 16);
-    encode_row<W, Ops>(row, row_bytes, mask, bitval, free.data(), v, scratch.data());
+    encode_row<W, Ops>(row, row_bytes, mask, bitval, code_bits, free.data(), v, scratch.data());
     std::memcpy(dst, scratch.data(), static_cast<size_t>(bytes));
   }
 }
 
 template <class Ops>
 void encode_rows(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64_t* mask,
-                 const uint64_t* bitval, int chunk_bits, const uint8_t* compressed,
+                 const uint64_t* bitval, int chunk_bits, int code_bits, const uint8_t* compressed,
                  const int64_t* offsets, uint8_t* payload) {
   switch (chunk_bits) {
     case 16:
-      return encode_rows_w<16, Ops>(rows, n, row_bytes, mask, bitval, compressed, offsets,
-                                    payload);
+      return encode_rows_w<16, Ops>(rows, n, row_bytes, mask, bitval, code_bits, compressed,
+                                    offsets, payload);
     case 32:
-      return encode_rows_w<32, Ops>(rows, n, row_bytes, mask, bitval, compressed, offsets,
-                                    payload);
+      return encode_rows_w<32, Ops>(rows, n, row_bytes, mask, bitval, code_bits, compressed,
+                                    offsets, payload);
     default:
-      return encode_rows_w<64, Ops>(rows, n, row_bytes, mask, bitval, compressed, offsets,
-                                    payload);
+      return encode_rows_w<64, Ops>(rows, n, row_bytes, mask, bitval, code_bits, compressed,
+                                    offsets, payload);
   }
 }
+
+// Valid bits of one unaligned 8-byte stream read at the worst bit shift (7).
+inline constexpr int kOneLoadBits = 57;
 
 // Per-table constants of the decode loops, computed once per decode_rows call.
 //
 // NOTE(codec): free fields of consecutive chunks are adjacent in the stream, and pdep fills a
 // mask's set bits in order, so one pdep with the concatenated free masks of the chunks of an
 // 8-byte group decodes all of them at once. Every width then decodes 8 bytes per step.
-// Valid bits of one unaligned 8-byte stream read at the worst bit shift (7).
-inline constexpr int kOneLoadBits = 57;
 
 template <int W>
 struct DecodePlan {
   static constexpr int kChunksPerGroup = 64 / W;
 
+  int code_bits;
   std::vector<uint64_t> mask;
-  std::vector<uint8_t> free_count;       // k_j
+  std::vector<uint8_t> free_count;        // k_j
   std::vector<uint64_t> group_free_mask;  // concatenated ~mask of the group's chunks
-  std::vector<uint64_t> group_bitval;
+  std::vector<uint64_t> group_bitval;     // C = 1: concatenated patterns of the group's chunks
+  std::vector<uint64_t> codebook;         // C > 1: [(j << C) | code], 0 for the escape code
   std::vector<uint32_t> group_offset;     // stream bit of the group's first free field
-  std::vector<uint32_t> field_offset;     // F_j = V + sum_{i<j} k_i
-  uint64_t exception_start;               // E = V + sum_j k_j
+  std::vector<uint32_t> field_offset;     // F_j = V * C + sum_{i<j} k_i
+  uint64_t exception_start;               // E = V * C + sum_j k_j
   // Every group's free bits fit the 57 bits one unaligned 8-byte load holds at any bit shift
   // (true when each 8 bytes keep >= 7 invariant bits), so no group needs a 9th byte.
   bool groups_fit_one_load = true;
 
   explicit DecodePlan(const TableView& t)
-      : mask(t.mask, t.mask + t.num_chunks), free_count(t.num_chunks),
+      : code_bits(t.code_bits), mask(t.mask, t.mask + t.num_chunks), free_count(t.num_chunks),
         field_offset(t.num_chunks) {
-    uint64_t pos = static_cast<uint64_t>(t.num_chunks);
+    uint64_t pos = static_cast<uint64_t>(t.num_chunks) * static_cast<uint64_t>(code_bits);
     for (int j = 0; j < t.num_chunks; ++j) {
       free_count[j] = static_cast<uint8_t>(popcount64(~mask[j] & low_bits(W)));
       field_offset[j] = static_cast<uint32_t>(pos);
       pos += free_count[j];
     }
     exception_start = pos;
+    const int k = codebook_size(code_bits);
+    if (code_bits > 1) {
+      codebook.assign(static_cast<size_t>(t.num_chunks) << code_bits, 0);
+      for (int j = 0; j < t.num_chunks; ++j) {
+        for (int code = 1; code <= k; ++code) {
+          codebook[(static_cast<size_t>(j) << code_bits) | code] =
+              t.bitval[static_cast<int64_t>(j) * k + code - 1];
+        }
+      }
+    }
     const int groups = static_cast<int>(t.row_bytes / 8);
     group_free_mask.assign(groups, 0);
     group_bitval.assign(groups, 0);
@@ -143,32 +157,31 @@ struct DecodePlan {
       for (int c = 0; c < kChunksPerGroup; ++c) {
         const int shift = c * W;
         group_free_mask[g] |= (~mask[first + c] & low_bits(W)) << shift;
-        group_bitval[g] |= t.bitval[first + c] << shift;
+        if (code_bits == 1) group_bitval[g] |= t.bitval[first + c] << shift;
       }
       groups_fit_one_load &= popcount64(group_free_mask[g]) <= kOneLoadBits;
     }
   }
 };
 
-// Two passes over a compressed row. Every chunk from its free field, a whole 8-byte group per
-// pdep at a constant offset: no dependency between groups. Then the exceptions: walk the clear
-// header bits (usually few) and patch those chunks in place.
 template <int W, class Ops>
-void decode_compressed_row(const DecodePlan<W>& plan, const TableView& t, const uint8_t* in,
-                           uint8_t* row) {
+uint64_t read_group_free(const DecodePlan<W>& plan, const uint8_t* in, int g) {
+  const uint64_t bits = plan.groups_fit_one_load
+                            ? read_stream_bits<kOneLoadBits>(in, plan.group_offset[g])
+                            : read_stream_bits<64>(in, plan.group_offset[g]);
+  return Ops::deposit(bits, plan.group_free_mask[g]);
+}
+
+// C = 1. Two passes over a compressed row. Every chunk from its free field, a whole 8-byte group
+// per pdep at a constant offset: no dependency between groups. Then the exceptions: walk the
+// clear code bits (usually few) and patch those chunks in place.
+template <int W, class Ops>
+void decode_ibp_row(const DecodePlan<W>& plan, const TableView& t, const uint8_t* in,
+                    uint8_t* row) {
   const int groups = static_cast<int>(plan.group_offset.size());
-  if (plan.groups_fit_one_load) {
-    for (int g = 0; g < groups; ++g) {
-      const uint64_t x = decode_field<Ops>(read_stream_bits<kOneLoadBits>(in, plan.group_offset[g]),
-                                           plan.group_free_mask[g], plan.group_bitval[g]);
-      std::memcpy(row + 8 * static_cast<int64_t>(g), &x, 8);
-    }
-  } else {
-    for (int g = 0; g < groups; ++g) {
-      const uint64_t x = decode_field<Ops>(read_stream_bits<64>(in, plan.group_offset[g]),
-                                           plan.group_free_mask[g], plan.group_bitval[g]);
-      std::memcpy(row + 8 * static_cast<int64_t>(g), &x, 8);
-    }
+  for (int g = 0; g < groups; ++g) {
+    const uint64_t x = plan.group_bitval[g] | read_group_free<W, Ops>(plan, in, g);
+    std::memcpy(row + 8 * static_cast<int64_t>(g), &x, 8);
   }
   // Chunks past the last whole group (rows whose width is not a multiple of 8 bytes).
   for (int j = groups * DecodePlan<W>::kChunksPerGroup; j < t.num_chunks; ++j) {
@@ -179,18 +192,62 @@ void decode_compressed_row(const DecodePlan<W>& plan, const TableView& t, const 
   }
   uint64_t pos = plan.exception_start;
   for (int base = 0; base < t.num_chunks; base += 64) {
-    uint64_t header;
-    std::memcpy(&header, in + base / 8, 8);
+    uint64_t codes;
+    std::memcpy(&codes, in + base / 8, 8);
     const int valid = t.num_chunks - base < 64 ? t.num_chunks - base : 64;
-    uint64_t missing = ~header & low_bits(valid);  // bits past V belong to the stream
-    while (missing != 0) {
-      const int j = base + __builtin_ctzll(missing);
-      missing &= missing - 1;
+    uint64_t escaped = ~codes & low_bits(valid);  // bits past V belong to the stream
+    while (escaped != 0) {
+      const int j = base + __builtin_ctzll(escaped);
+      escaped &= escaped - 1;
       const uint64_t x = patch_exception<Ops>(load_chunk<W>(row, t.row_bytes, j),
                                               read_stream_bits<W>(in, pos), plan.mask[j]);
       store_chunk<W>(row, t.row_bytes, j, x);
       pos += W - plan.free_count[j];
     }
+  }
+}
+
+// C > 1 (exponent-aware codes). Like decode_ibp_row, but each chunk of a group ORs in the
+// codebook pattern of its own code, and the escaped chunks are listed on the way (branch-free)
+// for the patch pass. `escapes` holds V entries.
+template <int W, class Ops>
+void decode_coded_row(const DecodePlan<W>& plan, const TableView& t, const uint8_t* in,
+                      uint8_t* row, int32_t* escapes) {
+  constexpr int kPerGroup = DecodePlan<W>::kChunksPerGroup;
+  const int c = plan.code_bits;
+  const uint64_t code_mask = low_bits(c);
+  const uint64_t* codebook = plan.codebook.data();
+  const int groups = static_cast<int>(plan.group_offset.size());
+  int num_escapes = 0;
+  for (int g = 0; g < groups; ++g) {
+    uint64_t x = read_group_free<W, Ops>(plan, in, g);
+    // A group's codes are at most 4 x 4 bits: one read.
+    const uint64_t codes = read_stream_bits<16>(in, static_cast<uint64_t>(g) * kPerGroup * c);
+    for (int q = 0; q < kPerGroup; ++q) {
+      const int j = g * kPerGroup + q;
+      const uint64_t code = (codes >> (q * c)) & code_mask;
+      x |= codebook[(static_cast<size_t>(j) << c) | code] << (q * W);
+      escapes[num_escapes] = j;
+      num_escapes += code == 0;
+    }
+    std::memcpy(row + 8 * static_cast<int64_t>(g), &x, 8);
+  }
+  for (int j = groups * kPerGroup; j < t.num_chunks; ++j) {
+    const uint64_t code = static_cast<uint64_t>(read_code(in, j, c));
+    const uint64_t free_mask = ~plan.mask[j] & low_bits(W);
+    store_chunk<W>(row, t.row_bytes, j,
+                   decode_field<Ops>(read_stream_bits<W>(in, plan.field_offset[j]), free_mask,
+                                     codebook[(static_cast<size_t>(j) << c) | code]));
+    escapes[num_escapes] = j;
+    num_escapes += code == 0;
+  }
+  uint64_t pos = plan.exception_start;
+  for (int e = 0; e < num_escapes; ++e) {
+    const int j = escapes[e];
+    const uint64_t x = patch_exception<Ops>(load_chunk<W>(row, t.row_bytes, j),
+                                            read_stream_bits<W>(in, pos), plan.mask[j]);
+    store_chunk<W>(row, t.row_bytes, j, x);
+    pos += W - plan.free_count[j];
   }
 }
 
@@ -217,6 +274,7 @@ void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, uint8_t* o
   // Each staged slot keeps kPayloadPad readable bytes after it, as the payload does.
   const int64_t stride = slot_cap + kPayloadPad;
   std::vector<uint8_t> stage(static_cast<size_t>(S * stride));
+  std::vector<int32_t> escapes(plan.code_bits > 1 ? static_cast<size_t>(t.num_chunks) : 0);
   LocatedRow ring[2 * S];  // row i at i % 2S: this round's rows and the next round's
   const uint8_t* rows[S];
   const auto locate = [&](int64_t i) {
@@ -246,7 +304,12 @@ void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, uint8_t* o
       if (i + S < n) locate(i + S);
       if (loc.compressed) {
         uint8_t* row = out + (sink == nullptr ? i : i - begin) * t.row_bytes;
-        decode_compressed_row<W, Ops>(plan, t, stage.data() + (i - begin) * stride, row);
+        const uint8_t* slot = stage.data() + (i - begin) * stride;
+        if (plan.code_bits == 1) {
+          decode_ibp_row<W, Ops>(plan, t, slot, row);
+        } else {
+          decode_coded_row<W, Ops>(plan, t, slot, row, escapes.data());
+        }
         rows[i - begin] = row;
       } else {
         rows[i - begin] = loc.src;

@@ -122,12 +122,12 @@ __device__ __forceinline__ StagedRow stage_row(const DeviceTable& dt, int64_t r,
 }
 
 // Stream bit where the exception area of every compressed row of the table starts (format.h's
-// E = V + sum_j k_j). A per-table constant: each warp computes it once, before its first row.
+// E = V * C + sum_j k_j). A per-table constant: each warp computes it once, before its first row.
 template <int W>
 __device__ __forceinline__ uint64_t exception_area_start(const TableView& t, int lane) {
   const uint32_t lane_sum = lane_free_bits_sum<W>(t.mask, lane, t.num_chunks);
   const uint32_t sum = __reduce_add_sync(kFullWarp, lane_sum);
-  return static_cast<uint64_t>(t.num_chunks) + sum;
+  return free_fields_start(t.num_chunks, t.code_bits) + sum;
 }
 
 // Decodes a compressed staged row chunk-parallel; every lane calls sink(c, x) for every group
@@ -139,12 +139,14 @@ __device__ __forceinline__ void decode_staged_row(const TableView& t, const Stag
                                                   int lane, int32_t* error, Sink&& sink) {
   const auto* words = reinterpret_cast<const uint32_t*>(stage);
   const uint64_t slot_bits = 8 * static_cast<uint64_t>(s.slot_bytes);
-  uint64_t fbase = static_cast<uint64_t>(t.num_chunks);  // free fields follow the V-bit header
+  uint64_t fbase = free_fields_start(t.num_chunks, t.code_bits);
   uint64_t ebase = exception_start;
-  bool overrun = false;
+  // A slot too short for the codes is corrupt too. The code reads stay inside the staging buffer
+  // all the same: V * C bits are at most a quarter of a row, and the buffer holds a raw slot.
+  bool overrun = fbase > slot_bits;
   for (int g = 0; 32 * g < t.num_chunks; ++g) {
-    const uint32_t part = group_participation(words, s.shift, g);
-    const LaneChunk c = lane_chunk<W>(t.mask, t.bitval, part, g, lane, t.num_chunks);
+    const LaneChunk c =
+        lane_chunk<W>(words, s.shift, t.mask, t.bitval, t.code_bits, g, lane, t.num_chunks);
     const int incl = warp_inclusive_scan(pack_lengths(c), lane);
     uint64_t field = fbase + static_cast<uint64_t>(packed_free(incl) - c.free);
     uint64_t exception = ebase + static_cast<uint64_t>(packed_exception(incl) - c.exception);
@@ -163,14 +165,18 @@ __device__ __forceinline__ void decode_staged_row(const TableView& t, const Stag
 }
 
 // Block 0, warp 0: the per-table checks the CPU op does before decoding (masks inside the chunk
-// width, bitval inside mask, index bounds against the payload). Wrong masks cannot make a read go
-// out of bounds, so the other warps do not wait for this.
+// width, every codebook entry inside its position's mask, index bounds against the payload).
+// Wrong masks or codebooks cannot make a read go out of bounds, so the other warps do not wait
+// for this.
 __device__ __forceinline__ void check_table(const DeviceTable& dt, int lane, int32_t* error) {
   const TableView& t = dt.view;
   const uint64_t outside = ~low_bits(t.chunk_bits);
+  const int k = codebook_size(t.code_bits);
   bool bad = false;
   for (int j = lane; j < t.num_chunks; j += kWarpSize) {
-    bad |= (t.mask[j] & outside) != 0 || (t.bitval[j] & ~t.mask[j]) != 0;
+    const uint64_t m = t.mask[j];
+    bad |= (m & outside) != 0;
+    for (int i = 0; i < k; ++i) bad |= (t.bitval[static_cast<int64_t>(j) * k + i] & ~m) != 0;
   }
   if (lane == 0) {
     const int64_t end = t.block_base[num_blocks(t.num_rows)];

@@ -7,18 +7,20 @@
 // collectives themselves (and cp.async) are GPU-only; they live in row_pipeline.cuh.
 //
 // Decoding a staged compressed row, warp-wide (lane l owns chunk j = 32 g + l of group g), in the
-// layout of format.h (header, free fields at per-table offsets, exception area from bit E):
-//   part  = group_participation(...)        the 32 header bits of group g
-//   c     = lane_chunk(...)                  participation, free-field and exception lengths
+// layout of format.h (V codes of C bits, free fields at per-table offsets, exception area from
+// bit E):
+//   c     = lane_chunk(...)                  the lane's own code (C bits at stream bit j * C),
+//                                            its codebook pattern, free-field and exception
+//                                            lengths
 //   incl  = inclusive warp scan of pack_lengths(c)   (__shfl_up_sync in the kernel)
-//   field = fbase + free part of (incl) - c.free     F_j = V + sum_{i<j} k_i
+//   field = fbase + free part of (incl) - c.free     F_j = V * C + sum_{i<j} k_i
 //   exc   = ebase + exception part of (incl) - c.exception
-//   x     = lane_decode(..., field, exc, c)  bitval | deposit(field bits, ~mask), then, for a
-//                                            non-participating chunk, its exception bits
+//   x     = lane_decode(..., field, exc, c)  pattern | deposit(field bits, ~mask), then, for an
+//                                            escaped chunk (code 0), its exception bits
 //                                            deposited into mask
 //   fbase, ebase += the group totals (lane 31's incl)
-// with fbase = V and ebase = E = V + sum_j k_j (lane_free_bits_sum, once per warp) for group 0.
-// Raw rows skip all this: plain copy.
+// with fbase = V * C (free_fields_start) and ebase = E = V * C + sum_j k_j (lane_free_bits_sum,
+// once per warp) for group 0. Raw rows skip all this: plain copy.
 #pragma once
 
 #include <cstdint>
@@ -58,7 +60,7 @@ IBP_HD uint64_t deposit_runs(uint64_t src, uint64_t mask) {
   return out;
 }
 
-// The bit-op policy row_codec.h's decode_chunk() runs with on the device.
+// The bit-op policy row_codec.h's decode_field() / patch_exception() run with on the device.
 struct RunDepositOps {
   IBP_HD_METHOD static uint64_t deposit(uint64_t src, uint64_t mask) {
     return deposit_runs(src, mask);
@@ -118,35 +120,50 @@ IBP_HD uint64_t read_staged_bits(const uint32_t* words, uint64_t bitpos) {
   return v;
 }
 
-// Participation bits of chunks 32 g .. 32 g + 31 (bit l = chunk 32 g + l). In the last group the
-// bits past chunk V - 1 are payload bits; lane_chunk() ignores them (those lanes are not valid).
-// Raw rows have no header and never get here: they take the plain copy path.
-IBP_HD uint32_t group_participation(const uint32_t* words, int shift, int group) {
-  return static_cast<uint32_t>(read_staged_bits<32>(
-      words, 8 * static_cast<uint64_t>(shift) + 32 * static_cast<uint64_t>(group)));
+// Stream bit where the free fields start: after the V codes of C bits (format.h).
+IBP_HD uint64_t free_fields_start(int num_chunks, int code_bits) {
+  return static_cast<uint64_t>(num_chunks) * static_cast<uint64_t>(code_bits);
+}
+
+// Code of chunk j of the slot that starts `shift` bytes into the staging buffer (row_codec.h's
+// read_code()). Each lane reads its own: a group's 32 codes span a few consecutive words, so
+// lanes load the same word (a broadcast) or neighbouring ones (distinct banks), never a bank
+// conflict. Raw rows have no codes and never get here: they take the plain copy path.
+IBP_HD int staged_code(const uint32_t* words, int shift, int j, int code_bits) {
+  return static_cast<int>(
+      read_staged_bits<8>(words, 8 * static_cast<uint64_t>(shift) +
+                                     static_cast<uint64_t>(j) * static_cast<uint64_t>(code_bits)) &
+      low_bits(code_bits));
 }
 
 // What lane `lane` needs to know about its chunk before the scan.
 struct LaneChunk {
   int j;              // chunk position
   bool valid;         // j < num_chunks
-  bool participates;  // header bit: no exception bits
+  bool participates;  // code != 0: no exception bits
   int free;           // k_j, bits of its free field (0 when !valid)
-  int exception;      // W - k_j for a non-participating chunk, else 0
+  int exception;      // W - k_j for an escaped chunk (code 0), else 0
   uint64_t mask;      // mask[j] (0 when !valid)
-  uint64_t bitval;    // bitval[j] (0 when !valid)
+  uint64_t bitval;    // the codebook pattern of its code (0 when escaped or !valid)
 };
 
+// Lanes past the last chunk read nothing: in the last group the bits where their codes would be
+// are free-field bits, and for a one-group row possibly bytes past the slot.
 template <int W>
-IBP_HD LaneChunk lane_chunk(const uint64_t* mask, const uint64_t* bitval, uint32_t participation,
-                            int group, int lane, int num_chunks) {
+IBP_HD LaneChunk lane_chunk(const uint32_t* words, int shift, const uint64_t* mask,
+                            const uint64_t* bitval, int code_bits, int group, int lane,
+                            int num_chunks) {
   LaneChunk c{};
   c.j = 32 * group + lane;
   c.valid = c.j < num_chunks;
   if (!c.valid) return c;
-  c.participates = (participation >> lane) & 1u;
+  const int code = staged_code(words, shift, c.j, code_bits);
+  c.participates = code != 0;
   c.mask = mask[c.j];
-  c.bitval = bitval[c.j];
+  // A C-bit code is at most K, so a nonzero code always names an entry of the codebook.
+  c.bitval = c.participates
+                 ? bitval[static_cast<int64_t>(c.j) * codebook_size(code_bits) + code - 1]
+                 : 0;
   // Bits of a (corrupt) mask above W are ignored here so lengths stay in [0, W] and every read
   // stays in bounds; check_table() reports such masks.
   c.free = W - popcount64(c.mask & low_bits(W));
@@ -161,7 +178,7 @@ IBP_HD int packed_free(int packed) { return packed & 0xFFFF; }
 IBP_HD int packed_exception(int packed) { return packed >> 16; }
 
 // This lane's share of sum_j k_j (chunks lane, lane + 32, ...); summed over the warp and added to
-// V it is the stream bit where the exception area starts (row_codec.h's exception_start()), a
+// V * C it is the stream bit where the exception area starts (row_codec.h's exception_start()), a
 // per-table constant each warp computes once.
 template <int W>
 IBP_HD uint32_t lane_free_bits_sum(const uint64_t* mask, int lane, int num_chunks) {
@@ -172,8 +189,8 @@ IBP_HD uint32_t lane_free_bits_sum(const uint64_t* mask, int lane, int num_chunk
   return sum;
 }
 
-// Chunk value of a lane whose free field starts at stream bit `field` and (when it does not
-// participate) whose exception bits start at `exception`; `shift` is the slot's byte offset in the
+// Chunk value of a lane whose free field starts at stream bit `field` and (when it is escaped)
+// whose exception bits start at `exception`; `shift` is the slot's byte offset in the
 // staging buffer. The arithmetic is the CPU codec's decode_field() / patch_exception(), with the
 // run-based deposit.
 template <int W>

@@ -6,7 +6,8 @@
 //
 // A compressed table travels as seven tensors plus four ints, in this order everywhere:
 //   payload uint8 [bytes + pad], block_base int64 [blocks + 1], row_units uint8 [blocks * 32],
-//   bitmask int32 [ceil(N / 32)], mask int64 [V], bitval int64 [V] (uint64 bit patterns),
+//   bitmask int32 [ceil(N / 32)], mask int64 [V], bitval int64 [V * K] (uint64 bit patterns;
+//   the codebooks of format.h, K = 2^C - 1, so the code width C follows from the length),
 //   chunk_bits, row_bytes, unit_bytes, num_rows.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -45,21 +46,30 @@ void check_rows(const at::Tensor& rows) {
                     kMaxRowBytes, "] bytes, got ", rows.size(1));
 }
 
-void check_masks(const at::Tensor& mask, const at::Tensor& bitval, int64_t num_chunks,
-                 int64_t chunk_bits) {
+// Validates masks and codebooks; returns the code width C their sizes imply.
+int check_masks(const at::Tensor& mask, const at::Tensor& bitval, int64_t num_chunks,
+                int64_t chunk_bits) {
   check_cpu_contiguous(mask, "mask", at::kLong);
   check_cpu_contiguous(bitval, "bitval", at::kLong);
   TORCH_CHECK_VALUE(mask.dim() == 1 && mask.size(0) == num_chunks, "mask must have ", num_chunks,
                     " entries (one per chunk position), got shape ", mask.sizes());
-  TORCH_CHECK_VALUE(bitval.dim() == 1 && bitval.size(0) == num_chunks, "bitval must have ",
-                    num_chunks, " entries, got shape ", bitval.sizes());
+  const int code_bits = bitval.dim() == 1
+                            ? code_bits_for(bitval.size(0), static_cast<int>(num_chunks))
+                            : 0;
+  TORCH_CHECK_VALUE(code_bits != 0, "bitval must have ", num_chunks,
+                    " * (2^C - 1) entries (a codebook per chunk position, C in [1, ",
+                    kMaxCodeBits, "]), got shape ", bitval.sizes());
+  const int k = codebook_size(code_bits);
   const auto* m = reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>());
   const auto* b = reinterpret_cast<const uint64_t*>(bitval.data_ptr<int64_t>());
   const uint64_t outside = ~low_bits(static_cast<int>(chunk_bits));
   for (int64_t j = 0; j < num_chunks; ++j) {
     TORCH_CHECK_VALUE((m[j] & outside) == 0, "mask[", j, "] has bits above chunk_bits");
-    TORCH_CHECK_VALUE((b[j] & ~m[j]) == 0, "bitval[", j, "] has bits outside mask[", j, "]");
+    for (int64_t e = j * k; e < (j + 1) * k; ++e) {
+      TORCH_CHECK_VALUE((b[e] & ~m[j]) == 0, "bitval[", e, "] has bits outside mask[", j, "]");
+    }
   }
+  return code_bits;
 }
 
 // Validates the seven table tensors against the four ints and returns the decoder's view.
@@ -86,7 +96,7 @@ TableView table_view(const at::Tensor& payload, const at::Tensor& block_base,
   TORCH_CHECK_VALUE(bitmask.numel() == (num_rows + 31) / 32, "bitmask must have ",
                     (num_rows + 31) / 32, " words, got ", bitmask.numel());
   const int v = chunks_per_row(row_bytes, static_cast<int>(chunk_bits));
-  check_masks(mask, bitval, v, chunk_bits);
+  const int code_bits = check_masks(mask, bitval, v, chunk_bits);
   const int64_t* base = block_base.data_ptr<int64_t>();
   TORCH_CHECK_VALUE(base[0] == 0 && base[blocks] + kPayloadPad <= payload.numel(),
                     "payload holds ", payload.numel(), " bytes but the index ends at ",
@@ -101,7 +111,8 @@ TableView table_view(const at::Tensor& payload, const at::Tensor& block_base,
                    row_bytes,
                    unit_bytes,
                    static_cast<int>(chunk_bits),
-                   v};
+                   v,
+                   code_bits};
 }
 
 void check_indices(const at::Tensor& indices, int64_t num_rows) {
@@ -153,10 +164,14 @@ at::Tensor zeroed_payload(int64_t bytes) {
 // ---------------------------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> ibp_fit_cpu(const at::Tensor& sample, int64_t chunk_bits,
-                                               c10::string_view method) {
+                                               c10::string_view method, int64_t code_bits) {
   check_rows(sample);
   check_chunk_bits(chunk_bits);
   TORCH_CHECK_VALUE(sample.size(0) > 0, "ibp_fit needs at least one sample row");
+  TORCH_CHECK_VALUE(code_bits >= 1 && code_bits <= kMaxCodeBits, "code_bits must be in [1, ",
+                    kMaxCodeBits, "], got ", code_bits);
+  TORCH_CHECK_VALUE(code_bits == 1 || method == "ibpembed",
+                    "code_bits > 1 (exponent-aware codebooks) needs method 'ibpembed'");
   FitMethod fit_method;
   if (method == "ibpembed") {
     fit_method = FitMethod::kGreedy;
@@ -167,12 +182,14 @@ std::tuple<at::Tensor, at::Tensor> ibp_fit_cpu(const at::Tensor& sample, int64_t
                       "'");
   }
   const ChunkMasks fitted = fit_masks(sample.data_ptr<uint8_t>(), sample.size(0), sample.size(1),
-                                      static_cast<int>(chunk_bits), fit_method);
+                                      static_cast<int>(chunk_bits), fit_method,
+                                      static_cast<int>(code_bits));
   const int64_t v = static_cast<int64_t>(fitted.mask.size());
+  const int64_t entries = static_cast<int64_t>(fitted.bitval.size());
   at::Tensor mask = at::empty({v}, at::kLong);
-  at::Tensor bitval = at::empty({v}, at::kLong);
+  at::Tensor bitval = at::empty({entries}, at::kLong);
   std::memcpy(mask.data_ptr<int64_t>(), fitted.mask.data(), v * 8);
-  std::memcpy(bitval.data_ptr<int64_t>(), fitted.bitval.data(), v * 8);
+  std::memcpy(bitval.data_ptr<int64_t>(), fitted.bitval.data(), entries * 8);
   return {mask, bitval};
 }
 
@@ -181,7 +198,8 @@ at::Tensor ibp_slot_bytes_cpu(const at::Tensor& rows, int64_t chunk_bits, const 
   check_rows(rows);
   check_chunk_bits(chunk_bits);
   const int64_t row_bytes = rows.size(1);
-  check_masks(mask, bitval, chunks_per_row(row_bytes, static_cast<int>(chunk_bits)), chunk_bits);
+  const int code_bits =
+      check_masks(mask, bitval, chunks_per_row(row_bytes, static_cast<int>(chunk_bits)), chunk_bits);
   const int64_t unit = slot_unit_bytes(row_bytes, unit_bytes);
   const int64_t n = rows.size(0);
   std::vector<uint8_t> units(n), compressed(n);
@@ -191,7 +209,7 @@ at::Tensor ibp_slot_bytes_cpu(const at::Tensor& rows, int64_t chunk_bits, const 
   const RowKernels& k = active_kernels();
   at::parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
     plan_slots(k, src + begin * row_bytes, end - begin, row_bytes, m, b,
-               static_cast<int>(chunk_bits), unit, units.data() + begin,
+               static_cast<int>(chunk_bits), code_bits, unit, units.data() + begin,
                compressed.data() + begin);
   });
   at::Tensor out = at::empty({n}, at::kLong);
@@ -208,7 +226,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ibp_compress_cpu(
   const int64_t n = rows.size(0);
   const int64_t row_bytes = rows.size(1);
   const int w = static_cast<int>(chunk_bits);
-  check_masks(mask, bitval, chunks_per_row(row_bytes, w), chunk_bits);
+  const int code_bits = check_masks(mask, bitval, chunks_per_row(row_bytes, w), chunk_bits);
   TORCH_CHECK_VALUE(unit_bytes == slot_unit_bytes(row_bytes, unit_bytes), "unit_bytes ",
                     unit_bytes, " is not a valid slot unit for ", row_bytes, "-byte rows");
   const auto* m = reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>());
@@ -221,8 +239,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ibp_compress_cpu(
   std::vector<uint8_t> compressed(n);
   uint8_t* units = row_units.data_ptr<uint8_t>();
   at::parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
-    plan_slots(k, src + begin * row_bytes, end - begin, row_bytes, m, b, w, unit_bytes,
-               units + begin, compressed.data() + begin);
+    plan_slots(k, src + begin * row_bytes, end - begin, row_bytes, m, b, w, code_bits,
+               unit_bytes, units + begin, compressed.data() + begin);
   });
 
   at::Tensor block_base = at::empty({blocks + 1}, at::kLong);
@@ -242,7 +260,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ibp_compress_cpu(
   at::Tensor payload = zeroed_payload(total + kPayloadPad);
   uint8_t* dst = payload.data_ptr<uint8_t>();
   at::parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
-    k.encode_rows(src + begin * row_bytes, end - begin, row_bytes, m, b, w,
+    k.encode_rows(src + begin * row_bytes, end - begin, row_bytes, m, b, w, code_bits,
                   compressed.data() + begin, offsets.data() + begin, dst);
   });
   return {payload, block_base, row_units, bitmask};
@@ -302,7 +320,8 @@ at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& blo
 }  // namespace
 
 TORCH_LIBRARY(ibpembed, m) {
-  m.def("ibp_fit(Tensor sample, int chunk_bits, str method) -> (Tensor, Tensor)");
+  m.def(
+      "ibp_fit(Tensor sample, int chunk_bits, str method, int code_bits=1) -> (Tensor, Tensor)");
   m.def(
       "ibp_slot_bytes(Tensor rows, int chunk_bits, Tensor mask, Tensor bitval, int unit_bytes) "
       "-> Tensor");

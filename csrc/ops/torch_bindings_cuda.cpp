@@ -13,6 +13,7 @@
 //                  - a CUDA tensor on the op's device (tables that fit in GPU memory).
 //                Pageable CPU memory is rejected: the GPU cannot read it.
 //   block_base, row_units, bitmask, mask, bitval: CUDA tensors on one device, the op's device.
+//                bitval is the codebook, V * (2^C - 1) entries; its length gives the code width C.
 //   indices / offsets (int64), per_sample_weights (float32): CUDA tensors on that device.
 //   Results are new CUDA tensors on that device, produced on its current stream.
 // Shapes, dtypes and devices are checked here, before any launch. Values (ids in range, offsets
@@ -110,8 +111,14 @@ DeviceTable device_table(const at::Tensor& payload, const at::Tensor& block_base
   const int v = chunks_per_row(row_bytes, static_cast<int>(chunk_bits));
   TORCH_CHECK_VALUE(mask.dim() == 1 && mask.numel() == v, "mask must have ", v,
                     " entries (one per chunk position), got shape ", mask.sizes());
-  TORCH_CHECK_VALUE(bitval.dim() == 1 && bitval.numel() == v, "bitval must have ", v,
-                    " entries, got shape ", bitval.sizes());
+  // The code width is implied by the codebook length, V * (2^C - 1) (format.h).
+  TORCH_CHECK_VALUE(bitval.dim() == 1, "bitval must be 1-D, got shape ", bitval.sizes());
+  const int code_bits = code_bits_for(bitval.numel(), v);
+  static_assert(kMaxCodeBits == 4, "the message below lists every valid codebook length");
+  TORCH_CHECK_VALUE(code_bits != 0, "bitval must have V * (2^C - 1) entries for V = ", v,
+                    " chunk positions and a code width C in [1, 4] (", v * codebook_size(1), ", ",
+                    v * codebook_size(2), ", ", v * codebook_size(3), " or ",
+                    v * codebook_size(4), "), got ", bitval.numel());
   const uint8_t* data = payload_device_pointer(payload, device);
   return DeviceTable{TableView{data,
                                block_base.data_ptr<int64_t>(),
@@ -123,7 +130,8 @@ DeviceTable device_table(const at::Tensor& payload, const at::Tensor& block_base
                                row_bytes,
                                unit_bytes,
                                static_cast<int>(chunk_bits),
-                               v},
+                               v,
+                               code_bits},
                      payload.numel()};
 }
 
@@ -160,8 +168,9 @@ void raise_kernel_errors(const at::Tensor& error, const at::Tensor* indices,
     }
   }
   TORCH_CHECK_VALUE(false, "the compressed table is inconsistent (block_base, row_units or slot "
-                    "sizes point outside the payload, or mask/bitval have bits outside the chunk "
-                    "width): kernel error bits ", bits);
+                    "sizes point outside the payload, mask has bits outside the chunk width, or a "
+                    "bitval codebook entry has bits outside its position's mask): kernel error "
+                    "bits ", bits);
 }
 
 at::Tensor gather(const DeviceTable& table, const at::Tensor& ids, const at::Tensor& perm,

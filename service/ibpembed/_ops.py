@@ -43,9 +43,14 @@ def _num_chunks(row_bytes: int, chunk_bits: int) -> int:
 
 
 @torch.library.register_fake("ibpembed::ibp_fit")
-def _fit_fake(sample: torch.Tensor, chunk_bits: int, method: str) -> tuple[torch.Tensor, ...]:
+def _fit_fake(
+    sample: torch.Tensor, chunk_bits: int, method: str, code_bits: int = 1
+) -> tuple[torch.Tensor, ...]:
     v = _num_chunks(sample.shape[1], chunk_bits)
-    return sample.new_empty((v,), dtype=torch.int64), sample.new_empty((v,), dtype=torch.int64)
+    codebook = v * ((1 << code_bits) - 1)
+    return sample.new_empty((v,), dtype=torch.int64), sample.new_empty(
+        (codebook,), dtype=torch.int64
+    )
 
 
 @torch.library.register_fake("ibpembed::ibp_slot_bytes")

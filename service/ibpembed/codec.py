@@ -23,9 +23,15 @@ Method = Literal["ibpembed", "paper", "raw"]
 Pooling = Literal["sum", "mean"]
 
 CHUNK_BITS_CHOICES = (64, 32, 16)
-# A wider chunk decodes more bytes per step (fewer exceptions to patch, fewer header bits to
-# walk): it is kept unless a narrower one saves more than this fraction of the raw bytes.
-WIDER_CHUNK_SLACK = 0.01
+CODE_BITS_CHOICES = (1, 2, 3, 4)
+# (chunk_bits, code_bits) layouts the fit compares, fastest decode first: wider chunks decode more
+# bytes per step, and C = 1 (plain IBP) needs no codebook lookup per chunk. Codebooks (C > 1) are
+# tried on chunks of one fp32 or two 16-bit elements, where a chunk's masked bits are one or two
+# exponents whose few frequent values a short code captures.
+FIT_LAYOUTS = ((64, 1), (32, 1), (16, 1), (32, 2), (32, 3), (32, 4), (16, 2), (16, 3), (16, 4))
+# A faster-decoding layout is kept unless a later one saves more than this fraction of the raw
+# bytes.
+FASTER_LAYOUT_SLACK = 0.01
 DEFAULT_SAMPLE_ROWS = 1_000_000
 DEFAULT_ALIGN: int | None = None  # None: the slot unit is chosen by measured size
 WIDTH_PROBE_ROWS = 65_536  # rows on which the chunk width is chosen
@@ -79,7 +85,7 @@ class CompressedTable:
     row_units: torch.Tensor  # uint8 [ceil(N / 32) * 32]
     bitmask: torch.Tensor  # int32 [ceil(N / 32)], bit set = row stored compressed
     mask: torch.Tensor  # int64 [V], uint64 bit patterns
-    bitval: torch.Tensor  # int64 [V]
+    bitval: torch.Tensor  # int64 [V * (2^C - 1)], the codebooks (C = 1: one pattern each)
     chunk_bits: int
     num_rows: int
     dim: int
@@ -120,6 +126,11 @@ class CompressedTable:
     def savings(self) -> float:
         """1 - stored / raw (negative only for tiny tables, where metadata dominates)."""
         return 1.0 - self.stored_bytes / self.raw_bytes
+
+    @property
+    def code_bits(self) -> int:
+        """C of format.h: 1 for plain IBP, 2..4 for exponent-aware codebooks."""
+        return code_bits_of(self.mask, self.bitval)
 
     @property
     def compressed_rows(self) -> int:
@@ -259,6 +270,17 @@ def _sample(rows: torch.Tensor, sample_rows: int | None, seed: int) -> torch.Ten
     return rows.index_select(0, picks.sort().values)
 
 
+def code_bits_of(mask: torch.Tensor, bitval: torch.Tensor) -> int:
+    """C from the codebook length, V * (2^C - 1)."""
+    per_position = bitval.numel() // max(mask.numel(), 1)
+    if per_position * mask.numel() != bitval.numel() or per_position + 1 not in (2, 4, 8, 16):
+        raise ValueError(
+            f"bitval holds {bitval.numel()} entries for {mask.numel()} chunk positions: "
+            "not V * (2^C - 1) for a C in 1..4"
+        )
+    return (per_position + 1).bit_length() - 1
+
+
 def paper_chunk_bits(row_bytes: int) -> int:
     """The paper's chunk: the widest integer view of the row (int64 where it divides)."""
     for bits in CHUNK_BITS_CHOICES:
@@ -276,12 +298,25 @@ def _probe(sample: torch.Tensor, seed: int) -> torch.Tensor:
     return sample.index_select(0, picks.sort().values)
 
 
+def _metadata_bytes(num_chunks: int, code_bits: int) -> int:
+    """Bytes of one table's masks and codebooks."""
+    return 8 * num_chunks * (1 + (1 << code_bits) - 1)
+
+
 def _fit_sample(
-    sample: torch.Tensor, *, method: Method, unit: int, chunk_bits: int | None, seed: int
+    sample: torch.Tensor,
+    *,
+    method: Method,
+    unit: int,
+    chunk_bits: int | None,
+    code_bits: int | None,
+    seed: int,
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
     """(chunk_bits, mask, bitval) for uint8 sample rows [n, row_bytes]; sizes measured in
-    slots of ``unit`` bytes."""
+    slots of ``unit`` bytes. bitval holds the codebooks: V * (2^C - 1) entries."""
     row_bytes = sample.shape[1]
+    if method in ("paper", "raw") and code_bits not in (None, 1):
+        raise ValueError(f"method {method!r} has no codebooks: code_bits must be None or 1")
     if method == "paper":
         bits = chunk_bits or paper_chunk_bits(row_bytes)
         return (bits, *ops.ibp_fit(sample, bits, "paper"))
@@ -294,20 +329,28 @@ def _fit_sample(
         return bits, zeros, zeros.clone()
     if method != "ibpembed":
         raise ValueError(f"method must be 'ibpembed', 'paper' or 'raw', got {method!r}")
-    # The width is chosen on a sub-sample (a 3-way fit is the costly part), then the masks of
-    # the chosen width are fitted on the whole sample.
-    probe = sample if chunk_bits else _probe(sample, seed)
-    slack = WIDER_CHUNK_SLACK * probe.numel()
-    best: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
-    for bits in (chunk_bits,) if chunk_bits else CHUNK_BITS_CHOICES:  # widest first
-        mask, bitval = ops.ibp_fit(probe, bits, "ibpembed")
-        size = int(ops.ibp_slot_bytes(probe, bits, mask, bitval, unit).sum()) + 16 * mask.numel()
+    layouts = [
+        (bits, code)
+        for bits, code in FIT_LAYOUTS
+        if chunk_bits in (None, bits) and code_bits in (None, code)
+    ]
+    if not layouts:  # a forced combination outside FIT_LAYOUTS (e.g. W = 64 with codebooks)
+        layouts = [(chunk_bits or CHUNK_BITS_CHOICES[0], code_bits or 1)]
+    # The layout is chosen on a sub-sample (the fits are the costly part), then the masks of the
+    # chosen layout are fitted on the whole sample.
+    probe = sample if len(layouts) == 1 else _probe(sample, seed)
+    slack = FASTER_LAYOUT_SLACK * probe.numel()
+    best: tuple[int, int, int, torch.Tensor, torch.Tensor] | None = None
+    for bits, code in layouts:
+        mask, bitval = ops.ibp_fit(probe, bits, "ibpembed", code)
+        size = int(ops.ibp_slot_bytes(probe, bits, mask, bitval, unit).sum())
+        size += _metadata_bytes(mask.numel(), code)
         if best is None or size < best[0] - slack:
-            best = (size, bits, mask, bitval)
+            best = (size, bits, code, mask, bitval)
     assert best is not None
-    _, bits, mask, bitval = best
+    _, bits, code, mask, bitval = best
     if probe is not sample:
-        mask, bitval = ops.ibp_fit(sample, bits, "ibpembed")
+        mask, bitval = ops.ibp_fit(sample, bits, "ibpembed", code)
     return bits, mask, bitval
 
 
@@ -317,8 +360,12 @@ class TableFit:
 
     chunk_bits: int
     mask: torch.Tensor  # int64 [V]
-    bitval: torch.Tensor  # int64 [V]
+    bitval: torch.Tensor  # int64 [V * (2^C - 1)], the codebooks
     unit_bytes: int
+
+    @property
+    def code_bits(self) -> int:
+        return code_bits_of(self.mask, self.bitval)
 
 
 def fit_table(
@@ -329,6 +376,7 @@ def fit_table(
     seed: int = 0,
     align: int | None = DEFAULT_ALIGN,
     chunk_bits: int | None = None,
+    code_bits: int | None = None,
     quant: str | None = None,
 ) -> TableFit:
     """The fit ``compress`` runs (same arguments, same sample): for writers that stream rows."""
@@ -337,11 +385,18 @@ def fit_table(
         raise ValueError(f"align must be a power of two, got {align}")
     if chunk_bits is not None and chunk_bits not in CHUNK_BITS_CHOICES:
         raise ValueError(f"chunk_bits must be one of {CHUNK_BITS_CHOICES}, got {chunk_bits}")
+    if code_bits is not None and code_bits not in CODE_BITS_CHOICES:
+        raise ValueError(f"code_bits must be one of {CODE_BITS_CHOICES}, got {code_bits}")
     rows = table.view(torch.uint8).view(table.shape[0], -1)
     sample = _sample(rows, sample_rows, seed)
     units = slot_unit_candidates(rows.shape[1], align)
     bits, mask, bitval = _fit_sample(
-        sample, method=method, unit=units[0], chunk_bits=chunk_bits, seed=seed
+        sample,
+        method=method,
+        unit=units[0],
+        chunk_bits=chunk_bits,
+        code_bits=code_bits,
+        seed=seed,
     )
     unit = units[0]
     if len(units) > 1:
@@ -360,6 +415,7 @@ def compress(
     seed: int = 0,
     align: int | None = DEFAULT_ALIGN,
     chunk_bits: int | None = None,
+    code_bits: int | None = None,
     quant: str | None = None,
 ) -> CompressedTable:
     """Compress a [num_rows, dim] CPU table losslessly.
@@ -367,13 +423,16 @@ def compress(
     Parameters
     ----------
     table : contiguous 2-D fp32 / fp16 / bf16 / int8 / uint8 tensor.
-    method : ``"ibpembed"`` (per-position greedy masks, chunk width chosen by measured size) or
+    method : ``"ibpembed"`` (per-position masks, chunk width and code width chosen by measured
+        size: plain IBP or exponent-aware codebooks, format.h) or
         ``"paper"`` (the published global-threshold sweep on the widest integer view), or
         ``"raw"`` (every row stored raw: the uncompressed baseline in the same layout and engine).
     sample_rows : rows sampled uniformly at random (``seed``) to fit the masks; None = all rows.
     align : slot alignment in bytes (a power of two; raised for very wide rows). None: the
         unit that stores the sample smallest among those that leave raw rows unpadded.
     chunk_bits : force the chunk width (16, 32 or 64) instead of choosing it.
+    code_bits : force the code width C (1 = the published one-pattern IBP, fastest to decode;
+        2..4 = codebooks of 2^C - 1 patterns per position) instead of choosing it.
     quant : ``"int8_rowwise"`` for uint8 rows in fbgemm's row-wise int8 layout.
     """
     fitted = fit_table(
@@ -383,6 +442,7 @@ def compress(
         seed=seed,
         align=align,
         chunk_bits=chunk_bits,
+        code_bits=code_bits,
         quant=quant,
     )
     rows = table.view(torch.uint8).view(table.shape[0], -1)

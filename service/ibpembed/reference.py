@@ -5,6 +5,11 @@ Written for clarity, not speed (Python integers as bit streams, one row at a tim
 independent of the C++ code: it re-derives the layout from format.h's prose. The C++ codec must
 produce byte-identical payloads, identical masks and identical rows; pooled lookups agree within
 the tolerance that ``pooled_tolerance`` derives.
+
+Format version 3: per table a code width C in 1..4 and K = 2^C - 1 patterns per chunk position,
+``bitval`` a flat codebook of V * K entries (``bitval[j * K + k - 1]`` = pattern of code k at
+position j). C = 1 is the published IBP layout (one invariant-bit pattern per position, code 1 =
+the chunk participates), byte for byte the version 2 layout.
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ import numpy as np
 ROWS_PER_BLOCK = 32
 MAX_UNITS_PER_ROW = 255
 PAYLOAD_PAD = 16
+MAX_CODE_BITS = 4
+# fit_codebooks: rows of the sample it looks at, and the most mask bits per position it tries.
+CODEBOOK_FIT_ROWS = 65536
+CODEBOOK_MAX_MASK_BITS = 16
 INT8_ROWWISE_HEADER_BYTES = 4
 PAPER_THRESHOLDS: tuple[float, ...] = tuple(
     float(t)
@@ -30,12 +39,13 @@ class RefTable:
     block_base: np.ndarray  # int64
     row_units: np.ndarray  # uint8
     bitmask: np.ndarray  # uint32
-    mask: np.ndarray  # uint64
-    bitval: np.ndarray  # uint64
+    mask: np.ndarray  # uint64 [V]
+    bitval: np.ndarray  # uint64 [V * K], K = 2^code_bits - 1: the flat codebook
     chunk_bits: int
     row_bytes: int
     unit_bytes: int
     num_rows: int
+    code_bits: int = 1
 
 
 # -- chunks and bits -----------------------------------------------------------------------------
@@ -68,6 +78,35 @@ def deposit(src: int, mask: int) -> int:
             out |= ((src >> k) & 1) << t
             k += 1
     return out
+
+
+def codebook_size(code_bits: int) -> int:
+    """K, the patterns per position of a C-bit code (code 0 is the escape)."""
+    return (1 << code_bits) - 1
+
+
+def code_bits_for(codebook_entries: int, v: int) -> int:
+    """The code width C of a codebook of ``codebook_entries`` entries for V positions."""
+    for c in range(1, MAX_CODE_BITS + 1):
+        if codebook_entries == v * codebook_size(c):
+            return c
+    raise ValueError(f"a codebook of {codebook_entries} entries does not fit {v} positions")
+
+
+def _resolve_code_bits(mask: np.ndarray, bitval: np.ndarray, code_bits: int | None) -> int:
+    """``code_bits``, or the width the codebook length implies; checked against that length."""
+    implied = code_bits_for(len(bitval), len(mask))
+    if code_bits is not None and code_bits != implied:
+        raise ValueError(f"code_bits={code_bits} but the codebook has {len(bitval)} entries")
+    return implied
+
+
+def chunk_code(x: int, m: int, patterns: list[int]) -> int:
+    """Code of chunk x: the smallest k whose pattern matches x's masked bits, else 0 (escape)."""
+    for k, pattern in enumerate(patterns, start=1):
+        if x & m == pattern:
+            return k
+    return 0
 
 
 def slot_unit_bytes(row_bytes: int, align: int) -> int:
@@ -136,21 +175,77 @@ def fit_paper(rows: np.ndarray, chunk_bits: int) -> tuple[np.ndarray, np.ndarray
     return np.array(best[0], dtype=np.uint64), np.array(best[1], dtype=np.uint64)
 
 
+def fit_codebooks(
+    rows: np.ndarray, chunk_bits: int, code_bits: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The exponent-aware fit: per position a mask and K = 2^C - 1 patterns of its bits.
+
+    On the first min(n, 65536) rows, per chunk position j: rank the W bits as fit_greedy does
+    (agreement descending, ties by bit index); for s = 0 .. min(W, 16) take the s top-ranked
+    bits as mask_s, count the row patterns x & mask_s, let covered_s be the sum of the K largest
+    counts and cost_s = (W - s) * n + s * (n - covered_s) (the free bits every row stores plus
+    the masked bits the escapes store); keep the s of least cost (ties: smallest s). The codebook
+    is mask_s's patterns by count descending (ties: smaller pattern first), the first K, padded
+    by repeating the first. (The codec fits C = 1 with fit_greedy or fit_paper instead.)
+    """
+    if not 1 <= code_bits <= MAX_CODE_BITS:
+        raise ValueError(f"code_bits must be in 1..{MAX_CODE_BITS}, got {code_bits}")
+    k = codebook_size(code_bits)
+    rows = rows[:CODEBOOK_FIT_ROWS]
+    n = rows.shape[0]
+    ones = _bit_ones(rows, chunk_bits)
+    chunks = np.array([chunks_of(bytes(r), chunk_bits) for r in rows], dtype=np.uint64)
+    chunks = chunks.reshape(n, ones.shape[0])
+    masks, codebooks = [], []
+    for j in range(ones.shape[0]):
+        agree = [max(c, n - c) for c in ones[j].tolist()]
+        order = sorted(range(chunk_bits), key=lambda t: (-agree[t], t))
+        best = None  # (cost, mask, patterns ordered by count desc then value asc)
+        for s in range(min(chunk_bits, CODEBOOK_MAX_MASK_BITS) + 1):
+            mask = sum(1 << t for t in order[:s])
+            values, counts = np.unique(chunks[:, j] & np.uint64(mask), return_counts=True)
+            by_count = np.lexsort((values, -counts))  # last key is primary
+            patterns = [int(values[i]) for i in by_count]
+            covered = int(counts[by_count[:k]].sum())
+            cost = (chunk_bits - s) * n + s * (n - covered)
+            if best is None or cost < best[0]:
+                best = (cost, mask, patterns)
+        assert best is not None
+        _, mask, patterns = best
+        codebook = patterns[:k] or [0]  # (an empty sample has no pattern)
+        codebook += codebook[:1] * (k - len(codebook))
+        masks.append(mask)
+        codebooks += codebook
+    return np.array(masks, dtype=np.uint64), np.array(codebooks, dtype=np.uint64)
+
+
 # -- rows ----------------------------------------------------------------------------------------
-def encode_row(row: bytes, mask: np.ndarray, bitval: np.ndarray, chunk_bits: int) -> bytes:
-    """The compressed encoding of one row: participation bits, free fields, exceptions."""
+def encode_row(
+    row: bytes,
+    mask: np.ndarray,
+    bitval: np.ndarray,
+    chunk_bits: int,
+    code_bits: int | None = None,
+) -> bytes:
+    """The compressed encoding of one row: codes, free fields, exceptions (format.h).
+
+    ``bitval`` is the flat codebook of V * K entries; ``code_bits`` defaults to the width its
+    length implies (C = 1: one pattern per position).
+    """
+    c = _resolve_code_bits(mask, bitval, code_bits)
+    k = codebook_size(c)
     chunks = chunks_of(row, chunk_bits)
     full = (1 << chunk_bits) - 1
     v = len(chunks)
-    stream, field = 0, v
-    exceptions: list[tuple[int, int]] = []  # (value, width) of non-participating chunks
+    stream, field = 0, v * c
+    exceptions: list[tuple[int, int]] = []  # (value, width) of escaped chunks
     for j, x in enumerate(chunks):
-        m, b = int(mask[j]), int(bitval[j])
+        m = int(mask[j])
         stream |= extract(x, ~m & full) << field
         field += bin(~m & full).count("1")
-        if x & m == b:
-            stream |= 1 << j
-        else:
+        code = chunk_code(x, m, [int(p) for p in bitval[j * k : (j + 1) * k]])
+        stream |= code << (j * c)
+        if code == 0:
             exceptions.append((extract(x, m), bin(m).count("1")))
     pos = field
     for value, width in exceptions:
@@ -160,21 +255,30 @@ def encode_row(row: bytes, mask: np.ndarray, bitval: np.ndarray, chunk_bits: int
 
 
 def decode_row(
-    enc: bytes, mask: np.ndarray, bitval: np.ndarray, chunk_bits: int, row_bytes: int
+    enc: bytes,
+    mask: np.ndarray,
+    bitval: np.ndarray,
+    chunk_bits: int,
+    row_bytes: int,
+    code_bits: int | None = None,
 ) -> bytes:
+    c = _resolve_code_bits(mask, bitval, code_bits)
+    k = codebook_size(c)
     v = num_chunks(row_bytes, chunk_bits)
     full = (1 << chunk_bits) - 1
     stream = int.from_bytes(enc, "little")
-    field = v
-    exception = v + sum(bin(~int(m) & full).count("1") for m in mask)
+    field = v * c
+    exception = field + sum(bin(~int(m) & full).count("1") for m in mask)
     out = []
     for j in range(v):
-        m, b = int(mask[j]), int(bitval[j])
-        k = bin(~m & full).count("1")
-        x = b | deposit((stream >> field) & ((1 << k) - 1), ~m & full)
-        field += k
-        if not (stream >> j) & 1:
-            width = chunk_bits - k
+        m = int(mask[j])
+        free = bin(~m & full).count("1")
+        code = (stream >> (j * c)) & ((1 << c) - 1)
+        pattern = int(bitval[j * k + code - 1]) if code else 0
+        x = pattern | deposit((stream >> field) & ((1 << free) - 1), ~m & full)
+        field += free
+        if code == 0:
+            width = chunk_bits - free
             x = (x & ~m) | deposit((stream >> exception) & ((1 << width) - 1), m)
             exception += width
         out.append(x)
@@ -184,9 +288,16 @@ def decode_row(
 
 # -- tables --------------------------------------------------------------------------------------
 def compress(
-    rows: np.ndarray, chunk_bits: int, mask: np.ndarray, bitval: np.ndarray, align: int = 8
+    rows: np.ndarray,
+    chunk_bits: int,
+    mask: np.ndarray,
+    bitval: np.ndarray,
+    align: int = 8,
+    code_bits: int | None = None,
 ) -> RefTable:
+    """The whole table; ``code_bits`` defaults to the width the codebook length implies."""
     n, row_bytes = rows.shape
+    code_bits = _resolve_code_bits(mask, bitval, code_bits)
     unit = slot_unit_bytes(row_bytes, align)
     raw_units = -(-row_bytes // unit)
     blocks = -(-n // ROWS_PER_BLOCK)
@@ -198,7 +309,7 @@ def compress(
         if r % ROWS_PER_BLOCK == 0:
             block_base[r // ROWS_PER_BLOCK] = len(payload)
         row = bytes(rows[r])
-        enc = encode_row(row, mask, bitval, chunk_bits)
+        enc = encode_row(row, mask, bitval, chunk_bits, code_bits)
         units = -(-len(enc) // unit)
         if units < raw_units:
             bitmask[r // 32] |= np.uint32(1 << (r % 32))
@@ -219,6 +330,7 @@ def compress(
         row_bytes,
         unit,
         n,
+        code_bits,
     )
 
 
@@ -236,7 +348,7 @@ def gather(t: RefTable, ids: np.ndarray) -> np.ndarray:
         start = row_offset(t, r)
         slot = bytes(t.payload[start : start + int(t.row_units[r]) * t.unit_bytes])
         if (int(t.bitmask[r // 32]) >> (r % 32)) & 1:
-            row = decode_row(slot, t.mask, t.bitval, t.chunk_bits, t.row_bytes)
+            row = decode_row(slot, t.mask, t.bitval, t.chunk_bits, t.row_bytes, t.code_bits)
         else:
             row = slot[: t.row_bytes]
         out[i] = np.frombuffer(row, dtype=np.uint8)

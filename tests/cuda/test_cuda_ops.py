@@ -116,6 +116,26 @@ def test_pooled_equals_cpu(dtype, dim, pooling, weighted, chunk_bits) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("code_bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("chunk_bits", [16, 32, 64])
+@pytest.mark.parametrize("dim", [3, 33, 129])
+def test_every_code_width_is_bit_exact(code_bits, chunk_bits, dim) -> None:
+    # Each lane reads its own C-bit code and looks up its codebook: gather, decompress and
+    # pooled SUM against the CPU for every C, tails included (odd dims with 64-bit chunks).
+    table = make_table(torch.bfloat16, 300, dim, "trained_like", seed=dim + code_bits)
+    c = compress(table, chunk_bits=chunk_bits, code_bits=code_bits)
+    assert c.code_bits == code_bits
+    args = device_args(c)
+    rng = np.random.default_rng(dim * 5 + code_bits)
+    ids = _ids(rng, c.num_rows, 400)
+    got = ops.ibp_gather(*args, ids.cuda())
+    assert same_bits(_as_rows(c, got.cpu()), _as_rows(c, ops.ibp_gather(*c._args(), ids)))
+    assert same_bits(_as_rows(c, ops.ibp_decompress(*args).cpu()), table)
+    offsets = torch.tensor([0, 100, 100, ids.numel()])
+    got, want = _pooled_both(c, ids, offsets, None, c._dtype_code(), "sum")
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_pooled_int8_rowwise_and_edge_values() -> None:
     rows = make_table(torch.uint8, 256, 68, "random_bits", seed=5)
     rows[:, :4] = torch.tensor([0x00, 0x3C, 0x00, 0x00], dtype=torch.uint8)  # scale 1, bias 0
@@ -143,3 +163,7 @@ def test_bad_input_raises_like_cpu() -> None:
         )
     with pytest.raises(ValueError, match="pinned"):
         ops.ibp_gather(*device_args(c, payload="pageable"), torch.tensor([0]).cuda())
+    short = list(args)
+    short[5] = short[5][:-1]  # bitval: no code width C gives V * (2^C - 1) - 1 entries
+    with pytest.raises(ValueError, match=r"bitval must have V \* \(2\^C - 1\) entries"):
+        ops.ibp_gather(*short, torch.tensor([0]).cuda())

@@ -5,8 +5,10 @@ warp_math_host.cpp is compiled with the system C++ compiler against the kernels'
 functions (csrc/cuda/warp_decode.cuh) and the CPU codec headers. It checks the run-based deposit
 against the portable one, the warp-reduced row offsets against format.h, the dedupe runs of the
 gather, and decodes rows encoded by the CPU codec after staging them like the kernels do (16-byte
-windows at every slot alignment, W = 16/32/64, widths 1..2056 bytes, raw and compressed), with
-each lane's read bounds-checked against the staging buffer the launch allocates.
+windows at every slot alignment, W = 16/32/64, widths 1..2056 bytes, code widths C = 1..4 with
+random masks and codebooks, every code and the escape used, raw and compressed), with each
+lane's code checked against the encoder's and each read bounds-checked against the staging
+buffer the launch allocates.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 // Host emulation of the CUDA kernels' warp-level index math. Compiled by g++ (test_warp_math.py)
 // against csrc/cuda/warp_decode.cuh, the very lane functions the kernels call; a loop over 32
 // lanes stands in for each warp collective (__shfl_up_sync scan, __reduce_add_sync, __ballot_sync).
-// Rows are encoded with the CPU codec (row_codec.h), staged the way stage_row() stages them
-// (16-byte window at an arbitrary payload offset) and decoded the way the kernels decode them;
-// every word a lane reads is bounds-checked against the staging buffer the launch allocates.
+// Rows are encoded with the CPU codec (row_codec.h), for every code width C = 1..4 with random
+// masks and codebooks, staged the way stage_row() stages them (16-byte window at an arbitrary
+// payload offset) and decoded the way the kernels decode them; every word a lane reads is
+// bounds-checked against the staging buffer the launch allocates.
 // Prints "ok <cases>" and exits 0, or prints the first mismatch and exits 1.
 #include <algorithm>
 #include <cstdint>
@@ -25,6 +26,9 @@ using namespace ibpembed::gpu;
 
 std::mt19937_64 rng(20261129);
 int64_t cases = 0;
+// Per code width: compressed rows decoded, and how often each code occurred in them.
+int64_t compressed_cases[kMaxCodeBits + 1] = {};
+int64_t code_counts[kMaxCodeBits + 1][1 << kMaxCodeBits] = {};
 
 [[noreturn]] void fail(const char* what, long long a, long long b, long long c) {
   std::printf("FAIL %s (%lld, %lld, %lld)\n", what, a, b, c);
@@ -76,7 +80,7 @@ void test_row_offsets() {
     }
     base.back() = total;
     const TableView t{nullptr, base.data(), units.data(), nullptr, nullptr, nullptr,
-                      rows,    1,           unit,         16,      1};
+                      rows,    1,           unit,         16,      1,       1};
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t b = r >> 5;
       const int in_block = static_cast<int>(r & 31);
@@ -124,28 +128,45 @@ uint64_t checked_read(const Stage& s, uint64_t bitpos) {
 
 // exception_area_start() of row_pipeline.cuh: the warp's lane sums, reduced.
 template <int W>
-uint64_t emulate_exception_start(const uint64_t* mask, int v) {
+uint64_t emulate_exception_start(const uint64_t* mask, int v, int code_bits) {
   uint64_t sum = 0;
   for (int lane = 0; lane < kWarpSize; ++lane) sum += lane_free_bits_sum<W>(mask, lane, v);
-  return static_cast<uint64_t>(v) + sum;
+  return free_fields_start(v, code_bits) + sum;
 }
 
 // decode_staged_row() of row_pipeline.cuh with the warp unrolled into a loop over lanes.
+// codes[j] is the code the CPU encoder gave chunk j, to check each lane's view of its chunk.
 template <int W>
 std::vector<uint8_t> emulate_decode(const Stage& s, const uint64_t* mask, const uint64_t* bitval,
-                                    int v, int64_t row_bytes, int64_t slot_bytes) {
+                                    int code_bits, const std::vector<int>& codes, int v,
+                                    int64_t row_bytes, int64_t slot_bytes) {
   std::vector<uint8_t> row(static_cast<size_t>(row_bytes), 0);
+  const int k = codebook_size(code_bits);
   const uint64_t slot_bits = 8 * static_cast<uint64_t>(slot_bytes);
   const uint64_t base = 8 * static_cast<uint64_t>(s.shift);
-  uint64_t fbase = static_cast<uint64_t>(v);
-  uint64_t ebase = emulate_exception_start<W>(mask, v);
+  uint64_t fbase = free_fields_start(v, code_bits);
+  uint64_t ebase = emulate_exception_start<W>(mask, v, code_bits);
+  if (fbase > slot_bits) fail("codes past the slot", code_bits, v, slot_bytes);
   for (int g = 0; 32 * g < v; ++g) {
-    checked_read<32>(s, base + 32 * static_cast<uint64_t>(g));
-    const uint32_t part = group_participation(s.words.data(), s.shift, g);
     LaneChunk c[kWarpSize];
     int incl[kWarpSize];
     for (int lane = 0; lane < kWarpSize; ++lane) {
-      c[lane] = lane_chunk<W>(mask, bitval, part, g, lane, v);
+      const int j = 32 * g + lane;
+      // Only lanes with a chunk read a code (lane_chunk() returns before the read otherwise).
+      if (j < v) {
+        checked_read<8>(s, base + static_cast<uint64_t>(j) * static_cast<uint64_t>(code_bits));
+        if (staged_code(s.words.data(), s.shift, j, code_bits) != codes[j]) {
+          fail("staged code", code_bits, j, codes[j]);
+        }
+      }
+      c[lane] = lane_chunk<W>(s.words.data(), s.shift, mask, bitval, code_bits, g, lane, v);
+      if (c[lane].valid != (j < v)) fail("lane validity", g, lane, v);
+      if (c[lane].valid) {
+        const uint64_t want = codes[j] != 0 ? bitval[static_cast<int64_t>(j) * k + codes[j] - 1] : 0;
+        if (c[lane].participates != (codes[j] != 0) || c[lane].bitval != want) {
+          fail("lane code", code_bits, j, codes[j]);
+        }
+      }
       // The __shfl_up_sync scan of the packed lengths.
       incl[lane] = pack_lengths(c[lane]) + (lane > 0 ? incl[lane - 1] : 0);
     }
@@ -167,40 +188,77 @@ std::vector<uint8_t> emulate_decode(const Stage& s, const uint64_t* mask, const 
   return row;
 }
 
-// A row in which chunks participate with probability ~1/2 (and their free bits are random).
+// A row whose chunks escape with probability `escape` (random masked bits, which may still match
+// a pattern by chance) and otherwise take a uniformly drawn code 1..K; free bits are random.
 template <int W>
-std::vector<uint8_t> make_row(const uint64_t* mask, const uint64_t* bitval, int v,
-                              int64_t row_bytes) {
+std::vector<uint8_t> make_row(const uint64_t* mask, const uint64_t* bitval, int code_bits, int v,
+                              int64_t row_bytes, double escape) {
+  const int k = codebook_size(code_bits);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
   std::vector<uint8_t> row(static_cast<size_t>(row_bytes));
   for (int j = 0; j < v; ++j) {
-    const uint64_t x = (rng() & 1) ? (bitval[j] | (rand_bits(W) & ~mask[j])) : rand_bits(W);
+    uint64_t x = rand_bits(W);
+    if (unit(rng) >= escape) {
+      const int code = 1 + static_cast<int>(rng() % k);
+      x = bitval[static_cast<int64_t>(j) * k + code - 1] | (x & ~mask[j]);
+    }
     store_chunk<W>(row.data(), row_bytes, j, x);
   }
   return row;
 }
 
+// Codebook of position j: K random patterns inside mask[j], sometimes with repeats (the encoder
+// then takes the first, and a later copy is never used) or all equal.
 template <int W>
-void test_rows(int64_t row_bytes) {
+void make_codebook(uint64_t mask, int k, uint64_t* patterns) {
+  const int style = static_cast<int>(rng() % 4);
+  for (int i = 0; i < k; ++i) {
+    if (style == 0 && i > 0) {
+      patterns[i] = patterns[0];
+    } else if (style == 1 && i > 0 && (rng() & 1)) {
+      patterns[i] = patterns[rng() % i];
+    } else {
+      patterns[i] = rng() & mask;
+    }
+  }
+}
+
+template <int W>
+void test_rows(int64_t row_bytes, int code_bits) {
   const int v = chunks_per_row(row_bytes, W);
-  for (int trial = 0; trial < 40; ++trial) {
-    std::vector<uint64_t> mask(v), bitval(v);
+  const int kb = codebook_size(code_bits);
+  if (code_bits_for(static_cast<int64_t>(v) * kb, v) != code_bits) {
+    fail("code_bits_for", code_bits, v, kb);
+  }
+  for (int trial = 0; trial < 24; ++trial) {
+    std::vector<uint64_t> mask(v), bitval(static_cast<size_t>(v) * kb);
     for (int j = 0; j < v; ++j) {
       mask[j] = rand_mask(W);
-      bitval[j] = rng() & mask[j];
+      make_codebook<W>(mask[j], kb, bitval.data() + static_cast<int64_t>(j) * kb);
     }
     // The padding bits past row_bytes are zero in every row, as the fit makes them invariant.
     const int64_t pad_from = row_bytes - static_cast<int64_t>(v - 1) * (W / 8);
     const uint64_t pad_mask = ~low_bits(static_cast<int>(8 * pad_from)) & low_bits(W);
     mask[v - 1] |= pad_mask;
-    bitval[v - 1] &= ~pad_mask;
+    for (int i = 0; i < kb; ++i) bitval[static_cast<int64_t>(v - 1) * kb + i] &= ~pad_mask;
+    for (int j = 0; j < v; ++j) {
+      for (int i = 0; i < kb; ++i) {
+        if ((bitval[static_cast<int64_t>(j) * kb + i] & ~mask[j]) != 0) {
+          fail("codebook entry outside its mask", code_bits, j, i);
+        }
+      }
+    }
     std::vector<uint8_t> free(v);
     compute_free_bits<W>(mask.data(), v, free.data());
     const int64_t unit = slot_unit_bytes(row_bytes, int64_t{1} << (rng() % 5));
     const int64_t stage_bytes = stage_buffer_bytes(row_bytes, unit);
     for (int k = 0; k < 8; ++k) {
-      const std::vector<uint8_t> row = make_row<W>(mask.data(), bitval.data(), v, row_bytes);
+      // Mostly matching rows (what gets stored compressed), some with many escapes.
+      const double escape = k < 2 ? 0.0 : (k < 6 ? 0.1 : 0.5);
+      const std::vector<uint8_t> row =
+          make_row<W>(mask.data(), bitval.data(), code_bits, v, row_bytes, escape);
       const int64_t enc = compressed_row_bytes<W>(row.data(), row_bytes, mask.data(),
-                                                  bitval.data(), free.data(), v);
+                                                  bitval.data(), code_bits, free.data(), v);
       // The payload the slot lives in: any unit-aligned offset, zero pad after it.
       const int64_t offset = unit * static_cast<int64_t>(rng() % 64);
       const int64_t raw_slot = unit * units_for(row_bytes, unit);
@@ -211,16 +269,28 @@ void test_rows(int64_t row_bytes) {
       if (comp_slot < raw_slot) {
         std::vector<uint8_t> code(static_cast<size_t>(enc + 9), 0);
         encode_row<W, PortableBitOps>(row.data(), row_bytes, mask.data(), bitval.data(),
-                                      free.data(), v, code.data());
+                                      code_bits, free.data(), v, code.data());
         std::memcpy(payload.data() + offset, code.data(), static_cast<size_t>(enc));
-        if (emulate_exception_start<W>(mask.data(), v) != exception_start(free.data(), v)) {
+        if (emulate_exception_start<W>(mask.data(), v, code_bits) !=
+            exception_start(free.data(), v, code_bits)) {
           fail("exception area start", W, row_bytes, v);
         }
+        std::vector<int> codes(v);
+        for (int j = 0; j < v; ++j) {
+          codes[j] = chunk_code(load_chunk<W>(row.data(), row_bytes, j), mask[j],
+                                bitval.data() + static_cast<int64_t>(j) * kb, kb);
+          if (read_code(code.data(), j, code_bits) != codes[j]) {
+            fail("encoded code", code_bits, j, codes[j]);
+          }
+          ++code_counts[code_bits][codes[j]];
+        }
         const Stage s = stage_slot(payload, offset, comp_slot, stage_bytes);
-        const std::vector<uint8_t> got =
-            emulate_decode<W>(s, mask.data(), bitval.data(), v, row_bytes, comp_slot);
+        const std::vector<uint8_t> got = emulate_decode<W>(s, mask.data(), bitval.data(),
+                                                           code_bits, codes, v, row_bytes,
+                                                           comp_slot);
         if (got != row) fail("compressed row", W, row_bytes, offset);
         ++cases;
+        ++compressed_cases[code_bits];
       }
 
       // Raw slot: the kernels' plain copy path (32-bit funnel reads) and the pooled kernel's
@@ -293,10 +363,19 @@ int main() {
   test_deposit();
   test_row_offsets();
   test_runs();
-  for (const int64_t row_bytes : {1, 2, 3, 5, 8, 15, 16, 33, 64, 129, 258, 516, 1024, 2056}) {
-    test_rows<16>(row_bytes);
-    test_rows<32>(row_bytes);
-    test_rows<64>(row_bytes);
+  for (int code_bits = 1; code_bits <= kMaxCodeBits; ++code_bits) {
+    for (const int64_t row_bytes : {1, 2, 3, 5, 8, 15, 16, 33, 64, 129, 258, 516, 1024, 2056}) {
+      test_rows<16>(row_bytes, code_bits);
+      test_rows<32>(row_bytes, code_bits);
+      test_rows<64>(row_bytes, code_bits);
+    }
+  }
+  // Every width must have decoded compressed rows using each of its codes, the escape included.
+  for (int code_bits = 1; code_bits <= kMaxCodeBits; ++code_bits) {
+    if (compressed_cases[code_bits] == 0) fail("no compressed rows", code_bits, 0, 0);
+    for (int code = 0; code <= codebook_size(code_bits); ++code) {
+      if (code_counts[code_bits][code] == 0) fail("code never decoded", code_bits, code, 0);
+    }
   }
   std::printf("ok %lld\n", static_cast<long long>(cases));
   return 0;

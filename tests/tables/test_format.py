@@ -133,7 +133,8 @@ int main() {
   OFF(FileHeader, file_bytes); OFF(FileHeader, num_rows); OFF(FileHeader, dim);
   OFF(FileHeader, row_bytes); OFF(FileHeader, unit_bytes); OFF(FileHeader, dtype);
   OFF(FileHeader, chunk_bits); OFF(FileHeader, num_chunks); OFF(FileHeader, layout_version);
-  OFF(FileHeader, sections_xxh3); OFF(FileHeader, reserved); OFF(FileHeader, header_xxh3);
+  OFF(FileHeader, sections_xxh3); OFF(FileHeader, code_bits); OFF(FileHeader, reserved);
+  OFF(FileHeader, header_xxh3);
   OFF(SectionEntry, kind); OFF(SectionEntry, flags); OFF(SectionEntry, offset);
   OFF(SectionEntry, length); OFF(SectionEntry, xxh3);
   std::printf("kinds %u %u %u %u %u %u %u\n", (unsigned)SectionKind::kMask,
@@ -196,10 +197,14 @@ def test_cpp_header_matches_python_structs(tmp_path: Path) -> None:
         "num_chunks",
         "layout_version",
         "sections_xxh3",
+        "code_bits",
         "reserved",
         "header_xxh3",
     ]
-    codes = ["8s", "I", "I", "I", "I", "Q", "q", "q", "q", "q", "i", "i", "I", "I", "Q", "32s", "Q"]
+    codes = [
+        *("8s", "I", "I", "I", "I", "Q", "q", "q", "q", "q", "i", "i", "I", "I", "Q", "I", "28s"),
+        "Q",
+    ]
     assert "<" + "".join(codes) == tf.HEADER.format
     for i, name in enumerate(header_fields):
         key = f"FileHeader.{name}"
@@ -219,11 +224,18 @@ def test_cpp_header_matches_python_structs(tmp_path: Path) -> None:
 
 GOLDEN_DIR = Path(__file__).parent / "data"
 GOLDEN = GOLDEN_DIR / f"golden_layout{tf.LAYOUT_VERSION}.ibpt"
+# The same table with 3-bit codebooks on 32-bit chunks (layout 3's exponent-aware mode).
+GOLDEN_CODED = GOLDEN_DIR / f"golden_layout{tf.LAYOUT_VERSION}_c3.ibpt"
+# Layout 2 is layout 3 with one-pattern codebooks, in file version 1: still read.
+GOLDEN_READABLE_OLDER = (GOLDEN_DIR / "golden_layout2.ibpt",)
 
 
 def write_golden() -> None:
-    """Pack the golden table with this build (run once per new layout version)."""
+    """Pack the golden tables with this build (run once per new layout version)."""
     tf.pack_table(GOLDEN, golden_weight(), name="golden", sample_rows=None)
+    tf.pack_table(
+        GOLDEN_CODED, golden_weight(), name="golden", sample_rows=None, chunk_bits=32, code_bits=3
+    )
 
 
 def golden_weight() -> torch.Tensor:
@@ -233,29 +245,37 @@ def golden_weight() -> torch.Tensor:
     return (((i * 7 + j * 13) % 97).to(torch.float32) / 64.0 - 0.5).contiguous()
 
 
-def test_golden_file_reads_to_the_known_rows() -> None:
-    assert GOLDEN.exists(), f"no golden file for layout {tf.LAYOUT_VERSION}: see write_golden"
-    loaded = tf.read_table(GOLDEN, verify=True)
+@pytest.mark.parametrize("path", [GOLDEN, GOLDEN_CODED, *GOLDEN_READABLE_OLDER], ids=str)
+def test_golden_file_reads_to_the_known_rows(path: Path) -> None:
+    assert path.exists(), f"no golden file {path.name}: see write_golden"
+    loaded = tf.read_table(path, verify=True)
     assert loaded.name == "golden"
     assert same_bits(loaded.table.decompress(), golden_weight())
-    tf.verify_file(GOLDEN)
+    tf.verify_file(path)
+
+
+def test_golden_coded_file_uses_codebooks() -> None:
+    header = tf.read_table(GOLDEN_CODED).header
+    assert (header.code_bits, header.chunk_bits, header.version) == (3, 32, tf.VERSION)
 
 
 def test_files_in_other_layouts_are_refused() -> None:
-    others = [p for p in GOLDEN_DIR.glob("golden_layout*.ibpt") if p != GOLDEN]
+    known = {GOLDEN, GOLDEN_CODED, *GOLDEN_READABLE_OLDER}
+    others = [p for p in GOLDEN_DIR.glob("golden_layout*.ibpt") if p not in known]
     assert others or tf.LAYOUT_VERSION == 1  # every earlier layout keeps its golden file
     for path in others:
         with pytest.raises(tf.TableFileError, match=r"compact layout version \d+, .* repack"):
             tf.read_table(path)
 
 
-def test_writer_reproduces_the_golden_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", [GOLDEN, GOLDEN_CODED], ids=str)
+def test_writer_reproduces_the_golden_bytes(path: Path, tmp_path: Path) -> None:
     # Rewriting the golden table (same index, masks, meta) must give the same bytes: a change
     # here is a format change, which needs a new version and a new golden file.
-    loaded = tf.read_table(GOLDEN)
+    loaded = tf.read_table(path)
     extra = {k: v for k, v in loaded.meta.items() if k not in ("name", "quant", "source_xxh3")}
     tf.write_table(tmp_path / "g.ibpt", loaded.table, name="golden", meta=extra)
-    assert (tmp_path / "g.ibpt").read_bytes() == GOLDEN.read_bytes()
+    assert (tmp_path / "g.ibpt").read_bytes() == path.read_bytes()
 
 
 # -- bad files -------------------------------------------------------------------------------
@@ -282,9 +302,9 @@ def test_foreign_and_tiny_files(tmp_path: Path, content: bytes) -> None:
 def test_unknown_version(packed) -> None:
     path, _ = packed
     data = bytearray(path.read_bytes())
-    data[8:12] = struct.pack("<I", 2)
+    data[8:12] = struct.pack("<I", tf.VERSION + 1)
     path.write_bytes(bytes(data))
-    with pytest.raises(tf.TableFileError, match="unknown file version 2"):
+    with pytest.raises(tf.TableFileError, match=f"unknown file version {tf.VERSION + 1}"):
         tf.read_table(path)
 
 

@@ -27,11 +27,18 @@ enum class FitMethod {
 
 struct ChunkMasks {
   std::vector<uint64_t> mask;    // [num_chunks], low W bits used
-  std::vector<uint64_t> bitval;  // [num_chunks], bitval & ~mask == 0
+  std::vector<uint64_t> bitval;  // [num_chunks * K] codebooks, each entry & ~mask == 0
 };
 
+// Rows of the sample the codebook fit (code_bits > 1) reads, and the most mask bits it keeps per
+// position: pattern counts stay cheap and the masks cover a float's exponent.
+inline constexpr int64_t kCodebookFitRows = 65536;
+inline constexpr int kMaxCodebookMaskBits = 16;
+
+// Masks and codebooks (bitval, V * (2^code_bits - 1) entries). code_bits > 1 fits codebooks
+// (format.h's exponent-aware mode) and ignores `method`; code_bits == 1 fits with `method`.
 ChunkMasks fit_masks(const uint8_t* rows, int64_t num_rows, int64_t row_bytes, int chunk_bits,
-                     FitMethod method);
+                     FitMethod method, int code_bits);
 
 // ----------------------------------------------------------------------------------------------
 // Row kernels of one CPU path. Chosen once at load time (see cpu_path()).
@@ -54,11 +61,11 @@ struct RowSink {
 struct RowKernels {
   // comp_bytes[r] = compressed encoding size of row r in bytes (before slot rounding).
   void (*size_rows)(const uint8_t* rows, int64_t num_rows, int64_t row_bytes,
-                    const uint64_t* mask, const uint64_t* bitval, int chunk_bits,
+                    const uint64_t* mask, const uint64_t* bitval, int chunk_bits, int code_bits,
                     int64_t* comp_bytes);
   // Writes row r at payload + offsets[r]: encoded if compressed[r], else verbatim.
   void (*encode_rows)(const uint8_t* rows, int64_t num_rows, int64_t row_bytes,
-                      const uint64_t* mask, const uint64_t* bitval, int chunk_bits,
+                      const uint64_t* mask, const uint64_t* bitval, int chunk_bits, int code_bits,
                       const uint8_t* compressed, const int64_t* offsets, uint8_t* payload);
   // Decode rows ids[0..n) of the table, in order. Without a sink, row i lands at
   // out + i * row_bytes (raw rows are copied). With a sink, row i is handed to it as soon as it
@@ -84,7 +91,7 @@ const char* cpu_path_name(CpuPath path);
 
 // Slot size in units for each row of [0, num_rows): writes units[] and sets compressed[] flags.
 void plan_slots(const RowKernels& k, const uint8_t* rows, int64_t num_rows, int64_t row_bytes,
-                const uint64_t* mask, const uint64_t* bitval, int chunk_bits, int64_t unit_bytes,
-                uint8_t* units, uint8_t* compressed);
+                const uint64_t* mask, const uint64_t* bitval, int chunk_bits, int code_bits,
+                int64_t unit_bytes, uint8_t* units, uint8_t* compressed);
 
 }  // namespace ibpembed

@@ -1,29 +1,33 @@
 // SPDX-License-Identifier: Apache-2.0
 //
-// The ibpembed compact table layout (format version 2; version 1 stored non-participating chunks
-// inline and was never released). Torch-free: this header is compiled by
+// The ibpembed compact table layout (format version 3). Torch-free: this header is compiled by
 // g++ for the CPU codec and by nvcc for the CUDA kernels, so both read the very same index math.
+// Version 2 is version 3 with C = 1 (below), byte for byte; version 1 stored non-participating
+// chunks inline and was never released.
 //
 // A table has N rows of R bytes. It is cut into chunks of W bits (W in {16, 32, 64}, S = W / 8
 // bytes), V = ceil(R / S) chunks per row; a row whose width is not a multiple of S is read as if
 // zero-padded to V * S bytes (the padding bits are always zero, so the fit makes them invariant and
 // they cost nothing). Chunks are little-endian W-bit integers.
 //
-// Per chunk position j the table keeps mask[j] and bitval[j] (low W bits of a uint64, with
-// bitval & ~mask == 0). Chunk x of a row *participates* iff (x & mask[j]) == bitval[j]; it then
-// stores only its k_j = W - popcount(mask[j]) free bits, pext(x, ~mask[j]).
+// Per table a code width C in {1, 2, 3, 4} and K = 2^C - 1. Per chunk position j the table keeps
+// mask[j] and a codebook of K patterns bitval[j * K + k - 1] for codes k = 1..K (low W bits of a
+// uint64, each with pattern & ~mask[j] == 0). Chunk x of a row gets code k, the smallest k with
+// (x & mask[j]) == bitval[j * K + k - 1], or the escape code 0 when no pattern matches; it always
+// stores its k_j = W - popcount(mask[j]) free bits pext(x, ~mask[j]). C = 1 is the published IBP:
+// one pattern per position (the invariant bit values), code 1 = the chunk participates. C > 1 is
+// the exponent-aware mode: the masked bits (mostly exponents) take one of K frequent values.
 //
 // Compressed row = one LSB-first bit stream (stream bit p is bit p % 8 of byte p / 8):
-//   header       bits [0, V): participation bit of chunk j at bit j;
-//   free fields  chunk j's free bits pext(x, ~mask[j]) (k_j bits) at bit F_j = V + sum_{i<j} k_i,
-//                for every chunk, participating or not;
-//   exceptions   from bit E = V + sum_j k_j, for each non-participating chunk in order of j, its
+//   codes        bits [0, V * C): code of chunk j at bit j * C (C bits);
+//   free fields  chunk j's free bits pext(x, ~mask[j]) (k_j bits) at bit
+//                F_j = V * C + sum_{i<j} k_i, for every chunk, escaped or not;
+//   exceptions   from bit E = V * C + sum_j k_j, for each chunk with code 0 in order of j, its
 //                W - k_j masked bits pext(x, mask[j]).
-// Its byte size is ceil((E + sum over non-participating j of (W - k_j)) / 8) bytes: the same as
-// storing such chunks whole, but every free field sits at a per-table constant offset, so chunks
-// decode independently (bitval | pdep(field, ~mask)) and only the rare exceptions are read in
-// sequence and patched in ((x & ~mask) | pdep(exception, mask)). A raw row is the R source bytes
-// verbatim.
+// Its byte size is ceil((E + sum over escaped j of (W - k_j)) / 8) bytes. Every free field sits
+// at a per-table constant offset, so chunks decode independently
+// (bitval[j * K + code - 1] | pdep(field, ~mask)) and only the rare escapes are read in sequence
+// and patched in ((x & ~mask) | pdep(exception, mask)). A raw row is the R source bytes verbatim.
 //
 // Rows are stored back to back in one payload. Each row occupies a *slot* of a whole number of
 // units of U bytes (U a power of two, chosen so that a raw slot is at most 255 units), and a row
@@ -57,7 +61,8 @@
 
 namespace ibpembed {
 
-inline constexpr uint32_t kFormatVersion = 2;
+inline constexpr uint32_t kFormatVersion = 3;
+inline constexpr int kMaxCodeBits = 4;
 inline constexpr int kRowsPerBlock = 32;
 inline constexpr int kMaxUnitsPerRow = 255;
 inline constexpr int kPayloadPad = 16;
@@ -125,13 +130,26 @@ struct TableView {
   const uint8_t* row_units;   // [num_blocks * 32]
   const int32_t* bitmask;     // [ceil(N / 32)]
   const uint64_t* mask;       // [V]
-  const uint64_t* bitval;     // [V]
+  const uint64_t* bitval;     // [V * K] codebooks, K = 2^code_bits - 1
   int64_t num_rows;
   int64_t row_bytes;
   int64_t unit_bytes;
   int chunk_bits;
   int num_chunks;
+  int code_bits;  // C
 };
+
+// K, the patterns per position of a C-bit code (code 0 is the escape).
+IBP_HD int codebook_size(int code_bits) { return (1 << code_bits) - 1; }
+
+// The code width of a table from its codebook length, 0 if the length is not V * (2^C - 1) for
+// a C in [1, kMaxCodeBits].
+IBP_HD int code_bits_for(int64_t codebook_entries, int num_chunks) {
+  for (int c = 1; c <= kMaxCodeBits; ++c) {
+    if (codebook_entries == static_cast<int64_t>(num_chunks) * codebook_size(c)) return c;
+  }
+  return 0;
+}
 
 IBP_HD bool row_is_compressed(const TableView& t, int64_t r) {
   return (static_cast<uint32_t>(t.bitmask[r >> 5]) >> (r & 31)) & 1u;

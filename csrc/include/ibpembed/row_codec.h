@@ -25,22 +25,35 @@ IBP_HD void compute_free_bits(const uint64_t* mask, int num_chunks, uint8_t* fre
   for (int j = 0; j < num_chunks; ++j) free[j] = static_cast<uint8_t>(free_bits<W>(mask[j]));
 }
 
-// Byte size of the row's compressed encoding (header + payload), before slot rounding.
-// free[j] = k_j (compute_free_bits).
+// Code of chunk x at a position with codebook `patterns` (K entries): the first k whose pattern
+// matches the masked bits, or the escape code 0. Codebooks are ordered most frequent first, so
+// the scan usually stops at once.
+IBP_HD int chunk_code(uint64_t x, uint64_t mask, const uint64_t* patterns, int k) {
+  const uint64_t masked = x & mask;
+  for (int i = 0; i < k; ++i) {
+    if (masked == patterns[i]) return i + 1;
+  }
+  return 0;
+}
+
+// Byte size of the row's compressed encoding (codes + free fields + exceptions), before slot
+// rounding. free[j] = k_j (compute_free_bits).
 template <int W>
 IBP_HD int64_t compressed_row_bytes(const uint8_t* row, int64_t row_bytes, const uint64_t* mask,
-                                    const uint64_t* bitval, const uint8_t* free, int num_chunks) {
-  int64_t bits = num_chunks;
+                                    const uint64_t* bitval, int code_bits, const uint8_t* free,
+                                    int num_chunks) {
+  const int k = codebook_size(code_bits);
+  int64_t bits = static_cast<int64_t>(num_chunks) * code_bits;
   for (int j = 0; j < num_chunks; ++j) {
     const uint64_t x = load_chunk<W>(row, row_bytes, j);
-    bits += ((x & mask[j]) == bitval[j]) ? free[j] : W;
+    bits += chunk_code(x, mask[j], bitval + static_cast<int64_t>(j) * k, k) != 0 ? free[j] : W;
   }
   return (bits + 7) >> 3;
 }
 
-// Stream bit where the exception area starts: V + sum_j k_j.
-IBP_HD uint64_t exception_start(const uint8_t* free, int num_chunks) {
-  uint64_t start = static_cast<uint64_t>(num_chunks);
+// Stream bit where the exception area starts: V * C + sum_j k_j.
+IBP_HD uint64_t exception_start(const uint8_t* free, int num_chunks, int code_bits) {
+  uint64_t start = static_cast<uint64_t>(num_chunks) * static_cast<uint64_t>(code_bits);
   for (int j = 0; j < num_chunks; ++j) start += free[j];
   return start;
 }
@@ -49,21 +62,29 @@ IBP_HD uint64_t exception_start(const uint8_t* free, int num_chunks) {
 // compressed_row_bytes(...) + 9 bytes.
 template <int W, class Ops>
 IBP_HD void encode_row(const uint8_t* row, int64_t row_bytes, const uint64_t* mask,
-                       const uint64_t* bitval, const uint8_t* free, int num_chunks,
+                       const uint64_t* bitval, int code_bits, const uint8_t* free, int num_chunks,
                        uint8_t* out) {
-  uint64_t field = static_cast<uint64_t>(num_chunks);
-  uint64_t exception = exception_start(free, num_chunks);
+  const int k = codebook_size(code_bits);
+  uint64_t field = static_cast<uint64_t>(num_chunks) * static_cast<uint64_t>(code_bits);
+  uint64_t exception = exception_start(free, num_chunks, code_bits);
   for (int j = 0; j < num_chunks; ++j) {
     const uint64_t x = load_chunk<W>(row, row_bytes, j);
     write_stream_bits(out, field, Ops::extract(x, ~mask[j] & low_bits(W)), free[j]);
     field += free[j];
-    if ((x & mask[j]) == bitval[j]) {
-      out[j >> 3] |= static_cast<uint8_t>(1u << (j & 7));
-    } else {
+    const int code = chunk_code(x, mask[j], bitval + static_cast<int64_t>(j) * k, k);
+    write_stream_bits(out, static_cast<uint64_t>(j) * code_bits, static_cast<uint64_t>(code),
+                      code_bits);
+    if (code == 0) {
       write_stream_bits(out, exception, Ops::extract(x, mask[j]), W - free[j]);
       exception += W - free[j];
     }
   }
+}
+
+// Code of chunk j of an encoded row.
+IBP_HD int read_code(const uint8_t* in, int j, int code_bits) {
+  return static_cast<int>(read_stream_bits<8>(in, static_cast<uint64_t>(j) * code_bits) &
+                          low_bits(code_bits));
 }
 
 // A chunk from its free field (at least k_j valid bits from the field's offset), as if it
@@ -84,14 +105,17 @@ IBP_HD uint64_t patch_exception(uint64_t chunk, uint64_t exception_bits, uint64_
 // differently). free[j] = k_j. Reads up to 9 bytes past the encoding.
 template <int W, class Ops>
 IBP_HD void decode_row(const uint8_t* in, const uint64_t* mask, const uint64_t* bitval,
-                       const uint8_t* free, int num_chunks, int64_t row_bytes, uint8_t* row) {
-  uint64_t field = static_cast<uint64_t>(num_chunks);
-  uint64_t exception = exception_start(free, num_chunks);
+                       int code_bits, const uint8_t* free, int num_chunks, int64_t row_bytes,
+                       uint8_t* row) {
+  const int k = codebook_size(code_bits);
+  uint64_t field = static_cast<uint64_t>(num_chunks) * static_cast<uint64_t>(code_bits);
+  uint64_t exception = exception_start(free, num_chunks, code_bits);
   for (int j = 0; j < num_chunks; ++j) {
-    uint64_t x = decode_field<Ops>(read_stream_bits<W>(in, field), ~mask[j] & low_bits(W),
-                                   bitval[j]);
+    const int code = read_code(in, j, code_bits);
+    const uint64_t pattern = code != 0 ? bitval[static_cast<int64_t>(j) * k + code - 1] : 0;
+    uint64_t x = decode_field<Ops>(read_stream_bits<W>(in, field), ~mask[j] & low_bits(W), pattern);
     field += free[j];
-    if (!((in[j >> 3] >> (j & 7)) & 1)) {
+    if (code == 0) {
       x = patch_exception<Ops>(x, read_stream_bits<W>(in, exception), mask[j]);
       exception += W - free[j];
     }

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //
-// The .ibpt table file (file version 1): one compressed table on disk, laid out so that a reader
+// The .ibpt table file (file version 2): one compressed table on disk, laid out so that a reader
 // can mmap it and point the codec straight at its sections. Torch-free; docs/format.md is the
 // prose version and service/ibpembed/tables/format.py the Python reader/writer, which packs these
 // very structs with the struct module (tests compile this header and compare the offsets).
@@ -25,7 +25,7 @@
 namespace ibpembed {
 
 inline constexpr char kTableFileMagic[8] = {'I', 'B', 'P', 'T', 'A', 'B', 'L', 'E'};
-inline constexpr uint32_t kTableFileVersion = 1;
+inline constexpr uint32_t kTableFileVersion = 2;
 inline constexpr uint64_t kSectionAlign = 64;    // cache line: every section starts aligned
 inline constexpr uint64_t kPayloadAlign = 4096;  // page: the payload can be pinned/advised alone
 
@@ -33,7 +33,7 @@ inline constexpr uint64_t kPayloadAlign = 4096;  // page: the payload can be pin
 // row, B = ceil(N / 32) blocks) and match the tensors of format.h exactly:
 enum class SectionKind : uint32_t {
   kMask = 1,       // int64 [V]          per-position masks (uint64 bit patterns)
-  kBitval = 2,     // int64 [V]          per-position invariant bit values
+  kBitval = 2,     // int64 [V * K]      per-position codebooks (K = 2^C - 1, format.h)
   kBlockBase = 3,  // int64 [B + 1]      payload offset of each 32-row block, then the payload end
   kRowUnits = 4,   // uint8 [B * 32]     slot size of each row in units of unit_bytes
   kBitmask = 5,    // int32 [ceil(N/32)] bit set = row stored compressed
@@ -66,14 +66,17 @@ struct FileHeader {
   int32_t dtype;
   // Chunk width W in bits: 16, 32 or 64.
   int32_t chunk_bits;
-  // V = chunks_per_row(row_bytes, chunk_bits): entries in the mask and bitval sections.
+  // V = chunks_per_row(row_bytes, chunk_bits): entries in the mask section.
   uint32_t num_chunks;
   // kFormatVersion of format.h: the compact layout the sections are in.
   uint32_t layout_version;
   // XXH3-64 of the section_count * section_entry_bytes bytes of the section table.
   uint64_t sections_xxh3;
-  // Zero in version 1; readers reject non-zero bytes so that later use stays detectable.
-  uint8_t reserved[32];
+  // Code width C of format.h (1..4; the bitval section holds V * (2^C - 1) entries). Version 2;
+  // in version 1 these bytes were reserved (zero) and C is 1.
+  uint32_t code_bits;
+  // Zero; readers reject non-zero bytes so that later use stays detectable.
+  uint8_t reserved[28];
   // XXH3-64 of bytes [0, 120) of this header.
   uint64_t header_xxh3;
 };
@@ -95,7 +98,8 @@ static_assert(offsetof(FileHeader, unit_bytes) == 56);
 static_assert(offsetof(FileHeader, dtype) == 64);
 static_assert(offsetof(FileHeader, layout_version) == 76);
 static_assert(offsetof(FileHeader, sections_xxh3) == 80);
-static_assert(offsetof(FileHeader, reserved) == 88);
+static_assert(offsetof(FileHeader, code_bits) == 88);
+static_assert(offsetof(FileHeader, reserved) == 92);
 static_assert(offsetof(FileHeader, header_xxh3) == 120);
 static_assert(sizeof(SectionEntry) == 32, "SectionEntry is part of the on-disk format");
 static_assert(offsetof(SectionEntry, offset) == 8);

@@ -49,6 +49,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="force the chunk width (default: measured per table)",
     )
     pack.add_argument(
+        "--code-bits",
+        type=int,
+        choices=codec.CODE_BITS_CHOICES,
+        default=None,
+        help="force the code width: 1 = plain IBP (fastest decode), 2-4 = exponent-aware "
+        "codebooks (default: measured per table)",
+    )
+    pack.add_argument(
         "--sample-rows",
         type=int,
         default=codec.DEFAULT_SAMPLE_ROWS,
@@ -155,6 +163,7 @@ def _report_row(p: tf.PackedTable) -> dict[str, Any]:
         "dim": p.dim,
         "dtype": p.quant or p.dtype,
         "chunk_bits": p.chunk_bits,
+        "code_bits": p.code_bits,
         "raw_bytes": p.raw_bytes,
         "stored_bytes": p.stored_bytes,
         "savings": round(p.savings, 4),
@@ -185,6 +194,7 @@ def _pack(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "align": args.align,
             "chunk_bits": args.chunk_bits,
+            "code_bits": args.code_bits,
             "progress": _progress_factory(not args.no_progress),
         }
         if args.shards is None:

@@ -37,17 +37,20 @@ from ibpembed.codec import CompressedTable
 from ibpembed.tables import _layout
 
 MAGIC = b"IBPTABLE"
-VERSION = 1
+VERSION = 2
+# Version 1 files (layout 2, no code width field) read as code_bits = 1.
+READABLE_VERSIONS = (1, 2)
 # kFormatVersion of format.h as built into _C: a file in another compact layout is refused,
-# never decoded with the wrong rules.
+# never decoded with the wrong rules. Layout 2 is layout 3 with one-pattern codebooks (C = 1).
 LAYOUT_VERSION = int(_C.FORMAT_VERSION)
+READABLE_LAYOUTS = (2, LAYOUT_VERSION)
 SECTION_ALIGN = 64
 PAYLOAD_ALIGN = 4096
 SUFFIX = ".ibpt"
 TEMP_MARKER = ".tmp-"  # temporary files are ".<table stem>.tmp-<pid>-<random>"
 
 # Must match FileHeader / SectionEntry in table_file.h (a test compiles the header to check).
-HEADER = struct.Struct("<8sIIIIQqqqqiiIIQ32sQ")
+HEADER = struct.Struct("<8sIIIIQqqqqiiIIQI28sQ")
 SECTION = struct.Struct("<IIQQQ")
 _HEADER_HASHED = HEADER.size - 8  # the header checksum covers everything before itself
 
@@ -114,6 +117,7 @@ class FileHeader:
     chunk_bits: int
     num_chunks: int
     layout_version: int
+    code_bits: int
     sections_xxh3: int
     header_xxh3: int
 
@@ -152,6 +156,7 @@ class PackedTable:
     dtype: str
     quant: str | None
     chunk_bits: int
+    code_bits: int
     unit_bytes: int
     raw_bytes: int
     payload_bytes: int
@@ -256,11 +261,11 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
 class _SectionPlan:
     """File offsets of the sections; all but the meta section are known from the shape alone."""
 
-    def __init__(self, num_rows: int, num_chunks: int) -> None:
+    def __init__(self, num_rows: int, num_chunks: int, code_bits: int) -> None:
         blocks = _layout.num_blocks(num_rows)
         self.lengths: dict[SectionKind, int] = {
             SectionKind.MASK: 8 * num_chunks,
-            SectionKind.BITVAL: 8 * num_chunks,
+            SectionKind.BITVAL: 8 * num_chunks * ((1 << code_bits) - 1),
             SectionKind.BLOCK_BASE: 8 * (blocks + 1),
             SectionKind.ROW_UNITS: blocks * _layout.ROWS_PER_BLOCK,
             SectionKind.BITMASK: 4 * (-(-num_rows // 32)),
@@ -285,9 +290,10 @@ class _SectionPlan:
 class _TableFileWriter:
     """Writes one table file into an open binary file: payload streamed first, index last."""
 
-    def __init__(self, file: BinaryIO, num_rows: int, num_chunks: int) -> None:
+    def __init__(self, file: BinaryIO, num_rows: int, num_chunks: int, code_bits: int) -> None:
         self.file = file
-        self.plan = _SectionPlan(num_rows, num_chunks)
+        self.code_bits = code_bits
+        self.plan = _SectionPlan(num_rows, num_chunks, code_bits)
         self.payload_hash = xxhash.xxh3_64()
         self.payload_bytes = 0
         file.seek(self.plan.offsets[SectionKind.PAYLOAD])
@@ -343,7 +349,8 @@ class _TableFileWriter:
             num_chunks,
             LAYOUT_VERSION,
             xxhash.xxh3_64_intdigest(table),
-            bytes(32),
+            self.code_bits,
+            bytes(28),
             0,
         )
         header_xxh3 = xxhash.xxh3_64_intdigest(head[:_HEADER_HASHED])
@@ -377,6 +384,7 @@ def _pack_into(
     seed: int,
     align: int | None,
     chunk_bits: int | None,
+    code_bits: int | None,
     meta: Mapping[str, Any] | None,
     progress: Callable[[int], None] | None,
 ) -> _Written:
@@ -389,6 +397,7 @@ def _pack_into(
         seed=seed,
         align=align,
         chunk_bits=chunk_bits,
+        code_bits=code_bits,
         quant=quant,
     )
     num_rows, dim = weight.shape
@@ -399,7 +408,7 @@ def _pack_into(
     block_base = torch.empty(blocks + 1, dtype=torch.int64)
     row_units = torch.zeros(blocks * _layout.ROWS_PER_BLOCK, dtype=torch.uint8)
     bitmask = torch.zeros(-(-num_rows // 32), dtype=torch.int32)
-    writer = _TableFileWriter(file, num_rows, mask.numel())
+    writer = _TableFileWriter(file, num_rows, mask.numel(), fitted.code_bits)
     source_hash = xxhash.xxh3_64()
     for begin, end in _row_steps(num_rows, row_bytes, PACK_STEP_BYTES):
         step = rows[begin:end]
@@ -434,6 +443,7 @@ def _pack_into(
         bits,
         unit,
         mask.numel(),
+        fitted.code_bits,
         writer.payload_bytes,
         header_xxh3,
         file_bytes,
@@ -451,6 +461,7 @@ class _Written:
     chunk_bits: int
     unit_bytes: int
     num_chunks: int
+    code_bits: int
     payload_bytes: int  # pad included, like CompressedTable.payload_bytes
     header_xxh3: int
     file_bytes: int
@@ -465,11 +476,13 @@ class _Written:
             dtype=dtype_name(self.dtype),
             quant=self.quant,
             chunk_bits=self.chunk_bits,
+            code_bits=self.code_bits,
             unit_bytes=self.unit_bytes,
             raw_bytes=self.num_rows * self.dim * self.dtype.itemsize,
             payload_bytes=self.payload_bytes,
             index_bytes=8 * (blocks + 1) + blocks * _layout.ROWS_PER_BLOCK,
-            metadata_bytes=4 * (-(-self.num_rows // 32)) + 16 * self.num_chunks,
+            metadata_bytes=4 * (-(-self.num_rows // 32))
+            + 8 * self.num_chunks * (1 << self.code_bits),
             file_bytes=self.file_bytes,
             header_xxh3=self.header_xxh3,
             seconds=seconds,
@@ -498,6 +511,7 @@ def pack_table(
     seed: int = 0,
     align: int | None = codec.DEFAULT_ALIGN,
     chunk_bits: int | None = None,
+    code_bits: int | None = None,
     meta: Mapping[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> PackedTable:
@@ -513,7 +527,7 @@ def pack_table(
         ``<name>.<header checksum>.ibpt`` into (the files of a table set).
     weight : [N, D] contiguous CPU tensor (fp32/fp16/bf16/int8/uint8).
     name : table name recorded in the file.
-    quant, method, sample_rows, seed, align, chunk_bits : as for ``codec.compress``.
+    quant, method, sample_rows, seed, align, chunk_bits, code_bits : as for ``codec.compress``.
     meta : extra JSON-serialisable fields for the meta section (features, pooling, origin).
     progress : called with the number of rows done after each step.
 
@@ -534,6 +548,7 @@ def pack_table(
             seed=seed,
             align=align,
             chunk_bits=chunk_bits,
+            code_bits=code_bits,
             meta=meta,
             progress=progress,
         )
@@ -569,7 +584,7 @@ def write_table(
     source = decoded_xxh3(table)
     directory, final_path = _destination(path, name, content_named)
     with AtomicWriter(directory, file_stem(name)) as writer:
-        out = _TableFileWriter(writer.file, table.num_rows, table.mask.numel())
+        out = _TableFileWriter(writer.file, table.num_rows, table.mask.numel(), table.code_bits)
         out.write_payload(_as_bytes(table.payload[: _layout.payload_end(table)]))
         header_xxh3, file_bytes = out.finish(
             (
@@ -598,6 +613,7 @@ def write_table(
         table.chunk_bits,
         table.unit_bytes,
         table.mask.numel(),
+        table.code_bits,
         table.payload_bytes,
         header_xxh3,
         file_bytes,
@@ -638,15 +654,16 @@ def read_header(
         num_chunks,
         layout_version,
         sections_xxh3,
+        code_bits,
         reserved,
         header_xxh3,
     ) = fields
-    if version != VERSION:
+    if version not in READABLE_VERSIONS:
         raise TableFileError(
             path,
             "header",
             f"unknown file version {version} (this reader "
-            f"knows version {VERSION}); repack with this ibpembed",
+            f"knows versions {READABLE_VERSIONS}); repack with this ibpembed",
         )
     computed = xxhash.xxh3_64_intdigest(bytes(data[:_HEADER_HASHED]))
     if computed != header_xxh3:
@@ -657,15 +674,23 @@ def read_header(
         )
     if (header_bytes, section_count, entry_bytes) != (HEADER.size, len(SectionKind), SECTION.size):
         raise TableFileError(path, "header", "unexpected header/section table sizes")
-    if layout_version != LAYOUT_VERSION and not any_layout:
+    if layout_version not in READABLE_LAYOUTS and not any_layout:
         raise TableFileError(
             path,
             "header",
-            f"rows are in compact layout version {layout_version}, this build decodes version "
-            f"{LAYOUT_VERSION}; repack the table",
+            f"rows are in compact layout version {layout_version}, this build decodes versions "
+            f"{READABLE_LAYOUTS}; repack the table",
         )
     if any(reserved):
         raise TableFileError(path, "header", "reserved header bytes are set")
+    if version == 1:
+        if code_bits != 0:  # still reserved in version 1
+            raise TableFileError(path, "header", "reserved header bytes are set")
+        code_bits = 1
+    if code_bits not in codec.CODE_BITS_CHOICES or (layout_version < 3 and code_bits != 1):
+        raise TableFileError(
+            path, "header", f"code width {code_bits} is invalid for layout {layout_version}"
+        )
     if code not in (*_DTYPES_BY_CODE, INT8_ROWWISE_CODE):
         raise TableFileError(path, "header", f"unknown dtype code {code}")
     if num_rows <= 0 or dim <= 0 or chunk_bits not in codec.CHUNK_BITS_CHOICES:
@@ -698,6 +723,7 @@ def read_header(
         chunk_bits=chunk_bits,
         num_chunks=num_chunks,
         layout_version=layout_version,
+        code_bits=code_bits,
         sections_xxh3=sections_xxh3,
         header_xxh3=header_xxh3,
     )
@@ -716,7 +742,7 @@ def read_sections(
             "section table",
             f"checksum mismatch (stored {_hex(header.sections_xxh3)}, computed {_hex(computed)})",
         )
-    plan = _SectionPlan(header.num_rows, header.num_chunks)
+    plan = _SectionPlan(header.num_rows, header.num_chunks, header.code_bits)
     sections = []
     previous_end = begin + len(raw)
     for i, kind in enumerate(SectionKind):
@@ -790,8 +816,9 @@ def _check_index(path: Path, table: CompressedTable) -> None:
         raise TableFileError(path, "row_units", "row slot sizes out of range")
     if table.chunk_bits < 64 and bool((table.mask >> table.chunk_bits).any()):
         raise TableFileError(path, "mask", "mask bits above the chunk width")
-    if bool((table.bitval & ~table.mask).any()):
-        raise TableFileError(path, "bitval", "bitval bits outside the mask")
+    codebooks = table.bitval.view(table.mask.numel(), -1)  # [V, K], sized by the header's C
+    if bool((codebooks & ~table.mask[:, None]).any()):
+        raise TableFileError(path, "bitval", "codebook bits outside the mask")
 
 
 def _tensor(data: mmap.mmap, section: Section, dtype: torch.dtype) -> torch.Tensor:

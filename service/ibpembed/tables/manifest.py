@@ -323,6 +323,7 @@ def pack_table_set(
     seed: int = 0,
     align: int | None = codec.DEFAULT_ALIGN,
     chunk_bits: int | None = None,
+    code_bits: int | None = None,
     progress: Callable[[TableSource], Callable[[int], None] | None] | None = None,
     on_table: Callable[[tf.PackedTable], None] | None = None,
     shard: tuple[int, int] | None = None,
@@ -367,6 +368,7 @@ def pack_table_set(
                 seed=seed,
                 align=align,
                 chunk_bits=chunk_bits,
+                code_bits=code_bits,
                 meta=_source_meta(source, rows),
                 progress=progress(part) if progress else None,
             )
@@ -409,7 +411,7 @@ def pack_shards(
         ``ibpembed-{shard}.ibpembed:50051`` for a StatefulSet's pods); None leaves the
         addresses out of the shard map, for clients to supply.
     progress : as for :func:`pack_table_set`.
-    pack_args : ``method``, ``sample_rows``, ``seed``, ``align``, ``chunk_bits``.
+    pack_args : ``method``, ``sample_rows``, ``seed``, ``align``, ``chunk_bits``, ``code_bits``.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,8 @@ _DATA_TYPES = {str(dtype).removeprefix("torch."): d for d, dtype in _TORCH_DTYPE
 _BUFFER_NAMES = ("payload", "block_base", "row_units", "bitmask", "mask", "bitval", "meta")
 # The compact row layout the payload is in (format.h); a payload in another layout must be repacked.
 LAYOUT_VERSION = int(_C.FORMAT_VERSION)
+# Layout 2 is layout 3 with one-pattern codebooks: its state dicts load unchanged.
+READABLE_LAYOUTS = (2, LAYOUT_VERSION)
 # meta = [STATE_VERSION, LAYOUT_VERSION, chunk_bits, unit_bytes, num_rows, dim, dtype code]
 _META_FIELDS = 7
 
@@ -188,10 +190,10 @@ class CompressedEmbeddingBag(nn.Module):
                 f"version {STATE_VERSION})"
             )
             return
-        if layout != LAYOUT_VERSION:
+        if layout not in READABLE_LAYOUTS:
             error_msgs.append(
                 f"{prefix}meta: rows are in compact layout version {layout}, this build decodes "
-                f"version {LAYOUT_VERSION}; compress the table again"
+                f"versions {READABLE_LAYOUTS}; compress the table again"
             )
             return
         expected = (self.num_embeddings, self.embedding_dim, self.dtype_code)
