@@ -178,6 +178,60 @@ int64_t top_k_sum(const int64_t* counts, int64_t size, int k) {
   return std::accumulate(top.begin(), top.begin() + k, int64_t{0});
 }
 
+// The bit ranking of the codebook fit: greedy, each next bit the one best predicted by the bits
+// already ranked (sum over the rows' current prefix patterns of the majority count of the bit;
+// ties by bit index), on the first kCodebookRankRows rows.
+//
+// NOTE(codec): single-bit agreement (rank_bits) is the wrong order for codebooks. A float's top
+// mantissa bit is skewed (about 58 % zeros for log-uniform values) while its lowest exponent bit
+// is a coin flip on its own, yet determined by the exponent's other bits for most rows: ranked
+// alone it comes after the mantissa bit and the exponent never ends up whole in the mask.
+std::array<uint8_t, 64> rank_bits_conditional(const uint8_t* rows, int64_t num_rows,
+                                              int64_t row_bytes, int w, int j, int depth) {
+  const int64_t n = std::min(num_rows, kCodebookRankRows);
+  std::vector<uint64_t> chunks(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) chunks[r] = load_chunk_any(rows + r * row_bytes, row_bytes, w, j);
+  std::vector<int32_t> group(static_cast<size_t>(n), 0);  // dense id of the row's prefix pattern
+  int32_t groups = 1;
+  std::vector<int32_t> ones, sizes, remap;
+  std::array<uint8_t, 64> order{};
+  uint64_t ranked = 0;
+  for (int s = 0; s < depth; ++s) {
+    ones.assign(static_cast<size_t>(groups) * w, 0);
+    sizes.assign(static_cast<size_t>(groups), 0);
+    for (int64_t r = 0; r < n; ++r) {
+      int32_t* g = ones.data() + static_cast<size_t>(group[r]) * w;
+      ++sizes[group[r]];
+      for (int b = 0; b < w; ++b) g[b] += static_cast<int32_t>((chunks[r] >> b) & 1);
+    }
+    int best = -1;
+    int64_t best_score = -1;
+    for (int b = 0; b < w; ++b) {
+      if ((ranked >> b) & 1) continue;
+      int64_t score = 0;
+      for (int32_t g = 0; g < groups; ++g) {
+        const int32_t c = ones[static_cast<size_t>(g) * w + b];
+        score += std::max(c, sizes[g] - c);
+      }
+      if (score > best_score) {
+        best_score = score;
+        best = b;
+      }
+    }
+    order[s] = static_cast<uint8_t>(best);
+    ranked |= uint64_t{1} << best;
+    remap.assign(static_cast<size_t>(groups) * 2, -1);
+    int32_t next = 0;
+    for (int64_t r = 0; r < n; ++r) {
+      int32_t& id = remap[static_cast<size_t>(group[r]) * 2 + ((chunks[r] >> best) & 1)];
+      if (id < 0) id = next++;
+      group[r] = id;
+    }
+    groups = next;
+  }
+  return order;
+}
+
 // The codebook fit of format.h's C > 1 (docs/codec.md states it; reference.py mirrors it). Per
 // position, the s best-ranked bits (s <= kMaxCodebookMaskBits) become the mask, s chosen to
 // minimise (W - s) * n + s * (rows outside the K most frequent patterns), ties to the smallest s;
@@ -188,20 +242,25 @@ int64_t top_k_sum(const int64_t* counts, int64_t size, int k) {
 // becomes a 16-bit key holding its best-ranked bits from the top down, so the patterns of the s
 // best bits are the key's top s bits: level s of the histogram is level s + 1 with neighbouring
 // bins summed.
-ChunkMasks fit_codebooks(const uint8_t* rows, int64_t num_rows, int64_t row_bytes, int w,
-                         int code_bits) {
+// One result per entry of code_bits (each in [2, kMaxCodeBits]): the ranking and the pattern
+// histogram of a position do not depend on C, only the choice of s and the codebook do.
+std::vector<ChunkMasks> fit_codebooks(const uint8_t* rows, int64_t num_rows, int64_t row_bytes,
+                                      int w, const std::vector<int>& code_bits) {
   static_assert(kMaxCodebookMaskBits == 16, "keys are 16-bit");
   const int64_t n = std::min(num_rows, kCodebookFitRows);
   const int v = chunks_per_row(row_bytes, w);
-  const int k = codebook_size(code_bits);
   const int max_s = std::min(w, kMaxCodebookMaskBits);
-  const std::vector<int64_t> ones = bit_census(rows, n, row_bytes);
-  ChunkMasks out{std::vector<uint64_t>(v, 0), std::vector<uint64_t>(static_cast<size_t>(v) * k, 0)};
+  std::vector<ChunkMasks> out;
+  for (const int c : code_bits) {
+    out.push_back(ChunkMasks{std::vector<uint64_t>(v, 0),
+                             std::vector<uint64_t>(static_cast<size_t>(v) * codebook_size(c), 0)});
+  }
   // levels[s] holds 2^s bins at offset 2^s - 1 (1 + 2 + ... + 2^16 bins in all).
   std::vector<int64_t> levels((size_t{2} << max_s) - 1);
   const auto level = [&](int s) { return levels.data() + ((size_t{1} << s) - 1); };
   for (int j = 0; j < v; ++j) {
-    const std::array<uint8_t, 64> ranking = rank_bits(ones, n, row_bytes, w, j);
+    const std::array<uint8_t, 64> ranking =
+        rank_bits_conditional(rows, n, row_bytes, w, j, max_s);
     int64_t* hist = level(max_s);
     std::fill(hist, hist + (size_t{1} << max_s), 0);
     for (int64_t r = 0; r < n; ++r) {
@@ -217,37 +276,40 @@ ChunkMasks fit_codebooks(const uint8_t* rows, int64_t num_rows, int64_t row_byte
       const int64_t* src = level(s + 1);
       for (size_t b = 0; b < (size_t{1} << s); ++b) dst[b] = src[2 * b] + src[2 * b + 1];
     }
-    int best_s = 0;
-    int64_t best_cost = static_cast<int64_t>(w) * n;
-    for (int s = 1; s <= max_s; ++s) {
-      const int64_t covered = top_k_sum(level(s), int64_t{1} << s, k);
-      const int64_t cost =
-          static_cast<int64_t>(w - s) * n + static_cast<int64_t>(s) * (n - covered);
-      if (cost < best_cost) {
-        best_cost = cost;
-        best_s = s;
+    for (size_t ci = 0; ci < code_bits.size(); ++ci) {
+      const int k = codebook_size(code_bits[ci]);
+      int best_s = 0;
+      int64_t best_cost = static_cast<int64_t>(w) * n;
+      for (int s = 1; s <= max_s; ++s) {
+        const int64_t covered = top_k_sum(level(s), int64_t{1} << s, k);
+        const int64_t cost =
+            static_cast<int64_t>(w - s) * n + static_cast<int64_t>(s) * (n - covered);
+        if (cost < best_cost) {
+          best_cost = cost;
+          best_s = s;
+        }
       }
-    }
-    uint64_t mask = 0;
-    for (int i = 0; i < best_s; ++i) mask |= uint64_t{1} << ranking[i];
-    out.mask[j] = mask;
-    // (count, pattern) of every pattern of the chosen prefix, in the codebook's order.
-    std::vector<std::pair<int64_t, uint64_t>> patterns;
-    const int64_t* bins = level(best_s);
-    for (size_t b = 0; b < (size_t{1} << best_s); ++b) {
-      if (bins[b] == 0) continue;
-      uint64_t pattern = 0;
-      for (int i = 0; i < best_s; ++i) {
-        pattern |= static_cast<uint64_t>((b >> (best_s - 1 - i)) & 1) << ranking[i];
+      uint64_t mask = 0;
+      for (int i = 0; i < best_s; ++i) mask |= uint64_t{1} << ranking[i];
+      out[ci].mask[j] = mask;
+      // (count, pattern) of every pattern of the chosen prefix, in the codebook's order.
+      std::vector<std::pair<int64_t, uint64_t>> patterns;
+      const int64_t* bins = level(best_s);
+      for (size_t b = 0; b < (size_t{1} << best_s); ++b) {
+        if (bins[b] == 0) continue;
+        uint64_t pattern = 0;
+        for (int i = 0; i < best_s; ++i) {
+          pattern |= static_cast<uint64_t>((b >> (best_s - 1 - i)) & 1) << ranking[i];
+        }
+        patterns.emplace_back(bins[b], pattern);
       }
-      patterns.emplace_back(bins[b], pattern);
-    }
-    std::sort(patterns.begin(), patterns.end(), [](const auto& a, const auto& b) {
-      return a.first != b.first ? a.first > b.first : a.second < b.second;
-    });
-    for (int i = 0; i < k && !patterns.empty(); ++i) {
-      const size_t p = static_cast<size_t>(i) < patterns.size() ? static_cast<size_t>(i) : 0;
-      out.bitval[static_cast<size_t>(j) * k + i] = patterns[p].second;
+      std::sort(patterns.begin(), patterns.end(), [](const auto& a, const auto& b) {
+        return a.first != b.first ? a.first > b.first : a.second < b.second;
+      });
+      for (int i = 0; i < k && !patterns.empty(); ++i) {
+        const size_t p = static_cast<size_t>(i) < patterns.size() ? static_cast<size_t>(i) : 0;
+        out[ci].bitval[static_cast<size_t>(j) * k + i] = patterns[p].second;
+      }
     }
   }
   return out;
@@ -301,9 +363,15 @@ ChunkMasks fit_paper(const uint8_t* rows, int64_t n, int64_t row_bytes, int w) {
 
 ChunkMasks fit_masks(const uint8_t* rows, int64_t num_rows, int64_t row_bytes, int chunk_bits,
                      FitMethod method, int code_bits) {
-  if (code_bits > 1) return fit_codebooks(rows, num_rows, row_bytes, chunk_bits, code_bits);
+  if (code_bits > 1) return fit_codebooks(rows, num_rows, row_bytes, chunk_bits, {code_bits})[0];
   return method == FitMethod::kPaper ? fit_paper(rows, num_rows, row_bytes, chunk_bits)
                                      : fit_greedy(rows, num_rows, row_bytes, chunk_bits);
+}
+
+std::vector<ChunkMasks> fit_codebook_widths(const uint8_t* rows, int64_t num_rows,
+                                            int64_t row_bytes, int chunk_bits,
+                                            const std::vector<int>& code_bits) {
+  return fit_codebooks(rows, num_rows, row_bytes, chunk_bits, code_bits);
 }
 
 }  // namespace ibpembed

@@ -193,6 +193,32 @@ std::tuple<at::Tensor, at::Tensor> ibp_fit_cpu(const at::Tensor& sample, int64_t
   return {mask, bitval};
 }
 
+std::vector<at::Tensor> ibp_fit_codebooks_cpu(const at::Tensor& sample, int64_t chunk_bits,
+                                              at::IntArrayRef code_bits) {
+  check_rows(sample);
+  check_chunk_bits(chunk_bits);
+  TORCH_CHECK_VALUE(sample.size(0) > 0, "ibp_fit_codebooks needs at least one sample row");
+  std::vector<int> widths;
+  for (const int64_t c : code_bits) {
+    TORCH_CHECK_VALUE(c >= 2 && c <= kMaxCodeBits, "code_bits must be in [2, ", kMaxCodeBits,
+                      "], got ", c);
+    widths.push_back(static_cast<int>(c));
+  }
+  const std::vector<ChunkMasks> fitted = fit_codebook_widths(
+      sample.data_ptr<uint8_t>(), sample.size(0), sample.size(1), static_cast<int>(chunk_bits),
+      widths);
+  std::vector<at::Tensor> out;
+  for (const ChunkMasks& f : fitted) {
+    at::Tensor mask = at::empty({static_cast<int64_t>(f.mask.size())}, at::kLong);
+    at::Tensor bitval = at::empty({static_cast<int64_t>(f.bitval.size())}, at::kLong);
+    std::memcpy(mask.data_ptr<int64_t>(), f.mask.data(), f.mask.size() * 8);
+    std::memcpy(bitval.data_ptr<int64_t>(), f.bitval.data(), f.bitval.size() * 8);
+    out.push_back(mask);
+    out.push_back(bitval);
+  }
+  return out;
+}
+
 at::Tensor ibp_slot_bytes_cpu(const at::Tensor& rows, int64_t chunk_bits, const at::Tensor& mask,
                               const at::Tensor& bitval, int64_t unit_bytes) {
   check_rows(rows);
@@ -322,6 +348,8 @@ at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& blo
 TORCH_LIBRARY(ibpembed, m) {
   m.def(
       "ibp_fit(Tensor sample, int chunk_bits, str method, int code_bits=1) -> (Tensor, Tensor)");
+  // The codebook fits of several code widths at once: [mask, bitval] per width, in order.
+  m.def("ibp_fit_codebooks(Tensor sample, int chunk_bits, int[] code_bits) -> Tensor[]");
   m.def(
       "ibp_slot_bytes(Tensor rows, int chunk_bits, Tensor mask, Tensor bitval, int unit_bytes) "
       "-> Tensor");
@@ -345,6 +373,7 @@ TORCH_LIBRARY(ibpembed, m) {
 
 TORCH_LIBRARY_IMPL(ibpembed, CPU, m) {
   m.impl("ibp_fit", &ibp_fit_cpu);
+  m.impl("ibp_fit_codebooks", &ibp_fit_codebooks_cpu);
   m.impl("ibp_slot_bytes", &ibp_slot_bytes_cpu);
   m.impl("ibp_compress", &ibp_compress_cpu);
   m.impl("ibp_decompress", &ibp_decompress_cpu);

@@ -53,6 +53,18 @@ def _fit_fake(
     )
 
 
+@torch.library.register_fake("ibpembed::ibp_fit_codebooks")
+def _fit_codebooks_fake(
+    sample: torch.Tensor, chunk_bits: int, code_bits: list[int]
+) -> list[torch.Tensor]:
+    v = _num_chunks(sample.shape[1], chunk_bits)
+    out = []
+    for c in code_bits:
+        out.append(sample.new_empty((v,), dtype=torch.int64))
+        out.append(sample.new_empty((v * ((1 << c) - 1),), dtype=torch.int64))
+    return out
+
+
 @torch.library.register_fake("ibpembed::ibp_slot_bytes")
 def _slot_bytes_fake(rows, chunk_bits, mask, bitval, unit_bytes) -> torch.Tensor:
     return rows.new_empty((rows.shape[0],), dtype=torch.int64)

@@ -339,10 +339,22 @@ def _fit_sample(
     # The layout is chosen on a sub-sample (the fits are the costly part), then the masks of the
     # chosen layout are fitted on the whole sample.
     probe = sample if len(layouts) == 1 else _probe(sample, seed)
+    fits: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def fit_on_probe(bits: int, code: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if (bits, code) not in fits:
+            if code == 1:
+                fits[bits, 1] = ops.ibp_fit(probe, bits, "ibpembed")
+            else:  # every code width of this chunk width in one call: they share most work
+                codes = [c for b, c in layouts if b == bits and c > 1]
+                out = ops.ibp_fit_codebooks(probe, bits, codes)
+                fits.update({(bits, c): (out[2 * i], out[2 * i + 1]) for i, c in enumerate(codes)})
+        return fits[bits, code]
+
     slack = FASTER_LAYOUT_SLACK * probe.numel()
     best: tuple[int, int, int, torch.Tensor, torch.Tensor] | None = None
     for bits, code in layouts:
-        mask, bitval = ops.ibp_fit(probe, bits, "ibpembed", code)
+        mask, bitval = fit_on_probe(bits, code)
         size = int(ops.ibp_slot_bytes(probe, bits, mask, bitval, unit).sum())
         size += _metadata_bytes(mask.numel(), code)
         if best is None or size < best[0] - slack:

@@ -25,6 +25,7 @@ MAX_CODE_BITS = 4
 # fit_codebooks: rows of the sample it looks at, and the most mask bits per position it tries.
 CODEBOOK_FIT_ROWS = 65536
 CODEBOOK_MAX_MASK_BITS = 16
+CODEBOOK_RANK_ROWS = 4096
 INT8_ROWWISE_HEADER_BYTES = 4
 PAPER_THRESHOLDS: tuple[float, ...] = tuple(
     float(t)
@@ -175,31 +176,55 @@ def fit_paper(rows: np.ndarray, chunk_bits: int) -> tuple[np.ndarray, np.ndarray
     return np.array(best[0], dtype=np.uint64), np.array(best[1], dtype=np.uint64)
 
 
+def rank_bits_conditional(chunks: np.ndarray, chunk_bits: int, depth: int) -> list[int]:
+    """The first ``depth`` bits of a greedy ranking: each next bit is the one the bits already
+    ranked predict best, i.e. with the largest sum over the chunks' current prefix patterns of
+    that bit's majority count (ties: lower bit index)."""
+    bits = ((chunks[:, None] >> np.arange(chunk_bits, dtype=np.uint64)) & np.uint64(1)).astype(
+        np.int64
+    )  # [n, W]
+    group = np.zeros(len(chunks), dtype=np.int64)
+    order: list[int] = []
+    for _ in range(depth):
+        groups = int(group.max()) + 1 if len(group) else 1
+        ones = np.zeros((groups, chunk_bits), dtype=np.int64)
+        np.add.at(ones, group, bits)
+        sizes = np.bincount(group, minlength=groups)[:, None]
+        score = np.maximum(ones, sizes - ones).sum(axis=0)
+        score[order] = -1
+        best = int(np.argmax(score))  # first maximum: the lowest bit index
+        order.append(best)
+        _, group = np.unique(group * 2 + bits[:, best], return_inverse=True)
+        group = group.reshape(-1)
+    return order
+
+
 def fit_codebooks(
     rows: np.ndarray, chunk_bits: int, code_bits: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The exponent-aware fit: per position a mask and K = 2^C - 1 patterns of its bits.
 
-    On the first min(n, 65536) rows, per chunk position j: rank the W bits as fit_greedy does
-    (agreement descending, ties by bit index); for s = 0 .. min(W, 16) take the s top-ranked
-    bits as mask_s, count the row patterns x & mask_s, let covered_s be the sum of the K largest
-    counts and cost_s = (W - s) * n + s * (n - covered_s) (the free bits every row stores plus
-    the masked bits the escapes store); keep the s of least cost (ties: smallest s). The codebook
-    is mask_s's patterns by count descending (ties: smaller pattern first), the first K, padded
-    by repeating the first. (The codec fits C = 1 with fit_greedy or fit_paper instead.)
+    On the first min(n, 65536) rows, per chunk position j: rank the W bits with
+    ``rank_bits_conditional`` (on the first 4096 rows); for s = 0 .. min(W, 16) take the s
+    top-ranked bits as mask_s, count the row patterns x & mask_s, let covered_s be the sum of
+    the K largest counts and cost_s = (W - s) * n + s * (n - covered_s) (the free bits every
+    row stores plus the masked bits the escapes store); keep the s of least cost (ties:
+    smallest s). The codebook is mask_s's patterns by count descending (ties: smaller pattern
+    first), the first K, padded by repeating the first. (The codec fits C = 1 with fit_greedy
+    or fit_paper instead.)
     """
     if not 1 <= code_bits <= MAX_CODE_BITS:
         raise ValueError(f"code_bits must be in 1..{MAX_CODE_BITS}, got {code_bits}")
     k = codebook_size(code_bits)
     rows = rows[:CODEBOOK_FIT_ROWS]
     n = rows.shape[0]
-    ones = _bit_ones(rows, chunk_bits)
+    v = num_chunks(rows.shape[1], chunk_bits)
     chunks = np.array([chunks_of(bytes(r), chunk_bits) for r in rows], dtype=np.uint64)
-    chunks = chunks.reshape(n, ones.shape[0])
+    chunks = chunks.reshape(n, v)
+    depth = min(chunk_bits, CODEBOOK_MAX_MASK_BITS)
     masks, codebooks = [], []
-    for j in range(ones.shape[0]):
-        agree = [max(c, n - c) for c in ones[j].tolist()]
-        order = sorted(range(chunk_bits), key=lambda t: (-agree[t], t))
+    for j in range(v):
+        order = rank_bits_conditional(chunks[:CODEBOOK_RANK_ROWS, j], chunk_bits, depth)
         best = None  # (cost, mask, patterns ordered by count desc then value asc)
         for s in range(min(chunk_bits, CODEBOOK_MAX_MASK_BITS) + 1):
             mask = sum(1 << t for t in order[:s])

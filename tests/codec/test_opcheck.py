@@ -10,6 +10,7 @@ from ibpembed import compress
 from ibpembed._ops import ops
 
 TABLE = compress(torch.randn(70, 12).to(torch.bfloat16).float())
+CODED = compress(torch.randn(70, 12).to(torch.bfloat16).float(), chunk_bits=32, code_bits=3)
 ROWS = torch.randn(70, 12).view(torch.uint8).reshape(70, -1)
 
 
@@ -18,6 +19,10 @@ def _cases() -> list[tuple[str, tuple]]:
     ids = torch.tensor([3, 69, 3, 0])
     return [
         ("ibp_fit", (ROWS, 32, "ibpembed")),
+        ("ibp_fit", (ROWS, 16, "ibpembed", 3)),
+        ("ibp_fit_codebooks", (ROWS, 32, [2, 4])),
+        ("ibp_decompress", CODED._args()),
+        ("ibp_gather", (*CODED._args(), torch.tensor([5, 1, 5]))),
         ("ibp_slot_bytes", (ROWS, TABLE.chunk_bits, TABLE.mask, TABLE.bitval, TABLE.unit_bytes)),
         ("ibp_compress", (ROWS, TABLE.chunk_bits, TABLE.mask, TABLE.bitval, TABLE.unit_bytes)),
         ("ibp_decompress", args),

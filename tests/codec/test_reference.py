@@ -233,10 +233,31 @@ def test_reference_codebooks_round_trip_fitted(
     check_table(other_npy, chunk_bits, mask, bitval, align, code_bits, ids)
 
 
+def _conditional_ranking(col: list[int], chunk_bits: int) -> list[int]:
+    """Greedy: the next bit maximises the sum, over the groups of rows that agree on the bits
+    ranked so far, of the bit's majority count; ties to the lower bit."""
+    ranking: list[int] = []
+    for _ in range(min(chunk_bits, 16)):
+        groups = Counter()
+        ones = Counter()
+        for x in col:
+            prefix = tuple((x >> t) & 1 for t in ranking)
+            groups[prefix] += 1
+            for t in range(chunk_bits):
+                ones[prefix, t] += (x >> t) & 1
+        scores = {
+            t: sum(max(ones[p, t], size - ones[p, t]) for p, size in groups.items())
+            for t in range(chunk_bits)
+            if t not in ranking
+        }
+        ranking.append(max(scores, key=lambda t: (scores[t], -t)))
+    return ranking
+
+
 def check_fit_is_the_documented_one(npy, chunk_bits, code_bits, mask, bitval) -> None:
     """fit_codebooks re-derived another way (Counter, explicit sums): shapes, the invariant
-    bitval & ~mask == 0, the mask a least-cost prefix of the agreement ranking, the codebook the
-    K most frequent patterns (ties: smaller first), padded with the first."""
+    bitval & ~mask == 0, the mask a least-cost prefix of the conditional ranking, the codebook
+    the K most frequent patterns (ties: smaller first), padded with the first."""
     k = ref.codebook_size(code_bits)
     rows = npy[: ref.CODEBOOK_FIT_ROWS]
     n = rows.shape[0]
@@ -246,11 +267,7 @@ def check_fit_is_the_documented_one(npy, chunk_bits, code_bits, mask, bitval) ->
     assert bitval.shape == (v * k,) and bitval.dtype == np.uint64
     for j in range(v):
         col = [row[j] for row in chunks]
-        agree = []
-        for t in range(chunk_bits):
-            ones = sum((x >> t) & 1 for x in col)
-            agree.append(max(ones, n - ones))
-        ranking = sorted(range(chunk_bits), key=lambda t: (-agree[t], t))
+        ranking = _conditional_ranking(col[: ref.CODEBOOK_RANK_ROWS], chunk_bits)
 
         def cost(m: int, col=col) -> int:
             counts = sorted(Counter(x & m for x in col).values(), reverse=True)
@@ -445,3 +462,15 @@ def test_compress_code_bits_matches_reference(
     assert same_bits(c.decompress(), table)
     ids = torch.from_numpy(np.random.default_rng(seed).integers(0, rows, 2 * rows))
     assert same_bits(c.gather(ids), table[ids])
+
+
+@pytest.mark.parametrize("chunk_bits", (16, 32, 64))
+def test_fit_codebooks_op_equals_one_fit_per_width(chunk_bits: int) -> None:
+    # compress() probes several code widths with one ibp_fit_codebooks call: it must give what
+    # ibp_fit gives for each width alone.
+    rows = make_table(torch.bfloat16, 3000, 24, "trained_like", chunk_bits)
+    npy = rows.view(torch.uint8).reshape(3000, -1)
+    out = ops.ibp_fit_codebooks(npy, chunk_bits, [4, 2, 3])
+    for i, code_bits in enumerate((4, 2, 3)):
+        mask, bitval = ops.ibp_fit(npy, chunk_bits, "ibpembed", code_bits)
+        assert torch.equal(out[2 * i], mask) and torch.equal(out[2 * i + 1], bitval)

@@ -33,12 +33,21 @@ struct ChunkMasks {
 // Rows of the sample the codebook fit (code_bits > 1) reads, and the most mask bits it keeps per
 // position: pattern counts stay cheap and the masks cover a float's exponent.
 inline constexpr int64_t kCodebookFitRows = 65536;
+// Rows of those that rank the bits (a greedy over bits, costlier per row than the counts).
+inline constexpr int64_t kCodebookRankRows = 4096;
 inline constexpr int kMaxCodebookMaskBits = 16;
 
 // Masks and codebooks (bitval, V * (2^code_bits - 1) entries). code_bits > 1 fits codebooks
 // (format.h's exponent-aware mode) and ignores `method`; code_bits == 1 fits with `method`.
 ChunkMasks fit_masks(const uint8_t* rows, int64_t num_rows, int64_t row_bytes, int chunk_bits,
                      FitMethod method, int code_bits);
+
+// The codebook fit for several code widths (each in [2, kMaxCodeBits]) at once, one result per
+// entry: identical to fit_masks per width, but the bit ranking and pattern counts of a position
+// (most of the cost) are shared.
+std::vector<ChunkMasks> fit_codebook_widths(const uint8_t* rows, int64_t num_rows,
+                                            int64_t row_bytes, int chunk_bits,
+                                            const std::vector<int>& code_bits);
 
 // ----------------------------------------------------------------------------------------------
 // Row kernels of one CPU path. Chosen once at load time (see cpu_path()).
