@@ -24,13 +24,20 @@ Pooling = Literal["sum", "mean"]
 
 CHUNK_BITS_CHOICES = (64, 32, 16)
 CODE_BITS_CHOICES = (1, 2, 3, 4)
-# (chunk_bits, code_bits) layouts the fit compares, fastest decode first: wider chunks decode more
-# bytes per step, and C = 1 (plain IBP) needs no codebook lookup per chunk. Codebooks (C > 1) are
+# (chunk_bits, code_bits) layouts the fit compares, in classes of equal decode speed, fastest
+# first: wider chunks decode more bytes per step, and C = 1 (plain IBP) needs no codebook lookup
+# per chunk; within a class the code width barely changes the decode cost. Codebooks (C > 1) are
 # tried on chunks of one fp32 or two 16-bit elements, where a chunk's masked bits are one or two
 # exponents whose few frequent values a short code captures.
-FIT_LAYOUTS = ((64, 1), (32, 1), (16, 1), (32, 2), (32, 3), (32, 4), (16, 2), (16, 3), (16, 4))
-# A faster-decoding layout is kept unless a later one saves more than this fraction of the raw
-# bytes.
+FIT_LAYOUT_CLASSES = (
+    ((64, 1),),
+    ((32, 1),),
+    ((16, 1),),
+    ((32, 2), (32, 3), (32, 4)),
+    ((16, 2), (16, 3), (16, 4)),
+)
+# The smallest layout of a class wins it; a faster class is kept unless a slower one saves more
+# than this fraction of the raw bytes.
 FASTER_LAYOUT_SLACK = 0.01
 DEFAULT_SAMPLE_ROWS = 1_000_000
 DEFAULT_ALIGN: int | None = None  # None: the slot unit is chosen by measured size
@@ -329,13 +336,14 @@ def _fit_sample(
         return bits, zeros, zeros.clone()
     if method != "ibpembed":
         raise ValueError(f"method must be 'ibpembed', 'paper' or 'raw', got {method!r}")
-    layouts = [
-        (bits, code)
-        for bits, code in FIT_LAYOUTS
-        if chunk_bits in (None, bits) and code_bits in (None, code)
+    allowed = [
+        [(b, c) for b, c in layouts if chunk_bits in (None, b) and code_bits in (None, c)]
+        for layouts in FIT_LAYOUT_CLASSES
     ]
-    if not layouts:  # a forced combination outside FIT_LAYOUTS (e.g. W = 64 with codebooks)
-        layouts = [(chunk_bits or CHUNK_BITS_CHOICES[0], code_bits or 1)]
+    classes = [layouts for layouts in allowed if layouts]
+    if not classes:  # a forced combination outside FIT_LAYOUT_CLASSES (e.g. W = 64 with codebooks)
+        classes = [[(chunk_bits or CHUNK_BITS_CHOICES[0], code_bits or 1)]]
+    layouts = [layout for layouts in classes for layout in layouts]
     # The layout is chosen on a sub-sample (the fits are the costly part), then the masks of the
     # chosen layout are fitted on the whole sample.
     probe = sample if len(layouts) == 1 else _probe(sample, seed)
@@ -351,16 +359,20 @@ def _fit_sample(
                 fits.update({(bits, c): (out[2 * i], out[2 * i + 1]) for i, c in enumerate(codes)})
         return fits[bits, code]
 
-    slack = FASTER_LAYOUT_SLACK * probe.numel()
-    best: tuple[int, int, int, torch.Tensor, torch.Tensor] | None = None
-    for bits, code in layouts:
+    def probe_bytes(bits: int, code: int) -> int:
         mask, bitval = fit_on_probe(bits, code)
         size = int(ops.ibp_slot_bytes(probe, bits, mask, bitval, unit).sum())
-        size += _metadata_bytes(mask.numel(), code)
+        return size + _metadata_bytes(mask.numel(), code)
+
+    slack = FASTER_LAYOUT_SLACK * probe.numel()
+    best: tuple[int, int, int] | None = None  # (bytes, bits, code)
+    for layouts in classes:
+        size, bits, code = min((probe_bytes(b, c), b, c) for b, c in layouts)
         if best is None or size < best[0] - slack:
-            best = (size, bits, code, mask, bitval)
+            best = (size, bits, code)
     assert best is not None
-    _, bits, code, mask, bitval = best
+    _, bits, code = best
+    mask, bitval = fit_on_probe(bits, code)
     if probe is not sample:
         mask, bitval = ops.ibp_fit(sample, bits, "ibpembed", code)
     return bits, mask, bitval
