@@ -121,6 +121,21 @@ def test_usage_errors_exit_2(argv: list[str]) -> None:
     assert exit_info.value.code == 2
 
 
+def test_pack_code_bits_writes_codebooks_that_verify(tmp_path: Path, sources: Path, capsys) -> None:
+    out = tmp_path / "out"
+    argv = ["pack", str(sources / "ckpt.pt"), "-o", str(out), "--json", "--no-progress"]
+    assert run([*argv, "--code-bits", "3", "--chunk-bits", "32"]) == 0
+    report = json.loads(capsys.readouterr().out)["tables"][0]
+    assert (report["code_bits"], report["chunk_bits"]) == (3, 32)
+    one = next(out.glob("t_user.*.ibpt"))
+    assert run(["inspect", str(one), "--json"]) == 0
+    desc = json.loads(capsys.readouterr().out)["tables"][0]
+    assert desc["header"]["code_bits"] == 3
+    bitval = next(s for s in desc["sections"] if s["kind"] == "bitval")
+    assert bitval["length"] == 8 * 7 * desc["header"]["num_chunks"]  # K = 2^3 - 1 patterns
+    assert run(["verify", str(out)]) == 0
+
+
 def test_inspect_directory_and_file(packed: Path, capsys) -> None:
     assert run(["inspect", str(packed)]) == 0
     text = capsys.readouterr().out
