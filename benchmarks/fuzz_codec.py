@@ -396,8 +396,12 @@ def perturbed_masks(
             book[:, slot] = rng.integers(0, top, v, dtype=np.uint64, endpoint=True) & mask
         else:
             book[:, slot] = fitted_book[:, slot] & mask
-    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int64).copy())  # noqa: E731
-    return as_tensor(mask), as_tensor(book.reshape(-1))
+    return _as_int64_tensor(mask), _as_int64_tensor(book.reshape(-1))
+
+
+def _as_int64_tensor(bits: np.ndarray) -> torch.Tensor:
+    """uint64 bit patterns as the int64 tensor the ops take."""
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int64).copy())
 
 
 def batch_masks(
