@@ -197,12 +197,19 @@ std::array<uint8_t, 64> rank_bits_conditional(const uint8_t* rows, int64_t num_r
   std::array<uint8_t, 64> order{};
   uint64_t ranked = 0;
   for (int s = 0; s < depth; ++s) {
+    if (groups == n) {
+      // Every row is its own group: each bit is predicted perfectly, so the ties go in bit order.
+      for (int b = 0; b < w && s < depth; ++b) {
+        if (!((ranked >> b) & 1)) order[s++] = static_cast<uint8_t>(b);
+      }
+      break;
+    }
     ones.assign(static_cast<size_t>(groups) * w, 0);
     sizes.assign(static_cast<size_t>(groups), 0);
     for (int64_t r = 0; r < n; ++r) {
       int32_t* g = ones.data() + static_cast<size_t>(group[r]) * w;
       ++sizes[group[r]];
-      for (int b = 0; b < w; ++b) g[b] += static_cast<int32_t>((chunks[r] >> b) & 1);
+      for (uint64_t x = chunks[r]; x != 0; x &= x - 1) ++g[__builtin_ctzll(x)];
     }
     int best = -1;
     int64_t best_score = -1;
@@ -238,10 +245,10 @@ std::array<uint8_t, 64> rank_bits_conditional(const uint8_t* rows, int64_t num_r
 // the codebook is those K patterns, most frequent first (ties: smaller pattern first), padded
 // with the first one when fewer occur.
 //
-// NOTE(codec): the pattern counts of every prefix come from one histogram. Each row's chunk
-// becomes a 16-bit key holding its best-ranked bits from the top down, so the patterns of the s
-// best bits are the key's top s bits: level s of the histogram is level s + 1 with neighbouring
-// bins summed.
+// NOTE(codec): the pattern counts of every prefix come from one pass. Each row's chunk becomes a
+// 16-bit key holding its best-ranked bits from the top down, so the patterns of the s best bits
+// are the key's top s bits: level s of a histogram is level s + 1 with neighbouring bins summed,
+// and in sorted keys they are runs.
 // One result per entry of code_bits (each in [2, kMaxCodeBits]): the ranking and the pattern
 // histogram of a position do not depend on C, only the choice of s and the codebook do.
 std::vector<ChunkMasks> fit_codebooks(const uint8_t* rows, int64_t num_rows, int64_t row_bytes,
@@ -255,53 +262,87 @@ std::vector<ChunkMasks> fit_codebooks(const uint8_t* rows, int64_t num_rows, int
     out.push_back(ChunkMasks{std::vector<uint64_t>(v, 0),
                              std::vector<uint64_t>(static_cast<size_t>(v) * codebook_size(c), 0)});
   }
+  // Small samples sort their keys (runs of equal prefixes are the patterns); large ones use a
+  // histogram, whose 2^16 bins would dominate for a few thousand rows.
+  const bool sorted_keys = n <= kSortedKeyRows;
   // levels[s] holds 2^s bins at offset 2^s - 1 (1 + 2 + ... + 2^16 bins in all).
-  std::vector<int64_t> levels((size_t{2} << max_s) - 1);
+  std::vector<int64_t> levels(sorted_keys ? 0 : (size_t{2} << max_s) - 1);
   const auto level = [&](int s) { return levels.data() + ((size_t{1} << s) - 1); };
+  std::vector<uint32_t> keys(static_cast<size_t>(n));
+  // (count, top-s key bits) of every pattern of the s best-ranked bits, in key order.
+  std::vector<std::pair<int64_t, uint32_t>> runs;
+  const auto patterns_of = [&](int s) {
+    runs.clear();
+    if (sorted_keys) {
+      for (int64_t r = 0; r < n;) {
+        int64_t e = r + 1;
+        while (e < n && (keys[e] >> (max_s - s)) == (keys[r] >> (max_s - s))) ++e;
+        runs.emplace_back(e - r, keys[r] >> (max_s - s));
+        r = e;
+      }
+    } else {
+      const int64_t* bins = level(s);
+      for (uint32_t b = 0; b < (uint32_t{1} << s); ++b) {
+        if (bins[b] != 0) runs.emplace_back(bins[b], b);
+      }
+    }
+  };
+  std::vector<int64_t> counts;
   for (int j = 0; j < v; ++j) {
     const std::array<uint8_t, 64> ranking =
         rank_bits_conditional(rows, n, row_bytes, w, j, max_s);
-    int64_t* hist = level(max_s);
-    std::fill(hist, hist + (size_t{1} << max_s), 0);
     for (int64_t r = 0; r < n; ++r) {
       const uint64_t x = load_chunk_any(rows + r * row_bytes, row_bytes, w, j);
       uint32_t key = 0;
       for (int i = 0; i < max_s; ++i) {
         key |= static_cast<uint32_t>((x >> ranking[i]) & 1) << (max_s - 1 - i);
       }
-      ++hist[key];
+      keys[r] = key;
     }
-    for (int s = max_s - 1; s >= 0; --s) {
-      int64_t* dst = level(s);
-      const int64_t* src = level(s + 1);
-      for (size_t b = 0; b < (size_t{1} << s); ++b) dst[b] = src[2 * b] + src[2 * b + 1];
+    if (sorted_keys) {
+      std::sort(keys.begin(), keys.end());
+    } else {
+      int64_t* hist = level(max_s);
+      std::fill(hist, hist + (size_t{1} << max_s), 0);
+      for (const uint32_t key : keys) ++hist[key];
+      for (int s = max_s - 1; s >= 0; --s) {
+        int64_t* dst = level(s);
+        const int64_t* src = level(s + 1);
+        for (size_t b = 0; b < (size_t{1} << s); ++b) dst[b] = src[2 * b] + src[2 * b + 1];
+      }
+    }
+    std::vector<int> best_s(code_bits.size(), 0);
+    std::vector<int64_t> best_cost(code_bits.size(), static_cast<int64_t>(w) * n);
+    for (int s = 1; s <= max_s; ++s) {
+      patterns_of(s);
+      counts.clear();
+      for (const auto& run : runs) counts.push_back(run.first);
+      for (size_t ci = 0; ci < code_bits.size(); ++ci) {
+        const int64_t covered =
+            top_k_sum(counts.data(), static_cast<int64_t>(counts.size()), codebook_size(code_bits[ci]));
+        const int64_t cost =
+            static_cast<int64_t>(w - s) * n + static_cast<int64_t>(s) * (n - covered);
+        if (cost < best_cost[ci]) {
+          best_cost[ci] = cost;
+          best_s[ci] = s;
+        }
+      }
     }
     for (size_t ci = 0; ci < code_bits.size(); ++ci) {
       const int k = codebook_size(code_bits[ci]);
-      int best_s = 0;
-      int64_t best_cost = static_cast<int64_t>(w) * n;
-      for (int s = 1; s <= max_s; ++s) {
-        const int64_t covered = top_k_sum(level(s), int64_t{1} << s, k);
-        const int64_t cost =
-            static_cast<int64_t>(w - s) * n + static_cast<int64_t>(s) * (n - covered);
-        if (cost < best_cost) {
-          best_cost = cost;
-          best_s = s;
-        }
-      }
+      const int bs = best_s[ci];
       uint64_t mask = 0;
-      for (int i = 0; i < best_s; ++i) mask |= uint64_t{1} << ranking[i];
+      for (int i = 0; i < bs; ++i) mask |= uint64_t{1} << ranking[i];
       out[ci].mask[j] = mask;
       // (count, pattern) of every pattern of the chosen prefix, in the codebook's order.
+      patterns_of(bs);
       std::vector<std::pair<int64_t, uint64_t>> patterns;
-      const int64_t* bins = level(best_s);
-      for (size_t b = 0; b < (size_t{1} << best_s); ++b) {
-        if (bins[b] == 0) continue;
+      for (const auto& [count, bits] : runs) {
         uint64_t pattern = 0;
-        for (int i = 0; i < best_s; ++i) {
-          pattern |= static_cast<uint64_t>((b >> (best_s - 1 - i)) & 1) << ranking[i];
+        for (int i = 0; i < bs; ++i) {
+          pattern |= static_cast<uint64_t>((bits >> (bs - 1 - i)) & 1) << ranking[i];
         }
-        patterns.emplace_back(bins[b], pattern);
+        patterns.emplace_back(count, pattern);
       }
       std::sort(patterns.begin(), patterns.end(), [](const auto& a, const auto& b) {
         return a.first != b.first ? a.first > b.first : a.second < b.second;

@@ -35,6 +35,8 @@ struct ChunkMasks {
 inline constexpr int64_t kCodebookFitRows = 65536;
 // Rows of those that rank the bits (a greedy over bits, costlier per row than the counts).
 inline constexpr int64_t kCodebookRankRows = 4096;
+// Up to this many rows the fit counts patterns by sorting keys, above it with a histogram.
+inline constexpr int64_t kSortedKeyRows = 8192;
 inline constexpr int kMaxCodebookMaskBits = 16;
 
 // Masks and codebooks (bitval, V * (2^code_bits - 1) entries). code_bits > 1 fits codebooks
