@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ibpembed/codec.h"
@@ -113,13 +114,14 @@ inline constexpr int kOneLoadBits = 57;
 template <int W>
 struct DecodePlan {
   static constexpr int kChunksPerGroup = 64 / W;
+  using Chunk = std::conditional_t<W == 16, uint16_t, std::conditional_t<W == 32, uint32_t, uint64_t>>;
 
   int code_bits;
   std::vector<uint64_t> mask;
   std::vector<uint8_t> free_count;        // k_j
   std::vector<uint64_t> group_free_mask;  // concatenated ~mask of the group's chunks
   std::vector<uint64_t> group_bitval;     // C = 1: concatenated patterns of the group's chunks
-  std::vector<uint64_t> codebook;         // C > 1: [(j << C) | code], 0 for the escape code
+  std::vector<Chunk> codebook;            // C > 1: [(j << C) | code], 0 for the escape code
   std::vector<uint32_t> group_offset;     // stream bit of the group's first free field
   std::vector<uint32_t> field_offset;     // F_j = V * C + sum_{i<j} k_i
   uint64_t exception_start;               // E = V * C + sum_j k_j
@@ -143,7 +145,7 @@ struct DecodePlan {
       for (int j = 0; j < t.num_chunks; ++j) {
         for (int code = 1; code <= k; ++code) {
           codebook[(static_cast<size_t>(j) << code_bits) | code] =
-              t.bitval[static_cast<int64_t>(j) * k + code - 1];
+              static_cast<Chunk>(t.bitval[static_cast<int64_t>(j) * k + code - 1]);
         }
       }
     }
@@ -207,29 +209,40 @@ void decode_ibp_row(const DecodePlan<W>& plan, const TableView& t, const uint8_t
   }
 }
 
-// C > 1 (exponent-aware codes). Like decode_ibp_row, but each chunk of a group ORs in the
-// codebook pattern of its own code, and the escaped chunks are listed on the way (branch-free)
-// for the patch pass. `escapes` holds V entries.
+// C > 1 (exponent-aware codes). Like decode_ibp_row, but every chunk first takes the codebook
+// pattern of its own code, and the escaped chunks are listed on the way (branch-free) for the
+// patch pass. `escapes` holds V entries.
 template <int W, class Ops>
 void decode_coded_row(const DecodePlan<W>& plan, const TableView& t, const uint8_t* in,
                       uint8_t* row, int32_t* escapes) {
   constexpr int kPerGroup = DecodePlan<W>::kChunksPerGroup;
+  using Chunk = typename DecodePlan<W>::Chunk;
   const int c = plan.code_bits;
   const uint64_t code_mask = low_bits(c);
-  const uint64_t* codebook = plan.codebook.data();
+  const Chunk* codebook = plan.codebook.data();
   const int groups = static_cast<int>(plan.group_offset.size());
   int num_escapes = 0;
-  for (int g = 0; g < groups; ++g) {
-    uint64_t x = read_group_free<W, Ops>(plan, in, g);
-    // A group's codes are at most 4 x 4 bits: one read.
-    const uint64_t codes = read_stream_bits<16>(in, static_cast<uint64_t>(g) * kPerGroup * c);
-    for (int q = 0; q < kPerGroup; ++q) {
-      const int j = g * kPerGroup + q;
-      const uint64_t code = (codes >> (q * c)) & code_mask;
-      x |= codebook[(static_cast<size_t>(j) << c) | code] << (q * W);
+  // Pass 1: each chunk's pattern straight into the row, escapes listed; codes are read 56 bits
+  // at a time (one load holds them at any bit shift). Pass 2 ORs in the free bits a whole 8-byte
+  // group at a time, as decode_ibp_row does.
+  const int whole = groups * kPerGroup;
+  const int codes_per_read = 56 / c;
+  Chunk* chunks = reinterpret_cast<Chunk*>(row);
+  for (int j = 0; j < whole;) {
+    uint64_t codes = read_stream_bits<kOneLoadBits>(in, static_cast<uint64_t>(j) * c);
+    const int end = j + codes_per_read < whole ? j + codes_per_read : whole;
+    for (; j < end; ++j, codes >>= c) {
+      const uint64_t code = codes & code_mask;
+      const Chunk pattern = codebook[(static_cast<size_t>(j) << c) | code];
+      std::memcpy(chunks + j, &pattern, sizeof(Chunk));
       escapes[num_escapes] = j;
       num_escapes += code == 0;
     }
+  }
+  for (int g = 0; g < groups; ++g) {
+    uint64_t x;
+    std::memcpy(&x, row + 8 * static_cast<int64_t>(g), 8);
+    x |= read_group_free<W, Ops>(plan, in, g);
     std::memcpy(row + 8 * static_cast<int64_t>(g), &x, 8);
   }
   for (int j = groups * kPerGroup; j < t.num_chunks; ++j) {
