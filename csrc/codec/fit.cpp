@@ -166,7 +166,7 @@ ChunkMasks fit_greedy(const uint8_t* rows, int64_t n, int64_t row_bytes, int w) 
 int64_t top_k_sum(const int64_t* counts, int64_t size, int k) {
   std::array<int64_t, 16> top{};  // descending; k <= 15
   for (int64_t i = 0; i < size; ++i) {
-    int64_t c = counts[i];
+    const int64_t c = counts[i];
     if (c <= top[k - 1]) continue;
     int p = k - 1;
     while (p > 0 && top[p - 1] < c) {
