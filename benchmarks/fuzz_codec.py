@@ -359,11 +359,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def codebook_size(code_bits: int) -> int:
-    """K = 2^C - 1 patterns per chunk position (code 0 is the escape)."""
-    return (1 << code_bits) - 1
-
-
 def perturbed_masks(
     rows: torch.Tensor, chunk_bits: int, code_bits: int, rng: np.random.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,7 +371,7 @@ def perturbed_masks(
     that slot; all masked to the new masks, so entries may repeat and may match nothing.
     """
     v = -(-rows.shape[1] // (chunk_bits // 8))
-    k = codebook_size(code_bits)
+    k = ref.codebook_size(code_bits)
     fitted, fitted_book = ops.ibp_fit(rows, chunk_bits, "ibpembed", code_bits)
     flips = rng.random((v, chunk_bits)) < rng.uniform(0, 0.3, (v, 1))
     weights = np.uint64(1) << np.arange(chunk_bits, dtype=np.uint64)
@@ -418,7 +413,7 @@ def batch_masks(
         return ops.ibp_fit(u8_rows(member), batch.chunk_bits, batch.method, c)
     if batch.fit_source == "raw":
         return torch.zeros(v, dtype=torch.int64), torch.zeros(
-            v * codebook_size(c), dtype=torch.int64
+            v * ref.codebook_size(c), dtype=torch.int64
         )
     return perturbed_masks(stack, batch.chunk_bits, c, rng)
 

@@ -432,7 +432,8 @@ def build_big(
     )
     raw_ints = (c.chunk_bits, row_bytes, unit, n)
     to_gpu = (lambda ts: tuple(t.cuda() for t in ts)) if gpu else (lambda ts: ts)
-    stored = reps * used + 16 + block_base.numel() * 8 + n + blocks * 4 + 16 * c.mask.numel()
+    metadata = 8 * (c.mask.numel() + c.bitval.numel())  # masks and codebooks, as c counts them
+    stored = reps * used + 16 + block_base.numel() * 8 + n + blocks * 4 + metadata
     return BigTable(
         row_bytes=row_bytes,
         num_rows=n,

@@ -239,6 +239,52 @@ std::array<uint8_t, 64> rank_bits_conditional(const uint8_t* rows, int64_t num_r
   return order;
 }
 
+ChunkMasks fit_paper(const uint8_t* rows, int64_t n, int64_t row_bytes, int w) {
+  const int v = chunks_per_row(row_bytes, w);
+  const std::vector<int64_t> ones = bit_census(rows, n, row_bytes);
+  ChunkMasks best{std::vector<uint64_t>(v, 0), std::vector<uint64_t>(v, 0)};
+  int64_t best_net = -1;
+  // The published sweep: T from 0.70 in float32 steps of 0.05 while T <= 1.0.
+  for (float threshold = 0.70f; threshold <= 1.0f; threshold += 0.05f) {
+    ChunkMasks cand{std::vector<uint64_t>(v, 0), std::vector<uint64_t>(v, 0)};
+    const double hi = static_cast<double>(threshold) * static_cast<double>(n);
+    const double lo = (1.0 - static_cast<double>(threshold)) * static_cast<double>(n);
+    for (int j = 0; j < v; ++j) {
+      for (int t = 0; t < w; ++t) {
+        const double c = static_cast<double>(chunk_bit_ones(ones, row_bytes, w, j, t));
+        if (c > hi) {
+          cand.mask[j] |= uint64_t{1} << t;
+          cand.bitval[j] |= uint64_t{1} << t;
+        } else if (c < lo) {
+          cand.mask[j] |= uint64_t{1} << t;
+        }
+      }
+    }
+    // Realised net saving: per row, saved bits minus the one-bit-per-chunk header, rows with a
+    // positive net only (the paper's scoring; padding ignored).
+    std::vector<int64_t> mask_bits(v);
+    for (int j = 0; j < v; ++j) mask_bits[j] = popcount64(cand.mask[j]);
+    int64_t net = 0;
+    for (int64_t r = 0; r < n; ++r) {
+      const uint8_t* row = rows + r * row_bytes;
+      int64_t saved = 0;
+      for (int j = 0; j < v; ++j) {
+        const bool participates =
+            (load_chunk_any(row, row_bytes, w, j) & cand.mask[j]) == cand.bitval[j];
+        saved += participates ? mask_bits[j] : 0;
+      }
+      if (saved > v) net += saved - v;
+    }
+    if (net > best_net) {
+      best_net = net;
+      best = std::move(cand);
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
 // The codebook fit of format.h's C > 1 (docs/codec.md states it; reference.py mirrors it). Per
 // position, the s best-ranked bits (s <= kMaxCodebookMaskBits) become the mask, s chosen to
 // minimise (W - s) * n + s * (rows outside the K most frequent patterns), ties to the smallest s;
@@ -249,10 +295,12 @@ std::array<uint8_t, 64> rank_bits_conditional(const uint8_t* rows, int64_t num_r
 // 16-bit key holding its best-ranked bits from the top down, so the patterns of the s best bits
 // are the key's top s bits: level s of a histogram is level s + 1 with neighbouring bins summed,
 // and in sorted keys they are runs.
+//
 // One result per entry of code_bits (each in [2, kMaxCodeBits]): the ranking and the pattern
 // histogram of a position do not depend on C, only the choice of s and the codebook do.
-std::vector<ChunkMasks> fit_codebooks(const uint8_t* rows, int64_t num_rows, int64_t row_bytes,
-                                      int w, const std::vector<int>& code_bits) {
+std::vector<ChunkMasks> fit_codebook_widths(const uint8_t* rows, int64_t num_rows,
+                                            int64_t row_bytes, int w,
+                                            const std::vector<int>& code_bits) {
   static_assert(kMaxCodebookMaskBits == 16, "keys are 16-bit");
   const int64_t n = std::min(num_rows, kCodebookFitRows);
   const int v = chunks_per_row(row_bytes, w);
@@ -356,63 +404,13 @@ std::vector<ChunkMasks> fit_codebooks(const uint8_t* rows, int64_t num_rows, int
   return out;
 }
 
-ChunkMasks fit_paper(const uint8_t* rows, int64_t n, int64_t row_bytes, int w) {
-  const int v = chunks_per_row(row_bytes, w);
-  const std::vector<int64_t> ones = bit_census(rows, n, row_bytes);
-  ChunkMasks best{std::vector<uint64_t>(v, 0), std::vector<uint64_t>(v, 0)};
-  int64_t best_net = -1;
-  // The published sweep: T from 0.70 in float32 steps of 0.05 while T <= 1.0.
-  for (float threshold = 0.70f; threshold <= 1.0f; threshold += 0.05f) {
-    ChunkMasks cand{std::vector<uint64_t>(v, 0), std::vector<uint64_t>(v, 0)};
-    const double hi = static_cast<double>(threshold) * static_cast<double>(n);
-    const double lo = (1.0 - static_cast<double>(threshold)) * static_cast<double>(n);
-    for (int j = 0; j < v; ++j) {
-      for (int t = 0; t < w; ++t) {
-        const double c = static_cast<double>(chunk_bit_ones(ones, row_bytes, w, j, t));
-        if (c > hi) {
-          cand.mask[j] |= uint64_t{1} << t;
-          cand.bitval[j] |= uint64_t{1} << t;
-        } else if (c < lo) {
-          cand.mask[j] |= uint64_t{1} << t;
-        }
-      }
-    }
-    // Realised net saving: per row, saved bits minus the one-bit-per-chunk header, rows with a
-    // positive net only (the paper's scoring; padding ignored).
-    std::vector<int64_t> mask_bits(v);
-    for (int j = 0; j < v; ++j) mask_bits[j] = popcount64(cand.mask[j]);
-    int64_t net = 0;
-    for (int64_t r = 0; r < n; ++r) {
-      const uint8_t* row = rows + r * row_bytes;
-      int64_t saved = 0;
-      for (int j = 0; j < v; ++j) {
-        const bool participates =
-            (load_chunk_any(row, row_bytes, w, j) & cand.mask[j]) == cand.bitval[j];
-        saved += participates ? mask_bits[j] : 0;
-      }
-      if (saved > v) net += saved - v;
-    }
-    if (net > best_net) {
-      best_net = net;
-      best = std::move(cand);
-    }
-  }
-  return best;
-}
-
-}  // namespace
-
 ChunkMasks fit_masks(const uint8_t* rows, int64_t num_rows, int64_t row_bytes, int chunk_bits,
                      FitMethod method, int code_bits) {
-  if (code_bits > 1) return fit_codebooks(rows, num_rows, row_bytes, chunk_bits, {code_bits})[0];
+  if (code_bits > 1) {
+    return fit_codebook_widths(rows, num_rows, row_bytes, chunk_bits, {code_bits})[0];
+  }
   return method == FitMethod::kPaper ? fit_paper(rows, num_rows, row_bytes, chunk_bits)
                                      : fit_greedy(rows, num_rows, row_bytes, chunk_bits);
-}
-
-std::vector<ChunkMasks> fit_codebook_widths(const uint8_t* rows, int64_t num_rows,
-                                            int64_t row_bytes, int chunk_bits,
-                                            const std::vector<int>& code_bits) {
-  return fit_codebooks(rows, num_rows, row_bytes, chunk_bits, code_bits);
 }
 
 }  // namespace ibpembed

@@ -42,14 +42,18 @@ def _num_chunks(row_bytes: int, chunk_bits: int) -> int:
     return -(-row_bytes // chunk_bytes)
 
 
+def codebook_entries(num_chunks: int, code_bits: int) -> int:
+    """Length of a table's bitval (format.h): V codebooks of 2^C - 1 patterns."""
+    return num_chunks * ((1 << code_bits) - 1)
+
+
 @torch.library.register_fake("ibpembed::ibp_fit")
 def _fit_fake(
     sample: torch.Tensor, chunk_bits: int, method: str, code_bits: int = 1
 ) -> tuple[torch.Tensor, ...]:
     v = _num_chunks(sample.shape[1], chunk_bits)
-    codebook = v * ((1 << code_bits) - 1)
     return sample.new_empty((v,), dtype=torch.int64), sample.new_empty(
-        (codebook,), dtype=torch.int64
+        (codebook_entries(v, code_bits),), dtype=torch.int64
     )
 
 
@@ -61,7 +65,7 @@ def _fit_codebooks_fake(
     out = []
     for c in code_bits:
         out.append(sample.new_empty((v,), dtype=torch.int64))
-        out.append(sample.new_empty((v * ((1 << c) - 1),), dtype=torch.int64))
+        out.append(sample.new_empty((codebook_entries(v, c),), dtype=torch.int64))
     return out
 
 

@@ -305,11 +305,6 @@ def _probe(sample: torch.Tensor, seed: int) -> torch.Tensor:
     return sample.index_select(0, picks.sort().values)
 
 
-def _metadata_bytes(num_chunks: int, code_bits: int) -> int:
-    """Bytes of one table's masks and codebooks."""
-    return 8 * num_chunks * (1 + (1 << code_bits) - 1)
-
-
 def _fit_sample(
     sample: torch.Tensor,
     *,
@@ -362,7 +357,7 @@ def _fit_sample(
     def probe_bytes(bits: int, code: int) -> int:
         mask, bitval = fit_on_probe(bits, code)
         size = int(ops.ibp_slot_bytes(probe, bits, mask, bitval, unit).sum())
-        return size + _metadata_bytes(mask.numel(), code)
+        return size + 8 * (mask.numel() + bitval.numel())  # as CompressedTable counts them
 
     slack = FASTER_LAYOUT_SLACK * probe.numel()
     best: tuple[int, int, int] | None = None  # (bytes, bits, code)

@@ -32,7 +32,7 @@ import torch
 import xxhash
 
 from ibpembed import _C, codec
-from ibpembed._ops import DTYPE_CODES, INT8_ROWWISE_CODE, ops
+from ibpembed._ops import DTYPE_CODES, INT8_ROWWISE_CODE, codebook_entries, ops
 from ibpembed.codec import CompressedTable
 from ibpembed.tables import _layout
 
@@ -265,7 +265,7 @@ class _SectionPlan:
         blocks = _layout.num_blocks(num_rows)
         self.lengths: dict[SectionKind, int] = {
             SectionKind.MASK: 8 * num_chunks,
-            SectionKind.BITVAL: 8 * num_chunks * ((1 << code_bits) - 1),
+            SectionKind.BITVAL: 8 * codebook_entries(num_chunks, code_bits),
             SectionKind.BLOCK_BASE: 8 * (blocks + 1),
             SectionKind.ROW_UNITS: blocks * _layout.ROWS_PER_BLOCK,
             SectionKind.BITMASK: 4 * (-(-num_rows // 32)),
@@ -482,7 +482,7 @@ class _Written:
             payload_bytes=self.payload_bytes,
             index_bytes=8 * (blocks + 1) + blocks * _layout.ROWS_PER_BLOCK,
             metadata_bytes=4 * (-(-self.num_rows // 32))
-            + 8 * self.num_chunks * (1 << self.code_bits),
+            + 8 * (self.num_chunks + codebook_entries(self.num_chunks, self.code_bits)),
             file_bytes=self.file_bytes,
             header_xxh3=self.header_xxh3,
             seconds=seconds,
