@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -380,3 +381,23 @@ def test_pack_matches_compress_beyond_the_width_probe(tmp_path: Path) -> None:
     assert loaded.chunk_bits == reference.chunk_bits
     assert torch.equal(loaded.mask, reference.mask)
     assert torch.equal(loaded.payload, reference.payload)
+
+
+def _with_header_field(path: Path, offset: int, value: int) -> None:
+    """Rewrite one uint32 header field and re-seal the header checksum (a well-formed lie)."""
+    data = bytearray(path.read_bytes())
+    data[offset : offset + 4] = struct.pack("<I", value)
+    hashed = tf.HEADER.size - 8
+    data[hashed : tf.HEADER.size] = struct.pack(
+        "<Q", xxhash.xxh3_64_intdigest(bytes(data[:hashed]))
+    )
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("layout", "code_bits"), [(3, 0), (3, 5), (2, 3)])
+def test_code_width_must_suit_the_layout(packed, layout: int, code_bits: int) -> None:
+    path, _ = packed
+    _with_header_field(path, 76, layout)  # FileHeader.layout_version
+    _with_header_field(path, 88, code_bits)  # FileHeader.code_bits
+    with pytest.raises(tf.TableFileError, match=f"code width {code_bits} is invalid"):
+        tf.read_table(path)
