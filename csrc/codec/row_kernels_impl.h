@@ -22,8 +22,8 @@ inline void prefetch_index(const TableView& t, int64_t r) {
 }
 
 // NOTE(codec): slot lines are prefetched into L2, not L1 (prefetcht1): a round's lines are more
-// than the L1 miss queue holds. Side by side against prefetcht0, pooled lookups from a 1 GiB
-// table of raw rows ran ~1.3x faster with Zipf ids on the development machine.
+// than the L1 miss queue holds, and prefetcht0 measured slower side by side (a development
+// microbenchmark; benchmarks/codec.py times the engine as a whole).
 inline void prefetch_lines(const uint8_t* begin, int64_t bytes) {
   const auto first = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{63};
   const auto end = reinterpret_cast<uintptr_t>(begin) + static_cast<uintptr_t>(bytes);
