@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Builds ibpembed._C from csrc/: the CPU codec always, the CUDA kernels when torch has CUDA.
 
-Two translation units get an ISA flag, each alone: csrc/codec/row_kernels_bmi2.cpp (-mbmi2) and
-csrc/lookup/accumulate_avx2.cpp (-mavx2). They are built to objects first and linked in, because
-setuptools has no per-file flags. Which one runs is chosen at load time, never here.
+Three translation units get ISA flags, each its own: csrc/codec/row_kernels_bmi2.cpp (-mbmi2),
+csrc/codec/row_kernels_avx512.cpp (BMI2 + AVX-512) and csrc/lookup/accumulate_avx2.cpp (-mavx2).
+They are built to objects first and linked in, because setuptools has no per-file flags. Which
+path runs is chosen at load time, never here.
 Set IBPEMBED_SKIP_CUDA_BUILD=1 to build the CPU extension on a CUDA torch.
 """
 
@@ -20,6 +21,13 @@ CSRC = ROOT / "csrc"
 # Sources compiled with their own ISA flags (torch-free, so plain compiler calls build them).
 ISA_SOURCES = {
     "csrc/codec/row_kernels_bmi2.cpp": ["-mbmi2"],
+    "csrc/codec/row_kernels_avx512.cpp": [
+        "-mbmi2",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vbmi",
+        "-mavx512vbmi2",
+    ],
     "csrc/lookup/accumulate_avx2.cpp": ["-mavx2"],
 }
 CXX_FLAGS = [

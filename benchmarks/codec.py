@@ -114,7 +114,8 @@ def num_threads(n: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def cpu_path(name: str) -> Iterator[None]:
-    """Run the block on the ``ref`` or ``bmi2`` codec path, then restore the previous one."""
+    """Run the block on the ``ref``, ``bmi2`` or ``avx512`` codec path, then restore the previous
+    one."""
     previous = codec.cpu_path()
     _C.set_cpu_path(name)
     try:
@@ -362,16 +363,18 @@ def alignment_sweep(
 
 
 def cpu_path_decode(tables: Sequence[Table], reps: int) -> list[dict]:
-    """1-core decode GB/s of the scalar reference path vs the BMI2 pext/pdep path."""
+    """1-core decode GB/s of the scalar reference path vs the BMI2 pext/pdep path vs the AVX-512
+    path (BMI2 with a vector decoder for codebook tables)."""
     rows = []
-    paths = ["ref", "bmi2"] if _C.cpu_has_bmi2() else ["ref"]
+    supported = {"ref": True, "bmi2": _C.cpu_has_bmi2(), "avx512": _C.cpu_has_avx512()}
+    paths = [name for name, ok in supported.items() if ok]
     for table in tables:
         ct = codec.compress(table.tensor, quant=table.quant)
         run = decode_pass(ct)
         passes = {name: _on_path(name, run) for name in paths}
         with num_threads(1):
             seconds = best_seconds(passes, reps)
-        row = {"name": table.name, "chunk_bits": ct.chunk_bits}
+        row = {"name": table.name, "chunk_bits": ct.chunk_bits, "code_bits": ct.code_bits}
         row.update({name: ct.raw_bytes / s / 1e9 for name, s in seconds.items()})
         rows.append(row)
     return rows
@@ -701,16 +704,19 @@ def render_markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "### CPU path: scalar reference vs BMI2 (1 thread decode, GB/s)",
+        "### CPU paths: scalar reference vs BMI2 vs AVX-512 (1 thread decode, GB/s)",
         "",
-        "| table | W | ref | bmi2 | bmi2/ref |",
-        "|---|---:|---:|---:|---:|",
+        "| table | W, C | ref | bmi2 | avx512 | bmi2/ref | avx512/bmi2 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["cpu_paths"]:
-        bmi2 = r.get("bmi2")
-        ratio = "—" if bmi2 is None else f"{bmi2 / r['ref']:.1f}×"
-        bmi2_s = "—" if bmi2 is None else f"{bmi2:.2f}"
-        lines.append(f"| {r['name']} | {r['chunk_bits']} | {r['ref']:.2f} | {bmi2_s} | {ratio} |")
+        bmi2, avx512 = r.get("bmi2"), r.get("avx512")
+        cells = [f"{r['ref']:.2f}"] + ["—" if x is None else f"{x:.2f}" for x in (bmi2, avx512)]
+        cells.append("—" if bmi2 is None else f"{bmi2 / r['ref']:.1f}×")
+        cells.append("—" if None in (bmi2, avx512) else f"{avx512 / bmi2:.2f}×")
+        lines.append(
+            f"| {r['name']} | {r['chunk_bits']}, {r['code_bits']} | " + " | ".join(cells) + " |"
+        )
     for g in results["gather"]:
         lines += ["", *_gather_lines(g, results["config"]["rounds"])]
     peak = results["gather"][-1]["peak_rss_gib"]

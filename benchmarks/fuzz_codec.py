@@ -22,7 +22,8 @@ fit, chunk and code width chosen by the codec or forced), and each against the i
 reference (``ibpembed.reference``: same masks and codebooks, same payload bytes, same rows; for
 fitted or perturbed codebooks).
 
-Jobs alternate the CPU path (``IBPEMBED_CPU_PATH=bmi2`` / ``ref``) when the CPU has BMI2. A
+Jobs cycle through the CPU paths the CPU runs (``IBPEMBED_CPU_PATH=avx512`` / ``bmi2`` / ``ref``;
+``--jobs 3`` fuzzes all three on an AVX-512 machine). A
 mismatch is saved (``--failures DIR``) with the command that replays its batch; the exit status
 is 1 if any case failed.
 """
@@ -620,8 +621,9 @@ def _worker(plan: JobPlan, out: mp.Queue) -> None:
 
 
 def cpu_paths() -> list[str]:
-    """Paths the jobs alternate between (both when BMI2 exists, so both decoders are fuzzed)."""
-    return ["bmi2", "ref"] if _C.cpu_has_bmi2() else ["ref"]
+    """Paths the jobs cycle through: every path this CPU runs, fastest first."""
+    supported = {"avx512": _C.cpu_has_avx512(), "bmi2": _C.cpu_has_bmi2(), "ref": True}
+    return [path for path, ok in supported.items() if ok]
 
 
 def run(

@@ -14,20 +14,24 @@
 namespace ibpembed {
 namespace {
 
+constexpr CpuPath kAllPaths[] = {CpuPath::kRef, CpuPath::kBmi2, CpuPath::kAvx512};
+
 CpuPath initial_path() {
   const char* env = std::getenv("IBPEMBED_CPU_PATH");
-  if (env != nullptr && *env != '\0') {
-    if (std::strcmp(env, "ref") == 0) return CpuPath::kRef;
-    if (std::strcmp(env, "bmi2") == 0) {
-      if (!cpu_has_bmi2()) {
-        throw std::runtime_error("IBPEMBED_CPU_PATH=bmi2 but this CPU has no BMI2");
-      }
-      return CpuPath::kBmi2;
-    }
-    throw std::runtime_error(std::string("IBPEMBED_CPU_PATH must be 'ref' or 'bmi2', got '") +
-                             env + "'");
+  if (env == nullptr || *env == '\0') {
+    if (cpu_has_avx512()) return CpuPath::kAvx512;
+    return cpu_has_bmi2() ? CpuPath::kBmi2 : CpuPath::kRef;
   }
-  return cpu_has_bmi2() ? CpuPath::kBmi2 : CpuPath::kRef;
+  for (const CpuPath path : kAllPaths) {
+    if (std::strcmp(env, cpu_path_name(path)) != 0) continue;
+    if (!cpu_supports(path)) {
+      throw std::runtime_error(std::string("IBPEMBED_CPU_PATH=") + env +
+                               " but this CPU lacks the instructions it needs");
+    }
+    return path;
+  }
+  throw std::runtime_error(
+      std::string("IBPEMBED_CPU_PATH must be 'ref', 'bmi2' or 'avx512', got '") + env + "'");
 }
 
 std::atomic<CpuPath>& active() {
@@ -45,19 +49,49 @@ bool cpu_has_bmi2() {
 #endif
 }
 
+bool cpu_has_avx512() {
+#if defined(__x86_64__)
+  // __builtin_cpu_supports also checks that the OS saves the AVX-512 register state.
+  return cpu_has_bmi2() && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
+         __builtin_cpu_supports("avx512vbmi2");
+#else
+  return false;
+#endif
+}
+
+bool cpu_supports(CpuPath path) {
+  switch (path) {
+    case CpuPath::kAvx512: return cpu_has_avx512();
+    case CpuPath::kBmi2: return cpu_has_bmi2();
+    default: return true;
+  }
+}
+
 CpuPath active_cpu_path() { return active().load(std::memory_order_relaxed); }
 
 void set_active_cpu_path(CpuPath path) {
-  if (path == CpuPath::kBmi2 && !cpu_has_bmi2()) {
-    throw std::runtime_error("cannot select the bmi2 CPU path: this CPU has no BMI2");
+  if (!cpu_supports(path)) {
+    throw std::runtime_error(std::string("cannot select the ") + cpu_path_name(path) +
+                             " CPU path: this CPU lacks the instructions it needs");
   }
   active().store(path, std::memory_order_relaxed);
 }
 
-const char* cpu_path_name(CpuPath path) { return path == CpuPath::kBmi2 ? "bmi2" : "ref"; }
+const char* cpu_path_name(CpuPath path) {
+  switch (path) {
+    case CpuPath::kAvx512: return "avx512";
+    case CpuPath::kBmi2: return "bmi2";
+    default: return "ref";
+  }
+}
 
 const RowKernels& row_kernels(CpuPath path) {
-  return path == CpuPath::kBmi2 ? bmi2_row_kernels() : ref_row_kernels();
+  switch (path) {
+    case CpuPath::kAvx512: return avx512_row_kernels();
+    case CpuPath::kBmi2: return bmi2_row_kernels();
+    default: return ref_row_kernels();
+  }
 }
 
 }  // namespace ibpembed

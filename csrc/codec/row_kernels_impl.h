@@ -264,6 +264,33 @@ void decode_coded_row(const DecodePlan<W>& plan, const TableView& t, const uint8
   }
 }
 
+// The scalar row decoder of a path: plain IBP (C = 1) or codebooks (C > 1), per-table constants
+// built once per decode_rows call.
+template <int W, class Ops>
+class ScalarRowDecoder {
+ public:
+  explicit ScalarRowDecoder(const TableView& t)
+      : t_(t), plan_(t), escapes_(t.code_bits > 1 ? static_cast<size_t>(t.num_chunks) : 0) {}
+
+  // `in` holds the slot followed by at least kStageSlack readable bytes.
+  void operator()(const uint8_t* in, uint8_t* row) {
+    if (plan_.code_bits == 1) {
+      decode_ibp_row<W, Ops>(plan_, t_, in, row);
+    } else {
+      decode_coded_row<W, Ops>(plan_, t_, in, row, escapes_.data());
+    }
+  }
+
+ private:
+  const TableView& t_;
+  DecodePlan<W> plan_;
+  std::vector<int32_t> escapes_;
+};
+
+// Readable bytes past each staged slot: the payload's own padding guarantee (kPayloadPad) is
+// enough for the scalar decoders; vector decoders load whole 64-byte windows.
+inline constexpr int64_t kStageSlack = 64;
+
 // Where a row's slot is and how to read it; resolved once per row, a round before it is read.
 struct LocatedRow {
   const uint8_t* src;
@@ -271,23 +298,21 @@ struct LocatedRow {
   bool compressed;
 };
 
-// NOTE(codec): the decode loop issues ~250 instructions per 64-byte line, so out-of-order
-// execution cannot see the next line's load and a row fetched from DRAM would miss line after
+// NOTE(codec): the decode loop issues hundreds of instructions per row, so out-of-order
+// execution cannot see the next row's loads and a row fetched from DRAM would miss line after
 // line. So rows move through a pipeline of rounds of S = kDecodeStageRows rows: index entries
 // are prefetched two rounds ahead; a row is located (index read, slot lines prefetched) one round
 // ahead; then a round's compressed slots are copied into an L1-resident stage and decoded from
 // there. Locating the next round is spread over the decode loop, one row per row: a burst of a
 // whole round's lines would overflow the core's miss queue and stall.
-template <int W, class Ops>
-void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, uint8_t* out,
-                   const RowSink* sink) {
+template <class RowDecoder>
+void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t* out,
+                      const RowSink* sink) {
   constexpr int64_t S = kDecodeStageRows;
-  const DecodePlan<W> plan(t);
+  RowDecoder decode_row(t);
   const int64_t slot_cap = t.unit_bytes * units_for(t.row_bytes, t.unit_bytes);
-  // Each staged slot keeps kPayloadPad readable bytes after it, as the payload does.
-  const int64_t stride = slot_cap + kPayloadPad;
+  const int64_t stride = slot_cap + kStageSlack;
   std::vector<uint8_t> stage(static_cast<size_t>(S * stride));
-  std::vector<int32_t> escapes(plan.code_bits > 1 ? static_cast<size_t>(t.num_chunks) : 0);
   LocatedRow ring[2 * S];  // row i at i % 2S: this round's rows and the next round's
   const uint8_t* rows[S];
   const auto locate = [&](int64_t i) {
@@ -317,12 +342,7 @@ void decode_rows_w(const TableView& t, const int64_t* ids, int64_t n, uint8_t* o
       if (i + S < n) locate(i + S);
       if (loc.compressed) {
         uint8_t* row = out + (sink == nullptr ? i : i - begin) * t.row_bytes;
-        const uint8_t* slot = stage.data() + (i - begin) * stride;
-        if (plan.code_bits == 1) {
-          decode_ibp_row<W, Ops>(plan, t, slot, row);
-        } else {
-          decode_coded_row<W, Ops>(plan, t, slot, row, escapes.data());
-        }
+        decode_row(stage.data() + (i - begin) * stride, row);
         rows[i - begin] = row;
       } else {
         rows[i - begin] = loc.src;
@@ -336,9 +356,9 @@ template <class Ops>
 void decode_rows(const TableView& t, const int64_t* ids, int64_t n, uint8_t* out,
                  const RowSink* sink) {
   switch (t.chunk_bits) {
-    case 16: return decode_rows_w<16, Ops>(t, ids, n, out, sink);
-    case 32: return decode_rows_w<32, Ops>(t, ids, n, out, sink);
-    default: return decode_rows_w<64, Ops>(t, ids, n, out, sink);
+    case 16: return decode_rows_with<ScalarRowDecoder<16, Ops>>(t, ids, n, out, sink);
+    case 32: return decode_rows_with<ScalarRowDecoder<32, Ops>>(t, ids, n, out, sink);
+    default: return decode_rows_with<ScalarRowDecoder<64, Ops>>(t, ids, n, out, sink);
   }
 }
 

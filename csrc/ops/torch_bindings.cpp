@@ -388,14 +388,18 @@ PYBIND11_MODULE(_C, module) {
   module.doc() = "ibpembed native ops (registered under torch.ops.ibpembed)";
   module.attr("FORMAT_VERSION") = ibpembed::kFormatVersion;
   module.def("cpu_path", [] { return std::string(ibpembed::cpu_path_name(ibpembed::active_cpu_path())); },
-             "The CPU codec path in use: 'bmi2' or 'ref'.");
+             "The CPU codec path in use: 'avx512', 'bmi2' or 'ref'.");
   module.def("cpu_has_bmi2", &ibpembed::cpu_has_bmi2, "Whether this CPU reports BMI2.");
+  module.def("cpu_has_avx512", &ibpembed::cpu_has_avx512,
+             "Whether this CPU runs the AVX-512 path (BMI2, AVX-512 F/BW/VBMI/VBMI2).");
   module.def(
       "set_cpu_path",
       [](const std::string& name) {
-        TORCH_CHECK_VALUE(name == "ref" || name == "bmi2", "cpu path must be 'ref' or 'bmi2'");
-        ibpembed::set_active_cpu_path(name == "bmi2" ? ibpembed::CpuPath::kBmi2
-                                                     : ibpembed::CpuPath::kRef);
+        for (const auto path : {ibpembed::CpuPath::kRef, ibpembed::CpuPath::kBmi2,
+                                ibpembed::CpuPath::kAvx512}) {
+          if (name == ibpembed::cpu_path_name(path)) return ibpembed::set_active_cpu_path(path);
+        }
+        TORCH_CHECK_VALUE(false, "cpu path must be 'ref', 'bmi2' or 'avx512', got '", name, "'");
       },
       "Switch the CPU codec path for this process (tests and benchmarks).");
 }

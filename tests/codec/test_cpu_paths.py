@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The reference and BMI2 paths produce identical bytes; the path is chosen at load time."""
+"""The ref, bmi2 and avx512 CPU paths produce identical bytes; the path is chosen at load time."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -16,7 +17,11 @@ from hypothesis import strategies as st
 from ibpembed import _C, compress, cpu_path
 from tests.codec.tables import same_bits, tables
 
-needs_bmi2 = pytest.mark.skipif(not _C.cpu_has_bmi2(), reason="this CPU has no BMI2")
+SUPPORTED = {"bmi2": _C.cpu_has_bmi2(), "avx512": _C.cpu_has_avx512()}
+FAST_PATHS = [
+    pytest.param(p, marks=pytest.mark.skipif(not ok, reason=f"this CPU cannot run {p}"))
+    for p, ok in SUPPORTED.items()
+]
 
 
 @pytest.fixture
@@ -26,28 +31,40 @@ def restore_path() -> Iterator[None]:
     _C.set_cpu_path(before)
 
 
-@needs_bmi2
-@given(table=tables(), chunk_bits=st.sampled_from((16, 32, 64)))
-def test_ref_and_bmi2_produce_identical_bytes(table, chunk_bits) -> None:
+@pytest.mark.parametrize("path", FAST_PATHS)
+@given(
+    table=tables(),
+    chunk_bits=st.sampled_from((16, 32, 64)),
+    code_bits=st.sampled_from((1, 2, 3, 4)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_fast_paths_match_the_reference_path(path, table, chunk_bits, code_bits, seed) -> None:
+    """Same bytes from both encoders; each decoder reads what the other wrote. The gather takes
+    256 ids: the avx512 path's vector decoder only runs on calls of >= 128 rows."""
+    ids = torch.from_numpy(np.random.default_rng(seed).integers(0, table.shape[0], 256))
     before = cpu_path()
     try:
         _C.set_cpu_path("ref")
-        c_ref = compress(table, chunk_bits=chunk_bits)
+        c_ref = compress(table, chunk_bits=chunk_bits, code_bits=code_bits)
         rows_ref = c_ref.decompress()
-        _C.set_cpu_path("bmi2")
-        c_bmi2 = compress(table, chunk_bits=chunk_bits)
-        rows_bmi2 = c_bmi2.decompress()
-        rows_cross = c_ref.decompress()  # bmi2 decoding what ref encoded
+        _C.set_cpu_path(path)
+        c_fast = compress(table, chunk_bits=chunk_bits, code_bits=code_bits)
+        rows_fast = c_fast.decompress()
+        cross = (c_ref.decompress(), c_ref.gather(ids))  # the fast path decoding what ref wrote
+        _C.set_cpu_path("ref")
+        cross_back = c_fast.gather(ids)
     finally:
         _C.set_cpu_path(before)
-    assert torch.equal(c_ref.payload, c_bmi2.payload)
-    assert torch.equal(c_ref.bitmask, c_bmi2.bitmask)
-    assert same_bits(rows_ref, table) and same_bits(rows_bmi2, table)
-    assert same_bits(rows_cross, table)
+    assert torch.equal(c_ref.payload, c_fast.payload)
+    assert torch.equal(c_ref.bitmask, c_fast.bitmask)
+    assert same_bits(rows_ref, table) and same_bits(rows_fast, table)
+    assert same_bits(cross[0], table)
+    assert same_bits(cross[1], table[ids]) and same_bits(cross_back, table[ids])
 
 
-def test_default_path_follows_the_cpu() -> None:
-    assert cpu_path() == ("bmi2" if _C.cpu_has_bmi2() else "ref")
+def test_default_path_is_the_fastest_the_cpu_runs() -> None:
+    expected = "avx512" if SUPPORTED["avx512"] else "bmi2" if SUPPORTED["bmi2"] else "ref"
+    assert cpu_path() == expected
 
 
 def _path_in_subprocess(value: str) -> subprocess.CompletedProcess[str]:
@@ -70,9 +87,9 @@ def test_env_override_selects_ref() -> None:
 def test_env_override_rejects_unknown_values() -> None:
     result = _path_in_subprocess("avx9000")
     assert result.returncode != 0
-    assert "IBPEMBED_CPU_PATH must be 'ref' or 'bmi2'" in result.stderr
+    assert "IBPEMBED_CPU_PATH must be 'ref', 'bmi2' or 'avx512'" in result.stderr
 
 
 def test_set_cpu_path_validates(restore_path) -> None:
-    with pytest.raises(ValueError, match="'ref' or 'bmi2'"):
+    with pytest.raises(ValueError, match="'ref', 'bmi2' or 'avx512'"):
         _C.set_cpu_path("fast")

@@ -54,7 +54,7 @@ std::vector<ChunkMasks> fit_codebook_widths(const uint8_t* rows, int64_t num_row
 // ----------------------------------------------------------------------------------------------
 // Row kernels of one CPU path. Chosen once at load time (see cpu_path()).
 
-enum class CpuPath { kRef, kBmi2 };
+enum class CpuPath { kRef, kBmi2, kAvx512 };
 
 // Rows decode_rows stages per round. NOTE(codec): a round's rows are handed to a fused consumer
 // (pooled lookups) while they are still in L1, and the slot lines of the next round are
@@ -89,9 +89,13 @@ struct RowKernels {
 const RowKernels& row_kernels(CpuPath path);
 const RowKernels& ref_row_kernels();
 const RowKernels& bmi2_row_kernels();
+const RowKernels& avx512_row_kernels();
 
 bool cpu_has_bmi2();
-// The path in use: IBPEMBED_CPU_PATH=ref|bmi2 if set, else bmi2 where the CPU has it.
+// BMI2 and the AVX-512 subsets the vector decoder uses (F, BW, VBMI, VBMI2), with OS support.
+bool cpu_has_avx512();
+bool cpu_supports(CpuPath path);
+// The path in use: IBPEMBED_CPU_PATH=ref|bmi2|avx512 if set, else the fastest the CPU supports.
 CpuPath active_cpu_path();
 void set_active_cpu_path(CpuPath path);
 const char* cpu_path_name(CpuPath path);

@@ -1,0 +1,351 @@
+// SPDX-License-Identifier: Apache-2.0
+//
+// The AVX-512 path: the BMI2 path in everything, except that codebook tables (C > 1) of 32-bit
+// chunks, the layout the fit picks for most fp32 and bf16 tables, decode 16 chunks per step with
+// a vector row decoder. Compiled with -mbmi2 and the AVX-512 subsets below (setup.py); entered
+// only after cpu_has_avx512() said yes. Plain IBP (C = 1) stays on the BMI2 decoder: one pdep
+// per 8 bytes already runs near the speed of the staging around it, and a vector version of it
+// measured slower on Zen 4.
+//
+// NOTE(codec): there is no vector pdep. But vpmultishiftqb gives every output byte 8 bits from
+// any bit offset of its 64-bit lane, and a position's mask and free mask have one or two runs of
+// set bits per byte (sign, exponent, mantissa), so "deposit" is a multishift and a masked OR per
+// run-per-byte layer (ByteDeposit). A block of 16 chunks (64 bytes of row) decodes as
+//   codes    cut out of one 8-byte word by vpmultishiftqb, one copy per byte of a lane;
+//   pattern  the masked bits packed (pext(bitval, mask): <= 2 bytes when fitted) are looked up a
+//            byte at a time with vpermi2b in 128-byte tables (16 codes x 8 lanes, 8 x 16 or
+//            4 x 32), then deposited into the mask;
+//   field    vpermb brings each lane's free-field bytes in from a 64-byte window at constant
+//            offsets, and they are deposited into the free mask;
+//   escapes  code 0 (pattern 0): their masked bits come from the exception area, in stream
+//            order, ORed into the register before the block is stored.
+// Measured on Zen 4 while building it: a vpgatherdd of whole patterns cost more than all the rest
+// of a block; masked stores and reading the stored row back (to patch escapes) stalled.
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "bmi2_bit_ops.h"
+#include "row_kernels_impl.h"
+
+namespace ibpembed {
+namespace {
+
+constexpr int kLanes = 16;  // 32-bit chunks per block
+constexpr int kBlockBytes = 64;
+// Packed patterns are looked up a byte at a time; fitted codebooks keep <= 16 mask bits (2
+// bytes), but any mask decodes.
+constexpr int kMaxPatternBytes = 4;
+constexpr __mmask64 kUpperHalfBytes = 0xFFFFFFFF00000000ull;
+// A byte holds at most 4 runs of set bits (0b01010101).
+constexpr int kMaxLayers = 4;
+
+// Deposits packed values (a lane's bits, in order) into the set bits of each lane's mask with
+// vpmultishiftqb: an output byte can take 8 bits from any bit offset of its 64-bit lane, so one
+// multishift + one masked OR places one run of set bits in every byte at once. A byte with n runs
+// needs n layers; fp32 masks mostly have one run per byte, so one or two layers do a block.
+class ByteDeposit {
+ public:
+  // masks[j]: the set bits to fill; shift[j]: where lane j's packed value starts in its 32 bits.
+  void build(const std::vector<uint32_t>& masks, const std::vector<int>& shift) {
+    const int num_chunks = static_cast<int>(masks.size());
+    const int blocks = (num_chunks + kLanes - 1) / kLanes;
+    layers_ = 0;
+    for (const uint32_t mask : masks) {
+      for (int byte = 0; byte < 4; ++byte) {
+        layers_ = std::max(layers_, runs_in((mask >> (8 * byte)) & 0xFF));
+      }
+    }
+    control_.resize(static_cast<size_t>(blocks) * layers_);
+    select_.resize(static_cast<size_t>(blocks) * layers_);
+    for (int b = 0; b < blocks; ++b) {
+      alignas(64) uint8_t control[kMaxLayers][64] = {};
+      alignas(64) uint8_t select[kMaxLayers][64] = {};
+      for (int lane = 0; lane < kLanes && b * kLanes + lane < num_chunks; ++lane) {
+        const int j = b * kLanes + lane;
+        // Where packed bit 0 sits in the 64-bit lane the multishift reads.
+        const int base = 32 * (lane % 2) + shift[j];
+        int source = 0;  // packed bits consumed by lower bytes
+        for (int byte = 0; byte < 4; ++byte) {
+          uint32_t bits = (masks[j] >> (8 * byte)) & 0xFF;
+          for (int layer = 0; bits != 0; ++layer) {
+            const int dest = __builtin_ctz(bits);
+            const int length = __builtin_ctz(~(bits >> dest));
+            const int at = 4 * lane + byte;
+            control[layer][at] = static_cast<uint8_t>((base + source - dest) & 63);
+            select[layer][at] = static_cast<uint8_t>(low_bits(length) << dest);
+            source += length;
+            bits &= ~static_cast<uint32_t>(low_bits(length) << dest);
+          }
+        }
+      }
+      for (int layer = 0; layer < layers_; ++layer) {
+        control_[static_cast<size_t>(b) * layers_ + layer] = _mm512_load_si512(control[layer]);
+        select_[static_cast<size_t>(b) * layers_ + layer] = _mm512_load_si512(select[layer]);
+      }
+    }
+  }
+
+  // acc | deposit(packed) for the lanes of block b.
+  __m512i apply(__m512i acc, __m512i packed, size_t b) const {
+    const __m512i* control = control_.data() + b * layers_;
+    const __m512i* select = select_.data() + b * layers_;
+    for (int layer = 0; layer < layers_; ++layer) {
+      // 0xF8: acc | (moved & select)
+      acc = _mm512_ternarylogic_epi32(acc, _mm512_multishift_epi64_epi8(control[layer], packed),
+                                      select[layer], 0xF8);
+    }
+    return acc;
+  }
+
+ private:
+  static int runs_in(uint32_t byte) { return __builtin_popcount(byte & ~(byte << 1)); }
+
+  int layers_ = 0;
+  std::vector<__m512i> control_;  // [block * layers + layer]: multishift bit offsets
+  std::vector<__m512i> select_;   // the bits of each byte that layer fills
+};
+
+class CodebookRowDecoder {
+ public:
+  static bool supports(const TableView& t) { return t.chunk_bits == 32 && t.code_bits > 1; }
+
+  explicit CodebookRowDecoder(const TableView& t)
+      : t_(t), free_count_(t.num_chunks) {
+    const int v = t.num_chunks;
+    const int c = t.code_bits;
+    const int num_blocks = (v + kLanes - 1) / kLanes;
+    std::vector<uint64_t> field(v);
+    uint64_t pos = static_cast<uint64_t>(v) * static_cast<uint64_t>(c);
+    for (int j = 0; j < v; ++j) {
+      free_count_[j] = static_cast<uint8_t>(free_bits<32>(t.mask[j]));
+      field[j] = pos;
+      pos += free_count_[j];
+      const int masked = 32 - free_count_[j];
+      pattern_bytes_ = std::max(pattern_bytes_, (masked + 7) / 8);
+    }
+    exception_start_ = pos;
+    build_code_extraction(c);
+    build_pattern_tables(t, num_blocks);
+
+    // One window and one 4-byte read per lane suffice when every field fits 32 bits at any bit
+    // shift (>= 7 masked bits) and a block's fields span at most 64 bytes; the bit shift then
+    // folds into the deposit. Otherwise vpshrdvd aligns each field from 8 bytes.
+    for (int j = 0; j < v; ++j) single_load_ &= free_count_[j] + 7 <= 32;
+    for (int b = 0; b < num_blocks; ++b) {
+      const int last = std::min((b + 1) * kLanes, v) - 1;
+      single_load_ &= field[last] / 8 + 4 - field[b * kLanes] / 8 <= kBlockBytes;
+    }
+    std::vector<uint32_t> masks(v);
+    std::vector<uint32_t> free_masks(v);
+    std::vector<int> field_shift(v);
+    for (int j = 0; j < v; ++j) {
+      masks[j] = static_cast<uint32_t>(t.mask[j]);
+      free_masks[j] = ~masks[j];
+      field_shift[j] = single_load_ ? static_cast<int>(field[j] % 8) : 0;
+    }
+    pattern_deposit_.build(masks, std::vector<int>(v, 0));
+    field_deposit_.build(free_masks, field_shift);
+    blocks_.resize(num_blocks);
+    for (int b = 0; b < num_blocks; ++b) {
+      Block& blk = blocks_[b];
+      const int first = b * kLanes;
+      const int lanes = std::min(kLanes, v - first);
+      blk.valid = static_cast<__mmask16>(low_bits(lanes));
+      const int64_t row_left = t.row_bytes - kBlockBytes * static_cast<int64_t>(b);
+      blk.store_bytes = row_left >= kBlockBytes ? ~__mmask64{0}
+                                                : static_cast<__mmask64>(low_bits(row_left));
+      blk.code_byte = static_cast<int64_t>(first) * c / 8;  // 16 C bits per block: whole bytes
+      blk.window[0] = static_cast<int64_t>(field[first] / 8);
+      blk.window[1] = lanes > kLanes / 2 && !single_load_
+                          ? static_cast<int64_t>(field[first + kLanes / 2] / 8)
+                          : blk.window[0];
+      alignas(64) uint8_t index_lo[64] = {};
+      alignas(64) uint8_t index_hi[64] = {};
+      alignas(64) uint32_t bit_shift[kLanes] = {};
+      for (int lane = 0; lane < lanes; ++lane) {
+        const int j = first + lane;
+        const bool upper = lane >= kLanes / 2 && !single_load_;
+        const int64_t offset = static_cast<int64_t>(field[j] / 8) - blk.window[upper];
+        for (int byte = 0; byte < 4; ++byte) {
+          index_lo[4 * lane + byte] = static_cast<uint8_t>(offset + byte);
+          index_hi[4 * lane + byte] = static_cast<uint8_t>(offset + 4 + byte);
+        }
+        bit_shift[lane] = static_cast<uint32_t>(field[j] % 8);
+      }
+      blk.index_lo = _mm512_load_si512(index_lo);
+      blk.index_hi = _mm512_load_si512(index_hi);
+      blk.bit_shift = _mm512_load_si512(bit_shift);
+    }
+  }
+
+  // `in` holds the slot followed by at least kStageSlack readable bytes (windows read 64).
+  void operator()(const uint8_t* in, uint8_t* row) const {
+    uint64_t exception = exception_start_;
+    for (size_t b = 0; b < blocks_.size(); ++b) {
+      const Block& blk = blocks_[b];
+      uint64_t code_word;
+      std::memcpy(&code_word, in + blk.code_byte, 8);
+      const __m512i word = _mm512_set1_epi64(static_cast<int64_t>(code_word));
+      const __m512i codes =
+          _mm512_and_si512(_mm512_multishift_epi64_epi8(code_shift_, word), code_mask_);
+      __m512i x = pattern_deposit_.apply(_mm512_setzero_si512(), packed_patterns(codes, b), b);
+      x = field_deposit_.apply(x, free_fields(in, blk), b);
+      // Escaped chunks (pattern 0) take their masked bits from the exception area, in stream
+      // order; patched in the register, since reading the row back would wait on the store.
+      for (uint32_t escaped = _mm512_testn_epi32_mask(codes, codes) & blk.valid; escaped != 0;
+           escaped &= escaped - 1) {
+        const int lane = __builtin_ctz(escaped);
+        const int j = static_cast<int>(b) * kLanes + lane;
+        const auto bits = static_cast<uint32_t>(
+            Bmi2BitOps::deposit(read_stream_bits<32>(in, exception), t_.mask[j]));
+        x = _mm512_mask_or_epi32(x, static_cast<__mmask16>(1u << lane), x,
+                                 _mm512_set1_epi32(static_cast<int>(bits)));
+        exception += 32 - free_count_[j];
+      }
+      // NOTE(codec): a masked store costs more than the rest of a block on Zen 4; only a row's
+      // last block may need one.
+      if (blk.store_bytes == ~__mmask64{0}) {
+        _mm512_storeu_si512(row + kBlockBytes * b, x);
+      } else {
+        _mm512_mask_storeu_epi8(row + kBlockBytes * b, blk.store_bytes, x);
+      }
+    }
+  }
+
+ private:
+  struct Block {
+    __m512i index_lo;   // vpermb: each lane's 4 field bytes from its window
+    __m512i index_hi;   // the 4 bytes after them, for fields that cross 32 bits
+    __m512i bit_shift;  // field offset % 8
+    int64_t window[2];  // stream byte of the lower and the upper half's window
+    int64_t code_byte;  // stream byte of the block's codes
+    __mmask16 valid;    // lanes that are chunks of the row
+    __mmask64 store_bytes;
+  };
+
+  // Codes of lane i at bit i * C of the block's code word, copied into every byte of the lane
+  // (each byte indexes one pattern byte), plus the lane's table offset.
+  void build_code_extraction(int c) {
+    const int lanes_per_table = std::min(kLanes, 128 >> c);
+    alignas(64) uint8_t shift[64];
+    alignas(64) uint8_t code_mask[64];
+    for (int lane = 0; lane < kLanes; ++lane) {
+      for (int byte = 0; byte < 4; ++byte) {
+        shift[4 * lane + byte] = static_cast<uint8_t>(lane * c);  // < 64: within the word
+        code_mask[4 * lane + byte] = static_cast<uint8_t>(low_bits(c));
+      }
+    }
+    code_shift_ = _mm512_load_si512(shift);
+    code_mask_ = _mm512_load_si512(code_mask);
+    alignas(64) uint8_t base[64];
+    for (int lane = 0; lane < kLanes; ++lane) {
+      for (int byte = 0; byte < 4; ++byte) {
+        base[4 * lane + byte] = static_cast<uint8_t>((lane % lanes_per_table) << c);
+      }
+    }
+    lane_table_base_ = _mm512_load_si512(base);
+    tables_per_block_ = kLanes / lanes_per_table;
+    for (int p = 0; p < kMaxPatternBytes; ++p) {
+      for (int g = 0; g < tables_per_block_; ++g) {
+        uint64_t bytes = 0;
+        for (int lane = g * lanes_per_table; lane < (g + 1) * lanes_per_table; ++lane) {
+          bytes |= uint64_t{1} << (4 * lane + p);
+        }
+        table_bytes_[p][g] = _cvtu64_mask64(bytes);
+      }
+    }
+  }
+
+  // Per block, pattern byte p and lane group g: a 128-byte table of the packed patterns
+  // pext(bitval, mask) of the group's lanes, byte p, at ((lane % group size) << C) | code.
+  void build_pattern_tables(const TableView& t, int num_blocks) {
+    const int c = t.code_bits;
+    const int k = codebook_size(c);
+    const int lanes_per_table = kLanes / tables_per_block_;
+    tables_.assign(static_cast<size_t>(num_blocks) * pattern_bytes_ * tables_per_block_ * 2,
+                   _mm512_setzero_si512());
+    auto* bytes = reinterpret_cast<uint8_t*>(tables_.data());
+    for (int j = 0; j < t.num_chunks; ++j) {
+      const int b = j / kLanes;
+      const int g = j % kLanes / lanes_per_table;
+      const int in_group = j % lanes_per_table;
+      for (int code = 1; code <= k; ++code) {
+        const uint64_t packed =
+            Bmi2BitOps::extract(t.bitval[static_cast<int64_t>(j) * k + code - 1], t.mask[j]);
+        for (int p = 0; p < pattern_bytes_; ++p) {
+          const size_t table =
+              (static_cast<size_t>(b) * pattern_bytes_ + p) * tables_per_block_ + g;
+          bytes[table * 128 + ((in_group << c) | code)] = static_cast<uint8_t>(packed >> (8 * p));
+        }
+      }
+    }
+  }
+
+  // Packed patterns of the block's lanes (escaped lanes: 0), in the low pattern_bytes_ bytes.
+  __m512i packed_patterns(__m512i codes, size_t b) const {
+    const __m512i index = _mm512_or_si512(codes, lane_table_base_);
+    const __m512i* table = tables_.data() + b * pattern_bytes_ * tables_per_block_ * 2;
+    __m512i packed = _mm512_setzero_si512();
+    for (int p = 0; p < pattern_bytes_; ++p) {
+      for (int g = 0; g < tables_per_block_; ++g, table += 2) {
+        packed = _mm512_or_si512(
+            packed, _mm512_maskz_permutex2var_epi8(table_bytes_[p][g], table[0], index, table[1]));
+      }
+    }
+    return packed;
+  }
+
+  // Every lane's free bits (and garbage around them) from its constant stream offset: from bit
+  // field % 8 of the lane when single_load_, else from bit 0.
+  __m512i free_fields(const uint8_t* in, const Block& blk) const {
+    const __m512i window_a = _mm512_loadu_si512(in + blk.window[0]);
+    if (single_load_) return _mm512_permutexvar_epi8(blk.index_lo, window_a);
+    const __m512i window_b = _mm512_loadu_si512(in + blk.window[1]);
+    __m512i lo = _mm512_permutexvar_epi8(blk.index_lo, window_a);
+    lo = _mm512_mask_permutexvar_epi8(lo, kUpperHalfBytes, blk.index_lo, window_b);
+    __m512i hi = _mm512_permutexvar_epi8(blk.index_hi, window_a);
+    hi = _mm512_mask_permutexvar_epi8(hi, kUpperHalfBytes, blk.index_hi, window_b);
+    return _mm512_shrdv_epi32(lo, hi, blk.bit_shift);
+  }
+
+  const TableView& t_;
+  std::vector<uint8_t> free_count_;
+  uint64_t exception_start_ = 0;
+  int pattern_bytes_ = 1;
+  int tables_per_block_ = 1;
+  __mmask64 table_bytes_[kMaxPatternBytes][kLanes] = {};  // bytes a (p, g) lookup writes
+  bool single_load_ = true;
+  __m512i code_shift_;
+  __m512i code_mask_;
+  __m512i lane_table_base_;
+  std::vector<__m512i> tables_;  // [((block * pattern_bytes + p) * tables_per_block + g) * 2]
+  ByteDeposit pattern_deposit_;
+  ByteDeposit field_deposit_;
+  std::vector<Block> blocks_;
+};
+
+// Below this many rows a call decodes with the scalar decoder: the vector decoder's per-call
+// tables cost 5-20 us to build (D = 128 .. 384 fp32), about what it saves on 64-128 rows.
+constexpr int64_t kVectorMinRows = 128;
+
+void decode_rows_avx512(const TableView& t, const int64_t* ids, int64_t n, uint8_t* out,
+                        const RowSink* sink) {
+  if (n >= kVectorMinRows && CodebookRowDecoder::supports(t)) {
+    return detail::decode_rows_with<CodebookRowDecoder>(t, ids, n, out, sink);
+  }
+  detail::decode_rows<Bmi2BitOps>(t, ids, n, out, sink);
+}
+
+}  // namespace
+
+const RowKernels& avx512_row_kernels() {
+  static const RowKernels kernels = [] {
+    RowKernels k = detail::make_row_kernels<Bmi2BitOps>();
+    k.decode_rows = &decode_rows_avx512;
+    return k;
+  }();
+  return kernels;
+}
+
+}  // namespace ibpembed
