@@ -31,12 +31,18 @@
 namespace ibpembed {
 namespace {
 
+using detail::LocalVector;
+
 constexpr int kLanes = 16;  // 32-bit chunks per block
 constexpr int kBlockBytes = 64;
 // Packed patterns are looked up a byte at a time; fitted codebooks keep <= 16 mask bits (2
 // bytes), but any mask decodes.
 constexpr int kMaxPatternBytes = 4;
 constexpr __mmask64 kUpperHalfBytes = 0xFFFFFFFF00000000ull;
+// Element of the per-table vector constants (a struct keeps __m512i's alignment in a container).
+struct alignas(64) Zmm {
+  __m512i v;
+};
 // A byte holds at most 4 runs of set bits (0b01010101).
 constexpr int kMaxLayers = 4;
 
@@ -47,7 +53,7 @@ constexpr int kMaxLayers = 4;
 class ByteDeposit {
  public:
   // masks[j]: the set bits to fill; shift[j]: where lane j's packed value starts in its 32 bits.
-  void build(const std::vector<uint32_t>& masks, const std::vector<int>& shift) {
+  void build(const LocalVector<uint32_t>& masks, const LocalVector<int>& shift) {
     const int num_chunks = static_cast<int>(masks.size());
     const int blocks = (num_chunks + kLanes - 1) / kLanes;
     layers_ = 0;
@@ -80,20 +86,20 @@ class ByteDeposit {
         }
       }
       for (int layer = 0; layer < layers_; ++layer) {
-        control_[static_cast<size_t>(b) * layers_ + layer] = _mm512_load_si512(control[layer]);
-        select_[static_cast<size_t>(b) * layers_ + layer] = _mm512_load_si512(select[layer]);
+        control_[static_cast<size_t>(b) * layers_ + layer] = Zmm{_mm512_load_si512(control[layer])};
+        select_[static_cast<size_t>(b) * layers_ + layer] = Zmm{_mm512_load_si512(select[layer])};
       }
     }
   }
 
   // acc | deposit(packed) for the lanes of block b.
   __m512i apply(__m512i acc, __m512i packed, size_t b) const {
-    const __m512i* control = control_.data() + b * layers_;
-    const __m512i* select = select_.data() + b * layers_;
+    const Zmm* control = control_.data() + b * layers_;
+    const Zmm* select = select_.data() + b * layers_;
     for (int layer = 0; layer < layers_; ++layer) {
       // 0xF8: acc | (moved & select)
-      acc = _mm512_ternarylogic_epi32(acc, _mm512_multishift_epi64_epi8(control[layer], packed),
-                                      select[layer], 0xF8);
+      acc = _mm512_ternarylogic_epi32(acc, _mm512_multishift_epi64_epi8(control[layer].v, packed),
+                                      select[layer].v, 0xF8);
     }
     return acc;
   }
@@ -102,8 +108,8 @@ class ByteDeposit {
   static int runs_in(uint32_t byte) { return __builtin_popcount(byte & ~(byte << 1)); }
 
   int layers_ = 0;
-  std::vector<__m512i> control_;  // [block * layers + layer]: multishift bit offsets
-  std::vector<__m512i> select_;   // the bits of each byte that layer fills
+  LocalVector<Zmm> control_;  // [block * layers + layer]: multishift bit offsets
+  LocalVector<Zmm> select_;   // the bits of each byte that layer fills
 };
 
 class CodebookRowDecoder {
@@ -115,7 +121,7 @@ class CodebookRowDecoder {
     const int v = t.num_chunks;
     const int c = t.code_bits;
     const int num_blocks = (v + kLanes - 1) / kLanes;
-    std::vector<uint64_t> field(v);
+    LocalVector<uint64_t> field(v);
     uint64_t pos = static_cast<uint64_t>(v) * static_cast<uint64_t>(c);
     for (int j = 0; j < v; ++j) {
       free_count_[j] = static_cast<uint8_t>(free_bits<32>(t.mask[j]));
@@ -136,15 +142,15 @@ class CodebookRowDecoder {
       const int last = std::min((b + 1) * kLanes, v) - 1;
       single_load_ &= field[last] / 8 + 4 - field[b * kLanes] / 8 <= kBlockBytes;
     }
-    std::vector<uint32_t> masks(v);
-    std::vector<uint32_t> free_masks(v);
-    std::vector<int> field_shift(v);
+    LocalVector<uint32_t> masks(v);
+    LocalVector<uint32_t> free_masks(v);
+    LocalVector<int> field_shift(v);
     for (int j = 0; j < v; ++j) {
       masks[j] = static_cast<uint32_t>(t.mask[j]);
       free_masks[j] = ~masks[j];
       field_shift[j] = single_load_ ? static_cast<int>(field[j] % 8) : 0;
     }
-    pattern_deposit_.build(masks, std::vector<int>(v, 0));
+    pattern_deposit_.build(masks, LocalVector<int>(v, 0));
     field_deposit_.build(free_masks, field_shift);
     blocks_.resize(num_blocks);
     for (int b = 0; b < num_blocks; ++b) {
@@ -264,7 +270,7 @@ class CodebookRowDecoder {
     const int k = codebook_size(c);
     const int lanes_per_table = kLanes / tables_per_block_;
     tables_.assign(static_cast<size_t>(num_blocks) * pattern_bytes_ * tables_per_block_ * 2,
-                   _mm512_setzero_si512());
+                   Zmm{_mm512_setzero_si512()});
     auto* bytes = reinterpret_cast<uint8_t*>(tables_.data());
     for (int j = 0; j < t.num_chunks; ++j) {
       const int b = j / kLanes;
@@ -285,12 +291,12 @@ class CodebookRowDecoder {
   // Packed patterns of the block's lanes (escaped lanes: 0), in the low pattern_bytes_ bytes.
   __m512i packed_patterns(__m512i codes, size_t b) const {
     const __m512i index = _mm512_or_si512(codes, lane_table_base_);
-    const __m512i* table = tables_.data() + b * pattern_bytes_ * tables_per_block_ * 2;
+    const Zmm* table = tables_.data() + b * pattern_bytes_ * tables_per_block_ * 2;
     __m512i packed = _mm512_setzero_si512();
     for (int p = 0; p < pattern_bytes_; ++p) {
       for (int g = 0; g < tables_per_block_; ++g, table += 2) {
         packed = _mm512_or_si512(
-            packed, _mm512_maskz_permutex2var_epi8(table_bytes_[p][g], table[0], index, table[1]));
+            packed, _mm512_maskz_permutex2var_epi8(table_bytes_[p][g], table[0].v, index, table[1].v));
       }
     }
     return packed;
@@ -310,7 +316,7 @@ class CodebookRowDecoder {
   }
 
   const TableView& t_;
-  std::vector<uint8_t> free_count_;
+  LocalVector<uint8_t> free_count_;
   uint64_t exception_start_ = 0;
   int pattern_bytes_ = 1;
   int tables_per_block_ = 1;
@@ -319,10 +325,10 @@ class CodebookRowDecoder {
   __m512i code_shift_;
   __m512i code_mask_;
   __m512i lane_table_base_;
-  std::vector<__m512i> tables_;  // [((block * pattern_bytes + p) * tables_per_block + g) * 2]
+  LocalVector<Zmm> tables_;  // [((block * pattern_bytes + p) * tables_per_block + g) * 2]
   ByteDeposit pattern_deposit_;
   ByteDeposit field_deposit_;
-  std::vector<Block> blocks_;
+  LocalVector<Block> blocks_;
 };
 
 // Below this many rows a call decodes with the scalar decoder: the vector decoder's per-call

@@ -1,11 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 //
 // Row kernels of one CPU path, templated on the bit-op policy. Included by exactly one .cpp per
-// path (row_kernels_ref.cpp, row_kernels_bmi2.cpp), each inside its own anonymous namespace so
-// the BMI2 instantiations keep internal linkage and never leak into the reference path.
+// path (row_kernels_ref.cpp, row_kernels_bmi2.cpp, row_kernels_avx512.cpp); everything here sits
+// in an anonymous namespace so the ISA-specific instantiations keep internal linkage and never
+// leak into another path.
 #pragma once
 
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -14,6 +16,26 @@
 
 namespace ibpembed::detail {
 namespace {
+
+// NOTE(codec): a translation unit compiled with ISA flags must not emit weak template instances:
+// the linker keeps one copy of each for the whole library, and it may be the copy compiled with
+// -mavx512*, which a CPU without AVX-512 then runs. std::vector with the default allocator is
+// such an instance (its fill and append loops get vectorised), so the row kernels' containers
+// use an allocator of this unnamed namespace, which gives every instance internal linkage.
+template <class T>
+struct LocalAllocator {
+  using value_type = T;
+  LocalAllocator() = default;
+  template <class U>
+  constexpr LocalAllocator(const LocalAllocator<U>& /*other*/) noexcept {}
+  T* allocate(size_t n) { return std::allocator<T>().allocate(n); }
+  void deallocate(T* p, size_t n) { std::allocator<T>().deallocate(p, n); }
+  friend bool operator==(const LocalAllocator&, const LocalAllocator&) { return true; }
+  friend bool operator!=(const LocalAllocator&, const LocalAllocator&) { return false; }
+};
+
+template <class T>
+using LocalVector = std::vector<T, LocalAllocator<T>>;
 
 inline void prefetch_index(const TableView& t, int64_t r) {
   __builtin_prefetch(t.row_units + r, 0, 3);
@@ -33,8 +55,8 @@ inline void prefetch_lines(const uint8_t* begin, int64_t bytes) {
 }
 
 template <int W>
-std::vector<uint8_t> free_counts(const uint64_t* mask, int num_chunks) {
-  std::vector<uint8_t> free(num_chunks);
+LocalVector<uint8_t> free_counts(const uint64_t* mask, int num_chunks) {
+  LocalVector<uint8_t> free(num_chunks);
   compute_free_bits<W>(mask, num_chunks, free.data());
   return free;
 }
@@ -43,7 +65,7 @@ template <int W>
 void size_rows_w(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64_t* mask,
                  const uint64_t* bitval, int code_bits, int64_t* comp_bytes) {
   const int v = chunks_per_row(row_bytes, W);
-  const std::vector<uint8_t> free = free_counts<W>(mask, v);
+  const LocalVector<uint8_t> free = free_counts<W>(mask, v);
   for (int64_t r = 0; r < n; ++r) {
     comp_bytes[r] = compressed_row_bytes<W>(rows + r * row_bytes, row_bytes, mask, bitval,
                                             code_bits, free.data(), v);
@@ -65,10 +87,10 @@ void encode_rows_w(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint
                    const uint64_t* bitval, int code_bits, const uint8_t* compressed,
                    const int64_t* offsets, uint8_t* payload) {
   const int v = chunks_per_row(row_bytes, W);
-  const std::vector<uint8_t> free = free_counts<W>(mask, v);
+  const LocalVector<uint8_t> free = free_counts<W>(mask, v);
   // Encoding ORs bits into a zeroed scratch row with write slack, then copies only the encoded
   // bytes: neighbouring slots (possibly written by other threads) are never touched.
-  std::vector<uint8_t> scratch(static_cast<size_t>(row_bytes) + 64);
+  LocalVector<uint8_t> scratch(static_cast<size_t>(row_bytes) + 64);
   for (int64_t r = 0; r < n; ++r) {
     const uint8_t* row = rows + r * row_bytes;
     uint8_t* dst = payload + offsets[r];
@@ -117,13 +139,13 @@ struct DecodePlan {
   using Chunk = std::conditional_t<W == 16, uint16_t, std::conditional_t<W == 32, uint32_t, uint64_t>>;
 
   int code_bits;
-  std::vector<uint64_t> mask;
-  std::vector<uint8_t> free_count;        // k_j
-  std::vector<uint64_t> group_free_mask;  // concatenated ~mask of the group's chunks
-  std::vector<uint64_t> group_bitval;     // C = 1: concatenated patterns of the group's chunks
-  std::vector<Chunk> codebook;            // C > 1: [(j << C) | code], 0 for the escape code
-  std::vector<uint32_t> group_offset;     // stream bit of the group's first free field
-  std::vector<uint32_t> field_offset;     // F_j = V * C + sum_{i<j} k_i
+  LocalVector<uint64_t> mask;
+  LocalVector<uint8_t> free_count;        // k_j
+  LocalVector<uint64_t> group_free_mask;  // concatenated ~mask of the group's chunks
+  LocalVector<uint64_t> group_bitval;     // C = 1: concatenated patterns of the group's chunks
+  LocalVector<Chunk> codebook;            // C > 1: [(j << C) | code], 0 for the escape code
+  LocalVector<uint32_t> group_offset;     // stream bit of the group's first free field
+  LocalVector<uint32_t> field_offset;     // F_j = V * C + sum_{i<j} k_i
   uint64_t exception_start;               // E = V * C + sum_j k_j
   // Every group's free bits fit the 57 bits one unaligned 8-byte load holds at any bit shift
   // (true when each 8 bytes keep >= 7 invariant bits), so no group needs a 9th byte.
@@ -284,7 +306,7 @@ class ScalarRowDecoder {
  private:
   const TableView& t_;
   DecodePlan<W> plan_;
-  std::vector<int32_t> escapes_;
+  LocalVector<int32_t> escapes_;
 };
 
 // Readable bytes past each staged slot: the payload's own padding guarantee (kPayloadPad) is
@@ -312,7 +334,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
   RowDecoder decode_row(t);
   const int64_t slot_cap = t.unit_bytes * units_for(t.row_bytes, t.unit_bytes);
   const int64_t stride = slot_cap + kStageSlack;
-  std::vector<uint8_t> stage(static_cast<size_t>(S * stride));
+  LocalVector<uint8_t> stage(static_cast<size_t>(S * stride));
   LocatedRow ring[2 * S];  // row i at i % 2S: this round's rows and the next round's
   const uint8_t* rows[S];
   const auto locate = [&](int64_t i) {
