@@ -89,8 +89,10 @@ void encode_rows_w(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint
   const int v = chunks_per_row(row_bytes, W);
   const LocalVector<uint8_t> free = free_counts<W>(mask, v);
   // Encoding ORs bits into a zeroed scratch row with write slack, then copies only the encoded
-  // bytes: neighbouring slots (possibly written by other threads) are never touched.
+  // bytes: neighbouring slots (possibly written by other threads) are never touched. A row is
+  // only encoded when it shrinks, so its encoding is < row_bytes and the slack is >= 9 bytes.
   LocalVector<uint8_t> scratch(static_cast<size_t>(row_bytes) + 64);
+  int64_t dirty = 0;  // scratch bytes the last encoding set; the rest are still zero
   for (int64_t r = 0; r < n; ++r) {
     const uint8_t* row = rows + r * row_bytes;
     uint8_t* dst = payload + offsets[r];
@@ -98,12 +100,10 @@ void encode_rows_w(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint
       std::memcpy(dst, row, static_cast<size_t>(row_bytes));
       continue;
     }
-    // A row is only encoded when it shrinks, so its encoding is < row_bytes.
-    const int64_t bytes =
-        compressed_row_bytes<W>(row, row_bytes, mask, bitval, code_bits, free.data(), v);
-    std::memset(scratch.data(), 0, static_cast<size_t>(bytes) + 16);
-    encode_row<W, Ops>(row, row_bytes, mask, bitval, code_bits, free.data(), v, scratch.data());
-    std::memcpy(dst, scratch.data(), static_cast<size_t>(bytes));
+    std::memset(scratch.data(), 0, static_cast<size_t>(dirty));
+    dirty = encode_row<W, Ops>(row, row_bytes, mask, bitval, code_bits, free.data(), v,
+                               scratch.data());
+    std::memcpy(dst, scratch.data(), static_cast<size_t>(dirty));
   }
 }
 

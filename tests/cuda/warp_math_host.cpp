@@ -268,8 +268,10 @@ void test_rows(int64_t row_bytes, int code_bits) {
       // Compressed slot (only when the format would store it compressed).
       if (comp_slot < raw_slot) {
         std::vector<uint8_t> code(static_cast<size_t>(enc + 9), 0);
-        encode_row<W, PortableBitOps>(row.data(), row_bytes, mask.data(), bitval.data(),
-                                      code_bits, free.data(), v, code.data());
+        if (encode_row<W, PortableBitOps>(row.data(), row_bytes, mask.data(), bitval.data(),
+                                          code_bits, free.data(), v, code.data()) != enc) {
+          fail("encode_row size", W, row_bytes, v);
+        }
         std::memcpy(payload.data() + offset, code.data(), static_cast<size_t>(enc));
         if (emulate_exception_start<W>(mask.data(), v, code_bits) !=
             exception_start(free.data(), v, code_bits)) {

@@ -59,9 +59,10 @@ IBP_HD uint64_t exception_start(const uint8_t* free, int num_chunks, int code_bi
 }
 
 // Writes the compressed encoding into `out`, which must be zeroed and hold
-// compressed_row_bytes(...) + 9 bytes.
+// compressed_row_bytes(...) + 9 bytes, and returns its size, compressed_row_bytes(...). Bytes of
+// `out` past that size stay zero.
 template <int W, class Ops>
-IBP_HD void encode_row(const uint8_t* row, int64_t row_bytes, const uint64_t* mask,
+IBP_HD int64_t encode_row(const uint8_t* row, int64_t row_bytes, const uint64_t* mask,
                        const uint64_t* bitval, int code_bits, const uint8_t* free, int num_chunks,
                        uint8_t* out) {
   const int k = codebook_size(code_bits);
@@ -79,6 +80,7 @@ IBP_HD void encode_row(const uint8_t* row, int64_t row_bytes, const uint64_t* ma
       exception += W - free[j];
     }
   }
+  return static_cast<int64_t>((exception + 7) >> 3);
 }
 
 // Code of chunk j of an encoded row.
