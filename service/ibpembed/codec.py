@@ -421,7 +421,11 @@ def fit_table(
     unit = units[0]
     if len(units) > 1:
         probe = _probe(sample, seed)
-        sizes = [int(ops.ibp_slot_bytes(probe, bits, mask, bitval, u).sum()) for u in units]
+        finest = ops.ibp_slot_bytes(probe, bits, mask, bitval, units[0])
+        # One sizing serves every candidate: each divides the row width and is a multiple of the
+        # finest u0, so a slot of ceil(b / u0) * u0 bytes takes ceil(b / u) * u at unit u (raw
+        # rows stay raw, whole rows).
+        sizes = [int((-(-finest // u) * u).sum()) for u in units]
         # Coarser units align rows better for wide loads: keep the coarsest of the smallest.
         unit = max(u for u, size in zip(units, sizes, strict=True) if size == min(sizes))
     return TableFit(bits, mask, bitval, unit)

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ibpembed import compress
+from ibpembed import codec, compress
+from ibpembed._ops import ops
 from tests.codec.tables import DIMS, DTYPES, KINDS, make_table, same_bits, tables
 
 METHODS = ("ibpembed", "paper", "raw")
@@ -124,3 +125,17 @@ def test_quant_int8_rowwise_round_trip() -> None:
     table = torch.from_numpy(codes)
     c = compress(table, quant="int8_rowwise")
     assert same_bits(c.decompress(), table)
+
+
+@given(table=tables())
+def test_default_unit_is_the_coarsest_that_stores_the_sample_smallest(table) -> None:
+    """fit_table sizes the candidates once at the finest unit and derives the rest: the unit it
+    picks is the one a separate sizing at every candidate picks."""
+    fit = codec.fit_table(table)
+    rows = table.view(torch.uint8).view(table.shape[0], -1)
+    units = codec.slot_unit_candidates(rows.shape[1], None)
+    sizes = {
+        u: int(ops.ibp_slot_bytes(rows, fit.chunk_bits, fit.mask, fit.bitval, u).sum())
+        for u in units
+    }
+    assert fit.unit_bytes == max(u for u, s in sizes.items() if s == min(sizes.values()))
