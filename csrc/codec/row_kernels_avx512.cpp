@@ -14,7 +14,7 @@
 //   codes    cut out of one 8-byte word by vpmultishiftqb, one copy per byte of a lane;
 //   pattern  the masked bits packed (pext(bitval, mask): <= 2 bytes when fitted) are looked up a
 //            byte at a time with vpermi2b in 128-byte tables (16 codes x 8 lanes, 8 x 16 or
-//            4 x 32), then deposited into the mask;
+//            4 x 16), then deposited into the mask;
 //   field    vpermb brings each lane's free-field bytes in from a 64-byte window at constant
 //            offsets, and they are deposited into the free mask;
 //   escapes  code 0 (pattern 0): their masked bits come from the exception area, in stream
@@ -39,12 +39,13 @@ constexpr int kBlockBytes = 64;
 // bytes), but any mask decodes.
 constexpr int kMaxPatternBytes = 4;
 constexpr __mmask64 kUpperHalfBytes = 0xFFFFFFFF00000000ull;
+// A byte holds at most 4 runs of set bits (0b01010101).
+constexpr int kMaxLayers = 4;
+
 // Element of the per-table vector constants (a struct keeps __m512i's alignment in a container).
 struct alignas(64) Zmm {
   __m512i v;
 };
-// A byte holds at most 4 runs of set bits (0b01010101).
-constexpr int kMaxLayers = 4;
 
 // Deposits packed values (a lane's bits, in order) into the set bits of each lane's mask with
 // vpmultishiftqb: an output byte can take 8 bits from any bit offset of its 64-bit lane, so one
