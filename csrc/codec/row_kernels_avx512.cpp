@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 //
-// The AVX-512 path: the BMI2 path in everything, except that codebook tables (C > 1) of 32-bit
-// chunks, the layout the fit picks for most fp32 and bf16 tables, decode 16 chunks per step with
-// a vector row decoder. Compiled with -mbmi2 and the AVX-512 subsets below (setup.py); entered
-// only after cpu_has_avx512() said yes. Plain IBP (C = 1) stays on the BMI2 decoder: one pdep
-// per 8 bytes already runs near the speed of the staging around it, and a vector version of it
-// measured slower on Zen 4.
+// The AVX-512 path: the BMI2 path in everything, except two loops. Codebook tables (C > 1) of
+// 32-bit chunks, the layout the fit picks for most fp32 and bf16 tables, decode 16 chunks per step
+// with a vector row decoder; and rows of 32-bit chunks are sized (the fit's hot loop) 16 chunks
+// per step. Compiled with -mbmi2 and the AVX-512 subsets setup.py lists; entered only after
+// cpu_has_avx512() said yes. Plain IBP (C = 1) stays on the BMI2 decoder: one pdep per 8 bytes
+// already runs near the speed of the staging around it, and a vector version of it measured
+// slower on Zen 4.
 //
 // NOTE(codec): there is no vector pdep. But vpmultishiftqb gives every output byte 8 bits from
 // any bit offset of its 64-bit lane, and a position's mask and free mask have one or two runs of
@@ -41,6 +42,7 @@ constexpr int kMaxPatternBytes = 4;
 constexpr __mmask64 kUpperHalfBytes = 0xFFFFFFFF00000000ull;
 // A byte holds at most 4 runs of set bits (0b01010101).
 constexpr int kMaxLayers = 4;
+constexpr int kMaxPatterns = (1 << kMaxCodeBits) - 1;
 
 // Element of the per-table vector constants (a struct keeps __m512i's alignment in a container).
 struct alignas(64) Zmm {
@@ -297,7 +299,8 @@ class CodebookRowDecoder {
     for (int p = 0; p < pattern_bytes_; ++p) {
       for (int g = 0; g < tables_per_block_; ++g, table += 2) {
         packed = _mm512_or_si512(
-            packed, _mm512_maskz_permutex2var_epi8(table_bytes_[p][g], table[0].v, index, table[1].v));
+            packed,
+            _mm512_maskz_permutex2var_epi8(table_bytes_[p][g], table[0].v, index, table[1].v));
       }
     }
     return packed;
@@ -344,11 +347,86 @@ void decode_rows_avx512(const TableView& t, const int64_t* ids, int64_t n, uint8
   detail::decode_rows<Bmi2BitOps>(t, ids, n, out, sink);
 }
 
+// Sizing of 32-bit-chunk rows (compressed_row_bytes), 16 chunks per step: a chunk has a code iff
+// its masked bits equal one of the K patterns of its position, K compares into a mask register.
+// The fit sizes every candidate layout on its probe rows this way, then every row of the table.
+void size_rows_w32(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64_t* mask,
+                   const uint64_t* bitval, int code_bits, int64_t* comp_bytes) {
+  const int v = chunks_per_row(row_bytes, 32);
+  const int k = codebook_size(code_bits);
+  const int blocks = (v + kLanes - 1) / kLanes;
+  // Per block: the masks, the K patterns (pattern i of every lane), the escape cost W - k_j.
+  LocalVector<Zmm> masks(blocks);
+  LocalVector<Zmm> patterns(static_cast<size_t>(blocks) * k);
+  LocalVector<Zmm> masked_bits(blocks);
+  for (int b = 0; b < blocks; ++b) {
+    alignas(64) uint32_t lane_mask[kLanes] = {};
+    alignas(64) uint32_t lane_pattern[kMaxPatterns][kLanes] = {};
+    alignas(64) uint32_t lane_bits[kLanes] = {};
+    for (int lane = 0; lane < kLanes && b * kLanes + lane < v; ++lane) {
+      const int j = b * kLanes + lane;
+      lane_mask[lane] = static_cast<uint32_t>(mask[j]);
+      lane_bits[lane] = static_cast<uint32_t>(32 - free_bits<32>(mask[j]));
+      for (int i = 0; i < k; ++i) {
+        lane_pattern[i][lane] = static_cast<uint32_t>(bitval[static_cast<int64_t>(j) * k + i]);
+      }
+    }
+    masks[b] = Zmm{_mm512_load_si512(lane_mask)};
+    masked_bits[b] = Zmm{_mm512_load_si512(lane_bits)};
+    for (int i = 0; i < k; ++i) {
+      patterns[static_cast<size_t>(b) * k + i] = Zmm{_mm512_load_si512(lane_pattern[i])};
+    }
+  }
+  // Bits of a row where every chunk has a code; each escape adds its masked bits.
+  uint64_t base_bits = static_cast<uint64_t>(v) * static_cast<uint64_t>(code_bits);
+  for (int j = 0; j < v; ++j) base_bits += free_bits<32>(mask[j]);
+  const int64_t whole_bytes = row_bytes / 4 * 4;  // chunks past it are read zero-padded
+  for (int64_t r = 0; r < n; ++r) {
+    const uint8_t* row = rows + r * row_bytes;
+    __m512i escape_bits = _mm512_setzero_si512();
+    for (int b = 0; b < blocks; ++b) {
+      const int64_t left = whole_bytes - static_cast<int64_t>(kBlockBytes) * b;
+      __m512i x;
+      if (left >= kBlockBytes) {
+        x = _mm512_loadu_si512(row + kBlockBytes * b);
+      } else {
+        const auto bytes = static_cast<__mmask64>(low_bits(static_cast<int>(left > 0 ? left : 0)));
+        x = _mm512_maskz_loadu_epi8(bytes, row + kBlockBytes * b);
+      }
+      if (b == blocks - 1 && whole_bytes < row_bytes) {
+        // The last chunk is cut by the row's end: zero-padded like load_chunk.
+        uint32_t tail = 0;
+        std::memcpy(&tail, row + whole_bytes, static_cast<size_t>(row_bytes - whole_bytes));
+        x = _mm512_mask_set1_epi32(x, static_cast<__mmask16>(1u << ((v - 1) % kLanes)),
+                                   static_cast<int>(tail));
+      }
+      const __m512i masked = _mm512_and_si512(x, masks[b].v);
+      __mmask16 coded = 0;
+      const Zmm* p = patterns.data() + static_cast<size_t>(b) * k;
+      for (int i = 0; i < k; ++i) coded |= _mm512_cmpeq_epi32_mask(masked, p[i].v);
+      escape_bits = _mm512_mask_add_epi32(escape_bits, static_cast<__mmask16>(~coded),
+                                          escape_bits, masked_bits[b].v);
+    }
+    const auto bits = base_bits + static_cast<uint64_t>(_mm512_reduce_add_epi32(escape_bits));
+    comp_bytes[r] = static_cast<int64_t>((bits + 7) / 8);
+  }
+}
+
+void size_rows_avx512(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64_t* mask,
+                      const uint64_t* bitval, int chunk_bits, int code_bits, int64_t* comp_bytes) {
+  if (chunk_bits == 32) {
+    return size_rows_w32(rows, n, row_bytes, mask, bitval, code_bits, comp_bytes);
+  }
+  detail::size_rows<Bmi2BitOps>(rows, n, row_bytes, mask, bitval, chunk_bits, code_bits,
+                                comp_bytes);
+}
+
 }  // namespace
 
 const RowKernels& avx512_row_kernels() {
   static const RowKernels kernels = [] {
     RowKernels k = detail::make_row_kernels<Bmi2BitOps>();
+    k.size_rows = &size_rows_avx512;
     k.decode_rows = &decode_rows_avx512;
     return k;
   }();

@@ -36,6 +36,15 @@ IBP_HD int chunk_code(uint64_t x, uint64_t mask, const uint64_t* patterns, int k
   return 0;
 }
 
+// Whether chunk x takes a code other than the escape, without chunk_code's early exit: sizing
+// only needs this bit, and on trained tables it is too irregular to branch on.
+IBP_HD bool chunk_has_code(uint64_t x, uint64_t mask, const uint64_t* patterns, int k) {
+  const uint64_t masked = x & mask;
+  bool any = false;
+  for (int i = 0; i < k; ++i) any |= masked == patterns[i];
+  return any;
+}
+
 // Byte size of the row's compressed encoding (codes + free fields + exceptions), before slot
 // rounding. free[j] = k_j (compute_free_bits).
 template <int W>
@@ -46,7 +55,7 @@ IBP_HD int64_t compressed_row_bytes(const uint8_t* row, int64_t row_bytes, const
   int64_t bits = static_cast<int64_t>(num_chunks) * code_bits;
   for (int j = 0; j < num_chunks; ++j) {
     const uint64_t x = load_chunk<W>(row, row_bytes, j);
-    bits += chunk_code(x, mask[j], bitval + static_cast<int64_t>(j) * k, k) != 0 ? free[j] : W;
+    bits += chunk_has_code(x, mask[j], bitval + static_cast<int64_t>(j) * k, k) ? free[j] : W;
   }
   return (bits + 7) >> 3;
 }
