@@ -49,8 +49,9 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
 def cpu_path() -> str:
-    """The CPU codec path in use: ``"avx512"`` (bmi2 plus a vector decoder for codebook tables),
-    ``"bmi2"`` (pext/pdep) or ``"ref"`` (portable scalar)."""
+    """The CPU codec path in use: ``"avx512"`` (bmi2, plus vector loops that decode codebook
+    tables and size rows of 32-bit chunks), ``"bmi2"`` (pext/pdep) or ``"ref"`` (portable
+    scalar)."""
     return _C.cpu_path()
 
 

@@ -72,8 +72,8 @@ IBP_HD uint64_t exception_start(const uint8_t* free, int num_chunks, int code_bi
 // `out` past that size stay zero.
 template <int W, class Ops>
 IBP_HD int64_t encode_row(const uint8_t* row, int64_t row_bytes, const uint64_t* mask,
-                       const uint64_t* bitval, int code_bits, const uint8_t* free, int num_chunks,
-                       uint8_t* out) {
+                          const uint64_t* bitval, int code_bits, const uint8_t* free,
+                          int num_chunks, uint8_t* out) {
   const int k = codebook_size(code_bits);
   uint64_t field = static_cast<uint64_t>(num_chunks) * static_cast<uint64_t>(code_bits);
   uint64_t exception = exception_start(free, num_chunks, code_bits);
