@@ -28,6 +28,15 @@ CHUNK_BITS = (16, 32, 64)
 CODE_BITS = (2, 3, 4)
 
 
+def assert_same_layout(arrays: tuple[torch.Tensor, ...], expected: ref.RefTable) -> None:
+    """ibp_compress's (payload, block_base, row_units, bitmask) equal the reference's."""
+    payload, block_base, row_units, bitmask = arrays
+    np.testing.assert_array_equal(payload.numpy(), expected.payload)
+    np.testing.assert_array_equal(block_base.numpy(), expected.block_base)
+    np.testing.assert_array_equal(row_units.numpy(), expected.row_units)
+    np.testing.assert_array_equal(bitmask.numpy().view(np.uint32), expected.bitmask)
+
+
 @given(
     dtype=st.sampled_from(DTYPES),
     rows=st.integers(1, 40),
@@ -55,10 +64,7 @@ def test_cpp_codec_matches_reference_byte_for_byte(
     assert unit == ref.slot_unit_bytes(u8.shape[1], align)
     payload, block_base, row_units, bitmask = ops.ibp_compress(u8, chunk_bits, mask, bitval, unit)
     expected = ref.compress(npy, chunk_bits, ref_mask, ref_bitval, align)
-    np.testing.assert_array_equal(payload.numpy(), expected.payload)
-    np.testing.assert_array_equal(block_base.numpy(), expected.block_base)
-    np.testing.assert_array_equal(row_units.numpy(), expected.row_units)
-    np.testing.assert_array_equal(bitmask.numpy().view(np.uint32), expected.bitmask)
+    assert_same_layout((payload, block_base, row_units, bitmask), expected)
 
     np.testing.assert_array_equal(ref.decompress(expected), npy)
     slots = ops.ibp_slot_bytes(u8, chunk_bits, mask, bitval, unit)
@@ -134,6 +140,25 @@ def expected_codes(row: bytes, mask, bitval, chunk_bits: int, code_bits: int) ->
     return codes
 
 
+def steered_table(
+    dtype: torch.dtype,
+    rows: int,
+    dim: int,
+    kind: str,
+    chunk_bits: int,
+    code_bits: int,
+    hit: float,
+    seed: int,
+) -> tuple[np.random.Generator, np.ndarray, np.ndarray, np.ndarray]:
+    """(rng, uint8 rows, mask, bitval): a random codebook and rows steered into it."""
+    rng = np.random.default_rng(seed)
+    npy = make_table(dtype, rows, dim, kind, seed).view(torch.uint8).reshape(rows, -1).numpy()
+    v = ref.num_chunks(npy.shape[1], chunk_bits)
+    mask, bitval = random_codebook(rng, v, chunk_bits, code_bits)
+    npy = steer_into_codebook(npy, mask, bitval, chunk_bits, code_bits, rng, hit)
+    return rng, npy, mask, bitval
+
+
 def check_encoding(row: bytes, mask, bitval, chunk_bits: int, code_bits: int) -> None:
     """encode_row against format.h's layout: size, codes, free fields, exceptions, round trip."""
     full = (1 << chunk_bits) - 1
@@ -193,14 +218,10 @@ def check_table(npy: np.ndarray, chunk_bits, mask, bitval, align, code_bits, ids
 def test_reference_codebooks_round_trip_random_codebooks(
     dtype, rows, dim, kind, chunk_bits, code_bits, hit, align, seed
 ) -> None:
-    rng = np.random.default_rng(seed)
-    npy = make_table(dtype, rows, dim, kind, seed).view(torch.uint8).reshape(rows, -1).numpy()
-    v = ref.num_chunks(npy.shape[1], chunk_bits)
-    mask, bitval = random_codebook(rng, v, chunk_bits, code_bits)
+    rng, npy, mask, bitval = steered_table(dtype, rows, dim, kind, chunk_bits, code_bits, hit, seed)
     assert all(
         int(e) & ~int(mask[i // ref.codebook_size(code_bits)]) == 0 for i, e in enumerate(bitval)
     )
-    npy = steer_into_codebook(npy, mask, bitval, chunk_bits, code_bits, rng, hit)
     for r in range(rows):
         check_encoding(bytes(npy[r]), mask, bitval, chunk_bits, code_bits)
     check_table(npy, chunk_bits, mask, bitval, align, code_bits, rng.integers(0, rows, 2 * rows))
@@ -386,10 +407,7 @@ def test_cpp_codebook_codec_matches_reference_byte_for_byte(
     unit = slot_unit_bytes(u8.shape[1], align)
     payload, block_base, row_units, bitmask = ops.ibp_compress(u8, chunk_bits, mask, bitval, unit)
     expected = ref.compress(npy, chunk_bits, ref_mask, ref_bitval, align, code_bits)
-    np.testing.assert_array_equal(payload.numpy(), expected.payload)
-    np.testing.assert_array_equal(block_base.numpy(), expected.block_base)
-    np.testing.assert_array_equal(row_units.numpy(), expected.row_units)
-    np.testing.assert_array_equal(bitmask.numpy().view(np.uint32), expected.bitmask)
+    assert_same_layout((payload, block_base, row_units, bitmask), expected)
 
     slots = ops.ibp_slot_bytes(u8, chunk_bits, mask, bitval, unit)
     np.testing.assert_array_equal(slots.numpy(), expected.row_units[:rows].astype(np.int64) * unit)
@@ -411,21 +429,16 @@ def test_cpp_codebook_codec_matches_reference_byte_for_byte(
 def test_cpp_codec_random_codebooks_match_reference(
     dtype, rows, dim, kind, chunk_bits, code_bits, hit, align, seed
 ) -> None:
-    rng = np.random.default_rng(seed)
-    npy = make_table(dtype, rows, dim, kind, seed).view(torch.uint8).reshape(rows, -1).numpy()
-    v = ref.num_chunks(npy.shape[1], chunk_bits)
-    ref_mask, ref_bitval = random_codebook(rng, v, chunk_bits, code_bits)
-    npy = steer_into_codebook(npy, ref_mask, ref_bitval, chunk_bits, code_bits, rng, hit)
+    rng, npy, ref_mask, ref_bitval = steered_table(
+        dtype, rows, dim, kind, chunk_bits, code_bits, hit, seed
+    )
     u8 = torch.from_numpy(npy)
     mask, bitval = _as_i64(ref_mask), _as_i64(ref_bitval)
 
     unit = slot_unit_bytes(npy.shape[1], align)
     payload, block_base, row_units, bitmask = ops.ibp_compress(u8, chunk_bits, mask, bitval, unit)
     expected = ref.compress(npy, chunk_bits, ref_mask, ref_bitval, align, code_bits)
-    np.testing.assert_array_equal(payload.numpy(), expected.payload)
-    np.testing.assert_array_equal(block_base.numpy(), expected.block_base)
-    np.testing.assert_array_equal(row_units.numpy(), expected.row_units)
-    np.testing.assert_array_equal(bitmask.numpy().view(np.uint32), expected.bitmask)
+    assert_same_layout((payload, block_base, row_units, bitmask), expected)
 
     args = (payload, block_base, row_units, bitmask, mask, bitval, chunk_bits, npy.shape[1], unit)
     assert torch.equal(ops.ibp_decompress(*args, rows), u8)
