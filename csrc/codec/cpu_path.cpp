@@ -22,16 +22,16 @@ CpuPath initial_path() {
     if (cpu_has_avx512()) return CpuPath::kAvx512;
     return cpu_has_bmi2() ? CpuPath::kBmi2 : CpuPath::kRef;
   }
-  for (const CpuPath path : kAllPaths) {
-    if (std::strcmp(env, cpu_path_name(path)) != 0) continue;
-    if (!cpu_supports(path)) {
-      throw std::runtime_error(std::string("IBPEMBED_CPU_PATH=") + env +
-                               " but this CPU lacks the instructions it needs");
-    }
-    return path;
+  CpuPath path;
+  if (!cpu_path_from_name(env, &path)) {
+    throw std::runtime_error(
+        std::string("IBPEMBED_CPU_PATH must be 'ref', 'bmi2' or 'avx512', got '") + env + "'");
   }
-  throw std::runtime_error(
-      std::string("IBPEMBED_CPU_PATH must be 'ref', 'bmi2' or 'avx512', got '") + env + "'");
+  if (!cpu_supports(path)) {
+    throw std::runtime_error(std::string("IBPEMBED_CPU_PATH=") + env +
+                             " but this CPU lacks the instructions it needs");
+  }
+  return path;
 }
 
 std::atomic<CpuPath>& active() {
@@ -84,6 +84,16 @@ const char* cpu_path_name(CpuPath path) {
     case CpuPath::kBmi2: return "bmi2";
     default: return "ref";
   }
+}
+
+bool cpu_path_from_name(const char* name, CpuPath* path) {
+  for (const CpuPath candidate : kAllPaths) {
+    if (std::strcmp(name, cpu_path_name(candidate)) == 0) {
+      *path = candidate;
+      return true;
+    }
+  }
+  return false;
 }
 
 const RowKernels& row_kernels(CpuPath path) {

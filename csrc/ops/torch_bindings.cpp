@@ -395,11 +395,10 @@ PYBIND11_MODULE(_C, module) {
   module.def(
       "set_cpu_path",
       [](const std::string& name) {
-        for (const auto path : {ibpembed::CpuPath::kRef, ibpembed::CpuPath::kBmi2,
-                                ibpembed::CpuPath::kAvx512}) {
-          if (name == ibpembed::cpu_path_name(path)) return ibpembed::set_active_cpu_path(path);
-        }
-        TORCH_CHECK_VALUE(false, "cpu path must be 'ref', 'bmi2' or 'avx512', got '", name, "'");
+        ibpembed::CpuPath path;
+        TORCH_CHECK_VALUE(ibpembed::cpu_path_from_name(name.c_str(), &path),
+                          "cpu path must be 'ref', 'bmi2' or 'avx512', got '", name, "'");
+        ibpembed::set_active_cpu_path(path);
       },
       "Switch the CPU codec path for this process (tests and benchmarks).");
 }

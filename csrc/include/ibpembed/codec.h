@@ -99,6 +99,8 @@ bool cpu_supports(CpuPath path);
 CpuPath active_cpu_path();
 void set_active_cpu_path(CpuPath path);
 const char* cpu_path_name(CpuPath path);
+// The path named `name` ("ref", "bmi2", "avx512"); false if there is none.
+bool cpu_path_from_name(const char* name, CpuPath* path);
 
 // ----------------------------------------------------------------------------------------------
 // Compress, in two passes over a row range so the caller can parallelise and allocate once:
