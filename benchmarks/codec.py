@@ -366,8 +366,7 @@ def cpu_path_decode(tables: Sequence[Table], reps: int) -> list[dict]:
     """1-core decode GB/s of the scalar reference path vs the BMI2 pext/pdep path vs the AVX-512
     path (BMI2 with a vector decoder for codebook tables)."""
     rows = []
-    supported = {"ref": True, "bmi2": _C.cpu_has_bmi2(), "avx512": _C.cpu_has_avx512()}
-    paths = [name for name, ok in supported.items() if ok]
+    paths = codec.available_cpu_paths()
     for table in tables:
         ct = codec.compress(table.tensor, quant=table.quant)
         run = decode_pass(ct)

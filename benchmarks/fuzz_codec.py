@@ -620,12 +620,6 @@ def _worker(plan: JobPlan, out: mp.Queue) -> None:
     out.put(run_job(plan))
 
 
-def cpu_paths() -> list[str]:
-    """Paths the jobs cycle through: every path this CPU runs, fastest first."""
-    supported = {"avx512": _C.cpu_has_avx512(), "bmi2": _C.cpu_has_bmi2(), "ref": True}
-    return [path for path, ok in supported.items() if ok]
-
-
 def run(
     cases: int, jobs: int, seed: int, solo_every: int, reference_every: int, failures: str | None
 ) -> tuple[Stats, float]:
@@ -642,7 +636,7 @@ def run(
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = []
-    paths = cpu_paths()
+    paths = codec.available_cpu_paths()
     saved = os.environ.get("IBPEMBED_CPU_PATH")
     for plan in plans:
         # A spawned child reads the environment when it starts; the path is fixed at import.

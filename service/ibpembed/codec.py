@@ -55,6 +55,12 @@ def cpu_path() -> str:
     return _C.cpu_path()
 
 
+def available_cpu_paths() -> list[str]:
+    """The CPU paths this machine runs, fastest first (the first is the default)."""
+    runs = {"avx512": _C.cpu_has_avx512(), "bmi2": _C.cpu_has_bmi2(), "ref": True}
+    return [path for path, ok in runs.items() if ok]
+
+
 def slot_unit_candidates(row_bytes: int, align: int | None) -> list[int]:
     """Slot units ``compress`` may use, finest first.
 
