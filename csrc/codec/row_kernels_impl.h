@@ -41,6 +41,17 @@ inline void prefetch_index(const TableView& t, int64_t r) {
   __builtin_prefetch(t.row_units + r, 0, 3);
   __builtin_prefetch(t.block_base + r / kRowsPerBlock, 0, 3);
   __builtin_prefetch(t.bitmask + (r >> 5), 0, 3);
+  if (t.hot_dir != nullptr) __builtin_prefetch(t.hot_dir + 2 * (r >> 6), 0, 3);
+}
+
+// Row r's decoded copy in the table's hot-row overlay (format.h), or null when it has none.
+inline const uint8_t* hot_row(const TableView& t, int64_t r) {
+  if (t.hot_dir == nullptr) return nullptr;
+  const uint64_t* entry = t.hot_dir + 2 * (r >> 6);
+  const uint64_t bit = uint64_t{1} << (r & 63);
+  if ((entry[0] & bit) == 0) return nullptr;
+  const int64_t slot = static_cast<int64_t>(entry[1]) + popcount64(entry[0] & (bit - 1));
+  return t.hot_rows + slot * t.row_bytes;
 }
 
 // NOTE(codec): slot lines are prefetched into L2, not L1 (prefetcht1): a round's lines are more
@@ -340,6 +351,11 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
   const auto locate = [&](int64_t i) {
     const int64_t r = ids[i];
     LocatedRow& loc = ring[i % (2 * S)];
+    if (const uint8_t* hot = hot_row(t, r); hot != nullptr) {  // read like a raw row
+      loc = LocatedRow{hot, t.row_bytes, false};
+      prefetch_lines(hot, t.row_bytes);
+      return;
+    }
     loc.src = t.payload + row_offset(t, r);
     loc.compressed = row_is_compressed(t, r);
     loc.read_bytes = loc.compressed ? t.unit_bytes * t.row_units[r] + kPayloadPad : t.row_bytes;

@@ -9,6 +9,8 @@
 //   bitmask int32 [ceil(N / 32)], mask int64 [V], bitval int64 [V * K] (uint64 bit patterns;
 //   the codebooks of format.h, K = 2^C - 1, so the code width C follows from the length),
 //   chunk_bits, row_bytes, unit_bytes, num_rows.
+// Gathers and pooled lookups also take an optional hot-row overlay (format.h) as two trailing
+// tensors: hot_dir int64 [ceil(N / 64) * 2] and hot_rows uint8 [cached rows, row_bytes].
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -19,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "ibpembed/bits.h"
 #include "ibpembed/codec.h"
 #include "ibpembed/lookup.h"
 #include "ibpembed/numeric.h"
@@ -113,6 +116,31 @@ TableView table_view(const at::Tensor& payload, const at::Tensor& block_base,
                    static_cast<int>(chunk_bits),
                    v,
                    code_bits};
+}
+
+// Attaches the optional hot-row overlay (format.h) to a table view: both tensors or neither.
+// Like the index, the directory is trusted past its shape (it is built from the table by
+// ibpembed.codec); the count of cached rows it implies must match hot_rows.
+void attach_hot_rows(TableView& t, const std::optional<at::Tensor>& hot_dir,
+                     const std::optional<at::Tensor>& hot_rows) {
+  TORCH_CHECK_VALUE(hot_dir.has_value() == hot_rows.has_value(),
+                    "hot_dir and hot_rows go together: pass both or neither");
+  if (!hot_dir.has_value()) return;
+  check_cpu_contiguous(*hot_dir, "hot_dir", at::kLong);
+  check_cpu_contiguous(*hot_rows, "hot_rows", at::kByte);
+  const int64_t words = (t.num_rows + 63) / 64;
+  TORCH_CHECK_VALUE(hot_dir->dim() == 1 && hot_dir->numel() == 2 * words, "hot_dir must have ",
+                    2 * words, " entries (two per 64 rows), got shape ", hot_dir->sizes());
+  TORCH_CHECK_VALUE(hot_rows->dim() == 2 && hot_rows->size(1) == t.row_bytes,
+                    "hot_rows must be [cached rows, ", t.row_bytes, "], got shape ",
+                    hot_rows->sizes());
+  const auto* dir = reinterpret_cast<const uint64_t*>(hot_dir->data_ptr<int64_t>());
+  const int64_t cached =
+      words == 0 ? 0 : static_cast<int64_t>(dir[2 * words - 1]) + popcount64(dir[2 * words - 2]);
+  TORCH_CHECK_VALUE(cached == hot_rows->size(0), "hot_dir lists ", cached,
+                    " cached rows but hot_rows holds ", hot_rows->size(0));
+  t.hot_dir = dir;
+  t.hot_rows = hot_rows->data_ptr<uint8_t>();
 }
 
 void check_indices(const at::Tensor& indices, int64_t num_rows) {
@@ -296,9 +324,11 @@ at::Tensor ibp_gather_cpu(const at::Tensor& payload, const at::Tensor& block_bas
                           const at::Tensor& row_units, const at::Tensor& bitmask,
                           const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
                           int64_t row_bytes, int64_t unit_bytes, int64_t num_rows,
-                          const at::Tensor& indices) {
-  const TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval,
-                                 chunk_bits, row_bytes, unit_bytes, num_rows);
+                          const at::Tensor& indices, const std::optional<at::Tensor>& hot_dir,
+                          const std::optional<at::Tensor>& hot_rows) {
+  TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
+                           row_bytes, unit_bytes, num_rows);
+  attach_hot_rows(t, hot_dir, hot_rows);
   check_indices(indices, num_rows);
   at::Tensor out = at::empty({indices.numel(), row_bytes}, at::kByte);
   gather_rows_cpu(active_kernels(), t, indices.data_ptr<int64_t>(), indices.numel(),
@@ -312,7 +342,8 @@ at::Tensor ibp_decompress_cpu(const at::Tensor& payload, const at::Tensor& block
                               int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
                               int64_t num_rows) {
   return ibp_gather_cpu(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
-                        row_bytes, unit_bytes, num_rows, at::arange(num_rows, at::kLong));
+                        row_bytes, unit_bytes, num_rows, at::arange(num_rows, at::kLong),
+                        std::nullopt, std::nullopt);
 }
 
 at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& block_base,
@@ -322,9 +353,12 @@ at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& blo
                                 int64_t num_rows, const at::Tensor& indices,
                                 const at::Tensor& offsets,
                                 const std::optional<at::Tensor>& per_sample_weights,
-                                int64_t dtype, int64_t pooling) {
-  const TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval,
-                                 chunk_bits, row_bytes, unit_bytes, num_rows);
+                                int64_t dtype, int64_t pooling,
+                                const std::optional<at::Tensor>& hot_dir,
+                                const std::optional<at::Tensor>& hot_rows) {
+  TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
+                           row_bytes, unit_bytes, num_rows);
+  attach_hot_rows(t, hot_dir, hot_rows);
   const int64_t dim = check_pooling_args(dtype, pooling, row_bytes);
   const auto dt = static_cast<DType>(dtype);
   check_indices(indices, num_rows);
@@ -363,12 +397,12 @@ TORCH_LIBRARY(ibpembed, m) {
   m.def(
       "ibp_gather(Tensor payload, Tensor block_base, Tensor row_units, Tensor bitmask, "
       "Tensor mask, Tensor bitval, int chunk_bits, int row_bytes, int unit_bytes, int num_rows, "
-      "Tensor indices) -> Tensor");
+      "Tensor indices, Tensor? hot_dir=None, Tensor? hot_rows=None) -> Tensor");
   m.def(
       "lookup_pooled(Tensor payload, Tensor block_base, Tensor row_units, Tensor bitmask, "
       "Tensor mask, Tensor bitval, int chunk_bits, int row_bytes, int unit_bytes, int num_rows, "
-      "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int dtype, int pooling) "
-      "-> Tensor");
+      "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int dtype, int pooling, "
+      "Tensor? hot_dir=None, Tensor? hot_rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ibpembed, CPU, m) {

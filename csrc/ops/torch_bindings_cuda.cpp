@@ -15,6 +15,8 @@
 //   block_base, row_units, bitmask, mask, bitval: CUDA tensors on one device, the op's device.
 //                bitval is the codebook, V * (2^C - 1) entries; its length gives the code width C.
 //   indices / offsets (int64), per_sample_weights (float32): CUDA tensors on that device.
+//   hot_dir / hot_rows: the CPU lookups' hot-row overlay (format.h); not read here. It holds
+//                exact copies of rows the kernels decode from the payload, so results are the same.
 //   Results are new CUDA tensors on that device, produced on its current stream.
 // Shapes, dtypes and devices are checked here, before any launch. Values (ids in range, offsets
 // well formed, index and masks consistent with the payload) are checked by the kernels as they go
@@ -193,7 +195,9 @@ at::Tensor ibp_gather_cuda(const at::Tensor& payload, const at::Tensor& block_ba
                            const at::Tensor& row_units, const at::Tensor& bitmask,
                            const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
                            int64_t row_bytes, int64_t unit_bytes, int64_t num_rows,
-                           const at::Tensor& indices) {
+                           const at::Tensor& indices,
+                           const std::optional<at::Tensor>& /*hot_dir*/,
+                           const std::optional<at::Tensor>& /*hot_rows*/) {
   const c10::cuda::CUDAGuard guard(block_base.device());
   const DeviceTable table = device_table(payload, block_base, row_units, bitmask, mask, bitval,
                                          chunk_bits, row_bytes, unit_bytes, num_rows);
@@ -223,7 +227,8 @@ at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block
                               int64_t num_rows, const at::Tensor& indices,
                               const at::Tensor& offsets,
                               const std::optional<at::Tensor>& per_sample_weights, int64_t dtype,
-                              int64_t pooling) {
+                              int64_t pooling, const std::optional<at::Tensor>& /*hot_dir*/,
+                              const std::optional<at::Tensor>& /*hot_rows*/) {
   const c10::Device device = block_base.device();
   const c10::cuda::CUDAGuard guard(device);
   const DeviceTable table = device_table(payload, block_base, row_units, bitmask, mask, bitval,

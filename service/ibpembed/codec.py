@@ -11,6 +11,7 @@ The layout is documented in csrc/include/ibpembed/format.h.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -87,6 +88,30 @@ def slot_unit_bytes(row_bytes: int, align: int) -> int:
 
 
 @dataclass(frozen=True, eq=False)
+class HotRows:
+    """Decoded copies of some compressed rows of a table, read by CPU lookups in place of
+    decoding them (the hot-row overlay of format.h; build it with
+    ``CompressedTable.with_hot_rows``).
+
+    A cache in all but name: it holds nothing the payload does not, costs ``bytes`` of host
+    memory, and pays off on skewed traffic, where a small set of rows serves most lookups.
+    """
+
+    ids: torch.Tensor  # int64 [K], sorted, distinct: the cached rows
+    directory: torch.Tensor  # int64 [ceil(N / 64) * 2]: per 64 rows a bit word, rows before it
+    rows: torch.Tensor  # uint8 [K, row_bytes], row ids[k] at k
+
+    @property
+    def count(self) -> int:
+        return self.ids.numel()
+
+    @property
+    def bytes(self) -> int:
+        """Host memory of the overlay: the decoded rows, their ids and the directory."""
+        return self.rows.numel() + 8 * (self.ids.numel() + self.directory.numel())
+
+
+@dataclass(frozen=True, eq=False)
 class CompressedTable:
     """A compressed [num_rows, dim] table in the compact layout of format.h.
 
@@ -107,6 +132,8 @@ class CompressedTable:
     dtype: torch.dtype
     unit_bytes: int
     quant: str | None = None
+    # Decoded copies of hot rows for CPU lookups (None: every row is decoded from the payload).
+    hot: HotRows | None = None
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -143,6 +170,11 @@ class CompressedTable:
         return 1.0 - self.stored_bytes / self.raw_bytes
 
     @property
+    def hot_bytes(self) -> int:
+        """Host memory of the hot-row overlay (0 without one); not part of ``stored_bytes``."""
+        return self.hot.bytes if self.hot is not None else 0
+
+    @property
     def code_bits(self) -> int:
         """C of format.h: 1 for plain IBP, 2..4 for exponent-aware codebooks."""
         return code_bits_of(self.mask, self.bitval)
@@ -168,6 +200,9 @@ class CompressedTable:
             self.num_rows,
         )
 
+    def _hot_args(self) -> tuple:
+        return (None, None) if self.hot is None else (self.hot.directory, self.hot.rows)
+
     def _as_rows(self, raw: torch.Tensor) -> torch.Tensor:
         return raw.view(self.dtype).view(raw.shape[0], self.dim)
 
@@ -177,7 +212,8 @@ class CompressedTable:
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any order, duplicates allowed), bit-exact, as [len(ids), dim]."""
-        return self._as_rows(ops.ibp_gather(*self._args(), _as_indices(ids, "ids")))
+        indices = _as_indices(ids, "ids")
+        return self._as_rows(ops.ibp_gather(*self._args(), indices, *self._hot_args()))
 
     def lookup(
         self,
@@ -212,8 +248,49 @@ class CompressedTable:
                 raise TypeError("weights must be a float32 tensor")
             weights = weights.contiguous()
         return ops.lookup_pooled(
-            *self._args(), indices, offsets, weights, dtype_code, _POOLING_CODES[pooling]
+            *self._args(),
+            indices,
+            offsets,
+            weights,
+            dtype_code,
+            _POOLING_CODES[pooling],
+            *self._hot_args(),
         )
+
+    # -- hot rows ------------------------------------------------------------------------------
+    def with_hot_rows(self, ids: torch.Tensor) -> CompressedTable:
+        """This table with decoded copies of rows ``ids`` kept for CPU lookups (replacing any
+        earlier ones): those rows are then read like raw rows instead of being decoded. Ids of
+        rows stored raw are skipped (they need no decoding); an empty selection gives a table
+        without an overlay. The payload and index are shared, not copied.
+        """
+        ids = _as_indices(ids, "ids")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
+            raise IndexError(f"hot row ids must lie in [0, {self.num_rows})")
+        ids = torch.unique(ids)  # sorted: the overlay keeps rows in row order
+        ids = ids[self._is_compressed(ids)]
+        if ids.numel() == 0:
+            return self.without_hot_rows()
+        words = -(-self.num_rows // 64)
+        word = torch.div(ids, 64, rounding_mode="floor")
+        # Distinct bits of a word never carry, so their sum is their OR (bit 63 wraps to the
+        # sign bit, which is what the uint64 reading of the word wants).
+        bits = torch.zeros(words, dtype=torch.int64).index_add_(
+            0, word, torch.bitwise_left_shift(torch.ones_like(ids), ids - word * 64)
+        )
+        per_word = torch.bincount(word, minlength=words)
+        before = torch.cumsum(per_word, 0) - per_word
+        directory = torch.stack([bits, before], dim=1).flatten().contiguous()
+        rows = ops.ibp_gather(*self._args(), ids, None, None)
+        return dataclasses.replace(self, hot=HotRows(ids, directory, rows))
+
+    def without_hot_rows(self) -> CompressedTable:
+        """This table without a hot-row overlay (itself when it has none)."""
+        return self if self.hot is None else dataclasses.replace(self, hot=None)
+
+    def _is_compressed(self, ids: torch.Tensor) -> torch.Tensor:
+        words = self.bitmask[torch.div(ids, 32, rounding_mode="floor")].to(torch.int64)
+        return torch.bitwise_and(torch.bitwise_right_shift(words, ids % 32), 1).bool()
 
     def _dtype_code(self) -> int:
         if self.quant == "int8_rowwise":

@@ -17,12 +17,19 @@ ROWS = torch.randn(70, 12).view(torch.uint8).reshape(70, -1)
 def _cases() -> list[tuple[str, tuple]]:
     args = TABLE._args()
     ids = torch.tensor([3, 69, 3, 0])
+    hot = CODED.with_hot_rows(torch.tensor([1, 5, 64, 69])).hot
+    assert hot is not None
     return [
         ("ibp_fit", (ROWS, 32, "ibpembed")),
         ("ibp_fit", (ROWS, 16, "ibpembed", 3)),
         ("ibp_fit_codebooks", (ROWS, 32, [2, 4])),
         ("ibp_decompress", CODED._args()),
         ("ibp_gather", (*CODED._args(), torch.tensor([5, 1, 5]))),
+        ("ibp_gather", (*CODED._args(), torch.tensor([5, 2, 69]), hot.directory, hot.rows)),
+        (
+            "lookup_pooled",
+            (*CODED._args(), ids, torch.tensor([0, 1, 4]), None, 0, 0, hot.directory, hot.rows),
+        ),
         ("ibp_slot_bytes", (ROWS, TABLE.chunk_bits, TABLE.mask, TABLE.bitval, TABLE.unit_bytes)),
         ("ibp_compress", (ROWS, TABLE.chunk_bits, TABLE.mask, TABLE.bitval, TABLE.unit_bytes)),
         ("ibp_decompress", args),

@@ -137,6 +137,12 @@ struct TableView {
   int chunk_bits;
   int num_chunks;
   int code_bits;  // C
+  // Optional hot-row overlay (CPU lookups only; null when the table has none): decoded copies of
+  // frequently read compressed rows, which lookups read in place of decoding them. Per 64 rows
+  // hot_dir holds two words: bit r % 64 set = row r is cached, then the number of cached rows
+  // before the word, so row r sits at hot_rows + (count + popcount(lower bits)) * row_bytes.
+  const uint64_t* hot_dir = nullptr;  // [ceil(N / 64) * 2]
+  const uint8_t* hot_rows = nullptr;  // [cached rows, row_bytes], in row order
 };
 
 // K, the patterns per position of a C-bit code (code 0 is the escape).
