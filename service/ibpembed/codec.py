@@ -268,7 +268,7 @@ class CompressedTable:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
             raise IndexError(f"hot row ids must lie in [0, {self.num_rows})")
         ids = torch.unique(ids)  # sorted: the overlay keeps rows in row order
-        ids = ids[self._is_compressed(ids)]
+        ids = ids[self.is_compressed(ids)]
         if ids.numel() == 0:
             return self.without_hot_rows()
         words = -(-self.num_rows // 64)
@@ -288,7 +288,8 @@ class CompressedTable:
         """This table without a hot-row overlay (itself when it has none)."""
         return self if self.hot is None else dataclasses.replace(self, hot=None)
 
-    def _is_compressed(self, ids: torch.Tensor) -> torch.Tensor:
+    def is_compressed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Bool [len(ids)]: whether each row (ids int64, in range) is stored compressed."""
         words = self.bitmask[torch.div(ids, 32, rounding_mode="floor")].to(torch.int64)
         return torch.bitwise_and(torch.bitwise_right_shift(words, ids % 32), 1).bool()
 

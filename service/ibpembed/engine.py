@@ -36,6 +36,7 @@ import torch
 
 from ibpembed._ops import INT8_ROWWISE_HEADER_BYTES
 from ibpembed.codec import CompressedTable
+from ibpembed.hot_rows import HotRowTracker
 from ibpembed.server.errors import DeadlineExceeded, InvalidArgument, NotFound, Overloaded
 from ibpembed.tables.manifest import RowRange
 from ibpembed.tables.store import TableSnapshot, TableStore
@@ -156,6 +157,11 @@ class LookupEngine:
         size); a bigger request fails with :class:`InvalidArgument` before any memory is
         allocated for it. None = no limit.
     observer : optional metrics hook.
+    hot_row_budget : host memory each table may spend on decoded copies of its most frequently
+        looked-up rows, as a fraction of its raw bytes (see :mod:`ibpembed.hot_rows`); CPU
+        lookups read those copies instead of decoding. 0 = off. Ignored on CUDA, where the
+        kernels decode every row on the GPU.
+    hot_row_refresh_s : seconds between re-rankings of the hot rows.
     """
 
     def __init__(
@@ -168,6 +174,8 @@ class LookupEngine:
         dedupe_max_unique_fraction: float = 0.5,
         max_output_bytes: int | None = None,
         observer: LookupObserver | None = None,
+        hot_row_budget: float = 0.0,
+        hot_row_refresh_s: float = 30.0,
     ) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
@@ -181,6 +189,12 @@ class LookupEngine:
         self.dedupe_max_unique_fraction = dedupe_max_unique_fraction
         self.max_output_bytes = max_output_bytes
         self.observer = observer
+        self.hot_rows: HotRowTracker | None = None
+        if hot_row_budget < 0:
+            raise ValueError(f"hot_row_budget must be >= 0, got {hot_row_budget}")
+        if hot_row_budget > 0 and self.device.type == "cpu":
+            self.hot_rows = HotRowTracker(store, budget=hot_row_budget, refresh_s=hot_row_refresh_s)
+            self.hot_rows.start()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="ibpembed-lookup")
         self._lock = threading.Lock()
         self._inflight = 0
@@ -322,6 +336,8 @@ class LookupEngine:
             ids_np -= item.rows.start  # global ids -> rows of this shard's file
         ids = torch.from_numpy(ids_np).to(self.device)
         nnz = ids.numel()
+        if self.hot_rows is not None:
+            self.hot_rows.record(item.table_name, ids)
         counts = [q.ids.size for q in qs]
         unique_count = nnz
         if pooling == "none":
@@ -398,8 +414,10 @@ class LookupEngine:
             ]
 
     def close(self) -> None:
-        """Wait for running kernels, then stop the worker threads."""
+        """Wait for running kernels, then stop the worker threads (and the hot-row refresh)."""
         self._pool.shutdown(wait=True)
+        if self.hot_rows is not None:
+            self.hot_rows.close()
 
 
 def _describe(

@@ -25,6 +25,7 @@ metric                                                 type       labels
 ``ibpembed_decoded_bytes_total``                       counter    table
 ``ibpembed_table_raw_bytes``                           gauge      table
 ``ibpembed_table_stored_bytes``                        gauge      table
+``ibpembed_table_hot_row_bytes``                       gauge      table
 ``ibpembed_table_saved_bytes``                         gauge      table
 ``ibpembed_table_compression_ratio``                   gauge      table
 ``ibpembed_table_version``                             gauge      table
@@ -56,7 +57,6 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 import ibpembed
-from ibpembed.codec import CompressedTable
 from ibpembed.tables.store import TableStore
 from ibpembed_client.v1 import lookup_pb2 as pb
 
@@ -276,18 +276,19 @@ class _KernelTally(Collector):
 class _TableCollector(Collector):
     """Per-table gauges read from the store at scrape time, plus the replacement counts.
 
-    A table counts as reloaded when the store publishes a different table object under its
-    name (``reload`` of a changed file, ``put_table``, ``update_rows``). Publications are
-    noticed on the first lookup or scrape after them (:meth:`sync`), so two publications with
-    no lookup and no scrape in between count once.
+    A table counts as reloaded when the store publishes different rows under its name
+    (``reload`` of a changed file, ``put_table``, ``update_rows``), told by its index tensor: a
+    hot-row refresh republishes the same index and is no reload. Publications are noticed on the
+    first lookup or scrape after them (:meth:`sync`), so two publications with no lookup and no
+    scrape in between count once.
     """
 
     def __init__(self, store: TableStore) -> None:
         self.store = store
         self._lock = threading.Lock()
         self._version = 0  # store version last synced
-        # Weak references: holding old tables here would keep their memory alive.
-        self._seen: dict[str, weakref.ref[CompressedTable]] = {}
+        # Weak references: holding old indexes here would keep their memory alive.
+        self._seen: dict[str, weakref.ref[torch.Tensor]] = {}
         self._reloads: collections.Counter[str] = collections.Counter()
         self.row_bytes: dict[str, int] = {}
 
@@ -300,9 +301,9 @@ class _TableCollector(Collector):
                 return
             for name, table in snap.tables.items():
                 seen = self._seen.get(name)
-                if seen is not None and seen() is not table:
+                if seen is not None and seen() is not table.block_base:
                     self._reloads[name] += 1
-                self._seen[name] = weakref.ref(table)
+                self._seen[name] = weakref.ref(table.block_base)
             for gone in set(self._seen) - set(snap.tables):
                 del self._seen[gone]
             self.row_bytes = {name: t.row_bytes for name, t in snap.tables.items()}
@@ -318,7 +319,12 @@ class _TableCollector(Collector):
             ),
             "stored": GaugeMetricFamily(
                 f"{NAMESPACE}_table_stored_bytes",
-                "Bytes held to serve the table: payload, index, bitmask and masks.",
+                "Bytes held to serve the table: payload, index, bitmask, masks and hot rows.",
+                labels=["table"],
+            ),
+            "hot": GaugeMetricFamily(
+                f"{NAMESPACE}_table_hot_row_bytes",
+                "Bytes of decoded hot-row copies kept for CPU lookups (part of stored bytes).",
                 labels=["table"],
             ),
             "saved": GaugeMetricFamily(
@@ -347,6 +353,7 @@ class _TableCollector(Collector):
         for name, sizes in sorted(accounting.items()):
             families["raw"].add_metric([name], sizes.raw)
             families["stored"].add_metric([name], sizes.total)
+            families["hot"].add_metric([name], sizes.hot)
             families["saved"].add_metric([name], sizes.raw - sizes.total)
             families["ratio"].add_metric([name], sizes.ratio)
             families["version"].add_metric([name], version)

@@ -176,8 +176,13 @@ def test_table_gauges_follow_the_store(served):
     bigger = (torch.randn(700, 3, generator=torch.Generator().manual_seed(1)) * 0.05).half()
     store.put_table("emb_f16", compress(bigger))
     served.client.lookup({"ctx": [[1]]})  # noticed at the first lookup after a publication
+    cached = store.set_hot_rows("emb_bf16", torch.arange(0, 500, 2))  # same rows: no reload
     store.update_rows("emb_f32", torch.tensor([0]), torch.ones(1, 16))
     s = served.scrape()
+    hot = store.accounting()["emb_bf16"].hot
+    assert cached > 0 and hot >= cached * BF16_ROW
+    assert value(s, "ibpembed_table_hot_row_bytes", table="emb_bf16") == hot
+    assert value(s, "ibpembed_table_hot_row_bytes", table="emb_f32") == 0
     assert value(s, "ibpembed_table_raw_bytes", table="emb_f16") == 700 * F16_ROW
     assert value(s, "ibpembed_table_version", table="emb_f16") == 3
     assert value(s, "ibpembed_table_reloads_total", table="emb_f16") == 1

@@ -72,6 +72,8 @@ class RunningServer:
         self, store: TableStore, *, observer: ServerObserver | None = None, **settings: Any
     ) -> None:
         settings.setdefault("workers", 2)
+        # No background hot-row refreshes unless a test asks: sizes must not change under it.
+        settings.setdefault("hot_row_budget", 0.0)
         self.config = ServerConfig(port=0, **settings).validate()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

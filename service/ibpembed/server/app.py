@@ -80,6 +80,8 @@ class LookupServer:
             max_inflight=config.max_inflight,
             device=config.device,
             dedupe_max_unique_fraction=config.dedupe_max_unique_fraction,
+            hot_row_budget=config.hot_row_budget,
+            hot_row_refresh_s=config.hot_row_refresh_s,
             # Leave room for the response's framing (names, shapes: ~50 bytes a feature).
             max_output_bytes=config.max_message_bytes * 15 // 16,
             observer=observer,

@@ -61,6 +61,12 @@ class ServerConfig:
     dedupe_max_unique_fraction: float = _setting(
         0.5, "Pooled lookups decode distinct rows once when distinct/ids <= this (0 = never)."
     )
+    hot_row_budget: float = _setting(
+        0.01,
+        "Memory per table for decoded copies of its most looked-up rows, as a fraction of its"
+        " raw bytes; CPU lookups read them instead of decoding (0 = off).",
+    )
+    hot_row_refresh_s: float = _setting(30.0, "Seconds between re-rankings of the hot rows.")
     demo_max_rows: int = _setting(
         20000, "Demo table set only: rows per table cap (DCNv2 cardinalities are capped to it)."
     )
@@ -89,6 +95,10 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.hot_row_budget <= 1.0:
+            raise ValueError(f"hot_row_budget must be in [0, 1], got {self.hot_row_budget}")
+        if self.hot_row_refresh_s <= 0:
+            raise ValueError(f"hot_row_refresh_s must be > 0, got {self.hot_row_refresh_s}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from ibpembed._ops import ops
-from ibpembed.codec import CompressedTable
+from ibpembed.codec import CompressedTable, HotRows
 from ibpembed.tables import _layout
 from ibpembed.tables import format as tf
 from ibpembed.tables.manifest import ManifestEntry, RowRange, load_table_set, save_table_set
@@ -64,16 +64,20 @@ class TableBytes:
         blocks and the holes they left, the decoder's pad).
     index : random-access index (block bases and per-row slot sizes).
     metadata : compressed-row bitmask and the per-position masks.
+    hot : decoded copies of hot rows kept for CPU lookups (``CompressedTable.with_hot_rows``),
+        with their ids and directory; 0 without them.
     """
 
     raw: int
     stored: int
     index: int
     metadata: int
+    hot: int = 0
 
     @property
     def total(self) -> int:
-        return self.stored + self.index + self.metadata
+        """Host bytes of the table, the hot-row copies included."""
+        return self.stored + self.index + self.metadata + self.hot
 
     @property
     def savings(self) -> float:
@@ -248,9 +252,11 @@ class TableStore:
             return {self._current.version, *self._holders}
 
     def accounting(self) -> dict[str, TableBytes]:
-        """Per table of the current version: raw, stored, index and metadata bytes."""
+        """Per table of the current version: raw, stored, index, metadata and hot-row bytes."""
         return {
-            name: TableBytes(t.raw_bytes, t.payload_bytes, t.index_bytes, t.metadata_bytes)
+            name: TableBytes(
+                t.raw_bytes, t.payload_bytes, t.index_bytes, t.metadata_bytes, t.hot_bytes
+            )
             for name, t in self._current.tables.items()
         }
 
@@ -260,13 +266,20 @@ class TableStore:
         tables: Mapping[str, CompressedTable],
         features: Mapping[str, str],
         shards: Mapping[str, RowRange] | None = None,
+        *,
+        same_rows: bool = False,
     ) -> None:
-        """Publish the next version; ``shards`` default: the current ranges of kept tables."""
+        """Publish the next snapshot; ``shards`` default: the current ranges of kept tables.
+
+        ``same_rows``: every table holds the same rows as before (only hot-row copies changed),
+        so the snapshot keeps the current version number: versions number table contents.
+        """
         if shards is None:
             shards = {n: r for n, r in self._current.shards.items() if n in tables}
+        version = self._current.version + (0 if same_rows else 1)
         with self._lock:
             self._current = TableSnapshot(
-                self._current.version + 1, _frozen(tables), _frozen(features), _frozen(shards)
+                version, _frozen(tables), _frozen(features), _frozen(shards)
             )
 
     def reload(self, directory: str | os.PathLike[str] | None = None) -> None:
@@ -319,6 +332,27 @@ class TableStore:
             self._publish(tables, merged, shards)
             self._entries.pop(name, None)
             self._spill.pop(name, None)
+
+    def set_hot_rows(self, table: str, ids: torch.Tensor) -> int:
+        """Keep decoded copies of rows ``ids`` of ``table`` for CPU lookups (replacing any
+        earlier ones; empty ``ids`` drops them). Lookups return the same rows either way, so the
+        snapshot keeps its version. Returns the number of rows cached (rows stored raw are
+        skipped).
+
+        Raises
+        ------
+        KeyError
+            for an unknown table.
+        IndexError
+            for ids outside the table's rows.
+        """
+        with self._write_lock:
+            current = self._current.tables
+            if table not in current:
+                raise KeyError(f"unknown table '{table}'")
+            new = current[table].with_hot_rows(ids)
+            self._publish({**current, table: new}, self._current.features, same_rows=True)
+            return new.hot.count if new.hot is not None else 0
 
     def update_rows(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Replace rows ``ids`` of ``table`` with ``rows``, bit for bit, in one new version.
@@ -408,6 +442,7 @@ class TableStore:
             block_base=block_base,
             row_units=row_units,
             bitmask=new_bitmask,
+            hot=_updated_hot_rows(old.hot, ids, rows),
         )
         return table, buffer
 
@@ -418,6 +453,21 @@ class TableStore:
             return save_table_set(
                 directory, snapshot.tables, snapshot.features, pooling, snapshot.shards
             )
+
+
+def _updated_hot_rows(hot: HotRows | None, ids: torch.Tensor, rows: torch.Tensor) -> HotRows | None:
+    """The hot-row copies after rows ``ids`` (sorted) became ``rows``: cached rows take their new
+    bits (whether the row is now stored compressed or raw, the copy is exact); the copies are
+    shared with the previous version unless one of them changed."""
+    if hot is None:
+        return None
+    at = torch.searchsorted(hot.ids, ids).clamp(max=hot.count - 1)
+    cached = hot.ids[at] == ids
+    if not bool(cached.any()):
+        return hot
+    copies = hot.rows.clone()
+    copies[at[cached]] = rows.view(torch.uint8).reshape(ids.numel(), -1)[cached]
+    return dataclasses.replace(hot, rows=copies)
 
 
 def _check_update(

@@ -1,0 +1,150 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which rows the engine keeps decoded: the hot-row policy.
+
+Recommendation traffic is skewed (Zipf-like): a small set of rows serves most lookups. Decoding
+those rows again on every lookup is what makes compressed CPU lookups slower than raw ones, so
+the engine keeps decoded copies of them (``CompressedTable.with_hot_rows``, read by the CPU
+kernels like raw rows). :class:`HotRowTracker` keeps the ids of each table's most recent
+lookups (a bounded window) and, from a background thread, periodically publishes copies of the
+most frequent of them within a byte budget (``TableStore.set_hot_rows``). Lookups return the
+same rows either way: the policy only moves time and memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+
+import torch
+
+from ibpembed.codec import CompressedTable
+from ibpembed.tables.store import TableStore
+
+log = logging.getLogger(__name__)
+
+# Ids of recent lookups remembered per table: enough to rank the hot set of a Zipf table, cheap
+# to count (torch.unique on 256k ids: ~15 ms) for every table at every refresh.
+DEFAULT_WINDOW_IDS = 1 << 18
+# Seconds from start to the first refresh: a fresh server should not serve its first
+# ``refresh_s`` without copies.
+FIRST_REFRESH_S = 5.0
+# An id seen once in the window is as likely a one-off as a hot row: not worth a copy.
+MIN_COUNT = 2
+
+
+def directory_bytes(table: CompressedTable) -> int:
+    """Fixed cost of a table's hot-row overlay: two 8-byte words per 64 rows."""
+    return 16 * -(-table.num_rows // 64)
+
+
+def hot_row_ids(table: CompressedTable, recent_ids: torch.Tensor, budget: float) -> torch.Tensor:
+    """The rows worth copying: the most frequent compressed rows of ``recent_ids`` (seen at
+    least MIN_COUNT times; raw rows need no decoding) that fit in ``budget`` x the table's raw
+    bytes, the overlay's directory included. Sorted; empty when nothing qualifies or the budget
+    does not cover the directory."""
+    per_row = table.row_bytes + 8  # the copy and its id
+    room = int(budget * table.raw_bytes) - directory_bytes(table)
+    capacity = max(room, 0) // per_row
+    in_range = recent_ids[(recent_ids >= 0) & (recent_ids < table.num_rows)]
+    ids, counts = torch.unique(in_range, return_counts=True)
+    keep = (counts >= MIN_COUNT) & table.is_compressed(ids)
+    ids, counts = ids[keep], counts[keep]
+    if ids.numel() > capacity:
+        ids = ids[torch.topk(counts, capacity, sorted=False).indices]
+    return ids.sort().values
+
+
+class HotRowTracker:
+    """Per-table windows of recent lookup ids, turned into hot-row copies now and then.
+
+    Parameters
+    ----------
+    store : the tables; copies are published into it.
+    budget : host memory a table's copies may take, as a fraction of its raw bytes (0.01 = 1 %
+        of the uncompressed table). Must be in (0, 1].
+    refresh_s : seconds between refreshes of the background thread (:meth:`start`).
+    window_ids : recent ids remembered per table.
+    """
+
+    def __init__(
+        self,
+        store: TableStore,
+        *,
+        budget: float,
+        refresh_s: float = 30.0,
+        window_ids: int = DEFAULT_WINDOW_IDS,
+    ) -> None:
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"hot-row budget must be in (0, 1], got {budget}")
+        if refresh_s <= 0:
+            raise ValueError(f"hot-row refresh interval must be > 0 s, got {refresh_s}")
+        if window_ids < 1:
+            raise ValueError(f"window_ids must be >= 1, got {window_ids}")
+        self.store = store
+        self.budget = budget
+        self.refresh_s = refresh_s
+        self.window_ids = window_ids
+        self._lock = threading.Lock()  # guards the windows; held for a few lines only
+        self._windows: dict[str, collections.deque[torch.Tensor]] = {}
+        self._sizes: collections.Counter[str] = collections.Counter()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def record(self, table: str, ids: torch.Tensor) -> None:
+        """Remember one lookup's ids (CPU int64 rows of ``table``; repeats count)."""
+        with self._lock:
+            window = self._windows.setdefault(table, collections.deque())
+            window.append(ids)
+            self._sizes[table] += ids.numel()
+            while len(window) > 1 and self._sizes[table] - window[0].numel() >= self.window_ids:
+                self._sizes[table] -= window.popleft().numel()
+
+    def refresh(self) -> dict[str, int]:
+        """Publish fresh copies for every table with recorded lookups, where the hot set
+        changed. Returns the rows now cached per table refreshed."""
+        with self._lock:
+            recent = {name: torch.cat(list(w)) for name, w in self._windows.items() if w}
+        with self.store.acquire() as snapshot:
+            tables = dict(snapshot.tables)
+        cached: dict[str, int] = {}
+        for name, ids in recent.items():
+            table = tables.get(name)
+            if table is None:  # dropped by a reload
+                continue
+            chosen = hot_row_ids(table, ids, self.budget)
+            held = table.hot.ids if table.hot is not None else chosen.new_empty(0)
+            if torch.equal(held, chosen):
+                continue
+            try:
+                cached[name] = self.store.set_hot_rows(name, chosen)
+            except (KeyError, IndexError):  # replaced or reshaped since the snapshot was read
+                continue
+        return cached
+
+    # -- background refreshes ------------------------------------------------------------------
+    def start(self) -> None:
+        """Refresh from a daemon thread: first after FIRST_REFRESH_S, then every refresh_s."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="ibpembed-hot-rows", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        wait = min(FIRST_REFRESH_S, self.refresh_s)
+        while not self._stop.wait(wait):
+            wait = self.refresh_s
+            try:
+                cached = self.refresh()
+            except Exception:  # a failed refresh keeps the previous copies; lookups go on
+                log.exception("hot-row refresh failed; keeping the previous copies")
+                continue
+            if cached:
+                log.debug("hot rows refreshed: %s", cached)
+
+    def close(self) -> None:
+        """Stop the background thread (copies already published stay)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine's hot-row policy: which rows get decoded copies, and that results never change."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ibpembed.codec import compress
+from ibpembed.engine import FeatureQuery, LookupEngine
+from ibpembed.hot_rows import HotRowTracker, directory_bytes, hot_row_ids
+from ibpembed.server.config import ServerConfig
+from ibpembed.tables.store import TableStore
+from tests.codec.tables import same_bits
+
+ROWS, DIM = 4096, 32
+
+
+def _table(seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(ROWS, DIM, generator=gen) * 0.05
+    values[7] = torch.randn(DIM, generator=gen) * 1e30  # stored raw: no mask fits it
+    return values
+
+
+def _zipf_ids(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.minimum(rng.zipf(1.3, n) - 1, ROWS - 1).astype(np.int64)
+
+
+def test_hot_row_ids_take_the_most_frequent_compressed_rows_within_budget() -> None:
+    c = compress(_table())
+    assert not bool(c.is_compressed(torch.tensor([7])))
+    recent = torch.tensor([5] * 9 + [7] * 8 + [3] * 7 + [11] * 3 + [2] * 2 + [9] + [ROWS + 5])
+    room_for_two = (directory_bytes(c) + 2 * (c.row_bytes + 8)) / c.raw_bytes
+    assert hot_row_ids(c, recent, room_for_two).tolist() == [3, 5]  # 7 is raw, 9 seen once
+    assert hot_row_ids(c, recent, 1.0).tolist() == [2, 3, 5, 11]
+    assert hot_row_ids(c, recent, directory_bytes(c) / c.raw_bytes / 2).numel() == 0
+
+
+def test_tracker_window_is_bounded() -> None:
+    store = TableStore.from_tables({"t": compress(_table())})
+    tracker = HotRowTracker(store, budget=0.05, window_ids=1000)
+    for i in range(50):
+        tracker.record("t", torch.full((100,), i, dtype=torch.int64))
+    window = tracker._windows["t"]
+    assert 1000 <= sum(w.numel() for w in window) < 1100
+    assert int(window[-1][0]) == 49  # the newest are kept
+
+
+def test_refresh_publishes_copies_without_changing_rows_or_version() -> None:
+    values = _table()
+    store = TableStore.from_tables({"t": compress(values)})
+    tracker = HotRowTracker(store, budget=0.05)
+    ids = torch.from_numpy(_zipf_ids(20_000, 1))
+    tracker.record("t", ids)
+    version = store.version
+    cached = tracker.refresh()
+    assert 0 < cached["t"] <= 0.05 * values.numel() * 4 / (DIM * 4 + 8)
+    assert store.version == version  # same rows, same version
+    with store.acquire() as snap:
+        table = snap.tables["t"]
+    assert table.hot is not None and store.accounting()["t"].hot == table.hot_bytes > 0
+    assert same_bits(table.gather(ids), values[ids])
+    offsets = torch.arange(0, ids.numel() + 1, 20)
+    assert same_bits(table.lookup(ids, offsets), compress(values).lookup(ids, offsets))
+    assert tracker.refresh() == {}  # the same traffic: nothing to republish
+    with store.acquire() as snap:
+        assert snap.tables["t"] is table
+
+
+def test_update_rows_reaches_cached_rows_and_spares_the_old_version() -> None:
+    values = _table()
+    store = TableStore.from_tables({"t": compress(values)})
+    store.set_hot_rows("t", torch.tensor([1, 2, 3, 100, 4000]))
+    with store.acquire() as before:
+        new_rows = torch.randn(3, DIM) * 0.05
+        store.update_rows("t", torch.tensor([100, 2, 50]), new_rows)
+        old = before.tables["t"]
+    with store.acquire() as snap:
+        table = snap.tables["t"]
+    expected = values.clone()
+    expected[torch.tensor([100, 2, 50])] = new_rows
+    every = torch.arange(ROWS)
+    assert same_bits(table.gather(every), expected)
+    assert same_bits(old.gather(every), values)
+    assert table.hot is not None and table.hot.ids.tolist() == [1, 2, 3, 100, 4000]
+
+
+def test_engine_records_traffic_and_serves_the_same_results() -> None:
+    values = _table()
+    engine = LookupEngine(
+        TableStore.from_tables({"t": compress(values)}), max_workers=1, hot_row_budget=0.05
+    )
+    try:
+        assert engine.hot_rows is not None
+        ids = _zipf_ids(5000, 2)
+        lengths = np.full(250, 20, np.int32)
+        before = engine.run([FeatureQuery("t", ids, lengths)], "sum").features[0].values
+        rows_before = engine.run([FeatureQuery("t", ids, lengths)], "none").features[0].values
+        assert engine.hot_rows.refresh()["t"] > 0
+        after = engine.run([FeatureQuery("t", ids, lengths)], "sum").features[0].values
+        rows_after = engine.run([FeatureQuery("t", ids, lengths)], "none").features[0].values
+    finally:
+        engine.close()
+    assert same_bits(before, after) and same_bits(rows_before, rows_after)
+    assert same_bits(rows_after, values[torch.from_numpy(ids)])
+
+
+def test_hot_rows_off_and_bad_settings() -> None:
+    store = TableStore.from_tables({"t": compress(_table())})
+    engine = LookupEngine(store, max_workers=1)
+    assert engine.hot_rows is None
+    engine.close()
+    with pytest.raises(ValueError, match="hot_row_budget"):
+        LookupEngine(store, hot_row_budget=-0.1)
+    with pytest.raises(ValueError, match="hot-row budget"):
+        HotRowTracker(store, budget=1.5)
+    with pytest.raises(ValueError, match="hot_row_budget"):
+        ServerConfig(hot_row_budget=2.0).validate()
+    with pytest.raises(ValueError, match="hot_row_refresh_s"):
+        ServerConfig(hot_row_refresh_s=0).validate()
