@@ -33,7 +33,7 @@ import torch
 
 from benchmarks import data
 from ibpembed import _C, codec
-from ibpembed.hot_rows import hot_row_ids
+from ibpembed.hot_rows import DEFAULT_BUDGET, hot_row_ids
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / ".cache" / "results"
@@ -42,9 +42,9 @@ DEFAULT_CHART = REPO / "docs" / "img" / "codec_savings.png"
 RESULTS_BEGIN = "<!-- benchmarks.codec results: begin -->"
 RESULTS_END = "<!-- benchmarks.codec results: end -->"
 GIB = 1 << 30
-# The gather benchmark's hot-row engine: the server's default budget (ServerConfig), ranked on
+# The gather benchmark's hot-row engine: the server's default budget, ranked on
 # this many earlier batches (~200k ids, about the engine's window of recent ids).
-HOT_ROW_BUDGET = 0.01
+HOT_ROW_BUDGET = DEFAULT_BUDGET
 HOT_ROW_WARMUP_BATCHES = 8
 HOT_ENGINE = "ibpembed compressed + hot rows"
 # Decode is timed in batches of about this many output bytes: large enough to amortise the call,

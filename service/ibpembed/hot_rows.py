@@ -23,6 +23,8 @@ from ibpembed.tables.store import TableStore
 
 log = logging.getLogger(__name__)
 
+# Host memory a table's copies may take, as a fraction of its raw bytes (the server's default).
+DEFAULT_BUDGET = 0.01
 # Ids of recent lookups remembered per table: enough to rank the hot set of a Zipf table, cheap
 # to count (torch.unique on 256k ids: ~15 ms) for every table at every refresh.
 DEFAULT_WINDOW_IDS = 1 << 18

@@ -562,3 +562,47 @@ def test_torch_compile_fullgraph_and_export_are_not_supported(mixed) -> None:
     torch._dynamo.reset()
     with pytest.raises(GuardOnDataDependentSymNode, match="data-dependent"):
         torch.export.export(ours, (batch_with(),))
+
+
+def test_hot_rows_keep_outputs_and_stay_out_of_the_state_dict() -> None:
+    ebc = make_ebc(TABLES)
+    ours = CompressedEmbeddingBagCollection.from_ebc(ebc)
+    traffic = [random_kjt(ebc, 64, 9, seed=s) for s in range(4)]
+    kjt = random_kjt(ebc, 32, 9, seed=11)
+    before = ours(kjt).values()
+    cached = ours.cache_hot_rows(traffic, budget=0.5)
+    assert cached["t_mid"] > 0 and cached["t_wide"] > 0
+    assert all(b.hot_ids.numel() == cached[n] for n, b in ours.embedding_bags.items())
+    hot_bytes = {r.table: r.hot_bytes for r in ours.table_bytes()}
+    assert hot_bytes["t_mid"] >= cached["t_mid"] * 16 * 4
+    # Same rows in the same order: the same bits, through eager and scripted forwards.
+    assert torch.equal(ours(kjt).values(), before)
+    assert torch.equal(torch.jit.script(ours)(kjt).values(), before)
+    assert_same_as_torchrec(ebc, ours, kjt)
+    state = ours.state_dict()
+    assert not any("hot_" in key for key in state)
+    # Loading a state dict replaces the rows, so the copies of the old rows must go.
+    other = make_ebc(TABLES, seed=5)
+    ours.load_state_dict(CompressedEmbeddingBagCollection.from_ebc(other).state_dict())
+    assert all(b.hot_ids.numel() == 0 for b in ours.embedding_bags.values())
+    assert_same_as_torchrec(other, ours, kjt)
+    assert ours.cache_hot_rows(traffic, budget=0.0) == dict.fromkeys(cached, 0)
+    with pytest.raises(ValueError, match="budget"):
+        ours.cache_hot_rows(traffic, budget=2.0)
+
+
+def test_hot_rows_are_what_the_forward_reads() -> None:
+    """Tampered copies change the output: the test above cannot pass with copies ignored."""
+    ebc = make_ebc(TABLES)
+    ours = CompressedEmbeddingBagCollection.from_ebc(ebc)
+    bag = ours.embedding_bags["t_mid"]
+    assert bag.set_hot_rows(torch.arange(1000)) > 0
+    bag.hot_rows = torch.zeros_like(bag.hot_rows)
+    hot = int(bag.hot_ids[0])
+    kjt = KeyedJaggedTensor(
+        keys=["f_a", "f_b", "f_c", "f_shared"],
+        values=torch.tensor([hot, hot]),
+        lengths=torch.tensor([0, 0, 0, 2]),
+    )
+    values = ours(kjt)["f_shared@t_mid"]
+    assert bool((values == 0).all()) and bool(ebc(kjt)["f_shared@t_mid"].ne(0).any())

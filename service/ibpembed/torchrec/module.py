@@ -25,7 +25,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ibpembed import _C
 from ibpembed._ops import DTYPE_CODES, ops
-from ibpembed.codec import CompressedTable, compress
+from ibpembed.codec import CompressedTable, HotRows, compress
+from ibpembed.hot_rows import DEFAULT_BUDGET as DEFAULT_HOT_ROW_BUDGET
+from ibpembed.hot_rows import hot_row_ids
 from ibpembed.tables.manifest import load_table_set
 
 # Bumped whenever the meaning of the buffers changes, so an old state_dict is rejected with a
@@ -87,6 +89,11 @@ class CompressedEmbeddingBag(nn.Module):
         self.row_bytes = embedding_dim * dtype.itemsize
         self.chunk_bits = 0
         self.unit_bytes = 0
+        # Hot-row copies (CompressedTable.with_hot_rows): a cache, so not in the state dict.
+        # Empty when off; set with set_hot_rows.
+        self.register_buffer("hot_ids", torch.empty(0, dtype=torch.int64), persistent=False)
+        self.register_buffer("hot_dir", torch.empty(0, dtype=torch.int64), persistent=False)
+        self.register_buffer("hot_rows", torch.empty(0, 0, dtype=torch.uint8), persistent=False)
         if table is None:
             for name in _BUFFER_NAMES:
                 self.register_buffer(name, torch.empty(0, dtype=torch.int64))
@@ -103,6 +110,7 @@ class CompressedEmbeddingBag(nn.Module):
         self.register_buffer("meta", torch.tensor([*meta, self.dtype_code], dtype=torch.int64))
         self.chunk_bits = table.chunk_bits
         self.unit_bytes = table.unit_bytes
+        self._set_hot(table.hot)
 
     def forward(
         self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None
@@ -117,6 +125,10 @@ class CompressedEmbeddingBag(nn.Module):
                 "CompressedEmbeddingBag has no table: build it with a CompressedTable or "
                 "load_state_dict into it"
             )
+        hot_dir: Tensor | None = None
+        hot_rows: Tensor | None = None
+        if self.hot_ids.numel() > 0:
+            hot_dir, hot_rows = self.hot_dir, self.hot_rows
         return ops.lookup_pooled(
             self.payload,
             self.block_base,
@@ -133,12 +145,33 @@ class CompressedEmbeddingBag(nn.Module):
             per_sample_weights,
             self.dtype_code,
             self.pooling_code,
+            hot_dir,
+            hot_rows,
         )
+
+    @torch.jit.unused
+    def set_hot_rows(self, ids: Tensor) -> int:
+        """Keep decoded copies of rows ``ids`` for CPU lookups (replacing earlier ones; empty
+        ``ids`` drops them); see ``CompressedTable.with_hot_rows``. Returns the rows cached."""
+        hot = self.compressed_table().with_hot_rows(ids).hot
+        self._set_hot(hot)
+        return 0 if hot is None else hot.count
+
+    def _set_hot(self, hot: HotRows | None) -> None:
+        if hot is None:
+            self.hot_ids = torch.empty(0, dtype=torch.int64)
+            self.hot_dir = torch.empty(0, dtype=torch.int64)
+            self.hot_rows = torch.empty(0, 0, dtype=torch.uint8)
+        else:
+            self.hot_ids, self.hot_dir, self.hot_rows = hot.ids, hot.directory, hot.rows
 
     def compressed_table(self) -> CompressedTable:
         """The buffers as a ``CompressedTable`` (for ``gather``, ``decompress`` and sizes)."""
         if self.chunk_bits == 0:
             raise RuntimeError("CompressedEmbeddingBag has no table yet")
+        hot = None
+        if self.hot_ids.numel() > 0:
+            hot = HotRows(self.hot_ids, self.hot_dir, self.hot_rows)
         return CompressedTable(
             payload=self.payload,
             block_base=self.block_base,
@@ -151,6 +184,7 @@ class CompressedEmbeddingBag(nn.Module):
             dim=self.embedding_dim,
             dtype=self.dtype,
             unit_bytes=self.unit_bytes,
+            hot=hot,
         )
 
     def _load_from_state_dict(
@@ -207,6 +241,7 @@ class CompressedEmbeddingBag(nn.Module):
             self._buffers[name] = tensor.detach()
         self.chunk_bits = chunk_bits
         self.unit_bytes = unit_bytes
+        self._set_hot(None)  # copies of the previous rows
 
     def extra_repr(self) -> str:
         pooling = "sum" if self.pooling_code == 0 else "mean"
@@ -224,6 +259,7 @@ class TableBytes:
     num_embeddings, embedding_dim : table shape.
     raw_bytes : bytes of the dense torchrec weight.
     stored_bytes : bytes of everything needed to decode (payload, index, bitmask, masks).
+    hot_bytes : bytes of hot-row copies (``cache_hot_rows``), on top of ``stored_bytes``.
     """
 
     module: str
@@ -232,6 +268,7 @@ class TableBytes:
     embedding_dim: int
     raw_bytes: int
     stored_bytes: int
+    hot_bytes: int = 0
 
     @property
     def savings(self) -> float:
@@ -402,8 +439,42 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         report = []
         for name in self._table_names:
             t = self.embedding_bags[name].compressed_table()
-            report.append(TableBytes(module, name, t.num_rows, t.dim, t.raw_bytes, t.stored_bytes))
+            report.append(
+                TableBytes(
+                    module, name, t.num_rows, t.dim, t.raw_bytes, t.stored_bytes, t.hot_bytes
+                )
+            )
         return report
+
+    @torch.jit.unused
+    def cache_hot_rows(
+        self, batches: list[KeyedJaggedTensor], budget: float = DEFAULT_HOT_ROW_BUDGET
+    ) -> dict[str, int]:
+        """Keep decoded copies of each table's most frequent rows in ``batches`` (a sample of
+        real traffic), within ``budget`` x the table's raw bytes, the server's policy
+        (``ibpembed.hot_rows``). CPU forwards then read those rows instead of decoding them;
+        outputs do not change. Call it again to re-rank; ``budget=0`` drops the copies.
+
+        Returns the rows cached per table.
+        """
+        if not 0.0 <= budget <= 1.0:
+            raise ValueError(f"budget must be in [0, 1], got {budget}")
+        seen: dict[str, list[Tensor]] = {name: [] for name in self._table_names}
+        for kjt in batches:
+            per_feature = kjt.to_dict()
+            for i, names in enumerate(self._feature_names):
+                for feature in names:
+                    if feature in per_feature:
+                        ids = per_feature[feature].values().to(torch.int64)
+                        seen[self._table_names[i]].append(ids)
+        cached: dict[str, int] = {}
+        for name, chunks in seen.items():
+            bag = self.embedding_bags[name]
+            ids = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64)
+            table = bag.compressed_table()
+            chosen = hot_row_ids(table, ids, budget) if budget > 0 else ids[:0]
+            cached[name] = bag.set_hot_rows(chosen)
+        return cached
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool every feature with its table; see the class docstring for the checks.
