@@ -8,7 +8,8 @@ one edge-case distribution: NaNs with payloads, signed zeros, infinities, subnor
 are almost invariant, single outliers, random bits, trained-like values. Calling the ops once
 per tiny table would time the dispatcher, not the codec, so cases are batched: the tables of one
 batch share dtype and row width and are stacked into one tensor, and one ``ibp_fit`` /
-``ibp_compress`` / ``ibp_decompress`` / ``ibp_gather`` call handles them all. The masks are
+``ibp_compress`` / ``ibp_decompress`` / ``ibp_gather`` call handles them all (and one more
+gather reads a random half of the rows from a hot-row overlay). The masks are
 fitted on the whole stack or on one member table (so the other members are mostly exceptions
 and raw rows), or are a fit with random bits flipped and a random bitval (pairs no fit produces,
 next to chunks that still participate), or are empty (the raw path). Every fit method, chunk
@@ -449,11 +450,16 @@ def check_batch(batch: Batch, seed: int) -> tuple[list[str], int, int]:
     ids = torch.from_numpy(rng.integers(0, n, int(rng.integers(1, 2 * n + 1))))
     if not torch.equal(ops.ibp_gather(*args, ids), stack[ids]):
         problems.append("gather")
+    # The same gather with a random half of the rows read from a hot-row overlay.
+    whole = codec.CompressedTable(*args[:6], batch.chunk_bits, n, row_bytes, torch.uint8, unit)
+    hot = whole.with_hot_rows(torch.from_numpy(np.flatnonzero(rng.random(n) < 0.5)))
+    if not torch.equal(hot.gather(ids), stack[ids]):
+        problems.append("hot-row gather")
     slots = ops.ibp_slot_bytes(stack, batch.chunk_bits, mask, bitval, unit)
     if not torch.equal(slots, row_units[:n].to(torch.int64) * unit):
         problems.append("slot_bytes")
     compressed = int(np.unpackbits(bitmask.numpy().view(np.uint8)).sum())
-    return problems, compressed, 5 + (batch.fit_source != "raw")
+    return problems, compressed, 6 + (batch.fit_source != "raw")
 
 
 def check_solo(table: torch.Tensor, rng: np.random.Generator) -> list[str]:

@@ -14,6 +14,10 @@ rows, SUM pooling) it measures:
 * **in-process**: the same requests decoded once and run by a ``LookupEngine`` over the same
   table files with ``--workers`` threads each running lookups back to back.
 
+Both run the server's default hot-row policy (``ibpembed.hot_rows``): an unmeasured load first
+takes the server past its first refresh, and the in-process engine ranks each point's requests
+before timing them.
+
 ``grpc / in-process`` is the throughput ratio. Client and server share the machine, so on few
 cores the ratio is a lower bound. Results: DIR/service.json and DIR/service.md.
 """
@@ -39,6 +43,7 @@ import torch
 
 from ibpembed.codec import compress
 from ibpembed.engine import LookupEngine
+from ibpembed.hot_rows import DEFAULT_BUDGET, FIRST_REFRESH_S
 from ibpembed.server import demo
 from ibpembed.server.servicer import decode_request
 from ibpembed.tables.manifest import save_table_set
@@ -130,17 +135,37 @@ def in_process(
     }
 
 
+def warm_hot_rows(target: str, features: list[str]) -> None:
+    """Unmeasured load past the server's first hot-row refresh (FIRST_REFRESH_S after start),
+    so that every measured point runs with its copies in place."""
+    load = LoadConfig(
+        target=target,
+        concurrency=2,
+        duration_s=FIRST_REFRESH_S + 2.0,
+        warmup_s=0.0,
+        batch_size=64,
+        features=tuple(features),
+        request_pool=8,
+        deadline_ms=60_000,
+        progress=False,
+    )
+    asyncio.run(run_load(load))
+
+
 def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
     torch.set_num_threads(1)  # as the server runs (ServerConfig.torch_threads)
     results = []
     with tempfile.TemporaryDirectory(prefix="ibpembed-bench-") as tmp:
         features = pack_tables(Path(tmp), cfg.max_rows)
         store = TableStore.load(tmp)
-        engine = LookupEngine(store, max_workers=1)
+        # Both sides run the server's default hot-row policy (1 % of raw bytes per table).
+        engine = LookupEngine(store, max_workers=1, hot_row_budget=DEFAULT_BUDGET)
+        assert engine.hot_rows is not None
         server = ServerProcess(Path(tmp), workers)
         try:
             with store.acquire() as snap:
                 rows = {f: snap.tables[f].num_rows for f in features}
+            warm_hot_rows(server.target, features)
             for batch in BATCHES:
                 for variant in ("compressed", "raw"):
                     names = features if variant == "compressed" else [f"raw_{f}" for f in features]
@@ -155,6 +180,10 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
                         pooling="sum",
                         count=pool,
                     )
+                    # Rank this point's traffic first, as the server has ranked what it saw.
+                    for features_, pooling in map(decode_request, requests):
+                        engine.run(features_, pooling)
+                    engine.hot_rows.refresh()
                     local = in_process(engine, requests, workers, cfg.seconds, cfg.warmup_s)
                     load = LoadConfig(
                         target=server.target,

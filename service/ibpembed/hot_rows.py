@@ -90,6 +90,7 @@ class HotRowTracker:
         self._lock = threading.Lock()  # guards the windows; held for a few lines only
         self._windows: dict[str, collections.deque[torch.Tensor]] = {}
         self._sizes: collections.Counter[str] = collections.Counter()
+        self._fresh: set[str] = set()  # tables with ids recorded since their last refresh
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -99,14 +100,16 @@ class HotRowTracker:
             window = self._windows.setdefault(table, collections.deque())
             window.append(ids)
             self._sizes[table] += ids.numel()
+            self._fresh.add(table)
             while len(window) > 1 and self._sizes[table] - window[0].numel() >= self.window_ids:
                 self._sizes[table] -= window.popleft().numel()
 
     def refresh(self) -> dict[str, int]:
-        """Publish fresh copies for every table with recorded lookups, where the hot set
-        changed. Returns the rows now cached per table refreshed."""
+        """Publish fresh copies for every table looked up since its last refresh, where the hot
+        set changed. Returns the rows now cached per table republished."""
         with self._lock:
-            recent = {name: torch.cat(list(w)) for name, w in self._windows.items() if w}
+            recent = {name: torch.cat(list(self._windows[name])) for name in self._fresh}
+            self._fresh.clear()
         with self.store.acquire() as snapshot:
             tables = dict(snapshot.tables)
         cached: dict[str, int] = {}

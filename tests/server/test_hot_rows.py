@@ -65,7 +65,9 @@ def test_refresh_publishes_copies_without_changing_rows_or_version() -> None:
     assert same_bits(table.gather(ids), values[ids])
     offsets = torch.arange(0, ids.numel() + 1, 20)
     assert same_bits(table.lookup(ids, offsets), compress(values).lookup(ids, offsets))
-    assert tracker.refresh() == {}  # the same traffic: nothing to republish
+    assert tracker.refresh() == {}  # no lookups since: nothing to rank
+    tracker.record("t", ids[:10])
+    assert tracker.refresh() == {}  # the same hot set: nothing to republish
     with store.acquire() as snap:
         assert snap.tables["t"] is table
 
