@@ -150,6 +150,20 @@ def test_pooled_int8_rowwise_and_edge_values() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
+def test_hot_row_overlay_is_accepted_and_changes_nothing() -> None:
+    """The CPU lookups' hot-row copies travel in the same op call; the kernels decode anyway."""
+    table = make_table(torch.float32, 300, 33, "trained_like", seed=2)
+    c = compress(table).with_hot_rows(torch.arange(0, 300, 3))
+    assert c.hot is not None
+    ids = torch.arange(300).flip(0)
+    hot = (c.hot.directory, c.hot.rows)
+    rows = ops.ibp_gather(*device_args(c), ids.cuda(), *hot).cpu()
+    assert same_bits(_as_rows(c, rows), table[ids])
+    offsets = torch.tensor([0, 10, 300]).cuda()
+    pooled = ops.lookup_pooled(*device_args(c), ids.cuda(), offsets, None, 0, 0, *hot).cpu()
+    assert same_bits(pooled, c.lookup(ids, offsets.cpu()))
+
+
 def test_bad_input_raises_like_cpu() -> None:
     c = compress(torch.randn(100, 16))
     args = device_args(c)
