@@ -2,8 +2,8 @@
 """Which rows the engine keeps decoded: the hot-row policy.
 
 Recommendation traffic is skewed (Zipf-like): a small set of rows serves most lookups. Decoding
-those rows again on every lookup is what makes compressed CPU lookups slower than raw ones, so
-the engine keeps decoded copies of them (``CompressedTable.with_hot_rows``, read by the CPU
+is what makes compressed CPU lookups slower than raw ones, and most of it goes to those same
+rows, again and again. So the engine keeps decoded copies of them (``CompressedTable.with_hot_rows``, read by the CPU
 kernels like raw rows). :class:`HotRowTracker` keeps the ids of each table's most recent
 lookups (a bounded window) and, from a background thread, periodically publishes copies of the
 most frequent of them within a byte budget (``TableStore.set_hot_rows``). Lookups return the
