@@ -152,7 +152,8 @@ class LookupEngine:
         the fused decode+pool kernel runs over every id. 0 = always fused, 1 = always dedupe.
         Measured on CPU (D=128 fp32, one thread): dedupe 2-5x faster at 0.13-0.22 on 40k-row
         tables, 10 % slower at 0.38 on a 2M-row table; 1.7x faster end to end on the demo set.
-        NONE lookups always decode each distinct row once.
+        NONE lookups always decode each distinct row once. Tables with hot-row copies always
+        take the fused kernel (see ``hot_row_budget``).
     max_output_bytes : largest result a request may produce (the server passes its max message
         size); a bigger request fails with :class:`InvalidArgument` before any memory is
         allocated for it. None = no limit.
@@ -334,10 +335,10 @@ class LookupEngine:
         ids_np = np.concatenate([q.ids for q in qs])
         if item.rows.start:
             ids_np -= item.rows.start  # global ids -> rows of this shard's file
+        if self.hot_rows is not None:
+            self.hot_rows.record(item.table_name, ids_np, table.num_rows)
         ids = torch.from_numpy(ids_np).to(self.device)
         nnz = ids.numel()
-        if self.hot_rows is not None:
-            self.hot_rows.record(item.table_name, ids)
         counts = [q.ids.size for q in qs]
         unique_count = nnz
         if pooling == "none":
@@ -379,8 +380,11 @@ class LookupEngine:
         """Pooled [B, D] fp32 and the number of rows decoded."""
         nnz = ids.numel()
         # Quantised rows need the codec's dequantising kernel; float rows may take the
-        # decode-once path when ids repeat enough (Zipf traffic) for it to pay off.
-        if table.quant is None and nnz >= _DEDUPE_MIN_IDS and self.dedupe_max_unique_fraction > 0:
+        # decode-once path when ids repeat enough (Zipf traffic) for it to pay off, unless the
+        # table has hot-row copies: those spare the fused kernel the decode of the most repeated
+        # ids, and its one pass then beats sorting the ids (measured in BENCHMARKS.md).
+        dedupe = table.quant is None and table.hot is None and self.dedupe_max_unique_fraction > 0
+        if dedupe and nnz >= _DEDUPE_MIN_IDS:
             unique, inverse = torch.unique(ids, return_inverse=True)
             if unique.numel() <= self.dedupe_max_unique_fraction * nnz:
                 rows = table.gather(unique).float()

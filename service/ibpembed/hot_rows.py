@@ -3,19 +3,20 @@
 
 Recommendation traffic is skewed (Zipf-like): a small set of rows serves most lookups. Decoding
 is what makes compressed CPU lookups slower than raw ones, and most of it goes to those same
-rows, again and again. So the engine keeps decoded copies of them (``CompressedTable.with_hot_rows``, read by the CPU
-kernels like raw rows). :class:`HotRowTracker` keeps the ids of each table's most recent
-lookups (a bounded window) and, from a background thread, periodically publishes copies of the
-most frequent of them within a byte budget (``TableStore.set_hot_rows``). Lookups return the
+rows, again and again. So the engine keeps decoded copies of them
+(``CompressedTable.with_hot_rows``, read by the CPU kernels like raw rows). :class:`HotRowTracker`
+keeps the ids of each table's most recent lookups (a bounded window) and, from a background
+thread, periodically publishes copies of the most frequent of them within a byte budget
+(``TableStore.set_hot_rows``). Lookups return the
 same rows either way: the policy only moves time and memory.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 
+import numpy as np
 import torch
 
 from ibpembed.codec import CompressedTable
@@ -25,9 +26,13 @@ log = logging.getLogger(__name__)
 
 # Host memory a table's copies may take, as a fraction of its raw bytes (the server's default).
 DEFAULT_BUDGET = 0.01
-# Ids of recent lookups remembered per table: enough to rank the hot set of a Zipf table, cheap
-# to count (torch.unique on 256k ids: ~15 ms) for every table at every refresh.
+# Ids of recent lookups remembered per table (8 bytes each): enough to rank the hot set of a Zipf
+# table, cheap to count (torch.unique on 256k ids: ~15 ms) for every table at every refresh.
 DEFAULT_WINDOW_IDS = 1 << 18
+# A smaller table gets a window of this many ids per row (at least MIN_WINDOW_IDS): its hot set is
+# ranked as well from fewer lookups.
+WINDOW_IDS_PER_ROW = 8
+MIN_WINDOW_IDS = 4096
 # Seconds from start to the first refresh: a fresh server should not serve its first
 # ``refresh_s`` without copies.
 FIRST_REFRESH_S = 5.0
@@ -58,6 +63,32 @@ def hot_row_ids(table: CompressedTable, recent_ids: torch.Tensor, budget: float)
     return ids.sort().values
 
 
+class _IdRing:
+    """The last ``capacity`` ids recorded for one table, in one buffer allocated (and touched)
+    up front: a server's memory reaches its steady state with the first lookups instead of
+    growing, and no request's arrays are kept alive. numpy, not torch: recording runs once per
+    table of every request, and a torch op's dispatch costs more than the copy itself."""
+
+    def __init__(self, capacity: int) -> None:
+        self.ids = np.zeros(capacity, dtype=np.int64)
+        self.next = 0  # where the next id goes
+        self.filled = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        capacity = self.ids.size
+        ids = ids[-capacity:]
+        n = ids.size
+        head = min(n, capacity - self.next)
+        self.ids[self.next : self.next + head] = ids[:head]
+        self.ids[: n - head] = ids[head:]
+        self.next = (self.next + n) % capacity
+        self.filled = min(capacity, self.filled + n)
+
+    def recent(self) -> torch.Tensor:
+        """A copy of the ids held (order does not matter to the ranking)."""
+        return torch.from_numpy(self.ids[: self.filled].copy())
+
+
 class HotRowTracker:
     """Per-table windows of recent lookup ids, turned into hot-row copies now and then.
 
@@ -67,7 +98,8 @@ class HotRowTracker:
     budget : host memory a table's copies may take, as a fraction of its raw bytes (0.01 = 1 %
         of the uncompressed table). Must be in (0, 1].
     refresh_s : seconds between refreshes of the background thread (:meth:`start`).
-    window_ids : recent ids remembered per table.
+    window_ids : recent ids remembered per table at most (8 bytes each, allocated at the
+        table's first lookup); tables of fewer than window_ids / 8 rows remember 8 per row.
     """
 
     def __init__(
@@ -88,28 +120,28 @@ class HotRowTracker:
         self.budget = budget
         self.refresh_s = refresh_s
         self.window_ids = window_ids
-        self._lock = threading.Lock()  # guards the windows; held for a few lines only
-        self._windows: dict[str, collections.deque[torch.Tensor]] = {}
-        self._sizes: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()  # guards the windows; held for a copy at most
+        self._windows: dict[str, _IdRing] = {}
         self._fresh: set[str] = set()  # tables with ids recorded since their last refresh
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def record(self, table: str, ids: torch.Tensor) -> None:
-        """Remember one lookup's ids (CPU int64 rows of ``table``; repeats count)."""
+    def record(self, table: str, ids: np.ndarray, num_rows: int) -> None:
+        """Remember one lookup's ids (int64 rows of ``table``, which has ``num_rows``; repeats
+        count)."""
         with self._lock:
-            window = self._windows.setdefault(table, collections.deque())
-            window.append(ids)
-            self._sizes[table] += ids.numel()
+            window = self._windows.get(table)
+            if window is None:
+                size = max(MIN_WINDOW_IDS, WINDOW_IDS_PER_ROW * num_rows)
+                window = self._windows[table] = _IdRing(min(self.window_ids, size))
+            window.add(ids)
             self._fresh.add(table)
-            while len(window) > 1 and self._sizes[table] - window[0].numel() >= self.window_ids:
-                self._sizes[table] -= window.popleft().numel()
 
     def refresh(self) -> dict[str, int]:
         """Publish fresh copies for every table looked up since its last refresh, where the hot
         set changed. Returns the rows now cached per table republished."""
         with self._lock:
-            recent = {name: torch.cat(list(self._windows[name])) for name in self._fresh}
+            recent = {name: self._windows[name].recent() for name in self._fresh}
             self._fresh.clear()
         with self.store.acquire() as snapshot:
             tables = dict(snapshot.tables)

@@ -264,8 +264,8 @@ class _KernelTally(Collector):
         yield rows
         bytes_family = CounterMetricFamily(
             f"{NAMESPACE}_decoded_bytes",
-            "Bytes of rows decoded from the compressed store (each distinct row once when"
-            " lookups deduplicate).",
+            "Bytes of rows read from the compressed store (each distinct row once when"
+            " lookups deduplicate; rows served from hot-row copies included).",
             labels=["table"],
         )
         for table, total in sorted(decoded.items()):

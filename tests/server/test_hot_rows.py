@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from ibpembed import hot_rows
 from ibpembed.codec import compress
 from ibpembed.engine import FeatureQuery, LookupEngine
 from ibpembed.hot_rows import HotRowTracker, directory_bytes, hot_row_ids
@@ -39,14 +40,20 @@ def test_hot_row_ids_take_the_most_frequent_compressed_rows_within_budget() -> N
     assert hot_row_ids(c, recent, directory_bytes(c) / c.raw_bytes / 2).numel() == 0
 
 
-def test_tracker_window_is_bounded() -> None:
+def test_tracker_window_keeps_the_latest_ids() -> None:
     store = TableStore.from_tables({"t": compress(_table())})
     tracker = HotRowTracker(store, budget=0.05, window_ids=1000)
-    for i in range(50):
-        tracker.record("t", torch.full((100,), i, dtype=torch.int64))
-    window = tracker._windows["t"]
-    assert 1000 <= sum(w.numel() for w in window) < 1100
-    assert int(window[-1][0]) == 49  # the newest are kept
+    window = None
+    for i, n in enumerate([300, 500, 0, 150, 70, 2500, 30, 650]):
+        tracker.record("t", np.arange(n, dtype=np.int64) + 10_000 * i, ROWS)
+        window = tracker._windows["t"]
+    assert window is not None and window.ids.size == 1000  # the buffer never grows
+    expected = torch.cat([torch.arange(320, 2500) + 50_000, torch.arange(30) + 60_000,
+                          torch.arange(650) + 70_000])[-1000:]  # fmt: skip
+    assert torch.equal(window.recent().sort().values, expected.sort().values)
+    default = HotRowTracker(store, budget=0.05)
+    default.record("small", np.arange(5), 10)  # a small table's window is small
+    assert default._windows["small"].ids.size == hot_rows.MIN_WINDOW_IDS
 
 
 def test_refresh_publishes_copies_without_changing_rows_or_version() -> None:
@@ -54,7 +61,7 @@ def test_refresh_publishes_copies_without_changing_rows_or_version() -> None:
     store = TableStore.from_tables({"t": compress(values)})
     tracker = HotRowTracker(store, budget=0.05)
     ids = torch.from_numpy(_zipf_ids(20_000, 1))
-    tracker.record("t", ids)
+    tracker.record("t", ids.numpy(), ROWS)
     version = store.version
     cached = tracker.refresh()
     assert 0 < cached["t"] <= 0.05 * values.numel() * 4 / (DIM * 4 + 8)
@@ -66,7 +73,7 @@ def test_refresh_publishes_copies_without_changing_rows_or_version() -> None:
     offsets = torch.arange(0, ids.numel() + 1, 20)
     assert same_bits(table.lookup(ids, offsets), compress(values).lookup(ids, offsets))
     assert tracker.refresh() == {}  # no lookups since: nothing to rank
-    tracker.record("t", ids[:10])
+    tracker.record("t", ids[:10].numpy(), ROWS)
     assert tracker.refresh() == {}  # the same hot set: nothing to republish
     with store.acquire() as snap:
         assert snap.tables["t"] is table
