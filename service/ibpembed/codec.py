@@ -100,6 +100,9 @@ class HotRows:
     ids: torch.Tensor  # int64 [K], sorted, distinct: the cached rows
     directory: torch.Tensor  # int64 [ceil(N / 64) * 2]: per 64 rows a bit word, rows before it
     rows: torch.Tensor  # uint8 [K, row_bytes], row ids[k] at k
+    # Share of the traffic sample that chose these rows which they served; 0 when unknown.
+    # Lookup planning reads it (LookupEngine), decoding never does.
+    coverage: float = 0.0
 
     @property
     def count(self) -> int:
@@ -258,11 +261,12 @@ class CompressedTable:
         )
 
     # -- hot rows ------------------------------------------------------------------------------
-    def with_hot_rows(self, ids: torch.Tensor) -> CompressedTable:
+    def with_hot_rows(self, ids: torch.Tensor, *, coverage: float = 0.0) -> CompressedTable:
         """This table with decoded copies of rows ``ids`` kept for CPU lookups (replacing any
         earlier ones): those rows are then read like raw rows instead of being decoded. Ids of
         rows stored raw are skipped (they need no decoding); an empty selection gives a table
-        without an overlay. The payload and index are shared, not copied.
+        without an overlay. The payload and index are shared, not copied. ``coverage``: see
+        ``HotRows``.
         """
         ids = _as_indices(ids, "ids")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
@@ -282,7 +286,7 @@ class CompressedTable:
         before = torch.cumsum(per_word, 0) - per_word
         directory = torch.stack([bits, before], dim=1).flatten().contiguous()
         rows = ops.ibp_gather(*self._args(), ids, None, None)
-        return dataclasses.replace(self, hot=HotRows(ids, directory, rows))
+        return dataclasses.replace(self, hot=HotRows(ids, directory, rows, coverage))
 
     def without_hot_rows(self) -> CompressedTable:
         """This table without a hot-row overlay (itself when it has none)."""

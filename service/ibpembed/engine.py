@@ -48,6 +48,8 @@ T = TypeVar("T")
 # Pooled lookups with fewer ids go straight to the fused kernel: sorting them to find repeats
 # costs more than decoding a few rows twice (B=1 requests: ~30 us per table saved).
 _DEDUPE_MIN_IDS = 64
+# Hot-row coverage from which pooled lookups skip the decode-once path (see _pool_table).
+FUSED_MIN_HOT_COVERAGE = 0.5
 
 
 class LookupObserver(Protocol):
@@ -152,8 +154,9 @@ class LookupEngine:
         the fused decode+pool kernel runs over every id. 0 = always fused, 1 = always dedupe.
         Measured on CPU (D=128 fp32, one thread): dedupe 2-5x faster at 0.13-0.22 on 40k-row
         tables, 10 % slower at 0.38 on a 2M-row table; 1.7x faster end to end on the demo set.
-        NONE lookups always decode each distinct row once. Tables with hot-row copies always
-        take the fused kernel (see ``hot_row_budget``).
+        NONE lookups always decode each distinct row once. Tables whose hot-row copies served
+        at least FUSED_MIN_HOT_COVERAGE of the lookups that chose them take the fused kernel
+        (see ``hot_row_budget``).
     max_output_bytes : largest result a request may produce (the server passes its max message
         size); a bigger request fails with :class:`InvalidArgument` before any memory is
         allocated for it. None = no limit.
@@ -380,13 +383,14 @@ class LookupEngine:
         """Pooled [B, D] fp32 and the number of rows decoded."""
         nnz = ids.numel()
         # Quantised rows need the codec's dequantising kernel; float rows may take the
-        # decode-once path when ids repeat enough (Zipf traffic) for it to pay off, unless the
-        # table has hot-row copies: those spare the fused kernel the decode of the most repeated
-        # ids, and its one pass then beats sorting the ids (measured in BENCHMARKS.md).
-        dedupe = table.quant is None and table.hot is None and self.dedupe_max_unique_fraction > 0
-        if dedupe and nnz >= _DEDUPE_MIN_IDS:
+        # decode-once path when ids repeat enough (Zipf traffic) for it to pay off. Hot-row
+        # copies that serve most lookups spare the fused kernel most of its decoding, and its
+        # one pass then beats sorting the ids (benchmarks.engine_paths, BENCHMARKS.md).
+        bar = self.dedupe_max_unique_fraction
+        covered = table.hot is not None and table.hot.coverage >= FUSED_MIN_HOT_COVERAGE
+        if table.quant is None and bar > 0 and nnz >= _DEDUPE_MIN_IDS and not covered:
             unique, inverse = torch.unique(ids, return_inverse=True)
-            if unique.numel() <= self.dedupe_max_unique_fraction * nnz:
+            if unique.numel() <= bar * nnz:
                 rows = table.gather(unique).float()
                 pooled = torch.nn.functional.embedding_bag(
                     inverse, rows, offsets[:-1], mode="sum", per_sample_weights=weights

@@ -154,8 +154,9 @@ class HotRowTracker:
             held = table.hot.ids if table.hot is not None else chosen.new_empty(0)
             if torch.equal(held, chosen):
                 continue
+            coverage = float(torch.isin(ids, chosen).double().mean()) if ids.numel() else 0.0
             try:
-                cached[name] = self.store.set_hot_rows(name, chosen)
+                cached[name] = self.store.set_hot_rows(name, chosen, coverage=coverage)
             except (KeyError, IndexError):  # replaced or reshaped since the snapshot was read
                 continue
         return cached

@@ -14,6 +14,7 @@ from ibpembed.hot_rows import HotRowTracker, directory_bytes, hot_row_ids
 from ibpembed.server.config import ServerConfig
 from ibpembed.tables.store import TableStore
 from tests.codec.tables import same_bits
+from tests.server.helpers import RecordingObserver
 
 ROWS, DIM = 4096, 32
 
@@ -130,3 +131,22 @@ def test_hot_rows_off_and_bad_settings() -> None:
         ServerConfig(hot_row_budget=2.0).validate()
     with pytest.raises(ValueError, match="hot_row_refresh_s"):
         ServerConfig(hot_row_refresh_s=0).validate()
+
+
+@pytest.mark.parametrize(("coverage", "fused"), [(0.9, True), (0.2, False)])
+def test_copies_that_cover_most_lookups_send_pooling_to_the_fused_kernel(coverage, fused) -> None:
+    """Decode-once pays for its sort only when copies leave much decoding to the fused kernel."""
+    values = _table()
+    store = TableStore.from_tables({"t": compress(values)})
+    store.set_hot_rows("t", torch.arange(0, 64), coverage=coverage)
+    recorder = RecordingObserver()
+    engine = LookupEngine(store, max_workers=1, observer=recorder)
+    ids = np.repeat(np.arange(0, 200, dtype=np.int64), 4)  # 800 ids, 200 distinct
+    try:
+        pooled = engine.run([FeatureQuery("t", ids, np.full(80, 10, np.int32))], "sum")
+    finally:
+        engine.close()
+    (_, _, nnz, decoded) = recorder.kernels[0]
+    assert nnz == 800 and decoded == (800 if fused else 200)
+    expected = values[torch.from_numpy(ids)].view(80, 10, DIM).sum(1)
+    torch.testing.assert_close(pooled.features[0].values, expected, rtol=1e-5, atol=1e-6)

@@ -333,11 +333,11 @@ class TableStore:
             self._entries.pop(name, None)
             self._spill.pop(name, None)
 
-    def set_hot_rows(self, table: str, ids: torch.Tensor) -> int:
+    def set_hot_rows(self, table: str, ids: torch.Tensor, *, coverage: float = 0.0) -> int:
         """Keep decoded copies of rows ``ids`` of ``table`` for CPU lookups (replacing any
         earlier ones; empty ``ids`` drops them). Lookups return the same rows either way, so the
         snapshot keeps its version. Returns the number of rows cached (rows stored raw are
-        skipped).
+        skipped). ``coverage``: see ``HotRows``.
 
         Raises
         ------
@@ -350,7 +350,7 @@ class TableStore:
             current = self._current.tables
             if table not in current:
                 raise KeyError(f"unknown table '{table}'")
-            new = current[table].with_hot_rows(ids)
+            new = current[table].with_hot_rows(ids, coverage=coverage)
             self._publish({**current, table: new}, self._current.features, same_rows=True)
             return new.hot.count if new.hot is not None else 0
 

@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Engine pooled-lookup paths: decode-once (dedupe) vs fused, with and without hot-row copies.
+
+    python -m benchmarks.engine_paths [--quick] [--out DIR]
+
+``LookupEngine`` pools a table's ids either by deduplicating them (sort, decode each distinct
+row once, ``embedding_bag``) or with the fused decode+pool kernel over every id; a table with
+hot-row copies always takes the fused kernel. This measures the four combinations side by side,
+in one process, on the same requests (server CPU time per request, best of several alternating
+passes, one torch thread):
+
+* **large**: one DLRM-profile fp32 table (D=128, 1 GiB by default), B=512 bags of 1..100 Zipf(1.05)
+  ids, hot rows permuted: the tables ibpembed is for;
+* **demo**: the 26 DLRM-DCNv2-profile demo tables (capped at 100k rows, most far smaller) at
+  B=64 and B=512, DCNv2 pooling factors.
+
+Copies are ranked by the engine's own policy on 8 earlier requests of the same traffic (1 % of
+raw bytes). Results: DIR/engine_paths.json and DIR/engine_paths.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks import data
+from ibpembed.codec import compress
+from ibpembed.engine import FeatureQuery, LookupEngine
+from ibpembed.hot_rows import DEFAULT_BUDGET
+from ibpembed.server import demo
+from ibpembed.server.servicer import decode_request
+from ibpembed.tables.store import TableStore
+from ibpembed_client.workload import hotness_for, make_requests
+
+DEFAULT_OUT = Path(__file__).resolve().parent / ".cache" / "results"
+WARMUP_REQUESTS = 8
+VARIANTS = {  # name: (dedupe_max_unique_fraction, hot_row_budget)
+    "dedupe": (0.5, 0.0),
+    "fused": (0.0, 0.0),
+    "hot rows (engine default; fused)": (0.5, DEFAULT_BUDGET),
+}
+
+Request = list[FeatureQuery]
+
+
+def engines(tables: dict) -> dict[str, LookupEngine]:
+    out = {}
+    for name, (fraction, budget) in VARIANTS.items():
+        store = TableStore.from_tables(tables)
+        # A refresh interval past the run: copies come from the explicit refresh below only.
+        out[name] = LookupEngine(
+            store,
+            max_workers=1,
+            dedupe_max_unique_fraction=fraction,
+            hot_row_budget=budget,
+            hot_row_refresh_s=1e6,
+        )
+    return out
+
+
+def measure(tables: dict, warm: list[Request], timed: list[Request], passes: int) -> dict:
+    """Best-of-``passes`` CPU ms per request of each variant, passes alternating."""
+    variants = engines(tables)
+    try:
+        for engine in variants.values():
+            for request in warm:
+                engine.run(request, "sum")
+            if engine.hot_rows is not None:
+                engine.hot_rows.refresh()
+                engine.hot_rows.close()  # no background re-ranking on the timed requests
+        best = dict.fromkeys(variants, float("inf"))
+        for p in range(passes):
+            order = list(variants.items())
+            for name, engine in order if p % 2 == 0 else reversed(order):
+                start = time.process_time()
+                for request in timed:
+                    engine.run(request, "sum")
+                best[name] = min(best[name], (time.process_time() - start) / len(timed) * 1e3)
+        return best
+    finally:
+        for engine in variants.values():
+            engine.close()
+
+
+def large_case(gib: float, passes: int) -> dict:
+    rows = int(gib * (1 << 30)) // 512
+    table = compress(data.tiled_table(data.dlrm_table(min(rows, 1 << 18), 128), rows))
+    batches = data.zipf_batches(rows, num_batches=WARMUP_REQUESTS + 16, seed=0)
+    requests = [
+        [FeatureQuery("t", b.ids.numpy(), b.lengths.numpy().astype(np.int32))] for b in batches
+    ]
+    ms = measure({"t": table}, requests[:WARMUP_REQUESTS], requests[WARMUP_REQUESTS:], passes)
+    return {"case": f"large: 1 table, {rows:,} x 128 fp32 ({gib:g} GiB)", "batch": 512, "ms": ms}
+
+
+def demo_case(batch: int, max_rows: int, passes: int) -> dict:
+    tables = demo.build(max_rows=max_rows)
+    features = demo.feature_names()
+    rows = {f: tables[f].num_rows for f in features}
+
+    # One stream (one seed: the same hot rows throughout), its first requests rank the copies.
+    stream = make_requests(rows, batch_size=batch, hotness=hotness_for(features, "dcnv2"),
+                           alpha=1.05, pooling="sum", count=WARMUP_REQUESTS + 8)  # fmt: skip
+    requests = [decode_request(r)[0] for r in stream]
+    ms = measure(tables, requests[:WARMUP_REQUESTS], requests[WARMUP_REQUESTS:], passes)
+    return {"case": f"demo: 26 tables, <= {max_rows:,} rows", "batch": batch, "ms": ms}
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"{report['date']}, {report['machine']} (load average {report['load_average']:.1f}), "
+        f"torch {report['torch']}, `{report['command']}`: CPU ms per request, best of "
+        f"{report['passes']} alternating passes, one thread.",
+        "",
+        "| case | B | " + " | ".join(VARIANTS) + " |",
+        "|---|---|" + "---|" * len(VARIANTS),
+    ]
+    for r in report["results"]:
+        cells = " | ".join(f"{r['ms'][v]:.2f}" for v in VARIANTS)
+        lines.append(f"| {r['case']} | {r['batch']} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small tables, few passes")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    passes = 2 if args.quick else 6
+    results = [large_case(1 / 64 if args.quick else 1.0, passes)]
+    for batch in (64, 512):
+        results.append(demo_case(batch, 2_000 if args.quick else 100_000, passes))
+        print(json.dumps(results[-1]), flush=True)
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "load_average": os.getloadavg()[0],
+        "torch": torch.__version__,
+        "command": "python -m benchmarks.engine_paths" + (" --quick" if args.quick else ""),
+        "passes": passes,
+        "results": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "engine_paths.json").write_text(json.dumps(report, indent=2))
+    (args.out / "engine_paths.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
