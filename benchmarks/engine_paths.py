@@ -46,7 +46,7 @@ WARMUP_REQUESTS = 8
 VARIANTS = {  # name: (dedupe_max_unique_fraction, hot_row_budget)
     "dedupe": (0.5, 0.0),
     "fused": (0.0, 0.0),
-    "hot rows (engine default; fused)": (0.5, DEFAULT_BUDGET),
+    "hot rows (engine default)": (0.5, DEFAULT_BUDGET),
 }
 
 Request = list[FeatureQuery]
