@@ -49,8 +49,8 @@ def hot_row_ids(table: CompressedTable, recent_ids: torch.Tensor, budget: float)
     included. Sorted; empty when nothing qualifies or the budget does not cover the directory.
 
     Rows seen once qualify too, after every more frequent one: on Zipf traffic (alpha 1.05,
-    8.4M rows, 200k recent ids) they raise the share of later lookups that hit a copy from
-    67 % to 72 %, and the budget bounds what they cost."""
+    8.4M rows, 200k recent ids; a development measurement) they raise the share of later
+    lookups that hit a copy from 67 % to 72 %, and the budget bounds what they cost."""
     per_row = table.row_bytes + 8  # the copy and its id
     room = int(budget * table.raw_bytes) - directory_bytes(table)
     capacity = max(room, 0) // per_row
