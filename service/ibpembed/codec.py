@@ -203,7 +203,7 @@ class CompressedTable:
             self.num_rows,
         )
 
-    def _hot_args(self) -> tuple:
+    def _hot_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return (None, None) if self.hot is None else (self.hot.directory, self.hot.rows)
 
     def _as_rows(self, raw: torch.Tensor) -> torch.Tensor:

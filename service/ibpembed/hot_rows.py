@@ -7,8 +7,8 @@ rows, again and again. So the engine keeps decoded copies of them
 (``CompressedTable.with_hot_rows``, read by the CPU kernels like raw rows). :class:`HotRowTracker`
 keeps the ids of each table's most recent lookups (a bounded window) and, from a background
 thread, periodically publishes copies of the most frequent of them within a byte budget
-(``TableStore.set_hot_rows``). Lookups return the
-same rows either way: the policy only moves time and memory.
+(``TableStore.set_hot_rows``). Lookups return the same rows either way: the policy only moves
+time and memory.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class HotRowTracker:
         of the uncompressed table). Must be in (0, 1].
     refresh_s : seconds between refreshes of the background thread (:meth:`start`).
     window_ids : recent ids remembered per table at most (8 bytes each, allocated at the
-        table's first lookup); tables of fewer than window_ids / 8 rows remember 8 per row.
+        table's first lookup); smaller tables remember 8 per row, at least MIN_WINDOW_IDS.
     """
 
     def __init__(
@@ -145,6 +145,9 @@ class HotRowTracker:
             self._fresh.clear()
         with self.store.acquire() as snapshot:
             tables = dict(snapshot.tables)
+        with self._lock:  # windows of tables a reload dropped
+            for gone in set(self._windows) - set(tables):
+                del self._windows[gone]
         cached: dict[str, int] = {}
         for name, ids in recent.items():
             table = tables.get(name)

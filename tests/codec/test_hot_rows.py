@@ -73,6 +73,32 @@ def test_pooled_with_hot_rows_equals_pooled_without(path, dtype, dim, pooling, w
     assert same_bits(got, c.lookup(ids, None, weights, pooling, lengths=lengths))
 
 
+@pytest.mark.usefixtures("restore_path")
+@pytest.mark.parametrize("path", available_cpu_paths())
+@pytest.mark.parametrize(
+    "selection",
+    ["word_edges", "every_64th", "all", "random"],
+)
+def test_directory_across_many_words(path, selection) -> None:
+    """1000 rows = 16 directory words: rows either side of word edges, one row per word, every
+    row, and a random 30 %."""
+    _C.set_cpu_path(path)
+    table = make_table(torch.float32, 1000, 16, "trained_like", 4)
+    c = compress(table, code_bits=2)
+    chosen = {
+        "word_edges": torch.tensor([0, 63, 64, 127, 128, 511, 512, 959, 960, 999]),
+        "every_64th": torch.arange(0, 1000, 64),
+        "all": torch.arange(1000),
+        "random": torch.from_numpy(np.flatnonzero(np.random.default_rng(4).random(1000) < 0.3)),
+    }[selection]
+    hot = c.with_hot_rows(chosen)
+    assert hot.hot is not None and hot.hot.count == int(c.is_compressed(chosen).sum())
+    ids = torch.from_numpy(np.random.default_rng(5).integers(0, 1000, 2000))
+    assert same_bits(hot.gather(ids), table[ids])
+    offsets = torch.arange(0, 2001, 10)
+    assert same_bits(hot.lookup(ids, offsets), c.lookup(ids, offsets))
+
+
 def test_overlay_keeps_only_compressed_rows_in_row_order() -> None:
     table = make_table(torch.float32, 200, 16, "trained_like", 1)
     c = compress(table)

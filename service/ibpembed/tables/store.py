@@ -352,6 +352,10 @@ class TableStore:
                 raise KeyError(f"unknown table '{table}'")
             new = current[table].with_hot_rows(ids, coverage=coverage)
             self._publish({**current, table: new}, self._current.features, same_rows=True)
+            spill = self._spill.get(table)
+            if spill is not None and spill.table is current[table]:
+                # Same payload: later row updates keep appending to its spare area.
+                self._spill[table] = _Spill(new, spill.buffer)
             return new.hot.count if new.hot is not None else 0
 
     def update_rows(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:

@@ -152,7 +152,15 @@ class CompressedEmbeddingBag(nn.Module):
     @torch.jit.unused
     def set_hot_rows(self, ids: Tensor) -> int:
         """Keep decoded copies of rows ``ids`` for CPU lookups (replacing earlier ones; empty
-        ``ids`` drops them); see ``CompressedTable.with_hot_rows``. Returns the rows cached."""
+        ``ids`` drops them); see ``CompressedTable.with_hot_rows``. Returns the rows cached.
+
+        CPU modules only: the CUDA kernels decode every row on the GPU and ignore copies.
+        """
+        if self.block_base.device.type != "cpu":
+            raise RuntimeError(
+                "hot-row copies serve CPU lookups; this table's index is on "
+                f"{self.block_base.device}"
+            )
         hot = self.compressed_table().with_hot_rows(ids).hot
         self._set_hot(hot)
         return 0 if hot is None else hot.count
