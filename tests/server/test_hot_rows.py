@@ -169,3 +169,19 @@ def test_copies_that_cover_most_lookups_send_pooling_to_the_fused_kernel(coverag
     assert nnz == 800 and decoded == (800 if fused else 200)
     expected = values[torch.from_numpy(ids)].view(80, 10, DIM).sum(1)
     torch.testing.assert_close(pooled.features[0].values, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_reload_keeps_copies_of_unchanged_tables_and_put_table_drops_them(tmp_path) -> None:
+    values = _table()
+    TableStore.from_tables({"t": compress(values), "u": compress(_table(1))}).save(tmp_path)
+    store = TableStore.load(tmp_path)
+    store.set_hot_rows("t", torch.arange(0, 300))
+    store.reload()  # same files: the table objects, copies included, are kept
+    with store.acquire() as snap:
+        assert snap.tables["t"].hot is not None
+        assert same_bits(snap.tables["t"].gather(torch.arange(ROWS)), values)
+    replacement = _table(2)
+    store.put_table("t", compress(replacement))  # new rows: no copies of the old ones
+    with store.acquire() as snap:
+        assert snap.tables["t"].hot is None
+        assert same_bits(snap.tables["t"].gather(torch.arange(ROWS)), replacement)
