@@ -69,3 +69,13 @@ def tables(draw: st.DrawFn, dtypes: tuple[torch.dtype, ...] = DTYPES) -> torch.T
     dim = draw(st.sampled_from(DIMS))
     kind = draw(st.sampled_from(KINDS))
     return make_table(dtype, rows, dim, kind, draw(st.integers(0, 2**32 - 1)))
+
+
+# Pooled-lookup cases: float dtypes, awkward widths, both poolings, with and without weights.
+POOLED_CASES = {
+    "dtype": st.sampled_from(FLOAT_DTYPES),
+    "dim": st.sampled_from((1, 3, 16, 129)),
+    "pooling": st.sampled_from(("sum", "mean")),
+    "weighted": st.booleans(),
+    "seed": st.integers(0, 2**32 - 1),
+}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -22,13 +21,6 @@ FAST_PATHS = [
     pytest.param(p, marks=pytest.mark.skipif(p not in available_cpu_paths(), reason=f"no {p}"))
     for p in ("bmi2", "avx512")
 ]
-
-
-@pytest.fixture
-def restore_path() -> Iterator[None]:
-    before = cpu_path()
-    yield
-    _C.set_cpu_path(before)
 
 
 @pytest.mark.parametrize("path", FAST_PATHS)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -12,17 +11,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ibpembed import _C, compress, cpu_path
+from ibpembed import _C, compress
 from ibpembed._ops import ops
 from ibpembed.codec import CompressedTable, available_cpu_paths
-from tests.codec.tables import FLOAT_DTYPES, make_table, same_bits, tables
-
-
-@pytest.fixture
-def restore_path() -> Iterator[None]:
-    before = cpu_path()
-    yield
-    _C.set_cpu_path(before)
+from tests.codec.tables import POOLED_CASES, make_table, same_bits, tables
 
 
 def _hot_subset(c: CompressedTable, rng: np.random.Generator, fraction: float) -> torch.Tensor:
@@ -52,13 +44,7 @@ def test_gather_with_hot_rows_is_bit_exact(path, table, code_bits, fraction, see
 
 @pytest.mark.usefixtures("restore_path")
 @pytest.mark.parametrize("path", available_cpu_paths())
-@given(
-    dtype=st.sampled_from(FLOAT_DTYPES),
-    dim=st.sampled_from((1, 3, 16, 129)),
-    pooling=st.sampled_from(("sum", "mean")),
-    weighted=st.booleans(),
-    seed=st.integers(0, 2**32 - 1),
-)
+@given(**POOLED_CASES)
 def test_pooled_with_hot_rows_equals_pooled_without(path, dtype, dim, pooling, weighted, seed):
     """Same rows in the same order, so the fp32 sums agree bit for bit, not just within a bound."""
     _C.set_cpu_path(path)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ibpembed import compress
 from ibpembed import reference as ref
-from tests.codec.tables import FLOAT_DTYPES, make_table
+from tests.codec.tables import FLOAT_DTYPES, POOLED_CASES, make_table
 
 NUMPY_KIND = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -37,13 +37,7 @@ def _check(c, values, ids, offsets, weights, pooling) -> None:
     assert np.all(np.abs(got - exact) <= tol), np.max(np.abs(got - exact) - tol)
 
 
-@given(
-    dtype=st.sampled_from(FLOAT_DTYPES),
-    dim=st.sampled_from((1, 3, 16, 129)),
-    pooling=st.sampled_from(("sum", "mean")),
-    weighted=st.booleans(),
-    seed=st.integers(0, 2**32 - 1),
-)
+@given(**POOLED_CASES)
 def test_pooled_matches_reference(dtype, dim, pooling, weighted, seed) -> None:
     rng = np.random.default_rng(seed)
     table = make_table(dtype, 300, dim, "trained_like", seed)
