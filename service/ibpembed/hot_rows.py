@@ -44,9 +44,17 @@ def directory_bytes(table: CompressedTable) -> int:
 
 
 def hot_row_ids(table: CompressedTable, recent_ids: torch.Tensor, budget: float) -> torch.Tensor:
-    """The rows worth copying: the most frequent compressed rows of ``recent_ids`` (raw rows
-    need no decoding) that fit in ``budget`` x the table's raw bytes, the overlay's directory
-    included. Sorted; empty when nothing qualifies or the budget does not cover the directory.
+    """The rows worth copying (see :func:`rank_hot_rows`), sorted."""
+    return rank_hot_rows(table, recent_ids, budget)[0]
+
+
+def rank_hot_rows(
+    table: CompressedTable, recent_ids: torch.Tensor, budget: float
+) -> tuple[torch.Tensor, float]:
+    """The rows worth copying and the share of ``recent_ids`` they cover (``HotRows.coverage``):
+    the most frequent compressed rows of ``recent_ids`` (raw rows need no decoding) that fit in
+    ``budget`` x the table's raw bytes, the overlay's directory included. Sorted; empty when
+    nothing qualifies or the budget does not cover the directory.
 
     Rows seen once qualify too, after every more frequent one: on Zipf traffic (alpha 1.05,
     8.4M rows, 200k recent ids; a development measurement) they raise the share of later
@@ -59,8 +67,10 @@ def hot_row_ids(table: CompressedTable, recent_ids: torch.Tensor, budget: float)
     keep = table.is_compressed(ids)
     ids, counts = ids[keep], counts[keep]
     if ids.numel() > capacity:
-        ids = ids[torch.topk(counts, capacity, sorted=False).indices]
-    return ids.sort().values
+        top = torch.topk(counts, capacity, sorted=False).indices
+        ids, counts = ids[top], counts[top]
+    coverage = int(counts.sum()) / recent_ids.numel() if recent_ids.numel() else 0.0
+    return ids.sort().values, coverage
 
 
 class _IdRing:
@@ -153,11 +163,10 @@ class HotRowTracker:
             table = tables.get(name)
             if table is None:  # dropped by a reload
                 continue
-            chosen = hot_row_ids(table, ids, self.budget)
+            chosen, coverage = rank_hot_rows(table, ids, self.budget)
             held = table.hot.ids if table.hot is not None else chosen.new_empty(0)
             if torch.equal(held, chosen):
                 continue
-            coverage = float(torch.isin(ids, chosen).double().mean()) if ids.numel() else 0.0
             try:
                 cached[name] = self.store.set_hot_rows(name, chosen, coverage=coverage)
             except (KeyError, IndexError):  # replaced or reshaped since the snapshot was read

@@ -10,7 +10,7 @@ import torch
 from ibpembed import hot_rows
 from ibpembed.codec import compress
 from ibpembed.engine import FeatureQuery, LookupEngine
-from ibpembed.hot_rows import HotRowTracker, directory_bytes, hot_row_ids
+from ibpembed.hot_rows import HotRowTracker, directory_bytes, hot_row_ids, rank_hot_rows
 from ibpembed.server.config import ServerConfig
 from ibpembed.tables.store import TableStore
 from tests.codec.tables import same_bits
@@ -37,6 +37,7 @@ def test_hot_row_ids_take_the_most_frequent_compressed_rows_within_budget() -> N
     recent = torch.tensor([5] * 9 + [7] * 8 + [3] * 7 + [11] * 3 + [2] * 2 + [9] + [ROWS + 5])
     room_for_two = (directory_bytes(c) + 2 * (c.row_bytes + 8)) / c.raw_bytes
     assert hot_row_ids(c, recent, room_for_two).tolist() == [3, 5]  # 7 is raw
+    assert rank_hot_rows(c, recent, room_for_two)[1] == pytest.approx(16 / recent.numel())
     assert hot_row_ids(c, recent, 1.0).tolist() == [2, 3, 5, 9, 11]  # ROWS + 5 is no row
     assert hot_row_ids(c, recent, directory_bytes(c) / c.raw_bytes / 2).numel() == 0
 
