@@ -139,11 +139,12 @@ class HotRowTracker:
     def record(self, table: str, ids: np.ndarray, num_rows: int) -> None:
         """Remember one lookup's ids (int64 rows of ``table``, which has ``num_rows``; repeats
         count)."""
+        size = min(self.window_ids, max(MIN_WINDOW_IDS, WINDOW_IDS_PER_ROW * num_rows))
         with self._lock:
             window = self._windows.get(table)
-            if window is None:
-                size = max(MIN_WINDOW_IDS, WINDOW_IDS_PER_ROW * num_rows)
-                window = self._windows[table] = _IdRing(min(self.window_ids, size))
+            # A reload that resized the table restarts its window: the old ids name other rows.
+            if window is None or window.ids.size != size:
+                window = self._windows[table] = _IdRing(size)
             window.add(ids)
             self._fresh.add(table)
 
@@ -163,14 +164,18 @@ class HotRowTracker:
             table = tables.get(name)
             if table is None:  # dropped by a reload
                 continue
-            chosen, coverage = rank_hot_rows(table, ids, self.budget)
-            held = table.hot.ids if table.hot is not None else chosen.new_empty(0)
-            if torch.equal(held, chosen):
-                continue
             try:
+                chosen, coverage = rank_hot_rows(table, ids, self.budget)
+                held = table.hot.ids if table.hot is not None else chosen.new_empty(0)
+                if torch.equal(held, chosen):
+                    continue
                 cached[name] = self.store.set_hot_rows(name, chosen, coverage=coverage)
             except (KeyError, IndexError):  # replaced or reshaped since the snapshot was read
                 continue
+            except Exception:  # e.g. out of memory for the copies: the others still refresh
+                log.exception("hot-row refresh of table %r failed; keeping its copies", name)
+                with self._lock:  # retried at the next refresh, traffic or not
+                    self._fresh.add(name)
         return cached
 
     # -- background refreshes ------------------------------------------------------------------

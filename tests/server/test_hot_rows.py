@@ -58,6 +58,38 @@ def test_tracker_window_keeps_the_latest_ids() -> None:
     assert default._windows["small"].ids.size == hot_rows.MIN_WINDOW_IDS
 
 
+def test_window_restarts_when_a_reload_resizes_the_table() -> None:
+    store = TableStore.from_tables({"t": compress(_table())})
+    tracker = HotRowTracker(store, budget=0.05)
+    tracker.record("t", np.arange(100, dtype=np.int64), ROWS)
+    tracker.record("t", np.arange(50, dtype=np.int64), ROWS)
+    assert tracker._windows["t"].filled == 150
+    tracker.record("t", np.arange(30, dtype=np.int64) + ROWS, 2 * ROWS)  # reloaded, twice as big
+    window = tracker._windows["t"]
+    assert window.ids.size == hot_rows.WINDOW_IDS_PER_ROW * 2 * ROWS
+    assert torch.equal(window.recent(), torch.arange(30) + ROWS)  # the old rows' ids are gone
+
+
+def test_a_failing_table_does_not_stop_the_others_and_is_retried(monkeypatch) -> None:
+    store = TableStore.from_tables({"a": compress(_table(1)), "b": compress(_table(2))})
+    tracker = HotRowTracker(store, budget=0.05)
+    for name in ("a", "b"):
+        tracker.record(name, _zipf_ids(5_000, 3), ROWS)
+    publish = store.set_hot_rows
+
+    def fail_for_a(name: str, ids: torch.Tensor, *, coverage: float) -> int:
+        if name == "a":
+            raise MemoryError("no room for the copies")
+        return publish(name, ids, coverage=coverage)
+
+    monkeypatch.setattr(store, "set_hot_rows", fail_for_a)
+    assert set(tracker.refresh()) == {"b"}
+    monkeypatch.setattr(store, "set_hot_rows", publish)
+    assert set(tracker.refresh()) == {"a"}  # retried without new traffic
+    with store.acquire() as snap:
+        assert all(snap.tables[name].hot is not None for name in ("a", "b"))
+
+
 def test_refresh_publishes_copies_without_changing_rows_or_version() -> None:
     values = _table()
     store = TableStore.from_tables({"t": compress(values)})
