@@ -88,6 +88,9 @@ def _extension() -> cpp_extension.CppExtension:
         "--expt-relaxed-constexpr",
         "-gencode=arch=compute_80,code=sm_80",
         "-gencode=arch=compute_90,code=sm_90",
+        # PTX too, so that GPUs newer than sm_90 JIT-compile the kernels instead of finding no
+        # image (the kernels need sm_80: cp.async, __reduce_add_sync).
+        "-gencode=arch=compute_90,code=compute_90",
     ]
     sources += _sources("cuda/*.cu") + _sources("ops/*_cuda.cpp")
     return cpp_extension.CUDAExtension(

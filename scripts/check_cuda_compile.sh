@@ -27,7 +27,8 @@ INCLUDES=(-Icsrc/include -isystem "$TORCH_DIR/include"
           -isystem "$TORCH_DIR/include/torch/csrc/api/include")
 # The CPU wheel's c10/cuda headers lack the generated cmake config (docs: environment.md).
 DEFINES=(-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -DC10_CUDA_BUILD_SHARED_LIBS -DIBPEMBED_WITH_CUDA=1)
-GENCODE=(-gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90)
+GENCODE=(-gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90
+         -gencode=arch=compute_90,code=compute_90)
 
 status=0
 for cu in csrc/cuda/*.cu benchmarks/cuda/*.cu; do

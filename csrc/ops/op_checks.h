@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "ibpembed/format.h"
 #include "ibpembed/numeric.h"
@@ -31,6 +32,22 @@ inline void check_weights_shape(const at::Tensor& weights, int64_t nnz) {
   TORCH_CHECK_VALUE(weights.dim() == 1 && weights.numel() == nnz,
                     "per_sample_weights must be 1-D with one weight per index (", nnz,
                     "), got shape ", weights.sizes());
+}
+
+// The hot-row overlay's pairing and shapes (format.h). The CPU impl also checks the directory's
+// count against hot_rows; the CUDA impl reads no overlay, but rejects what the CPU rejects.
+inline void check_hot_rows_shape(const std::optional<at::Tensor>& hot_dir,
+                                 const std::optional<at::Tensor>& hot_rows, int64_t num_rows,
+                                 int64_t row_bytes) {
+  TORCH_CHECK_VALUE(hot_dir.has_value() == hot_rows.has_value(),
+                    "hot_dir and hot_rows go together: pass both or neither");
+  if (!hot_dir.has_value()) return;
+  const int64_t words = (num_rows + 63) / 64;
+  TORCH_CHECK_VALUE(hot_dir->dim() == 1 && hot_dir->numel() == 2 * words, "hot_dir must have ",
+                    2 * words, " entries (two per 64 rows), got shape ", hot_dir->sizes());
+  TORCH_CHECK_VALUE(hot_rows->dim() == 2 && hot_rows->size(1) == row_bytes,
+                    "hot_rows must be [cached rows, ", row_bytes, "], got shape ",
+                    hot_rows->sizes());
 }
 
 }  // namespace ibpembed

@@ -123,17 +123,11 @@ TableView table_view(const at::Tensor& payload, const at::Tensor& block_base,
 // ibpembed.codec); the count of cached rows it implies must match hot_rows.
 void attach_hot_rows(TableView& t, const std::optional<at::Tensor>& hot_dir,
                      const std::optional<at::Tensor>& hot_rows) {
-  TORCH_CHECK_VALUE(hot_dir.has_value() == hot_rows.has_value(),
-                    "hot_dir and hot_rows go together: pass both or neither");
+  check_hot_rows_shape(hot_dir, hot_rows, t.num_rows, t.row_bytes);
   if (!hot_dir.has_value()) return;
   check_cpu_contiguous(*hot_dir, "hot_dir", at::kLong);
   check_cpu_contiguous(*hot_rows, "hot_rows", at::kByte);
   const int64_t words = (t.num_rows + 63) / 64;
-  TORCH_CHECK_VALUE(hot_dir->dim() == 1 && hot_dir->numel() == 2 * words, "hot_dir must have ",
-                    2 * words, " entries (two per 64 rows), got shape ", hot_dir->sizes());
-  TORCH_CHECK_VALUE(hot_rows->dim() == 2 && hot_rows->size(1) == t.row_bytes,
-                    "hot_rows must be [cached rows, ", t.row_bytes, "], got shape ",
-                    hot_rows->sizes());
   const auto* dir = reinterpret_cast<const uint64_t*>(hot_dir->data_ptr<int64_t>());
   const int64_t cached =
       words == 0 ? 0 : static_cast<int64_t>(dir[2 * words - 1]) + popcount64(dir[2 * words - 2]);
@@ -254,6 +248,8 @@ at::Tensor ibp_slot_bytes_cpu(const at::Tensor& rows, int64_t chunk_bits, const 
   const int64_t row_bytes = rows.size(1);
   const int code_bits =
       check_masks(mask, bitval, chunks_per_row(row_bytes, static_cast<int>(chunk_bits)), chunk_bits);
+  TORCH_CHECK_VALUE(unit_bytes >= 1 && unit_bytes <= kMaxSlotUnit,
+                    "the minimum slot unit must lie in [1, ", kMaxSlotUnit, "], got ", unit_bytes);
   const int64_t unit = slot_unit_bytes(row_bytes, unit_bytes);
   const int64_t n = rows.size(0);
   std::vector<uint8_t> units(n), compressed(n);

@@ -44,6 +44,7 @@ DEFAULT_SAMPLE_ROWS = 1_000_000
 DEFAULT_ALIGN: int | None = None  # None: the slot unit is chosen by measured size
 WIDTH_PROBE_ROWS = 65_536  # rows on which the chunk width is chosen
 ROWS_PER_BLOCK = 32
+MAX_SLOT_UNIT = 1 << 16  # format.h kMaxSlotUnit: the largest alignment a table may ask for
 _POOLING_CODES = {"sum": 0, "mean": 1}
 _BIT_WEIGHTS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
@@ -490,8 +491,8 @@ def fit_table(
 ) -> TableFit:
     """The fit ``compress`` runs (same arguments, same sample): for writers that stream rows."""
     validate_table(table, quant)
-    if align is not None and (align <= 0 or align & (align - 1)):
-        raise ValueError(f"align must be a power of two, got {align}")
+    if align is not None and (align <= 0 or align & (align - 1) or align > MAX_SLOT_UNIT):
+        raise ValueError(f"align must be a power of two <= {MAX_SLOT_UNIT}, got {align}")
     if chunk_bits is not None and chunk_bits not in CHUNK_BITS_CHOICES:
         raise ValueError(f"chunk_bits must be one of {CHUNK_BITS_CHOICES}, got {chunk_bits}")
     if code_bits is not None and code_bits not in CODE_BITS_CHOICES:

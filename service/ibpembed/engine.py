@@ -50,6 +50,8 @@ T = TypeVar("T")
 _DEDUPE_MIN_IDS = 64
 # Hot-row coverage from which pooled lookups skip the decode-once path (see _pool_table).
 FUSED_MIN_HOT_COVERAGE = 0.5
+# The oldest GPU the CUDA kernels run on (setup.py builds sm_80, sm_90 and compute_90 PTX).
+MIN_CUDA_CAPABILITY = (8, 0)
 
 
 class LookupObserver(Protocol):
@@ -128,12 +130,16 @@ def resolve_device(device: str) -> torch.device:
     """``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when a GPU and the CUDA kernels are present)."""
     if device not in ("cpu", "cuda", "auto"):
         raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
-    has_cuda_kernels = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "ibpembed::ibp_gather", "CUDA"
+    has_cuda_kernels = (
+        torch.cuda.is_available()
+        and torch._C._dispatch_has_kernel_for_dispatch_key("ibpembed::ibp_gather", "CUDA")
+        # The kernels use sm_80 instructions (cp.async, __reduce_add_sync).
+        and torch.cuda.get_device_capability() >= MIN_CUDA_CAPABILITY
     )
     if device == "cuda" and not has_cuda_kernels:
         raise ValueError(
-            "--device cuda needs a GPU and an ibpembed build with CUDA kernels "
+            "--device cuda needs an ibpembed build with CUDA kernels and a GPU of compute "
+            f"capability >= {MIN_CUDA_CAPABILITY[0]}.{MIN_CUDA_CAPABILITY[1]} "
             f"(cuda available: {torch.cuda.is_available()})"
         )
     return torch.device("cuda" if device != "cpu" and has_cuda_kernels else "cpu")
@@ -395,8 +401,8 @@ class LookupEngine:
                 pooled = torch.nn.functional.embedding_bag(
                     inverse, rows, offsets[:-1], mode="sum", per_sample_weights=weights
                 )
-                if pooling == "mean":
-                    pooled /= lengths.clamp(min=1).unsqueeze(1)
+                if pooling == "mean":  # as the kernels scale: a rounded reciprocal, then a multiply
+                    pooled *= lengths.clamp(min=1).float().reciprocal().unsqueeze(1)
                 return pooled, unique.numel()
         return table.lookup(ids, offsets, weights, pooling), nnz  # type: ignore[arg-type]
 

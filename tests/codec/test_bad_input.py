@@ -39,6 +39,7 @@ def test_compress_rejects_bad_tables(bad, error, match) -> None:
         ({"method": "zstd"}, "method"),
         ({"chunk_bits": 8}, "chunk_bits"),
         ({"align": 12}, "power of two"),
+        ({"align": 1 << 17}, "power of two <= 65536"),
         ({"sample_rows": 0}, "sample_rows"),
         ({"quant": "int4"}, "quant"),
     ],
@@ -111,6 +112,13 @@ def test_ops_validate_raw_tensor_arguments(table) -> None:
     bad_units[8] = 3
     with pytest.raises(ValueError, match="unit_bytes 3"):
         ops.ibp_decompress(*bad_units)
+    bad_units[8] = (1 << 62) + 1  # once sent the unit search into an endless loop
+    with pytest.raises(ValueError, match="not a valid slot unit"):
+        ops.ibp_decompress(*bad_units)
+    rows = torch.zeros(4, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="minimum slot unit"):
+        ops.ibp_slot_bytes(rows, 32, torch.zeros(4, dtype=torch.int64),
+                           torch.zeros(4, dtype=torch.int64), (1 << 62) + 1)  # fmt: skip
     bad_mask = args.copy()
     bad_mask[4] = torch.full_like(table.mask, -1) if table.chunk_bits < 64 else table.mask[:1]
     with pytest.raises(ValueError, match="mask"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ibpembed.codec import compress
-from ibpembed.engine import FeatureQuery, LookupEngine
+from ibpembed.engine import FeatureQuery, LookupEngine, resolve_device
 from ibpembed.server.errors import DeadlineExceeded, Overloaded
 from ibpembed.tables.store import TableStore
 from tests.server.helpers import GateObserver, RecordingObserver, make_store
@@ -82,3 +82,22 @@ def test_features_of_one_table_share_one_kernel_call():
     assert sorted(recorder.kernels) == [("emb_bf16", "none", 3, 2), ("emb_f32", "none", 6, 2)]
     assert [f.values.shape[0] for f in result.features] == [3, 3, 3]
     assert torch.equal(result.features[0].values, result.features[1].values)
+
+
+def test_resolve_device_here_and_on_gpus_the_kernels_cannot_run_on(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="device must be"):
+        resolve_device("gpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(ValueError, match="compute capability"):
+            resolve_device("cuda")
+    # What a GPU machine reports (no GPU here): a CUDA build on a GPU older than sm_80 stays
+    # on the CPU with auto and refuses cuda; sm_90 and newer take the kernels.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", lambda op, key: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"compute capability >= 8\.0"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
+    assert resolve_device("auto") == torch.device("cuda")

@@ -99,10 +99,15 @@ IBP_HD int chunks_per_row(int64_t row_bytes, int chunk_bits) {
 
 IBP_HD constexpr uint64_t low_bits(int w) { return w >= 64 ? ~uint64_t{0} : ((uint64_t{1} << w) - 1); }
 
-// Smallest power-of-two unit >= min_align for which a raw row fits in kMaxUnitsPerRow units.
+// Largest slot unit (alignment) a table may use: far past any useful alignment, and it bounds
+// the loop below for any min_align a caller passes.
+inline constexpr int64_t kMaxSlotUnit = int64_t{1} << 16;
+
+// Smallest power-of-two unit >= min_align for which a raw row fits in kMaxUnitsPerRow units
+// (capped at kMaxSlotUnit: callers reject a min_align above it).
 IBP_HD int64_t slot_unit_bytes(int64_t row_bytes, int64_t min_align) {
   int64_t unit = 1;
-  while (unit < min_align) unit <<= 1;
+  while (unit < min_align && unit < kMaxSlotUnit) unit <<= 1;
   while ((row_bytes + unit - 1) / unit > kMaxUnitsPerRow) unit <<= 1;
   return unit;
 }

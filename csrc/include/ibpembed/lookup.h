@@ -9,7 +9,8 @@
 //              for i in [offsets[b], offsets[b + 1]):
 //                acc += w_i * value(row(indices[i]))       w_i = per_sample_weights[i] or 1
 //              out[b] = acc            (SUM)
-//              out[b] = acc / L        (MEAN; an empty bag stays 0)
+//              out[b] = acc * (1 / L)  (MEAN: one rounded fp32 reciprocal, then
+//                                       multiplies; an empty bag stays 0)
 //
 // value() widens the stored element to fp32 exactly (numeric.h); accumulation is fp32, in index
 // order within a bag. Every index must lie in [0, num_rows): validated before any work starts,
