@@ -41,7 +41,7 @@ using LocalVector = std::vector<T, LocalAllocator<T>>;
 // side effect in __builtin_prefetch, marks an out-of-line helper whose body is only prefetches
 // `const`, and then deletes every call to it: from a976f39 until this note, prefetch_index
 // compiled to nothing (its conditional hot_dir prefetch made it too big to be inlined early),
-// and lookups ran 25-35 % slower. tests/codec/test_build.py checks the instructions are there.
+// and lookups ran 25-35 % slower. tests/codec/test_isa_objects.py checks they are there.
 [[gnu::always_inline]] inline void prefetch_index(const TableView& t, int64_t r) {
   __builtin_prefetch(t.row_units + r, 0, 3);
   __builtin_prefetch(t.block_base + r / kRowsPerBlock, 0, 3);

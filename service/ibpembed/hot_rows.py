@@ -79,7 +79,8 @@ class _IdRing:
     growing, and no request's arrays are kept alive. numpy, not torch: recording runs once per
     table of every request, and a torch op's dispatch costs more than the copy itself."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, num_rows: int) -> None:
+        self.num_rows = num_rows  # of the table version the ids were recorded against
         self.ids = np.zeros(capacity, dtype=np.int64)
         self.next = 0  # where the next id goes
         self.filled = 0
@@ -139,12 +140,12 @@ class HotRowTracker:
     def record(self, table: str, ids: np.ndarray, num_rows: int) -> None:
         """Remember one lookup's ids (int64 rows of ``table``, which has ``num_rows``; repeats
         count)."""
-        size = min(self.window_ids, max(MIN_WINDOW_IDS, WINDOW_IDS_PER_ROW * num_rows))
         with self._lock:
             window = self._windows.get(table)
             # A reload that resized the table restarts its window: the old ids name other rows.
-            if window is None or window.ids.size != size:
-                window = self._windows[table] = _IdRing(size)
+            if window is None or window.num_rows != num_rows:
+                size = min(self.window_ids, max(MIN_WINDOW_IDS, WINDOW_IDS_PER_ROW * num_rows))
+                window = self._windows[table] = _IdRing(size, num_rows)
             window.add(ids)
             self._fresh.add(table)
 

@@ -68,6 +68,10 @@ def test_window_restarts_when_a_reload_resizes_the_table() -> None:
     window = tracker._windows["t"]
     assert window.ids.size == hot_rows.WINDOW_IDS_PER_ROW * 2 * ROWS
     assert torch.equal(window.recent(), torch.arange(30) + ROWS)  # the old rows' ids are gone
+    capped = HotRowTracker(store, budget=0.05, window_ids=1000)  # both sizes hit the cap
+    capped.record("t", np.arange(100, dtype=np.int64), ROWS)
+    capped.record("t", np.arange(7, dtype=np.int64), ROWS + 1)
+    assert capped._windows["t"].filled == 7
 
 
 def test_a_failing_table_does_not_stop_the_others_and_is_retried(monkeypatch) -> None:
