@@ -13,6 +13,7 @@ namespace ibpembed {
 namespace {
 
 struct Bmi2BitOps {
+  static constexpr bool kHardwareDeposit = true;
   static inline uint64_t deposit(uint64_t src, uint64_t mask) { return _pdep_u64(src, mask); }
   static inline uint64_t extract(uint64_t x, uint64_t mask) { return _pext_u64(x, mask); }
 };

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 //
 // Picks the CPU path once, at load time, from a CPU-feature check (never at build time), with an
-// environment override. Having BMI2 does not make it fast (AMD before Zen 3 runs pdep/pext in
-// microcode), hence IBPEMBED_CPU_PATH=ref.
+// environment override. Having BMI2 does not make pdep fast: AMD before Zen 3 runs pdep/pext in
+// microcode, dozens of cycles per mask bit (published instruction tables; no such CPU was at hand
+// to measure), where the ref path's run-wise deposit takes a few cycles per run. So those CPUs
+// default to ref.
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -20,7 +22,7 @@ CpuPath initial_path() {
   const char* env = std::getenv("IBPEMBED_CPU_PATH");
   if (env == nullptr || *env == '\0') {
     if (cpu_has_avx512()) return CpuPath::kAvx512;
-    return cpu_has_bmi2() ? CpuPath::kBmi2 : CpuPath::kRef;
+    return cpu_has_bmi2() && !cpu_has_microcoded_pdep() ? CpuPath::kBmi2 : CpuPath::kRef;
   }
   CpuPath path;
   if (!cpu_path_from_name(env, &path)) {
@@ -44,6 +46,14 @@ std::atomic<CpuPath>& active() {
 bool cpu_has_bmi2() {
 #if defined(__x86_64__) || defined(__i386__)
   return __builtin_cpu_supports("bmi2");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_microcoded_pdep() {
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_is("znver1") || __builtin_cpu_is("znver2");
 #else
   return false;
 #endif

@@ -161,6 +161,11 @@ struct DecodePlan {
   LocalVector<uint64_t> group_bitval;     // C = 1: concatenated patterns of the group's chunks
   LocalVector<Chunk> codebook;            // C > 1: [(j << C) | code], 0 for the escape code
   LocalVector<uint32_t> group_offset;     // stream bit of the group's first free field
+  // group_free_mask as runs of set bits, for paths without pdep: group g deposits its free bits
+  // as the OR over k in [run_begin[g], run_begin[g + 1]) of (bits << run_shift[k]) & run_mask[k].
+  LocalVector<uint32_t> run_begin;
+  LocalVector<uint8_t> run_shift;
+  LocalVector<uint64_t> run_mask;
   LocalVector<uint32_t> field_offset;     // F_j = V * C + sum_{i<j} k_i
   uint64_t exception_start;               // E = V * C + sum_j k_j
   // Every group's free bits fit the 57 bits one unaligned 8-byte load holds at any bit shift
@@ -201,6 +206,20 @@ struct DecodePlan {
       }
       groups_fit_one_load &= popcount64(group_free_mask[g]) <= kOneLoadBits;
     }
+    run_begin.assign(1, 0);
+    for (int g = 0; g < groups; ++g) {
+      int filled = 0;  // source bits the group's earlier runs take
+      for (uint64_t rest = group_free_mask[g]; rest != 0;) {
+        const int p = ctz64(rest);
+        const int len = run_length(rest >> p);
+        const uint64_t run = low_bits(len) << p;
+        run_shift.push_back(static_cast<uint8_t>(p - filled));  // a run never starts below
+        run_mask.push_back(run);                                // the bits before it
+        filled += len;
+        rest &= ~run;
+      }
+      run_begin.push_back(static_cast<uint32_t>(run_mask.size()));
+    }
   }
 };
 
@@ -209,7 +228,15 @@ uint64_t read_group_free(const DecodePlan<W>& plan, const uint8_t* in, int g) {
   const uint64_t bits = plan.groups_fit_one_load
                             ? read_stream_bits<kOneLoadBits>(in, plan.group_offset[g])
                             : read_stream_bits<64>(in, plan.group_offset[g]);
-  return Ops::deposit(bits, plan.group_free_mask[g]);
+  if constexpr (Ops::kHardwareDeposit) {
+    return Ops::deposit(bits, plan.group_free_mask[g]);
+  } else {
+    uint64_t out = 0;
+    for (uint32_t k = plan.run_begin[g]; k < plan.run_begin[g + 1]; ++k) {
+      out |= (bits << plan.run_shift[k]) & plan.run_mask[k];
+    }
+    return out;
+  }
 }
 
 // C = 1. Two passes over a compressed row. Every chunk from its free field, a whole 8-byte group

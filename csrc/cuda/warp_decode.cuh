@@ -34,39 +34,6 @@ namespace ibpembed::gpu {
 inline constexpr int kWarpSize = 32;
 inline constexpr int kVecBytes = 16;
 
-IBP_HD int ctz64(uint64_t x) {  // x != 0
-#if defined(__CUDA_ARCH__)
-  return __ffsll(static_cast<long long>(x)) - 1;
-#else
-  return __builtin_ctzll(x);
-#endif
-}
-
-// pdep without BMI2, one iteration per run of set bits in mask instead of one per set bit (as
-// in bits.h's portable version). Fitted masks keep the sign/exponent MSBs and sometimes a few low
-// mantissa bits invariant, so the free bits form one to three runs: a handful of shifts per chunk.
-IBP_HD uint64_t deposit_runs(uint64_t src, uint64_t mask) {
-  uint64_t out = 0;
-  while (mask != 0) {
-    const int p = ctz64(mask);
-    const uint64_t t = mask >> p;
-    // ~t is zero only for an all-ones mask (p == 0): a single 64-bit run.
-    const int len = (~t == 0) ? 64 : ctz64(~t);
-    const uint64_t run = low_bits(len);
-    out |= (src & run) << p;
-    src = len >= 64 ? 0 : src >> len;
-    mask &= ~(run << p);
-  }
-  return out;
-}
-
-// The bit-op policy row_codec.h's decode_field() / patch_exception() run with on the device.
-struct RunDepositOps {
-  IBP_HD_METHOD static uint64_t deposit(uint64_t src, uint64_t mask) {
-    return deposit_runs(src, mask);
-  }
-};
-
 // The 16-byte-aligned byte range [first, first + 16 * vecs) of the payload that covers a slot at
 // [offset, offset + bytes); the slot starts `shift` bytes into it. Staging whole aligned vectors
 // lets every lane issue full 16-byte loads whatever the slot alignment (unit_bytes may be 1).
@@ -197,10 +164,10 @@ template <int W>
 IBP_HD uint64_t lane_decode(const uint32_t* words, int shift, uint64_t field, uint64_t exception,
                             const LaneChunk& c) {
   const uint64_t base = 8 * static_cast<uint64_t>(shift);
-  const uint64_t x = decode_field<RunDepositOps>(read_staged_bits<W>(words, base + field),
+  const uint64_t x = decode_field<PortableBitOps>(read_staged_bits<W>(words, base + field),
                                                  ~c.mask & low_bits(W), c.bitval);
   if (c.participates || !c.valid) return x;
-  return patch_exception<RunDepositOps>(x, read_staged_bits<W>(words, base + exception), c.mask);
+  return patch_exception<PortableBitOps>(x, read_staged_bits<W>(words, base + exception), c.mask);
 }
 
 // Gather dedupe. After the sort, equal ids are adjacent; position i is a run head when its id

@@ -61,6 +61,7 @@ void test_deposit() {
     const uint64_t mask = (i % 2) ? rand_mask(64) : rng();
     const uint64_t src = rng();
     if (deposit_runs(src, mask) != deposit_bits_portable(src, mask)) fail("deposit_runs", i, 0, 0);
+    if (extract_runs(src, mask) != extract_bits_portable(src, mask)) fail("extract_runs", i, 0, 0);
     ++cases;
   }
 }

@@ -27,7 +27,17 @@ IBP_HD int popcount64(uint64_t x) {
 #endif
 }
 
-// Scatter the low popcount(mask) bits of src to the set positions of mask, lowest first.
+IBP_HD int ctz64(uint64_t x) {  // x != 0
+#if defined(__CUDA_ARCH__)
+  return __ffsll(static_cast<long long>(x)) - 1;
+#else
+  return __builtin_ctzll(x);
+#endif
+}
+
+// Scatter the low popcount(mask) bits of src to the set positions of mask, lowest first: pdep,
+// one bit at a time. The plain statement of the operation, which tests check the run-wise
+// versions below against.
 IBP_HD uint64_t deposit_bits_portable(uint64_t src, uint64_t mask) {
   uint64_t out = 0;
   for (uint64_t bit = 1; mask != 0; bit <<= 1) {
@@ -38,7 +48,8 @@ IBP_HD uint64_t deposit_bits_portable(uint64_t src, uint64_t mask) {
   return out;
 }
 
-// Gather the bits of x at the set positions of mask into the low bits of the result.
+// Gather the bits of x at the set positions of mask into the low bits of the result: pext, one
+// bit at a time (the statement, as above).
 IBP_HD uint64_t extract_bits_portable(uint64_t x, uint64_t mask) {
   uint64_t out = 0;
   for (uint64_t bit = 1; mask != 0; bit <<= 1) {
@@ -49,12 +60,52 @@ IBP_HD uint64_t extract_bits_portable(uint64_t x, uint64_t mask) {
   return out;
 }
 
+// Length of the run of set bits of mask that starts at its lowest set bit p (t = mask >> p).
+IBP_HD int run_length(uint64_t t) {
+  return ~t == 0 ? 64 : ctz64(~t);  // ~t is zero only for an all-ones mask: one 64-bit run
+}
+
+// pdep without BMI2, one step per run of set bits in mask instead of one per bit. Fitted masks
+// keep the sign/exponent MSBs and sometimes a few low mantissa bits invariant, so a chunk's free
+// bits form one to three runs: a handful of shifts per chunk. What the GPU runs, and the CPU
+// where pdep is missing (ARM, x86 before Haswell) or microcoded (AMD before Zen 3).
+IBP_HD uint64_t deposit_runs(uint64_t src, uint64_t mask) {
+  uint64_t out = 0;
+  while (mask != 0) {
+    const int p = ctz64(mask);
+    const int len = run_length(mask >> p);
+    const uint64_t run = low_bits(len);
+    out |= (src & run) << p;
+    src = len >= 64 ? 0 : src >> len;
+    mask &= ~(run << p);
+  }
+  return out;
+}
+
+// pext without BMI2, run by run (as deposit_runs).
+IBP_HD uint64_t extract_runs(uint64_t x, uint64_t mask) {
+  uint64_t out = 0;
+  int filled = 0;
+  while (mask != 0) {
+    const int p = ctz64(mask);
+    const int len = run_length(mask >> p);
+    const uint64_t run = low_bits(len);
+    out |= ((x >> p) & run) << filled;  // filled + len <= 64: the runs hold popcount(mask) bits
+    filled += len;
+    mask &= ~(run << p);
+  }
+  return out;
+}
+
+// The bit-op policy of the portable paths: the scalar `ref` CPU path and the GPU kernels.
+// Without a deposit instruction, row decoders precompute each per-table mask's runs instead.
 struct PortableBitOps {
+  static constexpr bool kHardwareDeposit = false;
   IBP_HD_METHOD static uint64_t deposit(uint64_t src, uint64_t mask) {
-    return deposit_bits_portable(src, mask);
+    return deposit_runs(src, mask);
   }
   IBP_HD_METHOD static uint64_t extract(uint64_t x, uint64_t mask) {
-    return extract_bits_portable(x, mask);
+    return extract_runs(x, mask);
   }
 };
 

@@ -92,10 +92,13 @@ const RowKernels& bmi2_row_kernels();
 const RowKernels& avx512_row_kernels();
 
 bool cpu_has_bmi2();
+// AMD Zen 1/2: BMI2 is there, but pdep/pext run in microcode (slower than the ref path).
+bool cpu_has_microcoded_pdep();
 // BMI2 and the AVX-512 subsets the vector decoder uses (F, BW, VBMI, VBMI2), with OS support.
 bool cpu_has_avx512();
 bool cpu_supports(CpuPath path);
-// The path in use: IBPEMBED_CPU_PATH=ref|bmi2|avx512 if set, else the fastest the CPU supports.
+// The path in use: IBPEMBED_CPU_PATH=ref|bmi2|avx512 if set, else the fastest the CPU supports
+// (avx512, else bmi2 unless pdep is microcoded, else ref).
 CpuPath active_cpu_path();
 void set_active_cpu_path(CpuPath path);
 const char* cpu_path_name(CpuPath path);
