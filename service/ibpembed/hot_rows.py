@@ -153,13 +153,14 @@ class HotRowTracker:
         """Publish fresh copies for every table looked up since its last refresh, where the hot
         set changed. Returns the rows now cached per table republished."""
         with self._lock:
-            recent = {name: self._windows[name].recent() for name in self._fresh}
+            recent = {n: self._windows[n].recent() for n in self._fresh if n in self._windows}
             self._fresh.clear()
         with self.store.acquire() as snapshot:
             tables = dict(snapshot.tables)
-        with self._lock:  # windows of tables a reload dropped
-            for gone in set(self._windows) - set(tables):
+        with self._lock:  # windows of tables a reload dropped (a lookup of an older snapshot may
+            for gone in set(self._windows) - set(tables):  # have recorded one meanwhile)
                 del self._windows[gone]
+                self._fresh.discard(gone)
         cached: dict[str, int] = {}
         for name, ids in recent.items():
             table = tables.get(name)

@@ -94,6 +94,24 @@ def test_a_failing_table_does_not_stop_the_others_and_is_retried(monkeypatch) ->
         assert all(snap.tables[name].hot is not None for name in ("a", "b"))
 
 
+def test_a_lookup_of_a_dropped_table_during_a_refresh_does_not_wedge_it(monkeypatch) -> None:
+    store = TableStore.from_tables({"a": compress(_table(1))})
+    tracker = HotRowTracker(store, budget=0.05)
+    acquire = store.acquire
+
+    def acquire_while_an_old_lookup_records_b():  # a lookup of a snapshot that still had "b"
+        tracker.record("b", _zipf_ids(5_000, 4), ROWS)
+        return acquire()
+
+    tracker.record("a", _zipf_ids(5_000, 3), ROWS)
+    monkeypatch.setattr(store, "acquire", acquire_while_an_old_lookup_records_b)
+    assert "a" in tracker.refresh()
+    monkeypatch.setattr(store, "acquire", acquire)
+    assert "b" not in tracker._windows and "b" not in tracker._fresh
+    tracker.record("a", _zipf_ids(5_000, 5), ROWS)
+    tracker.refresh()  # raised KeyError('b') at every refresh before the fix
+
+
 def test_refresh_publishes_copies_without_changing_rows_or_version() -> None:
     values = _table()
     store = TableStore.from_tables({"t": compress(values)})
