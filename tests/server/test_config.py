@@ -46,6 +46,10 @@ def test_flag_beats_env_beats_file(tmp_path):
         ((), {"IBPEMBED_WORKERS": "many"}, "IBPEMBED_WORKERS"),
         ((), {"IBPEMBED_DEVICE": "tpu"}, "device"),
         ((), {"IBPEMBED_REFLECTION": "maybe"}, "boolean"),
+        ((), {"IBPEMBED_HOT_ROW_REFRESH_S": "nan"}, "hot_row_refresh_s must be a finite"),
+        ((), {"IBPEMBED_HOT_ROW_REFRESH_S": "inf"}, "hot_row_refresh_s must be a finite"),
+        (("--grace-s", "nan"), {}, "grace_s must be a finite"),
+        (("--max-message-mb", "2048"), {}, "int32"),
     ],
 )
 def test_invalid_settings_are_named(argv, env, message):

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 ENV_PREFIX = "IBPEMBED_"
+# gRPC takes message sizes as int32 bytes: 2047 MiB is the most it accepts.
+MAX_MESSAGE_MB = 2047
 
 
 def _setting(default: Any, help: str, **kw: Any) -> Any:
@@ -95,6 +98,19 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_message_mb > MAX_MESSAGE_MB:
+            raise ValueError(
+                f"max_message_mb must be <= {MAX_MESSAGE_MB} (gRPC sizes are int32), "
+                f"got {self.max_message_mb}"
+            )
+        for name in (
+            "grace_s",
+            "dedupe_max_unique_fraction",
+            "hot_row_budget",
+            "hot_row_refresh_s",
+        ):
+            if not math.isfinite(getattr(self, name)):  # nan passes every comparison below
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if not 0.0 <= self.hot_row_budget <= 1.0:
             raise ValueError(f"hot_row_budget must be in [0, 1], got {self.hot_row_budget}")
         if self.hot_row_refresh_s <= 0:
