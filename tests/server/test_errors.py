@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
+from ibpembed.server.errors import status_for
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, build_request
 from ibpembed_client.v1 import lookup_pb2 as pb
 from tests.server.helpers import (
@@ -67,6 +68,7 @@ BAD_INPUTS = [
     (_raw(ids=(1,), lengths=(1,)), "features[1].name", ["repeated"]),  # duplicated below
 ]
 BAD_INPUTS[-1][0].features.append(BAD_INPUTS[-1][0].features[0])
+BAD_INPUTS.append((pb.LookupRequest(request_id="r" * 300), "request_id", ["300 characters"]))
 
 
 @pytest.mark.parametrize(("request_", "field", "words"), BAD_INPUTS)
@@ -195,6 +197,7 @@ def test_internal_logs_request_id_and_hides_details(caplog):
             client.lookup({"user": [[1]]}, request_id="req-42")
         assert info.value.code == grpc.StatusCode.INTERNAL
         assert "req-42" in info.value.details and "exploded" not in info.value.details
+        assert len(status_for(RuntimeError(), "r" * 100_000)[1]) < 600  # messages stay capped
         assert any("req-42" in r.getMessage() for r in caplog.records)
         assert "observer exploded" in caplog.text
         # In a stream the failure is per request, with the same code.

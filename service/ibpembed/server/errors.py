@@ -96,6 +96,8 @@ def tolerant_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callabl
 # trailers, which clients cap at 8 KiB by default (percent-encoded: up to 6 bytes a character):
 # past that the client sees RESOURCE_EXHAUSTED instead of the real code.
 MAX_MESSAGE_CHARS = 512
+# Longest request id a client may choose (a UUID is 36; trace ids are 32-64).
+MAX_REQUEST_ID_CHARS = 256
 
 
 def status_for(exc: BaseException, request_id: str) -> tuple[grpc.StatusCode, str]:
@@ -105,11 +107,12 @@ def status_for(exc: BaseException, request_id: str) -> tuple[grpc.StatusCode, st
     the request id (to find the logged traceback) and none of the exception's text.
     """
     if isinstance(exc, ServiceError):
-        message = str(exc)
-        if len(message) > MAX_MESSAGE_CHARS:
-            message = message[:MAX_MESSAGE_CHARS] + "... (truncated)"
-        return exc.code, message
-    return grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})"
+        code, message = exc.code, str(exc)
+    else:
+        code, message = grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})"
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS] + "... (truncated)"
+    return code, message
 
 
 def ensure_request_id(request: object) -> str:

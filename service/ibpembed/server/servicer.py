@@ -20,6 +20,7 @@ import torch
 
 from ibpembed.engine import FeatureQuery, LookupEngine, LookupResult, Pooling, TableDescription
 from ibpembed.server.errors import (
+    MAX_REQUEST_ID_CHARS,
     InvalidArgument,
     UndecodableRequest,
     ensure_request_id,
@@ -61,6 +62,10 @@ def decode_request(request: pb.LookupRequest) -> tuple[list[FeatureQuery], Pooli
     """Features and pooling of a request; :class:`InvalidArgument` for undecodable fields."""
     if isinstance(request, UndecodableRequest):  # a LookupStream message that did not parse
         raise request.error()
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # echoed in the response and the logs
+        raise InvalidArgument(
+            "request_id", f"{len(request.request_id)} characters, at most {MAX_REQUEST_ID_CHARS}"
+        )
     if request.pooling not in _POOLING:
         raise InvalidArgument("pooling", f"unknown value {request.pooling}")
     features = []
