@@ -146,6 +146,8 @@ def test_deadline_exceeded_and_slot_released():
         running.run(_wait_idle(running))
         assert client.lookup({"user": [[1]]}, timeout=30)["user"].shape == (1, 16)
         client.close()
+    # Counted like every other outcome (requests_total): the call ended by its deadline.
+    assert gate.rpcs == [("Lookup", "DEADLINE_EXCEEDED"), ("Lookup", "OK")]
 
 
 async def _wait_idle(running: RunningServer) -> None:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, TlsOptions, loadgen
-from tests.server.helpers import RunningServer, make_store
+from tests.server.helpers import RecordingObserver, RunningServer, make_store
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 NO_RETRY = RetryPolicy(max_attempts=1)
@@ -95,7 +95,8 @@ def test_mtls_requires_a_client_certificate_from_the_ca(pki):
 def test_bearer_token(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token\n")
-    with RunningServer(make_store(), auth_token_file=str(token_file)) as running:
+    recorder = RecordingObserver()
+    with RunningServer(make_store(), observer=recorder, auth_token_file=str(token_file)) as running:
         assert _code(LookupClient(running.target, token="s3cret-token", timeout=30)) is None
         for token in (None, "wrong", "s3cret-token-but-longer"):
             client = LookupClient(running.target, token=token, timeout=30)
@@ -110,3 +111,7 @@ def test_bearer_token(tmp_path):
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
         assert anonymous.is_serving()
         anonymous.close()
+    # Rejections count in requests by code like every other outcome (health is not counted).
+    assert recorder.rpcs.count(("Lookup", "UNAUTHENTICATED")) == 3
+    assert ("ListTables", "UNAUTHENTICATED") in recorder.rpcs
+    assert ("LookupStream", "UNAUTHENTICATED") in recorder.rpcs

@@ -95,7 +95,7 @@ class LookupServer:
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self.config.auth_token_file is not None:
             token = _read(self.config.auth_token_file).decode().strip()
-            interceptors.append(BearerTokenInterceptor(token))
+            interceptors.append(BearerTokenInterceptor(token, self.observer))
         interceptors.append(ServiceInterceptor(self.state, self.observer))
         # An observer that is also an interceptor (ibpembed.metrics) goes innermost: it reads the
         # lookup requests (pooling) and the servicer's own handlers.

@@ -10,6 +10,7 @@ Health and reflection pass through untouched, so probes keep working while drain
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import inspect
 import logging
@@ -55,6 +56,16 @@ class RpcObserver(Protocol):
 
     def rpc_done(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         """``method`` (e.g. ``/ibpembed.v1.EmbeddingLookup/Lookup``) ended with ``code``."""
+
+
+def _cancelled_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """What a client whose call the server cancelled sees: its deadline passed, or it left."""
+    remaining = context.time_remaining()
+    return (
+        grpc.StatusCode.DEADLINE_EXCEEDED
+        if remaining is not None and remaining <= 0
+        else grpc.StatusCode.CANCELLED
+    )
 
 
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
@@ -129,6 +140,9 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                     self.state.active -= 1
             except grpc.aio.AbortError:
                 raise
+            except asyncio.CancelledError:  # the deadline passed or the client went away
+                self._done(method, _cancelled_code(context), started)
+                raise
             except Exception as exc:
                 await self._fail(context, method, request_id, exc, started)
             self._done(method, grpc.StatusCode.OK, started)
@@ -152,6 +166,9 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     self.state.active -= 1
             except grpc.aio.AbortError:
+                raise
+            except asyncio.CancelledError:
+                self._done(method, _cancelled_code(context), started)
                 raise
             except Exception as exc:
                 await self._fail(context, method, stream_id, exc, started)
@@ -217,10 +234,11 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     Health checks are exempt: Kubernetes gRPC probes cannot send credentials.
     """
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, observer: RpcObserver | None = None) -> None:
         if not token:
             raise ValueError("empty bearer token")
         self._expected = f"Bearer {token}".encode()
+        self.observer = observer  # told of rejected ibpembed.v1 calls (requests by code)
 
     async def intercept_service(
         self,
@@ -230,6 +248,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(HEALTH_PREFIX) or self._authorized(details):
             return handler
+        if self.observer is not None and details.method.startswith(SERVICE_PREFIX):
+            self.observer.rpc_done(details.method, grpc.StatusCode.UNAUTHENTICATED, 0.0)
         return _rejecting_handler(handler)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
