@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -148,6 +149,23 @@ def test_deadline_exceeded_and_slot_released():
         client.close()
     # Counted like every other outcome (requests_total): the call ended by its deadline.
     assert gate.rpcs == [("Lookup", "DEADLINE_EXCEEDED"), ("Lookup", "OK")]
+
+
+def test_a_stream_runs_at_most_stream_window_requests_at_once():
+    gate = GateObserver()
+    with RunningServer(make_store(), observer=gate, stream_window=2, workers=8) as running:
+        client = LookupClient(running.target, timeout=30)
+        requests = [build_request({"user": [[i]]}, request_id=f"s-{i}") for i in range(6)]
+        results: list = []
+        reader = threading.Thread(target=lambda: results.extend(client.lookup_stream(requests)))
+        reader.start()
+        gate.wait_entered(2)
+        time.sleep(0.3)  # time for a third request to start, were the window not respected
+        assert gate.entered == 2
+        gate.open()
+        reader.join(timeout=30)
+        assert [r.request_id for r in results] == [f"s-{i}" for i in range(6)]
+        client.close()
 
 
 async def _wait_idle(running: RunningServer) -> None:

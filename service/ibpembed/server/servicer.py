@@ -153,13 +153,17 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self, request_iterator: AsyncIterator[pb.LookupRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LookupResponse]:
         deadline = deadline_of(context)
-        # Reader task -> bounded queue of per-request tasks -> this generator, which yields them
-        # in order. A queue item is a task, None (client done) or the reader's exception.
-        queue: asyncio.Queue = asyncio.Queue(maxsize=self.stream_window)
+        # Reader task -> queue of per-request tasks -> this generator, which yields them in order.
+        # A queue item is a task, None (client done) or the reader's exception. A request holds
+        # one of stream_window slots from when it is read until its response is written, so at
+        # most stream_window requests are running or waiting to be written.
+        queue: asyncio.Queue = asyncio.Queue()
+        slots = asyncio.Semaphore(self.stream_window)
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
+                    await slots.acquire()
                     await queue.put(asyncio.ensure_future(self._stream_one(request, deadline)))
             except Exception as exc:  # handed to the writer, which raises it as the stream status
                 await queue.put(exc)
@@ -171,7 +175,9 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             while (item := await queue.get()) is not None:
                 if isinstance(item, Exception):
                     raise item
-                yield await item
+                response = await item
+                slots.release()
+                yield response
         finally:
             reader.cancel()
             while not queue.empty():
