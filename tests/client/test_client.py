@@ -7,6 +7,7 @@ import asyncio
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -151,3 +152,29 @@ def test_async_client_matches_sync_client():
     for result in [*got, *streamed]:
         for name in features:
             assert np.array_equal(result[name], want[name])
+
+
+def _first_calls(client: LookupClient, threads: int) -> list[object]:
+    """The channel each of ``threads`` threads gets from its first call, all starting at once."""
+    start = threading.Barrier(threads)
+    seen: list[object] = []
+
+    def first_call() -> None:
+        start.wait()
+        seen.append(client._channel(client.target))
+
+    workers = [threading.Thread(target=first_call) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    return seen
+
+
+def test_threads_first_calls_share_one_channel():
+    """The client is thread-safe: concurrent first calls must not each open a channel (and leak
+    all but one)."""
+    for _ in range(20):
+        client = LookupClient("127.0.0.1:1")
+        assert len({id(channel) for channel in _first_calls(client, 8)}) == 1
+        client.close()

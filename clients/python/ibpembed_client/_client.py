@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TypeVar
@@ -75,18 +76,25 @@ class LookupClient:
         self._token = token
         self._options = channel_options(max_message_bytes, keepalive)
         self._channels: dict[str, grpc.Channel] = {}
+        self._channels_lock = threading.Lock()  # threads' first calls must share one channel
 
     # -- channels --------------------------------------------------------------------------
     def _channel(self, target: str) -> grpc.Channel:
         channel = self._channels.get(target)
-        if channel is None:
-            if self._tls is None:
-                channel = grpc.insecure_channel(target, options=self._options)
-            else:
-                channel = grpc.secure_channel(
-                    target, self._tls.credentials(), options=self._options + self._tls.options()
-                )
-            self._channels[target] = channel
+        if channel is not None:
+            return channel
+        with self._channels_lock:
+            channel = self._channels.get(target)
+            if channel is None:
+                if self._tls is None:
+                    channel = grpc.insecure_channel(target, options=self._options)
+                else:
+                    channel = grpc.secure_channel(
+                        target,
+                        self._tls.credentials(),
+                        options=self._options + self._tls.options(),
+                    )
+                self._channels[target] = channel
         return channel
 
     def _stub(self, target: str | None = None) -> lookup_pb2_grpc.EmbeddingLookupStub:
@@ -94,9 +102,11 @@ class LookupClient:
 
     def close(self) -> None:
         """Close every channel."""
-        for channel in self._channels.values():
+        with self._channels_lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+        for channel in channels:
             channel.close()
-        self._channels.clear()
 
     def __enter__(self) -> LookupClient:
         return self
