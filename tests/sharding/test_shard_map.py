@@ -125,3 +125,11 @@ def test_split_rejects_what_a_server_would():
     bad.pooling = 9
     with pytest.raises(LookupServiceError, match="pooling: unknown value 9"):
         split_request(shard_map, bad)
+    # uint8 rows only pool as NONE, even for a feature with no ids (which reaches no shard).
+    u8 = TableInfo("u", 10, 12, "uint8", "", 0, 0, 32, 1, 0, 10, ("b",))
+    u8_map = ShardMap.from_table_infos(ADDRESSES[:1], [[u8]])
+    for batch in ([[], []], [[1, 2]]):
+        with pytest.raises(LookupServiceError, match="only pool as NONE") as err:
+            split_request(u8_map, build_request({"b": batch}, "sum"))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert split_request(u8_map, build_request({"b": [[1, 2]]}, "none")).requests

@@ -67,6 +67,8 @@ SHARD_MAP_VERSION = 1
 # fbgemm row-wise int8 rows start with an fp16 scale and an fp16 bias; pooling drops them.
 _INT8_ROWWISE_HEADER_BYTES = 4
 _NUMPY_DTYPES: dict[str, np.dtype] = dict(DTYPES.values())
+# Row dtypes the servers pool (SUM/MEAN) without a quantisation scheme.
+_POOLABLE_DTYPES = ("float32", "float16", "bfloat16")
 _POOLINGS = (pb.POOLING_UNSPECIFIED, pb.POOLING_SUM, pb.POOLING_MEAN, pb.POOLING_NONE)
 
 
@@ -408,6 +410,13 @@ def split_request(shard_map: ShardMap, request: pb.LookupRequest) -> SplitPlan:
                 request_id,
             )
         table = shard_map.tables[table_name]
+        if not none and table.quant is None and table.dtype not in _POOLABLE_DTYPES:
+            # Checked here as the server does: a feature with no ids reaches no shard.
+            raise _invalid(
+                "pooling",
+                f"table {table.name!r} holds torch.{table.dtype} rows, which only pool as NONE",
+                request_id,
+            )
         ids = _array(feature.ids, "<i8", f"{where}.ids", request_id)
         lengths = _array(feature.lengths, "<i4", f"{where}.lengths", request_id)
         weights = _array(feature.weights, "<f4", f"{where}.weights", request_id)
@@ -501,8 +510,8 @@ def merge_results(plan: SplitPlan, results: Mapping[int, LookupResult]) -> Looku
                     out[part.samples] += partial
             if out is None:
                 out = np.zeros((bags, table.pooled_dim), dtype=np.float32)
-            if plan.pooling == pb.POOLING_MEAN:
-                out /= np.maximum(feature.lengths, 1).astype(np.float32)[:, None]
+            if plan.pooling == pb.POOLING_MEAN:  # as the kernels: rounded reciprocal, multiply
+                out *= (np.float32(1) / np.maximum(feature.lengths, 1).astype(np.float32))[:, None]
             merged.dtypes[feature.name] = "float32"
         merged.values[feature.name] = out
     return merged
