@@ -369,7 +369,7 @@ def alignment_sweep(
 
 
 def cpu_path_decode(tables: Sequence[Table], reps: int) -> list[dict]:
-    """1-core decode GB/s of the scalar reference path vs the BMI2 pext/pdep path vs the AVX-512
+    """1-core decode GB/s of the portable (ref) path vs the BMI2 pext/pdep path vs the AVX-512
     path (BMI2 with a vector decoder for codebook tables)."""
     rows = []
     paths = codec.available_cpu_paths()
@@ -732,7 +732,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "### CPU paths: scalar reference vs BMI2 vs AVX-512 (1 thread decode, GB/s)",
+        "### CPU paths: portable (ref) vs BMI2 vs AVX-512 (1 thread decode, GB/s)",
         "",
         "| table | W, C | ref | bmi2 | avx512 | bmi2/ref | avx512/bmi2 |",
         "|---|---:|---:|---:|---:|---:|---:|",
