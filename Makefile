@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip --disable-pip-version-check -q
 
-.PHONY: setup build test lint cuda-check bench-codec bench-service proto
+.PHONY: setup build test lint cuda-check arm-check bench-codec bench-service proto
 
 # Creates the venv, installs every pinned dependency, builds the native extension.
 setup:
@@ -40,3 +40,7 @@ proto:
 # nvcc compile check of the CUDA kernels (sm_80 + sm_90, -Xptxas -v; no link, no GPU needed).
 cuda-check:
 	PYTHON=$(PY) scripts/check_cuda_compile.sh
+
+# aarch64 cross-compile check of the portable CPU build (Graviton, Grace); no link, no run.
+arm-check:
+	PYTHON=$(PY) scripts/check_aarch64_compile.sh

@@ -11,6 +11,7 @@ Set IBPEMBED_SKIP_CUDA_BUILD=1 to build the CPU extension on a CUDA torch.
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
 
 from setuptools import setup
@@ -60,7 +61,9 @@ class BuildExtension(cpp_extension.BuildExtension):
     def build_extensions(self) -> None:
         include = str(CSRC / "include")
         objects = []
-        for source, isa_flags in ISA_SOURCES.items():
+        # Other architectures (aarch64: Graviton, Grace) build the portable path only.
+        isa_sources = ISA_SOURCES if platform.machine().lower() in ("x86_64", "amd64") else {}
+        for source, isa_flags in isa_sources.items():
             objects += self.compiler.compile(
                 [source],
                 output_dir=self.build_temp,

@@ -108,8 +108,11 @@ bool cpu_path_from_name(const char* name, CpuPath* path) {
 
 const RowKernels& row_kernels(CpuPath path) {
   switch (path) {
+#if defined(__x86_64__)
+    // Built on x86-64 only (setup.py); cpu_supports() never admits them elsewhere.
     case CpuPath::kAvx512: return avx512_row_kernels();
     case CpuPath::kBmi2: return bmi2_row_kernels();
+#endif
     default: return ref_row_kernels();
   }
 }

@@ -37,6 +37,9 @@ def _setup_constants() -> dict:
 
 
 SETUP = _setup_constants()
+pytestmark = pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="setup.py builds ISA translation units on x86-64 only"
+)
 
 
 TOOLS = (CXX, "nm", "objdump")
@@ -98,7 +101,6 @@ def _function_bodies(disassembly: str) -> dict[str, str]:
 
 
 @needs_tools
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 prefetch instructions")
 @pytest.mark.parametrize("source", sorted(s for s in SETUP["ISA_SOURCES"] if "row_kernels" in s))
 def test_decode_loops_keep_their_index_prefetches(
     source: str, isa_object: Callable[[str], Path]
