@@ -20,10 +20,7 @@ constexpr CpuPath kAllPaths[] = {CpuPath::kRef, CpuPath::kBmi2, CpuPath::kAvx512
 
 CpuPath initial_path() {
   const char* env = std::getenv("IBPEMBED_CPU_PATH");
-  if (env == nullptr || *env == '\0') {
-    if (cpu_has_avx512()) return CpuPath::kAvx512;
-    return cpu_has_bmi2() && !cpu_has_microcoded_pdep() ? CpuPath::kBmi2 : CpuPath::kRef;
-  }
+  if (env == nullptr || *env == '\0') return default_cpu_path();
   CpuPath path;
   if (!cpu_path_from_name(env, &path)) {
     throw std::runtime_error(
@@ -68,6 +65,11 @@ bool cpu_has_avx512() {
 #else
   return false;
 #endif
+}
+
+CpuPath default_cpu_path() {
+  if (cpu_has_avx512()) return CpuPath::kAvx512;
+  return cpu_has_bmi2() && !cpu_has_microcoded_pdep() ? CpuPath::kBmi2 : CpuPath::kRef;
 }
 
 bool cpu_supports(CpuPath path) {

@@ -422,6 +422,12 @@ PYBIND11_MODULE(_C, module) {
   module.def("cpu_has_bmi2", &ibpembed::cpu_has_bmi2, "Whether this CPU reports BMI2.");
   module.def("cpu_has_avx512", &ibpembed::cpu_has_avx512,
              "Whether this CPU runs the AVX-512 path (BMI2, AVX-512 F/BW/VBMI/VBMI2).");
+  module.def("cpu_has_microcoded_pdep", &ibpembed::cpu_has_microcoded_pdep,
+             "Whether this CPU runs pdep/pext in microcode (AMD Zen 1/2).");
+  module.def(
+      "default_cpu_path",
+      [] { return std::string(ibpembed::cpu_path_name(ibpembed::default_cpu_path())); },
+      "The path chosen when IBPEMBED_CPU_PATH is unset.");
   module.def(
       "set_cpu_path",
       [](const std::string& name) {

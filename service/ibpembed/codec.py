@@ -58,9 +58,11 @@ def cpu_path() -> str:
 
 
 def available_cpu_paths() -> list[str]:
-    """The CPU paths this machine runs, fastest first (the first is the default)."""
+    """The CPU paths this machine runs, the default first (the path chosen when
+    ``IBPEMBED_CPU_PATH`` is unset), then the others fastest first."""
     runs = {"avx512": _C.cpu_has_avx512(), "bmi2": _C.cpu_has_bmi2(), "ref": True}
-    return [path for path, ok in runs.items() if ok]
+    default = _C.default_cpu_path()
+    return [default] + [path for path, ok in runs.items() if ok and path != default]
 
 
 def slot_unit_candidates(row_bytes: int, align: int | None) -> list[int]:

@@ -97,8 +97,9 @@ bool cpu_has_microcoded_pdep();
 // BMI2 and the AVX-512 subsets the vector decoder uses (F, BW, VBMI, VBMI2), with OS support.
 bool cpu_has_avx512();
 bool cpu_supports(CpuPath path);
-// The path in use: IBPEMBED_CPU_PATH=ref|bmi2|avx512 if set, else the fastest the CPU supports
-// (avx512, else bmi2 unless pdep is microcoded, else ref).
+// The fastest path the CPU runs: avx512, else bmi2 unless pdep is microcoded, else ref.
+CpuPath default_cpu_path();
+// The path in use: IBPEMBED_CPU_PATH=ref|bmi2|avx512 if set, else default_cpu_path().
 CpuPath active_cpu_path();
 void set_active_cpu_path(CpuPath path);
 const char* cpu_path_name(CpuPath path);
