@@ -2,8 +2,8 @@
 //
 // The AVX-512 path: the BMI2 path in everything, except two loops. Codebook tables (C > 1) of
 // 32-bit chunks, the layout the fit picks for most fp32 and bf16 tables, decode 16 chunks per step
-// with a vector row decoder; and rows of 32-bit chunks are sized (the fit's hot loop) 16 chunks
-// per step. Compiled with -mbmi2 and the AVX-512 subsets setup.py lists; entered only after
+// with a vector row decoder; and rows of 16- and 32-bit chunks are sized (the fit's hot loop) 64
+// bytes per step. Compiled with -mbmi2 and the AVX-512 subsets setup.py lists; entered only after
 // cpu_has_avx512() said yes. Plain IBP (C = 1) stays on the BMI2 decoder: one pdep per 8 bytes
 // already runs near the speed of the staging around it, and a vector version of it measured
 // slower on Zen 4.
@@ -347,28 +347,68 @@ void decode_rows_avx512(const TableView& t, const int64_t* ids, int64_t n, uint8
   detail::decode_rows<Bmi2BitOps>(t, ids, n, out, sink);
 }
 
-// Sizing of 32-bit-chunk rows (compressed_row_bytes), 16 chunks per step: a chunk has a code iff
-// its masked bits equal one of the K patterns of its position, K compares into a mask register.
-// The fit sizes every candidate layout on its probe rows this way, then every row of the table.
-void size_rows_w32(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64_t* mask,
-                   const uint64_t* bitval, int code_bits, int64_t* comp_bytes) {
-  const int v = chunks_per_row(row_bytes, 32);
+// Lanes of one 64-byte block when rows are sized W bits per chunk: the compares and the sum of
+// the escapes' masked bits, which reaches 32-bit sums either way.
+template <int W>
+struct SizingLanes;
+
+template <>
+struct SizingLanes<32> {
+  using Lane = uint32_t;
+  using Mask = __mmask16;
+  static constexpr int kCount = 16;
+  static Mask equal(__m512i a, __m512i b) { return _mm512_cmpeq_epi32_mask(a, b); }
+  static __m512i with_lane(__m512i x, int lane, Lane value) {
+    return _mm512_mask_set1_epi32(x, static_cast<Mask>(1u << lane), static_cast<int>(value));
+  }
+  static __m512i add_escapes(__m512i sums, Mask coded, __m512i masked_bits) {
+    return _mm512_mask_add_epi32(sums, static_cast<Mask>(~coded), sums, masked_bits);
+  }
+};
+
+template <>
+struct SizingLanes<16> {
+  using Lane = uint16_t;
+  using Mask = __mmask32;
+  static constexpr int kCount = 32;
+  static Mask equal(__m512i a, __m512i b) { return _mm512_cmpeq_epi16_mask(a, b); }
+  static __m512i with_lane(__m512i x, int lane, Lane value) {
+    return _mm512_mask_set1_epi16(x, static_cast<Mask>(1u << lane), static_cast<int16_t>(value));
+  }
+  // 16-bit lanes would overflow on rows of > 4096 blocks: pairs are summed into 32 bits.
+  static __m512i add_escapes(__m512i sums, Mask coded, __m512i masked_bits) {
+    const __m512i escaped = _mm512_maskz_mov_epi16(static_cast<Mask>(~coded), masked_bits);
+    return _mm512_add_epi32(sums, _mm512_madd_epi16(escaped, _mm512_set1_epi16(1)));
+  }
+};
+
+// Sizing of 16- and 32-bit-chunk rows (compressed_row_bytes), a 64-byte block per step: a chunk
+// has a code iff its masked bits equal one of the K patterns of its position, K compares into a
+// mask register. The fit sizes every candidate layout on its probe rows this way, then every row
+// of the table.
+template <int W>
+void size_rows_lanes(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64_t* mask,
+                     const uint64_t* bitval, int code_bits, int64_t* comp_bytes) {
+  using L = SizingLanes<W>;
+  using Lane = typename L::Lane;
+  constexpr int kChunkBytes = W / 8;
+  const int v = chunks_per_row(row_bytes, W);
   const int k = codebook_size(code_bits);
-  const int blocks = (v + kLanes - 1) / kLanes;
+  const int blocks = (v + L::kCount - 1) / L::kCount;
   // Per block: the masks, the K patterns (pattern i of every lane), the escape cost W - k_j.
   LocalVector<Zmm> masks(blocks);
   LocalVector<Zmm> patterns(static_cast<size_t>(blocks) * k);
   LocalVector<Zmm> masked_bits(blocks);
   for (int b = 0; b < blocks; ++b) {
-    alignas(64) uint32_t lane_mask[kLanes] = {};
-    alignas(64) uint32_t lane_pattern[kMaxPatterns][kLanes] = {};
-    alignas(64) uint32_t lane_bits[kLanes] = {};
-    for (int lane = 0; lane < kLanes && b * kLanes + lane < v; ++lane) {
-      const int j = b * kLanes + lane;
-      lane_mask[lane] = static_cast<uint32_t>(mask[j]);
-      lane_bits[lane] = static_cast<uint32_t>(32 - free_bits<32>(mask[j]));
+    alignas(64) Lane lane_mask[L::kCount] = {};
+    alignas(64) Lane lane_pattern[kMaxPatterns][L::kCount] = {};
+    alignas(64) Lane lane_bits[L::kCount] = {};
+    for (int lane = 0; lane < L::kCount && b * L::kCount + lane < v; ++lane) {
+      const int j = b * L::kCount + lane;
+      lane_mask[lane] = static_cast<Lane>(mask[j]);
+      lane_bits[lane] = static_cast<Lane>(W - free_bits<W>(mask[j]));
       for (int i = 0; i < k; ++i) {
-        lane_pattern[i][lane] = static_cast<uint32_t>(bitval[static_cast<int64_t>(j) * k + i]);
+        lane_pattern[i][lane] = static_cast<Lane>(bitval[static_cast<int64_t>(j) * k + i]);
       }
     }
     masks[b] = Zmm{_mm512_load_si512(lane_mask)};
@@ -379,8 +419,8 @@ void size_rows_w32(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint
   }
   // Bits of a row where every chunk has a code; each escape adds its masked bits.
   uint64_t base_bits = static_cast<uint64_t>(v) * static_cast<uint64_t>(code_bits);
-  for (int j = 0; j < v; ++j) base_bits += free_bits<32>(mask[j]);
-  const int64_t whole_bytes = row_bytes / 4 * 4;  // chunks past it are read zero-padded
+  for (int j = 0; j < v; ++j) base_bits += free_bits<W>(mask[j]);
+  const int64_t whole_bytes = row_bytes / kChunkBytes * kChunkBytes;  // past it: zero-padded
   for (int64_t r = 0; r < n; ++r) {
     const uint8_t* row = rows + r * row_bytes;
     __m512i escape_bits = _mm512_setzero_si512();
@@ -395,17 +435,15 @@ void size_rows_w32(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint
       }
       if (b == blocks - 1 && whole_bytes < row_bytes) {
         // The last chunk is cut by the row's end: zero-padded like load_chunk.
-        uint32_t tail = 0;
+        Lane tail = 0;
         std::memcpy(&tail, row + whole_bytes, static_cast<size_t>(row_bytes - whole_bytes));
-        x = _mm512_mask_set1_epi32(x, static_cast<__mmask16>(1u << ((v - 1) % kLanes)),
-                                   static_cast<int>(tail));
+        x = L::with_lane(x, (v - 1) % L::kCount, tail);
       }
       const __m512i masked = _mm512_and_si512(x, masks[b].v);
-      __mmask16 coded = 0;
+      typename L::Mask coded = 0;
       const Zmm* p = patterns.data() + static_cast<size_t>(b) * k;
-      for (int i = 0; i < k; ++i) coded |= _mm512_cmpeq_epi32_mask(masked, p[i].v);
-      escape_bits = _mm512_mask_add_epi32(escape_bits, static_cast<__mmask16>(~coded),
-                                          escape_bits, masked_bits[b].v);
+      for (int i = 0; i < k; ++i) coded |= L::equal(masked, p[i].v);
+      escape_bits = L::add_escapes(escape_bits, coded, masked_bits[b].v);
     }
     const auto bits = base_bits + static_cast<uint64_t>(_mm512_reduce_add_epi32(escape_bits));
     comp_bytes[r] = static_cast<int64_t>((bits + 7) / 8);
@@ -414,11 +452,13 @@ void size_rows_w32(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint
 
 void size_rows_avx512(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint64_t* mask,
                       const uint64_t* bitval, int chunk_bits, int code_bits, int64_t* comp_bytes) {
-  if (chunk_bits == 32) {
-    return size_rows_w32(rows, n, row_bytes, mask, bitval, code_bits, comp_bytes);
+  switch (chunk_bits) {
+    case 16: return size_rows_lanes<16>(rows, n, row_bytes, mask, bitval, code_bits, comp_bytes);
+    case 32: return size_rows_lanes<32>(rows, n, row_bytes, mask, bitval, code_bits, comp_bytes);
+    default:
+      detail::size_rows<Bmi2BitOps>(rows, n, row_bytes, mask, bitval, chunk_bits, code_bits,
+                                    comp_bytes);
   }
-  detail::size_rows<Bmi2BitOps>(rows, n, row_bytes, mask, bitval, chunk_bits, code_bits,
-                                comp_bytes);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ibpembed import _C, compress, cpu_path
+from ibpembed._ops import ops
 from ibpembed.codec import available_cpu_paths
 from tests.codec.tables import same_bits, tables
 
@@ -88,3 +89,51 @@ def test_env_override_rejects_unknown_values() -> None:
 def test_set_cpu_path_validates(restore_path) -> None:
     with pytest.raises(ValueError, match="'ref', 'bmi2' or 'avx512'"):
         _C.set_cpu_path("fast")
+
+
+def _random_layout(
+    rows: torch.Tensor, chunk_bits: int, code_bits: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masks of random bits and codebooks of the masked bits of random rows: any layout the ops
+    accept, with chunks that match a pattern and chunks that escape."""
+    rng = np.random.default_rng(seed)
+    n, row_bytes = rows.shape
+    chunk_bytes = chunk_bits // 8
+    v = -(-row_bytes // chunk_bytes)
+    padded = np.zeros((n, v * chunk_bytes), np.uint8)
+    padded[:, :row_bytes] = rows.numpy()
+    chunks = padded.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[chunk_bytes]).astype(np.uint64)
+    low = np.uint64((1 << chunk_bits) - 1)
+    mask = rng.integers(0, 2**64 - 1, v, dtype=np.uint64, endpoint=True) & low
+    k = (1 << code_bits) - 1
+    bitval = chunks[rng.integers(0, n, (v, k)), np.arange(v)[:, None]] & mask[:, None]
+    return torch.from_numpy(mask.view(np.int64)), torch.from_numpy(bitval.ravel().view(np.int64))
+
+
+@pytest.mark.parametrize("path", FAST_PATHS)
+@given(
+    table=tables(),
+    other=tables(),
+    chunk_bits=st.sampled_from((16, 32, 64)),
+    code_bits=st.sampled_from((1, 2, 3, 4)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_fast_paths_size_rows_like_the_reference_path(
+    path, table, other, chunk_bits, code_bits, seed
+) -> None:
+    """Row sizes to the byte (the fit compares layouts by them), on rows the codebooks were
+    drawn from and on foreign rows, where most chunks escape; odd widths end in a cut chunk."""
+    u8 = table.view(torch.uint8).view(table.shape[0], -1)
+    foreign = torch.from_numpy(
+        np.resize(other.contiguous().view(torch.uint8).numpy().ravel(), u8.numel())
+    ).view(u8.shape)
+    mask, bitval = _random_layout(u8, chunk_bits, code_bits, seed)
+    sizes = {}
+    before = cpu_path()
+    try:
+        for p in ("ref", path):
+            _C.set_cpu_path(p)
+            sizes[p] = [ops.ibp_slot_bytes(r, chunk_bits, mask, bitval, 1) for r in (u8, foreign)]
+    finally:
+        _C.set_cpu_path(before)
+    assert all(torch.equal(a, b) for a, b in zip(sizes["ref"], sizes[path], strict=True))
