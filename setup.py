@@ -14,6 +14,7 @@ import os
 import platform
 from pathlib import Path
 
+import torch
 from setuptools import setup
 from torch.utils import cpp_extension
 
@@ -43,6 +44,11 @@ CXX_FLAGS = [
 ]
 
 
+# The torch-facing sources split work with at::parallel_for, which runs serially without OpenMP
+# (csrc/ops/parallel.h). Compile flag only: the runtime is the libgomp torch already loads.
+OPENMP_FLAGS = ["-fopenmp"] if "OpenMP" in torch.__config__.parallel_info() else []
+
+
 def _sources(pattern: str) -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for p in CSRC.glob(pattern))
 
@@ -50,8 +56,6 @@ def _sources(pattern: str) -> list[str]:
 def _cuda_enabled() -> bool:
     if os.environ.get("IBPEMBED_SKIP_CUDA_BUILD") == "1":
         return False
-    import torch
-
     return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
 
 
@@ -83,7 +87,10 @@ def _extension() -> cpp_extension.CppExtension:
     include_dirs = [str(CSRC / "include")]
     if not _cuda_enabled():
         return cpp_extension.CppExtension(
-            "ibpembed._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": CXX_FLAGS}
+            "ibpembed._C",
+            sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": CXX_FLAGS + OPENMP_FLAGS},
         )
     nvcc_flags = [
         "-O3",
@@ -101,7 +108,7 @@ def _extension() -> cpp_extension.CppExtension:
         sources,
         include_dirs=include_dirs,
         define_macros=[("IBPEMBED_WITH_CUDA", "1")],
-        extra_compile_args={"cxx": CXX_FLAGS, "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": CXX_FLAGS + OPENMP_FLAGS, "nvcc": nvcc_flags},
     )
 
 

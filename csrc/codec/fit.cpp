@@ -19,7 +19,8 @@ namespace {
 
 // ones[b * 8 + t] = number of sample rows whose byte b has bit t set. Counted through per-byte
 // value histograms (one increment per byte instead of one per bit).
-std::vector<int64_t> bit_census(const uint8_t* rows, int64_t num_rows, int64_t row_bytes) {
+std::vector<int64_t> bit_census(const SampleRows& sample) {
+  const int64_t row_bytes = sample.width;
   std::vector<uint32_t> hist(static_cast<size_t>(row_bytes) * 256, 0);
   std::vector<int64_t> ones(static_cast<size_t>(row_bytes) * 8, 0);
   // uint32 histograms: flush before any bin could overflow.
@@ -36,8 +37,8 @@ std::vector<int64_t> bit_census(const uint8_t* rows, int64_t num_rows, int64_t r
     }
     std::fill(hist.begin(), hist.end(), 0u);
   };
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const uint8_t* row = rows + r * row_bytes;
+  for (int64_t r = 0; r < sample.num_rows; ++r) {
+    const uint8_t* row = sample.row(r);
     for (int64_t b = 0; b < row_bytes; ++b) ++hist[b * 256 + row[b]];
     if ((r + 1) % kFlushRows == 0) flush();
   }
@@ -52,7 +53,9 @@ int64_t chunk_bit_ones(const std::vector<int64_t>& ones, int64_t row_bytes, int 
   return bit < row_bytes * 8 ? ones[bit] : 0;
 }
 
-uint64_t load_chunk_any(const uint8_t* row, int64_t row_bytes, int chunk_bits, int j) {
+// Inlined: the fits call it per row and position, where the switch is a predicted branch.
+[[gnu::always_inline]] inline uint64_t load_chunk_any(const uint8_t* row, int64_t row_bytes,
+                                                      int chunk_bits, int j) {
   switch (chunk_bits) {
     case 16: return load_chunk<16>(row, row_bytes, j);
     case 32: return load_chunk<32>(row, row_bytes, j);
@@ -81,14 +84,13 @@ std::array<uint8_t, 64> rank_bits(const std::vector<int64_t>& ones, int64_t n, i
 // bits; the masks are nested, so L is the number of prefixes without a disagreeing bit: a
 // branch-free count the compiler vectorises, instead of a data-dependent scan that mispredicts.
 template <int W>
-void count_prefixes_w(const uint8_t* rows, int64_t n, int64_t row_bytes,
-                      const std::vector<uint64_t>& majority, const std::vector<uint64_t>& top,
-                      std::vector<int64_t>& prefix_rows) {
+void count_prefixes_w(const SampleRows& sample, const std::vector<uint64_t>& majority,
+                      const std::vector<uint64_t>& top, std::vector<int64_t>& prefix_rows) {
   const int v = static_cast<int>(majority.size());
-  for (int64_t r = 0; r < n; ++r) {
-    const uint8_t* row = rows + r * row_bytes;
+  for (int64_t r = 0; r < sample.num_rows; ++r) {
+    const uint8_t* row = sample.row(r);
     for (int j = 0; j < v; ++j) {
-      const uint64_t diff = load_chunk<W>(row, row_bytes, j) ^ majority[j];
+      const uint64_t diff = load_chunk<W>(row, sample.width, j) ^ majority[j];
       const uint64_t* prefixes = top.data() + static_cast<size_t>(j) * W;
       int len = 0;
       for (int k = 0; k < W; ++k) len += (diff & prefixes[k]) == 0;
@@ -97,21 +99,23 @@ void count_prefixes_w(const uint8_t* rows, int64_t n, int64_t row_bytes,
   }
 }
 
-std::vector<int64_t> count_agreeing_prefixes(const uint8_t* rows, int64_t n, int64_t row_bytes,
-                                             int w, const std::vector<uint64_t>& majority,
+std::vector<int64_t> count_agreeing_prefixes(const SampleRows& sample, int w,
+                                             const std::vector<uint64_t>& majority,
                                              const std::vector<uint64_t>& top) {
   std::vector<int64_t> prefix_rows(majority.size() * (w + 1), 0);
   switch (w) {
-    case 16: count_prefixes_w<16>(rows, n, row_bytes, majority, top, prefix_rows); break;
-    case 32: count_prefixes_w<32>(rows, n, row_bytes, majority, top, prefix_rows); break;
-    default: count_prefixes_w<64>(rows, n, row_bytes, majority, top, prefix_rows); break;
+    case 16: count_prefixes_w<16>(sample, majority, top, prefix_rows); break;
+    case 32: count_prefixes_w<32>(sample, majority, top, prefix_rows); break;
+    default: count_prefixes_w<64>(sample, majority, top, prefix_rows); break;
   }
   return prefix_rows;
 }
 
-ChunkMasks fit_greedy(const uint8_t* rows, int64_t n, int64_t row_bytes, int w) {
+ChunkMasks fit_greedy(const SampleRows& sample, int w) {
+  const int64_t n = sample.num_rows;
+  const int64_t row_bytes = sample.width;
   const int v = chunks_per_row(row_bytes, w);
-  const std::vector<int64_t> ones = bit_census(rows, n, row_bytes);
+  const std::vector<int64_t> ones = bit_census(sample);
   ChunkMasks out{std::vector<uint64_t>(v, 0), std::vector<uint64_t>(v, 0)};
 
   // Per position: majority word and the bit ranking.
@@ -134,7 +138,7 @@ ChunkMasks fit_greedy(const uint8_t* rows, int64_t n, int64_t row_bytes, int w) 
     }
   }
 
-  const std::vector<int64_t> prefix_rows = count_agreeing_prefixes(rows, n, row_bytes, w, majority, top);
+  const std::vector<int64_t> prefix_rows = count_agreeing_prefixes(sample, w, majority, top);
 
   for (int j = 0; j < v; ++j) {
     // saving(k) = k * rows agreeing on the top-k bits; keep the smallest k of maximal saving
@@ -186,14 +190,21 @@ int64_t top_k_sum(const int64_t* counts, int64_t size, int k) {
 // mantissa bit is skewed (about 58 % zeros for log-uniform values) while its lowest exponent bit
 // is a coin flip on its own, yet determined by the exponent's other bits for most rows: ranked
 // alone it comes after the mantissa bit and the exponent never ends up whole in the mask.
-std::array<uint8_t, 64> rank_bits_conditional(const uint8_t* rows, int64_t num_rows,
-                                              int64_t row_bytes, int w, int j, int depth) {
-  const int64_t n = std::min(num_rows, kCodebookRankRows);
+std::array<uint8_t, 64> rank_bits_conditional(const SampleRows& sample, int w, int j, int depth) {
+  const int64_t n = std::min(sample.num_rows, kCodebookRankRows);
   std::vector<uint64_t> chunks(static_cast<size_t>(n));
-  for (int64_t r = 0; r < n; ++r) chunks[r] = load_chunk_any(rows + r * row_bytes, row_bytes, w, j);
-  std::vector<int32_t> group(static_cast<size_t>(n), 0);  // dense id of the row's prefix pattern
+  for (int64_t r = 0; r < n; ++r) chunks[r] = load_chunk_any(sample.row(r), sample.width, w, j);
+  const auto count_bits = [](uint64_t x, int32_t* ones) {
+    for (; x != 0; x &= x - 1) ++ones[__builtin_ctzll(x)];
+  };
+  // Rows are grouped by their pattern of the bits ranked so far (dense ids of the non-empty
+  // groups); ones[g * w + b] counts the rows of group g with bit b set.
+  std::vector<int32_t> group(static_cast<size_t>(n), 0);
   int32_t groups = 1;
-  std::vector<int32_t> ones, sizes, remap;
+  std::vector<int32_t> ones(static_cast<size_t>(w), 0), sizes{static_cast<int32_t>(n)};
+  for (int64_t r = 0; r < n; ++r) count_bits(chunks[r], ones.data());
+  std::vector<int32_t> next_ones, next_sizes, child;
+  std::vector<uint8_t> counted_side;
   std::array<uint8_t, 64> order{};
   uint64_t ranked = 0;
   for (int s = 0; s < depth; ++s) {
@@ -203,13 +214,6 @@ std::array<uint8_t, 64> rank_bits_conditional(const uint8_t* rows, int64_t num_r
         if (!((ranked >> b) & 1)) order[s++] = static_cast<uint8_t>(b);
       }
       break;
-    }
-    ones.assign(static_cast<size_t>(groups) * w, 0);
-    sizes.assign(static_cast<size_t>(groups), 0);
-    for (int64_t r = 0; r < n; ++r) {
-      int32_t* g = ones.data() + static_cast<size_t>(group[r]) * w;
-      ++sizes[group[r]];
-      for (uint64_t x = chunks[r]; x != 0; x &= x - 1) ++g[__builtin_ctzll(x)];
     }
     int best = -1;
     int64_t best_score = -1;
@@ -227,21 +231,52 @@ std::array<uint8_t, 64> rank_bits_conditional(const uint8_t* rows, int64_t num_r
     }
     order[s] = static_cast<uint8_t>(best);
     ranked |= uint64_t{1} << best;
-    remap.assign(static_cast<size_t>(groups) * 2, -1);
+    // Split every group on the ranked bit. NOTE(codec): the bit counts are counted for the
+    // smaller child only, the other's are the parent's minus those: the ranked bits are the
+    // predictable ones, so most rows land in the larger child and are never counted again.
+    child.assign(static_cast<size_t>(groups) * 2, -1);
+    counted_side.resize(static_cast<size_t>(groups));
     int32_t next = 0;
-    for (int64_t r = 0; r < n; ++r) {
-      int32_t& id = remap[static_cast<size_t>(group[r]) * 2 + ((chunks[r] >> best) & 1)];
-      if (id < 0) id = next++;
-      group[r] = id;
+    for (int32_t g = 0; g < groups; ++g) {
+      const int32_t set = ones[static_cast<size_t>(g) * w + best];
+      if (sizes[g] - set > 0) child[2 * g] = next++;
+      if (set > 0) child[2 * g + 1] = next++;
+      counted_side[g] = set < sizes[g] - set ? 1 : 0;
     }
+    next_ones.assign(static_cast<size_t>(next) * w, 0);
+    next_sizes.assign(static_cast<size_t>(next), 0);
+    for (int64_t r = 0; r < n; ++r) {
+      const int32_t parent = group[r];
+      const int bit = static_cast<int>((chunks[r] >> best) & 1);
+      const int32_t id = child[2 * parent + bit];
+      group[r] = id;
+      ++next_sizes[id];
+      if (bit == counted_side[parent]) {
+        count_bits(chunks[r], next_ones.data() + static_cast<size_t>(id) * w);
+      }
+    }
+    for (int32_t g = 0; g < groups; ++g) {
+      const int32_t counted = child[2 * g + counted_side[g]];
+      const int32_t derived = child[2 * g + 1 - counted_side[g]];
+      const int32_t* parent_ones = ones.data() + static_cast<size_t>(g) * w;
+      int32_t* out = next_ones.data() + static_cast<size_t>(derived) * w;
+      for (int b = 0; b < w; ++b) {
+        out[b] = parent_ones[b] -
+                 (counted < 0 ? 0 : next_ones[static_cast<size_t>(counted) * w + b]);
+      }
+    }
+    ones.swap(next_ones);
+    sizes.swap(next_sizes);
     groups = next;
   }
   return order;
 }
 
-ChunkMasks fit_paper(const uint8_t* rows, int64_t n, int64_t row_bytes, int w) {
+ChunkMasks fit_paper(const SampleRows& sample, int w) {
+  const int64_t n = sample.num_rows;
+  const int64_t row_bytes = sample.width;
   const int v = chunks_per_row(row_bytes, w);
-  const std::vector<int64_t> ones = bit_census(rows, n, row_bytes);
+  const std::vector<int64_t> ones = bit_census(sample);
   ChunkMasks best{std::vector<uint64_t>(v, 0), std::vector<uint64_t>(v, 0)};
   int64_t best_net = -1;
   // The published sweep: T from 0.70 in float32 steps of 0.05 while T <= 1.0.
@@ -266,7 +301,7 @@ ChunkMasks fit_paper(const uint8_t* rows, int64_t n, int64_t row_bytes, int w) {
     for (int j = 0; j < v; ++j) mask_bits[j] = popcount64(cand.mask[j]);
     int64_t net = 0;
     for (int64_t r = 0; r < n; ++r) {
-      const uint8_t* row = rows + r * row_bytes;
+      const uint8_t* row = sample.row(r);
       int64_t saved = 0;
       for (int j = 0; j < v; ++j) {
         const bool participates =
@@ -298,12 +333,11 @@ ChunkMasks fit_paper(const uint8_t* rows, int64_t n, int64_t row_bytes, int w) {
 //
 // One result per entry of code_bits (each in [2, kMaxCodeBits]): the ranking and the pattern
 // histogram of a position do not depend on C, only the choice of s and the codebook do.
-std::vector<ChunkMasks> fit_codebook_widths(const uint8_t* rows, int64_t num_rows,
-                                            int64_t row_bytes, int w,
+std::vector<ChunkMasks> fit_codebook_widths(const SampleRows& sample, int w,
                                             const std::vector<int>& code_bits) {
   static_assert(kMaxCodebookMaskBits == 16, "keys are 16-bit");
-  const int64_t n = std::min(num_rows, kCodebookFitRows);
-  const int v = chunks_per_row(row_bytes, w);
+  const int64_t n = std::min(sample.num_rows, kCodebookFitRows);
+  const int v = chunks_per_row(sample.width, w);
   const int max_s = std::min(w, kMaxCodebookMaskBits);
   std::vector<ChunkMasks> out;
   for (const int c : code_bits) {
@@ -336,15 +370,23 @@ std::vector<ChunkMasks> fit_codebook_widths(const uint8_t* rows, int64_t num_row
     }
   };
   std::vector<int64_t> counts;
+  std::array<std::array<uint32_t, 256>, 8> key_bits;  // [byte of the chunk][its value]
   for (int j = 0; j < v; ++j) {
-    const std::array<uint8_t, 64> ranking =
-        rank_bits_conditional(rows, n, row_bytes, w, j, max_s);
-    for (int64_t r = 0; r < n; ++r) {
-      const uint64_t x = load_chunk_any(rows + r * row_bytes, row_bytes, w, j);
-      uint32_t key = 0;
-      for (int i = 0; i < max_s; ++i) {
-        key |= static_cast<uint32_t>((x >> ranking[i]) & 1) << (max_s - 1 - i);
+    const std::array<uint8_t, 64> ranking = rank_bits_conditional(sample, w, j, max_s);
+    // The key gathers bits ranking[0], ranking[1], ... from the top down: a bit permutation,
+    // applied a byte of the chunk at a time through tables (one lookup per byte, not per bit).
+    for (auto& table : key_bits) table.fill(0);
+    for (int i = 0; i < max_s; ++i) {
+      const int byte = ranking[i] / 8;
+      const uint32_t key_bit = uint32_t{1} << (max_s - 1 - i);
+      for (int value = 0; value < 256; ++value) {
+        if ((value >> (ranking[i] % 8)) & 1) key_bits[byte][value] |= key_bit;
       }
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      const uint64_t x = load_chunk_any(sample.row(r), sample.width, w, j);
+      uint32_t key = 0;
+      for (int byte = 0; byte < w / 8; ++byte) key |= key_bits[byte][(x >> (8 * byte)) & 0xFF];
       keys[r] = key;
     }
     if (sorted_keys) {
@@ -404,13 +446,10 @@ std::vector<ChunkMasks> fit_codebook_widths(const uint8_t* rows, int64_t num_row
   return out;
 }
 
-ChunkMasks fit_masks(const uint8_t* rows, int64_t num_rows, int64_t row_bytes, int chunk_bits,
-                     FitMethod method, int code_bits) {
-  if (code_bits > 1) {
-    return fit_codebook_widths(rows, num_rows, row_bytes, chunk_bits, {code_bits})[0];
-  }
-  return method == FitMethod::kPaper ? fit_paper(rows, num_rows, row_bytes, chunk_bits)
-                                     : fit_greedy(rows, num_rows, row_bytes, chunk_bits);
+ChunkMasks fit_masks(const SampleRows& sample, int chunk_bits, FitMethod method, int code_bits) {
+  if (code_bits > 1) return fit_codebook_widths(sample, chunk_bits, {code_bits})[0];
+  return method == FitMethod::kPaper ? fit_paper(sample, chunk_bits)
+                                     : fit_greedy(sample, chunk_bits);
 }
 
 }  // namespace ibpembed

@@ -3,12 +3,11 @@
 // CPU gather and pooled lookup: split across threads with at::parallel_for; pooled lookups sum
 // each row as decode_rows hands it over (fused, no decoded batch in memory). Inputs are validated
 // by the caller.
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
+#include "../ops/parallel.h"
 #include "accumulate.h"
 #include "ibpembed/lookup.h"
 #include "ibpembed/numeric.h"

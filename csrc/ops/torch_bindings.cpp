@@ -11,7 +11,6 @@
 //   chunk_bits, row_bytes, unit_bytes, num_rows.
 // Gathers and pooled lookups also take an optional hot-row overlay (format.h) as two trailing
 // tensors: hot_dir int64 [ceil(N / 64) * 2] and hot_rows uint8 [cached rows, row_bytes].
-#include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -26,6 +25,7 @@
 #include "ibpembed/lookup.h"
 #include "ibpembed/numeric.h"
 #include "op_checks.h"
+#include "parallel.h"
 
 namespace ibpembed {
 namespace {
@@ -183,6 +183,39 @@ at::Tensor zeroed_payload(int64_t bytes) {
   return payload;
 }
 
+SampleRows whole_rows(const at::Tensor& rows) {
+  return SampleRows{rows.data_ptr<uint8_t>(), rows.size(0), rows.size(1), rows.size(1)};
+}
+
+// Runs `fit` (SampleRows -> one ChunkMasks per result) on ranges of chunk positions in parallel
+// and joins the ranges. NOTE(ops): the fits treat every position on its own (codec.h
+// SampleRows), so the result does not depend on the thread count; fits were single-threaded
+// and took most of compress time on tables of a few 10k rows.
+template <class Fit>
+std::vector<ChunkMasks> fit_positions_in_parallel(const at::Tensor& sample, int chunk_bits,
+                                                  const Fit& fit) {
+  const int64_t row_bytes = sample.size(1);
+  const int64_t chunk_bytes = chunk_bits / 8;
+  const int v = chunks_per_row(row_bytes, chunk_bits);
+  std::vector<std::vector<ChunkMasks>> parts(static_cast<size_t>(v));  // by first position
+  at::parallel_for(0, v, 1, [&](int64_t first, int64_t end) {
+    const int64_t begin_byte = first * chunk_bytes;
+    const SampleRows columns{sample.data_ptr<uint8_t>() + begin_byte, sample.size(0),
+                             std::min(end * chunk_bytes, row_bytes) - begin_byte, row_bytes};
+    parts[static_cast<size_t>(first)] = fit(columns);
+  });
+  std::vector<ChunkMasks> joined;
+  for (const std::vector<ChunkMasks>& part : parts) {
+    for (size_t i = 0; i < part.size(); ++i) {
+      if (joined.size() <= i) joined.emplace_back();
+      joined[i].mask.insert(joined[i].mask.end(), part[i].mask.begin(), part[i].mask.end());
+      joined[i].bitval.insert(joined[i].bitval.end(), part[i].bitval.begin(),
+                              part[i].bitval.end());
+    }
+  }
+  return joined;
+}
+
 // ---------------------------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> ibp_fit_cpu(const at::Tensor& sample, int64_t chunk_bits,
@@ -203,9 +236,14 @@ std::tuple<at::Tensor, at::Tensor> ibp_fit_cpu(const at::Tensor& sample, int64_t
     TORCH_CHECK_VALUE(false, "method must be 'ibpembed' or 'paper', got '", std::string(method),
                       "'");
   }
-  const ChunkMasks fitted = fit_masks(sample.data_ptr<uint8_t>(), sample.size(0), sample.size(1),
-                                      static_cast<int>(chunk_bits), fit_method,
-                                      static_cast<int>(code_bits));
+  const int w = static_cast<int>(chunk_bits);
+  const int c = static_cast<int>(code_bits);
+  const ChunkMasks fitted =
+      fit_method == FitMethod::kPaper
+          ? fit_masks(whole_rows(sample), w, fit_method, c)
+          : fit_positions_in_parallel(sample, w, [&](const SampleRows& columns) {
+              return std::vector<ChunkMasks>{fit_masks(columns, w, fit_method, c)};
+            })[0];
   const int64_t v = static_cast<int64_t>(fitted.mask.size());
   const int64_t entries = static_cast<int64_t>(fitted.bitval.size());
   at::Tensor mask = at::empty({v}, at::kLong);
@@ -226,9 +264,11 @@ std::vector<at::Tensor> ibp_fit_codebooks_cpu(const at::Tensor& sample, int64_t 
                       "], got ", c);
     widths.push_back(static_cast<int>(c));
   }
-  const std::vector<ChunkMasks> fitted = fit_codebook_widths(
-      sample.data_ptr<uint8_t>(), sample.size(0), sample.size(1), static_cast<int>(chunk_bits),
-      widths);
+  const int w = static_cast<int>(chunk_bits);
+  const std::vector<ChunkMasks> fitted =
+      fit_positions_in_parallel(sample, w, [&](const SampleRows& columns) {
+        return fit_codebook_widths(columns, w, widths);
+      });
   std::vector<at::Tensor> out;
   for (const ChunkMasks& f : fitted) {
     at::Tensor mask = at::empty({static_cast<int64_t>(f.mask.size())}, at::kLong);

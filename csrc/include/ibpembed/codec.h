@@ -39,16 +39,28 @@ inline constexpr int64_t kCodebookRankRows = 4096;
 inline constexpr int64_t kSortedKeyRows = 8192;
 inline constexpr int kMaxCodebookMaskBits = 16;
 
+// The rows a fit reads: num_rows rows of `width` bytes, `stride` bytes apart. A column slice of
+// the sample (data advanced by whole chunks, width cut to whole chunks or to the row's end) fits
+// those chunk positions alone, with the very masks the whole row gets: kGreedy and the codebook
+// fit treat every position on its own, so callers split the positions across threads. kPaper
+// chooses one threshold for the whole row and needs whole rows.
+struct SampleRows {
+  const uint8_t* data;
+  int64_t num_rows;
+  int64_t width;
+  int64_t stride;
+
+  const uint8_t* row(int64_t r) const { return data + r * stride; }
+};
+
 // Masks and codebooks (bitval, V * (2^code_bits - 1) entries). code_bits > 1 fits codebooks
 // (format.h's exponent-aware mode) and ignores `method`; code_bits == 1 fits with `method`.
-ChunkMasks fit_masks(const uint8_t* rows, int64_t num_rows, int64_t row_bytes, int chunk_bits,
-                     FitMethod method, int code_bits);
+ChunkMasks fit_masks(const SampleRows& sample, int chunk_bits, FitMethod method, int code_bits);
 
 // The codebook fit for several code widths (each in [2, kMaxCodeBits]) at once, one result per
 // entry: identical to fit_masks per width, but the bit ranking and pattern counts of a position
 // (most of the cost) are shared.
-std::vector<ChunkMasks> fit_codebook_widths(const uint8_t* rows, int64_t num_rows,
-                                            int64_t row_bytes, int chunk_bits,
+std::vector<ChunkMasks> fit_codebook_widths(const SampleRows& sample, int chunk_bits,
                                             const std::vector<int>& code_bits);
 
 // ----------------------------------------------------------------------------------------------
