@@ -32,6 +32,7 @@ torch, numpy and this repository (no torchrec/fbgemm, nothing downloaded).
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import datetime
 import json
@@ -123,26 +124,48 @@ def build(dry_run: bool) -> dict[str, Any]:
 
 def load_extension():
     """ibpembed._C built by cpp_extension.load, for when setup.py cannot run (e.g. a setuptools
-    too old for pyproject.toml). load() has no per-file flags, so every file gets -mbmi2: fine
-    on the GPU host that builds it, which is the only one that loads it."""
+    too old for pyproject.toml). As setup.py does, the ISA-specific files are compiled to objects
+    with their own flags first (load() has no per-file flags) and linked in."""
     from torch.utils import cpp_extension
 
     csrc = ROOT / "csrc"
+    build_dir = Path(tempfile.mkdtemp(prefix="ibpembed_C_"))
+    isa = isa_sources()
+    objects = []
+    for source, flags in isa.items():
+        obj = build_dir / f"{Path(source).stem}.o"
+        compile_cmd = ["c++", "-O3", "-std=c++17", "-fPIC", f"-I{csrc / 'include'}", *flags]
+        subprocess.run([*compile_cmd, "-c", str(ROOT / source), "-o", str(obj)], check=True)
+        objects.append(str(obj))
     sources = [*sorted(csrc.glob("codec/*.cpp")), *sorted(csrc.glob("lookup/*.cpp"))]
     sources += [csrc / "ops" / "torch_bindings.cpp", *sorted(csrc.glob("ops/*_cuda.cpp"))]
     sources += sorted(csrc.glob("cuda/*.cu"))
     return cpp_extension.load(
         name="_C",
-        sources=[str(p) for p in sources],
+        sources=[str(p) for p in sources if str(p.relative_to(ROOT)) not in isa],
         extra_include_paths=[str(csrc / "include")],
-        extra_cflags=["-O3", "-std=c++17", "-mbmi2", "-DIBPEMBED_WITH_CUDA=1"],
+        extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-DIBPEMBED_WITH_CUDA=1"],
         extra_cuda_cflags=[
             "-O3",
             "-std=c++17",
             "--expt-relaxed-constexpr",
             "-DIBPEMBED_WITH_CUDA=1",
         ],
-        build_directory=tempfile.mkdtemp(prefix="ibpembed_C_"),
+        extra_ldflags=objects,
+        build_directory=str(build_dir),
+    )
+
+
+def isa_sources() -> dict[str, list[str]]:
+    """setup.py's ISA_SOURCES (file -> its own flags), read without running setup.py; none off
+    x86-64, where setup.py builds the portable path only."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return {}
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    return next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "ISA_SOURCES"
     )
 
 

@@ -41,7 +41,7 @@ PYEOF
 )
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
-FLAGS=(-O2 -std=c++17 -fPIC -Wall -Wextra -Wno-unused-parameter -Werror
+FLAGS=(-O2 -std=c++17 -fPIC -fopenmp -Wall -Wextra -Wno-unused-parameter -Werror
        -Icsrc/include -isystem "$TORCH_DIR/include"
        -isystem "$TORCH_DIR/include/torch/csrc/api/include" -isystem "$PY_INC")
 for src in "${SOURCES[@]}"; do
