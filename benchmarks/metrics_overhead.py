@@ -3,11 +3,14 @@
 
     python -m benchmarks.metrics_overhead [--quick] [--out DIR] [--rounds N] [--batches B ...]
 
-One table set (the DLRM-DCNv2-profile demo tables, compressed) is served by two server
+One table set (the DLRM-DCNv2-profile demo tables, compressed) is served by pairs of server
 processes started side by side with the same flags, except ``--metrics-port``: free port (on)
 or 0 (off). For each batch size B (26 features, DCNv2 pooling factors, Zipf ids, SUM pooling) the
-load generator measures both servers in alternating rounds (on/off, then off/on, ...), so drift
-in the machine's load hits both arms alike. While the "on" server is measured, /metrics is
+load generator measures both servers of a pair in alternating rounds (on/off, then off/on, ...),
+so drift in the machine's load hits both arms alike; the rounds are spread over ``--pairs``
+fresh pairs (started in alternating order), because where a process lands on a shared host
+moves its CPU per request by several percent for its whole life, which one pair would report as
+the metrics' cost. While the "on" server is measured, /metrics is
 scraped every ``--scrape-interval`` seconds (default 1; Prometheus is typically configured at
 15 s, so the default is pessimistic; 0 = no scrapes).
 
@@ -20,8 +23,10 @@ Reported per B, each as the median over rounds of the per-round on/off ratio:
   this; it depends less on what else runs on the machine, but cache and core sharing still move
   it by several percent per round.
 * **hook estimate**: the metrics code's own cost per request, timed in process (best of several
-  repeats, so other load hardly matters): the interceptor, ``rpc_done`` and one
-  ``table_lookup`` per table read, divided by the "off" server's CPU per request.
+  repeats, so other load hardly matters): the interceptor, ``rpc_done`` and ``kernels_done``
+  (the engine's one call per request, per table read), divided by the "off" server's CPU per
+  request. It leaves out what the same code costs in a loaded server (cold caches, worker
+  threads holding the GIL the event loop waits for): 3-6x more, measured while developing.
 
 Results: DIR/metrics_overhead.json and DIR/metrics_overhead.md.
 """
@@ -66,11 +71,14 @@ class Config:
     seconds: float  # measured seconds per round and arm
     warmup_s: float
     rounds: int
+    # Fresh server pairs the rounds are spread over: a process's placement (cores, memory,
+    # caches) moved one pair's CPU per request by 5-10 % either way on this shared host.
+    pairs: int
     scrape_interval_s: float = 1.0  # 0 = the "on" server is not scraped
 
 
-FULL = Config(max_rows=100_000, batches=(1, 64, 512), seconds=4.0, warmup_s=0.5, rounds=6)
-QUICK = Config(max_rows=2_000, batches=(1,), seconds=0.5, warmup_s=0.1, rounds=2)
+FULL = Config(max_rows=100_000, batches=(1, 64, 512), seconds=4.0, warmup_s=0.5, rounds=16, pairs=4)
+QUICK = Config(max_rows=2_000, batches=(1,), seconds=0.5, warmup_s=0.1, rounds=2, pairs=2)
 
 
 def _free_port() -> int:
@@ -190,7 +198,6 @@ class _CallDetails:
 def hook_costs(store: TableStore, repeats: int = 7, number: int = 20_000) -> dict:
     """Seconds the metrics code adds per request and per table read (best of ``repeats``)."""
     metrics = ServerMetrics(store, device="cpu")
-    table = next(iter(store.accounting()))
 
     async def behavior(request: pb.LookupRequest, context: object) -> None:
         return None
@@ -223,14 +230,33 @@ def hook_costs(store: TableStore, repeats: int = 7, number: int = 20_000) -> dic
         )  # fmt: skip
     finally:
         loop.close()
+    kernels = [(name, 64, 60, 2e-4) for name in store.accounting()]  # a request reading all
     per_table = min(
-        timeit.repeat(
-            lambda: metrics.table_lookup(table, "sum", 64, 60, 2e-4),
-            number=number,
-            repeat=repeats,
-        )
-    )
+        timeit.repeat(lambda: metrics.kernels_done("sum", kernels), number=number, repeat=repeats)
+    ) / len(kernels)
     return {"per_request_s": (with_metrics - without) / number, "per_table_s": per_table / number}
+
+
+def measure_pair(
+    tables: Path, pair: int, cfg: Config, batch: int, workers: int, concurrency: int
+) -> dict[str, list[dict]]:
+    """One fresh pair of servers (metrics on, off), warmed, then measured in alternating rounds
+    (on/off, then off/on, ...); pairs alternate which arm starts first too."""
+    arms = ("on", "off") if pair % 2 == 0 else ("off", "on")
+    servers: dict[str, Server] = {}
+    try:
+        for arm in arms:
+            servers[arm] = Server(tables, metrics=arm == "on", workers=workers)
+        for server in servers.values():  # warm caches, threads and connections
+            load(server, batch, concurrency, cfg.warmup_s)
+        runs: dict[str, list[dict]] = {"on": [], "off": []}
+        for r in range(-(-cfg.rounds // cfg.pairs)):
+            for arm in arms if r % 2 == 0 else arms[::-1]:
+                runs[arm].append(measure(servers[arm], cfg, batch, concurrency))
+        return runs
+    finally:
+        for server in servers.values():
+            server.close()
 
 
 def _median_ratio(on: list[dict], off: list[dict], key: str) -> float | None:
@@ -244,40 +270,36 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
         tables = demo.build(cfg.max_rows)
         save_table_set(tmp, tables, {name: name for name in tables})
         costs = hook_costs(TableStore.load(tmp))
-        servers = {
-            arm: Server(Path(tmp), metrics=arm == "on", workers=workers) for arm in ("on", "off")
-        }
-        try:
-            for batch in cfg.batches:
-                for server in servers.values():  # warm caches, threads and connections
-                    load(server, batch, concurrency, cfg.warmup_s)
-                runs: dict[str, list[dict]] = {"on": [], "off": []}
-                for r in range(cfg.rounds):
-                    order = ("on", "off") if r % 2 == 0 else ("off", "on")
-                    for arm in order:
-                        runs[arm].append(measure(servers[arm], cfg, batch, concurrency))
-                qps_ratio = _median_ratio(runs["on"], runs["off"], "qps")
-                cpu_ratio = _median_ratio(runs["on"], runs["off"], "cpu_per_request_s")
-                cpu_off = statistics.median(
-                    x["cpu_per_request_s"] for x in runs["off"] if x["cpu_per_request_s"]
+        for batch in cfg.batches:
+            runs: dict[str, list[dict]] = {"on": [], "off": []}
+            pair_cpu_ratios = []
+            for pair in range(cfg.pairs):
+                pair_runs = measure_pair(Path(tmp), pair, cfg, batch, workers, concurrency)
+                pair_cpu_ratios.append(
+                    _median_ratio(pair_runs["on"], pair_runs["off"], "cpu_per_request_s")
                 )
-                # Every demo feature reads its own table: one kernel call per table.
-                hooks = costs["per_request_s"] + len(tables) * costs["per_table_s"]
-                row = {
-                    "batch": batch,
-                    "hook_estimate": hooks / cpu_off,
-                    "qps_on": statistics.median(x["qps"] for x in runs["on"]),
-                    "qps_off": statistics.median(x["qps"] for x in runs["off"]),
-                    "qps_overhead": None if qps_ratio is None else 1.0 - qps_ratio,
-                    "cpu_overhead": None if cpu_ratio is None else cpu_ratio - 1.0,
-                    "runs": runs,
-                    "scrapes": sum(x["scrapes"] for x in runs["on"]),
-                }
-                results.append(row)
-                print(json.dumps(row), flush=True)
-        finally:
-            for server in servers.values():
-                server.close()
+                for arm in runs:
+                    runs[arm] += pair_runs[arm]
+            qps_ratio = _median_ratio(runs["on"], runs["off"], "qps")
+            cpu_ratio = _median_ratio(runs["on"], runs["off"], "cpu_per_request_s")
+            cpu_off = statistics.median(
+                x["cpu_per_request_s"] for x in runs["off"] if x["cpu_per_request_s"]
+            )
+            # Every demo feature reads its own table: one kernel call per table.
+            hooks = costs["per_request_s"] + len(tables) * costs["per_table_s"]
+            row = {
+                "batch": batch,
+                "hook_estimate": hooks / cpu_off,
+                "qps_on": statistics.median(x["qps"] for x in runs["on"]),
+                "qps_off": statistics.median(x["qps"] for x in runs["off"]),
+                "qps_overhead": None if qps_ratio is None else 1.0 - qps_ratio,
+                "cpu_overhead": None if cpu_ratio is None else cpu_ratio - 1.0,
+                "runs": runs,
+                "scrapes": sum(x["scrapes"] for x in runs["on"]),
+                "pair_cpu_overheads": [None if x is None else x - 1.0 for x in pair_cpu_ratios],
+            }
+            results.append(row)
+            print(json.dumps(row), flush=True)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
@@ -301,7 +323,8 @@ def markdown(report: dict) -> str:
     lines = [
         f"{report['date']}, {report['machine']} (load average {report['load_average']:.1f}), "
         f"torch {report['torch']}, `{report['command']}`: {cfg['rounds']} alternating rounds "
-        f"of {cfg['seconds']} s per arm, {cfg['concurrency']} requests in flight, "
+        f"of {cfg['seconds']} s per arm over {cfg['pairs']} fresh server pairs, "
+        f"{cfg['concurrency']} requests in flight, "
         f"scraped every {cfg['scrape_interval_s']} s (0 = never), "
         f"{cfg['workers']} server workers, 26 features, tables capped at {cfg['max_rows']} rows.",
         "",
@@ -309,7 +332,7 @@ def markdown(report: dict) -> str:
         f"plus {1e6 * report['hook_costs']['per_table_s']:.2f} us per table read.",
         "",
         "| B | QPS off | QPS on | QPS overhead | server CPU/request off | server CPU/request on "
-        "| server CPU overhead | hook estimate | per-round CPU on/off | scrapes |",
+        "| server CPU overhead | hook estimate | per-pair CPU overhead | scrapes |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
@@ -319,16 +342,12 @@ def markdown(report: dict) -> str:
             )
             for arm in ("off", "on")
         }
-        rounds = ", ".join(
-            f"{a['cpu_per_request_s'] / b['cpu_per_request_s']:.3f}"
-            for a, b in zip(r["runs"]["on"], r["runs"]["off"], strict=True)
-            if a["cpu_per_request_s"] and b["cpu_per_request_s"]
-        )
+        pairs = ", ".join(_percent(x) for x in r["pair_cpu_overheads"])
         lines.append(
             f"| {r['batch']} | {r['qps_off']:.1f} | {r['qps_on']:.1f} "
             f"| {_percent(r['qps_overhead'])} | {1e3 * cpu['off']:.2f} ms "
             f"| {1e3 * cpu['on']:.2f} ms | {_percent(r['cpu_overhead'])} "
-            f"| {_percent(r['hook_estimate'])} | {rounds} "
+            f"| {_percent(r['hook_estimate'])} | {pairs} "
             f"| {r['scrapes']} |"
         )
     return "\n".join(lines) + "\n"
@@ -343,6 +362,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small tables, B=1, short rounds")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds per B")
+    parser.add_argument("--pairs", type=int, default=None, help="server pairs per B")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes B")
     parser.add_argument(
         "--scrape-interval", type=float, default=1.0, help="seconds between scrapes (0 = none)"
@@ -353,6 +373,8 @@ def main() -> int:
     cfg = QUICK if args.quick else FULL
     if args.rounds is not None:
         cfg = Config(**(cfg.__dict__ | {"rounds": args.rounds}))
+    if args.pairs is not None:
+        cfg = Config(**(cfg.__dict__ | {"pairs": args.pairs}))
     if args.batches is not None:
         cfg = Config(**(cfg.__dict__ | {"batches": tuple(args.batches)}))
     cfg = Config(**(cfg.__dict__ | {"scrape_interval_s": args.scrape_interval}))

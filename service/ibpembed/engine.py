@@ -54,13 +54,20 @@ FUSED_MIN_HOT_COVERAGE = 0.5
 MIN_CUDA_CAPABILITY = (8, 0)
 
 
+# One kernel call of a request: (table, nnz ids, unique distinct rows decoded, seconds).
+KernelCall = tuple[str, int, int, float]
+
+
 class LookupObserver(Protocol):
     """Optional hook for metrics (issue 6). Called from the engine's worker threads."""
 
-    def table_lookup(
-        self, table: str, pooling: Pooling, nnz: int, unique: int, seconds: float
-    ) -> None:
-        """One kernel call for one table: ``nnz`` ids of which ``unique`` distinct rows."""
+    def kernels_done(self, pooling: Pooling, calls: Sequence[KernelCall]) -> None:
+        """The kernel calls of one request, one per table it read, before it returns.
+
+        NOTE(engine): once per request, not per call: a hook runs as Python on a worker thread
+        while the event loop waits for the GIL, and 26 small per-table calls measured 3-4 us
+        each in a loaded server (0.6 us alone) and +9 % server CPU per B=1 request.
+        """
 
 
 @dataclass(frozen=True)
@@ -298,9 +305,13 @@ class LookupEngine:
         with self.store.acquire() as snap:
             work = self._plan(snap, features, pooling)
             out: list[torch.Tensor | None] = [None] * len(features)
+            calls: list[KernelCall] = []
             for item in work:
-                for pos, values in zip(item.positions, self._run_table(item, pooling), strict=True):
+                results = self._run_table(item, pooling, calls)
+                for pos, values in zip(item.positions, results, strict=True):
                     out[pos] = values
+            if self.observer is not None:
+                self.observer.kernels_done(pooling, calls)
             return LookupResult(
                 version=snap.version,
                 features=[FeatureResult(q.name, v) for q, v in zip(features, out, strict=True)],  # type: ignore[arg-type]
@@ -334,8 +345,11 @@ class LookupEngine:
             )
         return list(by_table.values())
 
-    def _run_table(self, item: _TableWork, pooling: Pooling) -> list[torch.Tensor]:
-        """One kernel call for every feature of the request that reads this table."""
+    def _run_table(
+        self, item: _TableWork, pooling: Pooling, calls: list[KernelCall]
+    ) -> list[torch.Tensor]:
+        """One kernel call for every feature of the request that reads this table (appended to
+        ``calls``)."""
         start = time.perf_counter()
         table = item.table
         qs = item.queries
@@ -370,10 +384,7 @@ class LookupEngine:
                 weights = self._tensor(weights_np)
             pooled, unique_count = self._pool_table(table, ids, lengths, offsets, weights, pooling)
             results = _split(pooled.cpu(), [q.lengths.size for q in qs])
-        if self.observer is not None:
-            self.observer.table_lookup(
-                item.table_name, pooling, nnz, unique_count, time.perf_counter() - start
-            )
+        calls.append((item.table_name, nnz, unique_count, time.perf_counter() - start))
         return results
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:

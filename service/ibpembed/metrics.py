@@ -2,11 +2,11 @@
 """Every Prometheus metric of the server, in one place.
 
 :class:`ServerMetrics` is the server's observer (``LookupServer(observer=...)``): the engine
-reports each kernel call (:meth:`~ServerMetrics.table_lookup`, worker threads), the service
-interceptor each finished RPC (:meth:`~ServerMetrics.rpc_done`, event loop), and the metrics
-object is itself an interceptor that times every lookup request, including each request inside a
-``LookupStream``, by pooling. Table sizes, versions and the build are read from the store when
-Prometheus scrapes, so they cost nothing per request.
+reports the kernel calls of each request (:meth:`~ServerMetrics.kernels_done`, worker threads),
+the service interceptor each finished RPC (:meth:`~ServerMetrics.rpc_done`, event loop), and the
+metrics object is itself an interceptor that times every lookup request, including each request
+inside a ``LookupStream``, by pooling. Table sizes, versions and the build are read from the
+store when Prometheus scrapes, so they cost nothing per request.
 
 Names end in their unit (``_seconds``, ``_bytes``, ``_total``, ``_ratio``). Labels take bounded
 values only: the RPC method, the status code name, the pooling mode and the table name (tables
@@ -57,6 +57,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 import ibpembed
+from ibpembed.engine import KernelCall
 from ibpembed.tables.store import TableStore
 from ibpembed_client.v1 import lookup_pb2 as pb
 
@@ -211,22 +212,23 @@ class _KernelTally(Collector):
         # Per thread: (table, pooling) -> [latency bucket counts..., latency sum, ids, bytes].
         self._tallies: list[dict[tuple[str, str], list[float]]] = []
 
-    def add(self, table: str, pooling: str, seconds: float, ids: int, decoded: int) -> None:
-        bucket = bisect.bisect_left(self.bounds, seconds)
+    def add(self, pooling: str, calls: Sequence[KernelCall], row_bytes: dict[str, int]) -> None:
+        """One request's kernel calls; a call decodes ``unique`` rows of ``row_bytes[table]``."""
         try:
             tally = self._local.tally
         except AttributeError:
             tally = self._local.tally = {}
             with self._lock:
                 self._tallies.append(tally)
-        key = (table, pooling)
-        series = tally.get(key)
-        if series is None:
-            series = tally[key] = [0.0] * (len(self.bounds) + 4)
-        series[bucket] += 1
-        series[-3] += seconds
-        series[-2] += ids
-        series[-1] += decoded
+        bounds = self.bounds
+        for table, ids, unique, seconds in calls:
+            series = tally.get((table, pooling))
+            if series is None:
+                series = tally[table, pooling] = [0.0] * (len(bounds) + 4)
+            series[bisect.bisect_left(bounds, seconds)] += 1
+            series[-3] += seconds
+            series[-2] += ids
+            series[-1] += unique * row_bytes.get(table, 0)
 
     def _merged(self) -> list[tuple[tuple[str, str], list[float]]]:
         with self._lock:
@@ -422,11 +424,10 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
         self._http: prometheus_client.exposition.WSGIServer | None = None
 
     # -- observer hooks ----------------------------------------------------------------------
-    def table_lookup(self, table: str, pooling: str, nnz: int, unique: int, seconds: float) -> None:
-        """One kernel call (engine worker thread): ``unique`` of ``nnz`` ids decoded."""
+    def kernels_done(self, pooling: str, calls: Sequence[KernelCall]) -> None:
+        """The kernel calls of one request (engine worker thread), one per table it read."""
         self._tables.sync()
-        decoded = unique * self._tables.row_bytes.get(table, 0)
-        self._kernel.add(table, pooling, seconds, nnz, decoded)
+        self._kernel.add(pooling, calls, self._tables.row_bytes)
 
     def rpc_done(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         """One finished ``ibpembed.v1`` RPC (event loop).

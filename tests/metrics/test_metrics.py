@@ -198,8 +198,8 @@ class GatedMetrics(ServerMetrics):
         self.gate = threading.Event()
         self.entered = threading.Semaphore(0)
 
-    def table_lookup(self, *args: object) -> None:
-        super().table_lookup(*args)
+    def kernels_done(self, *args: object) -> None:
+        super().kernels_done(*args)
         self.entered.release()
         self.gate.wait(timeout=60)
 
@@ -254,8 +254,8 @@ def test_kernel_tallies_of_many_threads_add_up():
 
     def work(worker: int) -> None:
         for i in range(calls):
-            metrics.table_lookup("emb_f32", "sum", 3, 2, (i % 7) * 1e-4)
-            metrics.table_lookup("emb_f16", "none", 1, 1, 2e-5)
+            metrics.kernels_done("sum", [("emb_f32", 3, 2, (i % 7) * 1e-4)])
+            metrics.kernels_done("none", [("emb_f16", 1, 1, 2e-5)])
 
     scraper = threading.Thread(target=scrape_until_stopped)
     scraper.start()

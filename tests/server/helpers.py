@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ibpembed.codec import CompressedTable, compress
+from ibpembed.engine import KernelCall
 from ibpembed.server.app import LookupServer, ServerObserver
 from ibpembed.server.config import ServerConfig
 from ibpembed.tables.store import TableStore
@@ -111,17 +112,18 @@ class RecordingObserver:
         self.kernels: list[tuple[str, str, int, int]] = []
         self.rpcs: list[tuple[str, str]] = []
 
-    def table_lookup(self, table: str, pooling: str, nnz: int, unique: int, seconds: float) -> None:
-        self.kernels.append((table, pooling, nnz, unique))
+    def kernels_done(self, pooling: str, calls: Sequence[KernelCall]) -> None:
+        self.kernels += [(table, pooling, nnz, unique) for table, nnz, unique, _ in calls]
 
     def rpc_done(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         self.rpcs.append((method.rsplit("/", 1)[-1], code.name))
 
 
 class GateObserver(RecordingObserver):
-    """Holds every kernel call until :meth:`open` (so tests control what is in flight).
+    """Holds every request after its kernel calls until :meth:`open` (so tests control what is
+    in flight).
 
-    ``entered`` counts calls that reached the gate; ``wait_entered(n)`` blocks until n did.
+    ``entered`` counts requests that reached the gate; ``wait_entered(n)`` blocks until n did.
     """
 
     def __init__(self) -> None:
@@ -130,7 +132,7 @@ class GateObserver(RecordingObserver):
         self._cond = threading.Condition()
         self.entered = 0
 
-    def table_lookup(self, table: str, pooling: str, nnz: int, unique: int, seconds: float) -> None:
+    def kernels_done(self, pooling: str, calls: Sequence[KernelCall]) -> None:
         with self._cond:
             self.entered += 1
             self._cond.notify_all()
@@ -148,5 +150,5 @@ class GateObserver(RecordingObserver):
 class FailingObserver(RecordingObserver):
     """Raises inside the engine: a stand-in for a server bug, to exercise INTERNAL."""
 
-    def table_lookup(self, table: str, pooling: str, nnz: int, unique: int, seconds: float) -> None:
+    def kernels_done(self, pooling: str, calls: Sequence[KernelCall]) -> None:
         raise RuntimeError("observer exploded")

@@ -121,7 +121,7 @@ def test_overload_is_resource_exhausted():
         held = [threading.Thread(target=client.lookup, args=({"user": [[1]]},)) for _ in range(2)]
         for t in held:
             t.start()
-        gate.wait_entered(2)  # both slots are taken, inside a kernel call
+        gate.wait_entered(2)  # both slots are taken, held by the engine
         with pytest.raises(LookupServiceError) as info:
             client.lookup({"user": [[1]]})
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
