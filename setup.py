@@ -46,7 +46,9 @@ CXX_FLAGS = [
 
 # The torch-facing sources split work with at::parallel_for, which runs serially without OpenMP
 # (csrc/ops/parallel.h). Compile flag only: the runtime is the libgomp torch already loads.
-OPENMP_FLAGS = ["-fopenmp"] if "OpenMP" in torch.__config__.parallel_info() else []
+OPENMP_FLAGS = (
+    ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
+)
 
 
 def _sources(pattern: str) -> list[str]:

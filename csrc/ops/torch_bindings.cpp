@@ -189,8 +189,7 @@ SampleRows whole_rows(const at::Tensor& rows) {
 
 // Runs `fit` (SampleRows -> one ChunkMasks per result) on ranges of chunk positions in parallel
 // and joins the ranges. NOTE(ops): the fits treat every position on its own (codec.h
-// SampleRows), so the result does not depend on the thread count; fits were single-threaded
-// and took most of compress time on tables of a few 10k rows.
+// SampleRows), so the result does not depend on the thread count.
 template <class Fit>
 std::vector<ChunkMasks> fit_positions_in_parallel(const at::Tensor& sample, int chunk_bits,
                                                   const Fit& fit) {
