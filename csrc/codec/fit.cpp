@@ -403,10 +403,15 @@ std::vector<ChunkMasks> fit_codebook_widths(const SampleRows& sample, int w,
     }
     std::vector<int> best_s(code_bits.size(), 0);
     std::vector<int64_t> best_cost(code_bits.size(), static_cast<int64_t>(w) * n);
+    // NOTE(codec): the K most frequent patterns of s + 1 bits cover no more rows than those of
+    // s bits (each refines one of them), so from covered(s) no longer prefix can cost less than
+    // W n - max_s covered(s): once that reaches the best cost of every code width, the deeper,
+    // costlier levels (2^s bins each) cannot change the choice and are not scanned.
     for (int s = 1; s <= max_s; ++s) {
       patterns_of(s);
       counts.clear();
       for (const auto& run : runs) counts.push_back(run.first);
+      bool deeper_may_win = false;
       for (size_t ci = 0; ci < code_bits.size(); ++ci) {
         const int64_t covered =
             top_k_sum(counts.data(), static_cast<int64_t>(counts.size()), codebook_size(code_bits[ci]));
@@ -416,7 +421,10 @@ std::vector<ChunkMasks> fit_codebook_widths(const SampleRows& sample, int w,
           best_cost[ci] = cost;
           best_s[ci] = s;
         }
+        deeper_may_win |= static_cast<int64_t>(w) * n - static_cast<int64_t>(max_s) * covered <
+                          best_cost[ci];
       }
+      if (!deeper_may_win) break;
     }
     for (size_t ci = 0; ci < code_bits.size(); ++ci) {
       const int k = codebook_size(code_bits[ci]);
