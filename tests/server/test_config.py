@@ -50,6 +50,7 @@ def test_flag_beats_env_beats_file(tmp_path):
         ((), {"IBPEMBED_HOT_ROW_REFRESH_S": "inf"}, "hot_row_refresh_s must be a finite"),
         (("--grace-s", "nan"), {}, "grace_s must be a finite"),
         (("--max-message-mb", "2048"), {}, "int32"),
+        (("--malloc-retain-mb", "-1"), {}, "malloc_retain_mb must be >= 0"),
     ],
 )
 def test_invalid_settings_are_named(argv, env, message):

@@ -31,6 +31,7 @@ from ibpembed.server.interceptors import (
     ServiceInterceptor,
     ServingState,
 )
+from ibpembed.server.memory import keep_freed_memory
 from ibpembed.server.servicer import EmbeddingLookupServicer
 from ibpembed.tables.store import TableStore
 from ibpembed_client.v1 import lookup_pb2, lookup_pb2_grpc
@@ -198,6 +199,7 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     """Run until SIGTERM/SIGINT, then drain and return 0."""
     # Process-wide, hence here and not in LookupServer (see ServerConfig.torch_threads).
     torch.set_num_threads(config.torch_threads)
+    keep_freed_memory(config.malloc_retain_mb)
     store = load_store(config)
     metrics = None
     if config.metrics_port:

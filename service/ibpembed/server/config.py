@@ -70,6 +70,11 @@ class ServerConfig:
         " raw bytes; CPU lookups read them instead of decoding (0 = off).",
     )
     hot_row_refresh_s: float = _setting(30.0, "Seconds between re-rankings of the hot rows.")
+    malloc_retain_mb: int = _setting(
+        256,
+        "glibc: MiB of freed memory kept for reuse, so multi-MB responses are not mapped and"
+        " page-faulted anew per request (0 = glibc's defaults).",
+    )
     demo_max_rows: int = _setting(
         20000, "Demo table set only: rows per table cap (DCNv2 cardinalities are capped to it)."
     )
@@ -117,6 +122,8 @@ class ServerConfig:
             raise ValueError(f"hot_row_refresh_s must be > 0, got {self.hot_row_refresh_s}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.malloc_retain_mb < 0:
+            raise ValueError(f"malloc_retain_mb must be >= 0, got {self.malloc_retain_mb}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
