@@ -80,33 +80,44 @@ std::array<uint8_t, 64> rank_bits(const std::vector<int64_t>& ones, int64_t n, i
 }
 
 // prefix_rows[j * (w + 1) + L] = rows whose chunk j agrees with the majority on exactly the
-// first L ranked bits (L = w: on all of them). top[j * w + k - 1] is the mask of the k best-ranked
-// bits; the masks are nested, so L is the number of prefixes without a disagreeing bit: a
-// branch-free count the compiler vectorises, instead of a data-dependent scan that mispredicts.
-template <int W>
-void count_prefixes_w(const SampleRows& sample, const std::vector<uint64_t>& majority,
-                      const std::vector<uint64_t>& top, std::vector<int64_t>& prefix_rows) {
+// first L ranked bits (L = w: on all of them), i.e. L = the best rank among the bits where the
+// chunk differs from the majority (w when none does). NOTE(codec): counted a byte of the row at
+// a time: first_rank[i * 256 + x] is the best rank among the bits set in x at row byte i, so a
+// position costs one table lookup and one min per byte instead of w prefix tests.
+std::vector<int64_t> count_agreeing_prefixes(const SampleRows& sample, int w,
+                                             const std::vector<uint64_t>& majority,
+                                             const std::vector<std::array<uint8_t, 64>>& ranking) {
   const int v = static_cast<int>(majority.size());
+  const int64_t row_bytes = sample.width;
+  const int chunk_bytes = w / 8;
+  std::vector<uint8_t> first_rank(static_cast<size_t>(row_bytes) * 256, static_cast<uint8_t>(w));
+  std::vector<uint8_t> majority_bytes(static_cast<size_t>(row_bytes));
+  for (int64_t i = 0; i < row_bytes; ++i) {
+    majority_bytes[i] = static_cast<uint8_t>(majority[i / chunk_bytes] >> (8 * (i % chunk_bytes)));
+  }
+  for (int j = 0; j < v; ++j) {
+    for (int k = w - 1; k >= 0; --k) {  // best rank last, so it wins
+      const int64_t i = static_cast<int64_t>(j) * chunk_bytes + ranking[j][k] / 8;
+      if (i >= row_bytes) continue;  // padding past the row's end never differs
+      const int bit = ranking[j][k] % 8;
+      uint8_t* table = first_rank.data() + i * 256;
+      for (int x = 0; x < 256; ++x) {
+        if ((x >> bit) & 1) table[x] = std::min(table[x], static_cast<uint8_t>(k));
+      }
+    }
+  }
+  std::vector<int64_t> prefix_rows(static_cast<size_t>(v) * (w + 1), 0);
   for (int64_t r = 0; r < sample.num_rows; ++r) {
     const uint8_t* row = sample.row(r);
     for (int j = 0; j < v; ++j) {
-      const uint64_t diff = load_chunk<W>(row, sample.width, j) ^ majority[j];
-      const uint64_t* prefixes = top.data() + static_cast<size_t>(j) * W;
-      int len = 0;
-      for (int k = 0; k < W; ++k) len += (diff & prefixes[k]) == 0;
-      ++prefix_rows[static_cast<size_t>(j) * (W + 1) + len];
+      const int64_t first = static_cast<int64_t>(j) * chunk_bytes;
+      const int64_t last = std::min(first + chunk_bytes, row_bytes);
+      uint8_t len = static_cast<uint8_t>(w);
+      for (int64_t i = first; i < last; ++i) {
+        len = std::min(len, first_rank[i * 256 + (row[i] ^ majority_bytes[i])]);
+      }
+      ++prefix_rows[static_cast<size_t>(j) * (w + 1) + len];
     }
-  }
-}
-
-std::vector<int64_t> count_agreeing_prefixes(const SampleRows& sample, int w,
-                                             const std::vector<uint64_t>& majority,
-                                             const std::vector<uint64_t>& top) {
-  std::vector<int64_t> prefix_rows(majority.size() * (w + 1), 0);
-  switch (w) {
-    case 16: count_prefixes_w<16>(sample, majority, top, prefix_rows); break;
-    case 32: count_prefixes_w<32>(sample, majority, top, prefix_rows); break;
-    default: count_prefixes_w<64>(sample, majority, top, prefix_rows); break;
   }
   return prefix_rows;
 }
@@ -128,17 +139,7 @@ ChunkMasks fit_greedy(const SampleRows& sample, int w) {
     ranking[j] = rank_bits(ones, n, row_bytes, w, j);
   }
 
-  // top[j][k] = mask of the k best-ranked bits of position j (k = 1..w).
-  std::vector<uint64_t> top(static_cast<size_t>(v) * w);
-  for (int j = 0; j < v; ++j) {
-    uint64_t m = 0;
-    for (int k = 0; k < w; ++k) {
-      m |= uint64_t{1} << ranking[j][k];
-      top[static_cast<size_t>(j) * w + k] = m;
-    }
-  }
-
-  const std::vector<int64_t> prefix_rows = count_agreeing_prefixes(sample, w, majority, top);
+  const std::vector<int64_t> prefix_rows = count_agreeing_prefixes(sample, w, majority, ranking);
 
   for (int j = 0; j < v; ++j) {
     // saving(k) = k * rows agreeing on the top-k bits; keep the smallest k of maximal saving
