@@ -51,6 +51,12 @@ OPENMP_FLAGS = (
 )
 
 
+def host_isa_sources() -> dict[str, list[str]]:
+    """ISA_SOURCES on x86-64; none elsewhere (aarch64: Graviton, Grace build the portable path
+    only)."""
+    return ISA_SOURCES if platform.machine().lower() in ("x86_64", "amd64") else {}
+
+
 def _sources(pattern: str) -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for p in CSRC.glob(pattern))
 
@@ -67,9 +73,7 @@ class BuildExtension(cpp_extension.BuildExtension):
     def build_extensions(self) -> None:
         include = str(CSRC / "include")
         objects = []
-        # Other architectures (aarch64: Graviton, Grace) build the portable path only.
-        isa_sources = ISA_SOURCES if platform.machine().lower() in ("x86_64", "amd64") else {}
-        for source, isa_flags in isa_sources.items():
+        for source, isa_flags in host_isa_sources().items():
             objects += self.compiler.compile(
                 [source],
                 output_dir=self.build_temp,
@@ -114,4 +118,7 @@ def _extension() -> cpp_extension.CppExtension:
     )
 
 
-setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension})
+# setuptools runs this file as __main__; tools that need the flags above read them with
+# runpy.run_path (tests/codec/test_isa_objects.py, benchmarks/gpu_check.py, the aarch64 check).
+if __name__ == "__main__":
+    setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension})

@@ -32,13 +32,13 @@ torch, numpy and this repository (no torchrec/fbgemm, nothing downloaded).
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import datetime
 import json
 import math
 import os
 import platform
+import runpy
 import statistics
 import subprocess
 import sys
@@ -128,13 +128,14 @@ def load_extension():
     with their own flags first (load() has no per-file flags) and linked in."""
     from torch.utils import cpp_extension
 
+    build = runpy.run_path(str(ROOT / "setup.py"))  # its flags; it builds only as __main__
     csrc = ROOT / "csrc"
     build_dir = Path(tempfile.mkdtemp(prefix="ibpembed_C_"))
-    isa = isa_sources()
+    isa = build["host_isa_sources"]()
     objects = []
     for source, flags in isa.items():
         obj = build_dir / f"{Path(source).stem}.o"
-        compile_cmd = ["c++", "-O3", "-std=c++17", "-fPIC", f"-I{csrc / 'include'}", *flags]
+        compile_cmd = ["c++", *build["CXX_FLAGS"], "-fPIC", f"-I{csrc / 'include'}", *flags]
         subprocess.run([*compile_cmd, "-c", str(ROOT / source), "-o", str(obj)], check=True)
         objects.append(str(obj))
     sources = [*sorted(csrc.glob("codec/*.cpp")), *sorted(csrc.glob("lookup/*.cpp"))]
@@ -144,7 +145,7 @@ def load_extension():
         name="_C",
         sources=[str(p) for p in sources if str(p.relative_to(ROOT)) not in isa],
         extra_include_paths=[str(csrc / "include")],
-        extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-DIBPEMBED_WITH_CUDA=1"],
+        extra_cflags=[*build["CXX_FLAGS"], *build["OPENMP_FLAGS"], "-DIBPEMBED_WITH_CUDA=1"],
         extra_cuda_cflags=[
             "-O3",
             "-std=c++17",
@@ -153,19 +154,6 @@ def load_extension():
         ],
         extra_ldflags=objects,
         build_directory=str(build_dir),
-    )
-
-
-def isa_sources() -> dict[str, list[str]]:
-    """setup.py's ISA_SOURCES (file -> its own flags), read without running setup.py; none off
-    x86-64, where setup.py builds the portable path only."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return {}
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    return next(
-        ast.literal_eval(node.value)
-        for node in tree.body
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "ISA_SOURCES"
     )
 
 

@@ -24,15 +24,10 @@ fi
 TORCH_DIR=$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
 PY_INC=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 mapfile -t SOURCES < <("$PY" - <<'PYEOF'
-import ast
+import runpy
 from pathlib import Path
 
-tree = ast.parse(Path("setup.py").read_text())
-isa = next(
-    ast.literal_eval(node.value)
-    for node in tree.body
-    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "ISA_SOURCES"
-)
+isa = runpy.run_path("setup.py")["ISA_SOURCES"]  # setup.py builds only as __main__
 for pattern in ("csrc/codec/*.cpp", "csrc/lookup/*.cpp", "csrc/ops/*.cpp"):
     for path in sorted(Path(".").glob(pattern)):
         if str(path) not in isa and not path.name.endswith("_cuda.cpp"):
