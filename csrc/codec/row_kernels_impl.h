@@ -361,6 +361,7 @@ struct LocatedRow {
   const uint8_t* src;
   int64_t read_bytes;  // compressed: the slot plus kPayloadPad (staged); raw: the row
   bool compressed;
+  uint8_t* decode_to;  // compressed: the repeat-cache slot it fills, or null (round scratch)
 };
 
 // NOTE(codec): the decode loop issues hundreds of instructions per row, so out-of-order
@@ -380,16 +381,33 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
   LocalVector<uint8_t> stage(static_cast<size_t>(S * stride));
   LocatedRow ring[2 * S];  // row i at i % 2S: this round's rows and the next round's
   const uint8_t* rows[S];
+  RepeatCache* const repeats = sink != nullptr ? sink->repeats : nullptr;
   const auto locate = [&](int64_t i) {
     const int64_t r = ids[i];
     LocatedRow& loc = ring[i % (2 * S)];
     if (const uint8_t* hot = hot_row(t, r); hot != nullptr) {  // read like a raw row
-      loc = LocatedRow{hot, t.row_bytes, false};
+      loc = LocatedRow{hot, t.row_bytes, false, nullptr};
       prefetch_lines(hot, t.row_bytes);
       return;
     }
     loc.src = t.payload + row_offset(t, r);
     loc.compressed = row_is_compressed(t, r);
+    loc.decode_to = nullptr;
+    if (loc.compressed && repeats != nullptr) {
+      const int64_t round = i / S;
+      const size_t slot = repeats->slot(r);
+      if (repeats->tags[slot] == r) {  // an earlier row of this call decodes it: read that
+        repeats->rounds[slot] = round;
+        loc = LocatedRow{repeats->row_of(slot), t.row_bytes, false, nullptr};
+        prefetch_lines(loc.src, t.row_bytes);
+        return;
+      }
+      if (repeats->rounds[slot] < round) {  // no row of this round reads the slot: take it
+        repeats->tags[slot] = r;
+        repeats->rounds[slot] = round;
+        loc.decode_to = repeats->row_of(slot);
+      }
+    }
     loc.read_bytes = loc.compressed ? t.unit_bytes * t.row_units[r] + kPayloadPad : t.row_bytes;
     prefetch_lines(loc.src, loc.read_bytes);
   };
@@ -411,7 +429,9 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
       if (i + 2 * S < n) prefetch_index(t, ids[i + 2 * S]);
       if (i + S < n) locate(i + S);
       if (loc.compressed) {
-        uint8_t* row = out + (sink == nullptr ? i : i - begin) * t.row_bytes;
+        uint8_t* row = loc.decode_to != nullptr
+                           ? loc.decode_to
+                           : out + (sink == nullptr ? i : i - begin) * t.row_bytes;
         decode_row(stage.data() + (i - begin) * stride, row);
         rows[i - begin] = row;
       } else {

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ibpembed import compress
+from ibpembed import _C, compress, cpu_path
 from ibpembed import reference as ref
+from ibpembed.codec import available_cpu_paths
 from tests.codec.tables import FLOAT_DTYPES, POOLED_CASES, make_table
 
 NUMPY_KIND = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -186,3 +187,47 @@ def test_pooled_is_sequential_fp32_bit_for_bit(dtype, dim, pooling, weighted, se
         if pooling == "mean" and lengths[b] > 0:
             expected[b] = expected[b] * (np.float32(1.0) / np.float32(lengths[b]))
     assert np.array_equal(got.numpy().view(np.int32), expected.view(np.int32))
+
+
+@given(
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    # 8 KB fp32 rows leave the repeat cache (codec.h) 64 slots, so 40-400 distinct ids fight
+    # over them; narrow rows get thousands of slots and mostly hit.
+    dim=st.sampled_from((1, 33, 128, 2048)),
+    distinct=st.sampled_from((1, 3, 40, 400)),
+    num_ids=st.integers(2, 3000),
+    hot=st.booleans(),
+    weighted=st.booleans(),
+    pooling=st.sampled_from(("sum", "mean")),
+    path=st.sampled_from(available_cpu_paths()),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_repeated_ids_pool_to_the_bits_of_raw_rows(
+    dtype, dim, distinct, num_ids, hot, weighted, pooling, path, seed
+) -> None:
+    # A pooled call decodes a repeated id once and reads its copy afterwards, from a
+    # direct-mapped cache whose slots are contended: every row must still be the row its id
+    # names, in every round, with or without hot-row copies in the mix.
+    rng = np.random.default_rng(seed)
+    rows = 500
+    table = make_table(dtype, rows, dim, "trained_like", seed)
+    pool = rng.choice(rows, size=distinct, replace=False)
+    ids = pool[np.minimum(rng.zipf(1.3, num_ids) - 1, distinct - 1)]  # skewed, like Zipf traffic
+    cuts = np.sort(rng.integers(0, num_ids + 1, max(1, num_ids // 40)))
+    offsets = np.concatenate([[0], cuts, [num_ids]])
+    args = (
+        torch.from_numpy(ids),
+        torch.from_numpy(offsets),
+        torch.from_numpy(rng.normal(size=num_ids).astype(np.float32)) if weighted else None,
+        pooling,
+    )
+    compressed = compress(table)
+    if hot:
+        compressed = compressed.with_hot_rows(torch.from_numpy(pool[: max(1, distinct // 4)]))
+    raw = compress(table, method="raw")
+    before = cpu_path()
+    try:
+        _C.set_cpu_path(path)  # every path runs the same pipeline, each with its own decoder
+        assert torch.equal(compressed.lookup(*args), raw.lookup(*args))
+    finally:
+        _C.set_cpu_path(before)
