@@ -384,7 +384,16 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
   RepeatCache* const repeats = sink != nullptr ? sink->repeats : nullptr;
   const auto locate = [&](int64_t i) {
     const int64_t r = ids[i];
+    const int64_t round = i / S;
     LocatedRow& loc = ring[i % (2 * S)];
+    // Only compressed rows that are not hot take a slot, so a tag match needs no index lookup.
+    const size_t slot = repeats != nullptr ? repeats->slot(r) : 0;
+    if (repeats != nullptr && repeats->tags[slot] == r) {  // an earlier row decodes it: read that
+      repeats->rounds[slot] = round;
+      loc = LocatedRow{repeats->row_of(slot), t.row_bytes, false, nullptr};
+      prefetch_lines(loc.src, t.row_bytes);
+      return;
+    }
     if (const uint8_t* hot = hot_row(t, r); hot != nullptr) {  // read like a raw row
       loc = LocatedRow{hot, t.row_bytes, false, nullptr};
       prefetch_lines(hot, t.row_bytes);
@@ -393,20 +402,11 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
     loc.src = t.payload + row_offset(t, r);
     loc.compressed = row_is_compressed(t, r);
     loc.decode_to = nullptr;
-    if (loc.compressed && repeats != nullptr) {
-      const int64_t round = i / S;
-      const size_t slot = repeats->slot(r);
-      if (repeats->tags[slot] == r) {  // an earlier row of this call decodes it: read that
-        repeats->rounds[slot] = round;
-        loc = LocatedRow{repeats->row_of(slot), t.row_bytes, false, nullptr};
-        prefetch_lines(loc.src, t.row_bytes);
-        return;
-      }
-      if (repeats->rounds[slot] < round) {  // no row of this round reads the slot: take it
-        repeats->tags[slot] = r;
-        repeats->rounds[slot] = round;
-        loc.decode_to = repeats->row_of(slot);
-      }
+    if (loc.compressed && repeats != nullptr && repeats->rounds[slot] < round) {
+      // No row of this round reads the slot: take it.
+      repeats->tags[slot] = r;
+      repeats->rounds[slot] = round;
+      loc.decode_to = repeats->row_of(slot);
     }
     loc.read_bytes = loc.compressed ? t.unit_bytes * t.row_units[r] + kPayloadPad : t.row_bytes;
     prefetch_lines(loc.src, loc.read_bytes);
