@@ -45,9 +45,11 @@ Pooling = Literal["sum", "mean", "none"]
 POOLINGS: tuple[Pooling, ...] = ("sum", "mean", "none")
 _POOLABLE = (torch.float32, torch.float16, torch.bfloat16)
 T = TypeVar("T")
-# Pooled lookups with fewer ids go straight to the fused kernel: sorting them to find repeats
-# costs more than decoding a few rows twice (B=1 requests: ~30 us per table saved).
-_DEDUPE_MIN_IDS = 64
+# Pooled lookups of a table with fewer ids go straight to the fused kernel, whose per-call cache
+# decodes most repeated ids once (csrc codec.h's RepeatCache): sorting the ids to find every
+# repeat only pays when there are far more distinct rows than that cache holds (see
+# LookupEngine's dedupe_min_ids).
+DEDUPE_MIN_IDS = 32768
 # Hot-row coverage from which pooled lookups skip the decode-once path (see _pool_table).
 FUSED_MIN_HOT_COVERAGE = 0.5
 # The oldest GPU the CUDA kernels run on (setup.py builds sm_80, sm_90 and compute_90 PTX).
@@ -162,14 +164,16 @@ class LookupEngine:
     max_inflight : requests admitted at once (running or waiting for a thread); one more is
         rejected with :class:`Overloaded`. Must be >= 1.
     device : ``"cpu"``, ``"cuda"`` or ``"auto"`` (see :func:`resolve_device`).
-    dedupe_max_unique_fraction : pooled lookups decode each distinct row once and pool the
-        decoded rows when distinct ids / ids is at most this (Zipf traffic: 0.1-0.4); above it
-        the fused decode+pool kernel runs over every id. 0 = always fused, 1 = always dedupe.
-        Measured on CPU (D=128 fp32, one thread): dedupe 2-5x faster at 0.13-0.22 on 40k-row
-        tables, 10 % slower at 0.38 on a 2M-row table; 1.7x faster end to end on the demo set.
-        NONE lookups always decode each distinct row once. Tables whose hot-row copies served
-        at least FUSED_MIN_HOT_COVERAGE of the lookups that chose them take the fused kernel
-        (see ``hot_row_budget``).
+    dedupe_max_unique_fraction : a table's pooled lookups with at least ``dedupe_min_ids`` ids
+        sort them, decode each distinct row once and pool the decoded rows when distinct ids /
+        ids is at most this (Zipf traffic: 0.1-0.5); otherwise the fused decode+pool kernel
+        runs over every id, decoding repeats once as far as its per-call cache of decoded rows
+        (512 KiB per thread) reaches. 0 = always fused. NONE lookups always decode each
+        distinct row once. Tables whose hot-row copies served at least FUSED_MIN_HOT_COVERAGE
+        of the lookups that chose them take the fused kernel (see ``hot_row_budget``).
+    dedupe_min_ids : see ``dedupe_max_unique_fraction``. Measured on CPU (D=128 fp32, one
+        thread, per table of the demo set at B=512): the fused kernel is faster up to 13.8k ids
+        (distinct fraction 0.36), the decode-once path 1.6x faster at 51k ids (0.26).
     max_output_bytes : largest result a request may produce (the server passes its max message
         size); a bigger request fails with :class:`InvalidArgument` before any memory is
         allocated for it. None = no limit.
@@ -189,6 +193,7 @@ class LookupEngine:
         max_inflight: int = 64,
         device: str = "cpu",
         dedupe_max_unique_fraction: float = 0.5,
+        dedupe_min_ids: int = DEDUPE_MIN_IDS,
         max_output_bytes: int | None = None,
         observer: LookupObserver | None = None,
         hot_row_budget: float = 0.0,
@@ -204,6 +209,7 @@ class LookupEngine:
         self.max_inflight = max_inflight
         self.device = resolve_device(device)
         self.dedupe_max_unique_fraction = dedupe_max_unique_fraction
+        self.dedupe_min_ids = dedupe_min_ids
         self.max_output_bytes = max_output_bytes
         self.observer = observer
         self.hot_rows: HotRowTracker | None = None
@@ -410,7 +416,7 @@ class LookupEngine:
         # one pass then beats sorting the ids (benchmarks.engine_paths, BENCHMARKS.md).
         bar = self.dedupe_max_unique_fraction
         covered = table.hot is not None and table.hot.coverage >= FUSED_MIN_HOT_COVERAGE
-        if table.quant is None and bar > 0 and nnz >= _DEDUPE_MIN_IDS and not covered:
+        if table.quant is None and bar > 0 and nnz >= self.dedupe_min_ids and not covered:
             unique, inverse = torch.unique(ids, return_inverse=True)
             if unique.numel() <= bar * nnz:
                 rows = table.gather(unique).float()

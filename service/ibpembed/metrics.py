@@ -266,8 +266,9 @@ class _KernelTally(Collector):
         yield rows
         bytes_family = CounterMetricFamily(
             f"{NAMESPACE}_decoded_bytes",
-            "Bytes of rows read from the compressed store (each distinct row once when"
-            " lookups deduplicate; rows served from hot-row copies included).",
+            "Bytes of rows read from the compressed store: each distinct row once when the"
+            " engine deduplicates a table's ids, else every id (rows the kernel serves from"
+            " hot-row copies or from its per-call cache of decoded rows included).",
             labels=["table"],
         )
         for table, total in sorted(decoded.items()):

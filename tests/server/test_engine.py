@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ibpembed.codec import compress
-from ibpembed.engine import FeatureQuery, LookupEngine, resolve_device
+from ibpembed.engine import DEDUPE_MIN_IDS, FeatureQuery, LookupEngine, resolve_device
 from ibpembed.server.errors import DeadlineExceeded, Overloaded
 from ibpembed.tables.store import TableStore
 from tests.server.helpers import GateObserver, RecordingObserver, make_store
@@ -82,6 +82,28 @@ def test_features_of_one_table_share_one_kernel_call():
     assert sorted(recorder.kernels) == [("emb_bf16", "none", 3, 2), ("emb_f32", "none", 6, 2)]
     assert [f.values.shape[0] for f in result.features] == [3, 3, 3]
     assert torch.equal(result.features[0].values, result.features[1].values)
+
+
+def test_only_tables_with_many_ids_sort_them_by_default():
+    """Below DEDUPE_MIN_IDS a table's ids go to the fused kernel (which decodes repeats once as
+    far as its own cache reaches); from there on repeats are sorted out first."""
+    table = compress(torch.randn(1000, 16) * 0.05)
+    recorder = RecordingObserver()
+    engine = LookupEngine(TableStore.from_tables({"t": table}), max_workers=1, observer=recorder)
+    rng = np.random.default_rng(3)
+    try:
+        for nnz in (DEDUPE_MIN_IDS - 100, DEDUPE_MIN_IDS):
+            ids = rng.integers(0, 50, nnz).astype(np.int64)  # 50 distinct rows
+            lengths = np.full(nnz // 4, 4, np.int32)  # both counts are multiples of 4
+            got = engine.run([FeatureQuery("t", ids, lengths)], "sum").features[0].values
+            want = table.lookup(torch.from_numpy(ids), lengths=torch.from_numpy(lengths))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        engine.close()
+    assert [(nnz, decoded) for _, _, nnz, decoded in recorder.kernels] == [
+        (DEDUPE_MIN_IDS - 100, DEDUPE_MIN_IDS - 100),
+        (DEDUPE_MIN_IDS, 50),
+    ]
 
 
 def test_resolve_device_here_and_on_gpus_the_kernels_cannot_run_on(monkeypatch) -> None:

@@ -214,7 +214,7 @@ def test_copies_that_cover_most_lookups_send_pooling_to_the_fused_kernel(coverag
     store = TableStore.from_tables({"t": compress(values)})
     store.set_hot_rows("t", torch.arange(0, 64), coverage=coverage)
     recorder = RecordingObserver()
-    engine = LookupEngine(store, max_workers=1, observer=recorder)
+    engine = LookupEngine(store, max_workers=1, observer=recorder, dedupe_min_ids=64)
     ids = np.repeat(np.arange(0, 200, dtype=np.int64), 4)  # 800 ids, 200 distinct
     try:
         pooled = engine.run([FeatureQuery("t", ids, np.full(80, 10, np.int32))], "sum")

@@ -116,7 +116,9 @@ def test_dedupe_and_fused_paths_agree(store, fraction):
     lengths = np.full(40, 10, np.int32)
     weights = rng.uniform(0, 1, 400).astype(np.float32)
     query = [FeatureQuery("user", ids, lengths, weights)]
-    engine = LookupEngine(store, max_workers=1, dedupe_max_unique_fraction=fraction)
+    engine = LookupEngine(
+        store, max_workers=1, dedupe_max_unique_fraction=fraction, dedupe_min_ids=1
+    )
     try:
         got = engine.run(query, "mean").features[0].values
     finally:
