@@ -381,7 +381,9 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
   LocalVector<uint8_t> stage(static_cast<size_t>(S * stride));
   LocatedRow ring[2 * S];  // row i at i % 2S: this round's rows and the next round's
   const uint8_t* rows[S];
-  RepeatCache* const repeats = sink != nullptr ? sink->repeats : nullptr;
+  RepeatCache* repeats = sink != nullptr ? sink->repeats : nullptr;
+  int64_t repeat_hits = 0;
+  int64_t repeat_takes = 0;
   const auto locate = [&](int64_t i) {
     const int64_t r = ids[i];
     const int64_t round = i / S;
@@ -390,6 +392,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
     const size_t slot = repeats != nullptr ? repeats->slot(r) : 0;
     if (repeats != nullptr && repeats->tags[slot] == r) {  // an earlier row decodes it: read that
       repeats->rounds[slot] = round;
+      ++repeat_hits;
       loc = LocatedRow{repeats->row_of(slot), t.row_bytes, false, nullptr};
       prefetch_lines(loc.src, t.row_bytes);
       return;
@@ -406,6 +409,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
       // No row of this round reads the slot: take it.
       repeats->tags[slot] = r;
       repeats->rounds[slot] = round;
+      ++repeat_takes;
       loc.decode_to = repeats->row_of(slot);
     }
     loc.read_bytes = loc.compressed ? t.unit_bytes * t.row_units[r] + kPayloadPad : t.row_bytes;
@@ -439,6 +443,9 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
       }
     }
     if (sink != nullptr) sink->consume(sink->ctx, begin, end - begin, rows);
+    if (repeats != nullptr && !repeats->pays(repeat_hits, repeat_takes)) {
+      repeats = nullptr;  // rows already pointed at slots still find them decoded
+    }
   }
 }
 

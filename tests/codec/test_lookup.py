@@ -231,3 +231,15 @@ def test_repeated_ids_pool_to_the_bits_of_raw_rows(
         assert torch.equal(compressed.lookup(*args), raw.lookup(*args))
     finally:
         _C.set_cpu_path(before)
+
+
+def test_a_call_whose_repeat_cache_does_not_pay_drops_it_mid_call() -> None:
+    # 288 distinct ids take 288 slots and re-read none, so the call stops using its cache (after
+    # 256 takes, codec.h) while the next round's rows already point at slots; the repeats after
+    # that decode again. Every row must still be its own.
+    table = make_table(torch.float32, 1000, 128, "trained_like", 5)
+    rng = np.random.default_rng(5)
+    ids = np.concatenate([np.arange(288), np.arange(64), rng.integers(0, 288, 2000)])
+    offsets = np.arange(0, ids.size + 1, 8)
+    args = (torch.from_numpy(ids), torch.from_numpy(offsets))
+    assert torch.equal(compress(table).lookup(*args), compress(table, method="raw").lookup(*args))
