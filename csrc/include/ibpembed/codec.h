@@ -74,7 +74,7 @@ enum class CpuPath { kRef, kBmi2, kAvx512 };
 inline constexpr int64_t kDecodeStageRows = 32;
 
 // Decoded copies of the rows one decode_rows call has decoded, so that an id looked up again in
-// the same call is read, not decoded again: Zipf batches repeat 30-55 % of their ids
+// the same call is read, not decoded again: Zipf batches repeat 55-70 % of their ids
 // (benchmarks/data.py's batches: 44 % distinct on 8.4M rows, 30 % on 100k). Direct-mapped on
 // the row id and owned by the caller (one per thread). Only pooled calls (with a RowSink) use
 // one: a gather writes every row to its own output row anyway, and the engine deduplicates
