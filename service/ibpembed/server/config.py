@@ -62,7 +62,10 @@ class ServerConfig:
         20.0, "On SIGTERM/SIGINT: seconds in-flight RPCs get to finish before being cancelled."
     )
     dedupe_max_unique_fraction: float = _setting(
-        0.5, "Pooled lookups decode distinct rows once when distinct/ids <= this (0 = never)."
+        0.5,
+        "A table's pooled lookups of >= 32,768 ids (in one request) sort them and decode"
+        " distinct rows once when distinct/ids <= this (0 = never); smaller ones decode repeats"
+        " once through the kernel's per-call cache.",
     )
     hot_row_budget: float = _setting(
         0.01,
