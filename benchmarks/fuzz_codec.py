@@ -9,7 +9,9 @@ are almost invariant, single outliers, random bits, trained-like values. Calling
 per tiny table would time the dispatcher, not the codec, so cases are batched: the tables of one
 batch share dtype and row width and are stacked into one tensor, and one ``ibp_fit`` /
 ``ibp_compress`` / ``ibp_decompress`` / ``ibp_gather`` call handles them all (and one more
-gather reads a random half of the rows from a hot-row overlay). The masks are
+gather reads a random half of the rows from a hot-row overlay; float batches also pool repeated
+ids with SUM, bit for bit against the same rows stored raw, which exercises the per-call cache
+of decoded rows that spares repeated ids their decode). The masks are
 fitted on the whole stack or on one member table (so the other members are mostly exceptions
 and raw rows), or are a fit with random bits flipped and a random bitval (pairs no fit produces,
 next to chunks that still participate), or are empty (the raw path). Every fit method, chunk
@@ -458,8 +460,32 @@ def check_batch(batch: Batch, seed: int) -> tuple[list[str], int, int]:
     slots = ops.ibp_slot_bytes(stack, batch.chunk_bits, mask, bitval, unit)
     if not torch.equal(slots, row_units[:n].to(torch.int64) * unit):
         problems.append("slot_bytes")
+    calls = 6 + (batch.fit_source != "raw")
+    if batch.dtype != torch.uint8:
+        problems += check_pooled(batch, stack, args, rng)
+        calls += 3
     compressed = int(np.unpackbits(bitmask.numpy().view(np.uint8)).sum())
-    return problems, compressed, 6 + (batch.fit_source != "raw")
+    return problems, compressed, calls
+
+
+def check_pooled(
+    batch: Batch, stack: torch.Tensor, args: tuple, rng: np.random.Generator
+) -> list[str]:
+    """Pooled SUM over repeated ids (each thread's repeat cache in play) gives the bits of the
+    same rows stored raw: same rows, same order, so NaN payloads and -0.0 included."""
+    n = stack.shape[0]
+    chunk_bits, unit = batch.chunk_bits, args[8]
+    empty = torch.zeros_like(args[4])  # no invariant bits: every row is stored raw
+    raw = ops.ibp_compress(stack, chunk_bits, empty, empty, unit)
+    tables = [
+        codec.CompressedTable(*parts, chunk_bits, n, batch.dim, batch.dtype, unit)
+        for parts in (args[:6], (*raw, empty, empty))
+    ]
+    ids = torch.from_numpy(rng.integers(0, n, int(rng.integers(2, 4 * n + 3))))
+    cuts = np.sort(rng.integers(0, ids.numel() + 1, int(rng.integers(0, 20))))
+    offsets = torch.from_numpy(np.concatenate([[0], cuts, [ids.numel()]]))
+    got, want = (t.lookup(ids, offsets) for t in tables)
+    return [] if torch.equal(got.view(torch.int32), want.view(torch.int32)) else ["pooled sum"]
 
 
 def check_solo(table: torch.Tensor, rng: np.random.Generator) -> list[str]:
