@@ -205,6 +205,8 @@ class LookupEngine:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         if not 0.0 <= dedupe_max_unique_fraction <= 1.0:
             raise ValueError("dedupe_max_unique_fraction must be in [0, 1]")
+        if dedupe_min_ids < 1:
+            raise ValueError(f"dedupe_min_ids must be >= 1, got {dedupe_min_ids}")
         self.store = store
         self.max_inflight = max_inflight
         self.device = resolve_device(device)

@@ -104,6 +104,8 @@ def test_only_tables_with_many_ids_sort_them_by_default():
         (DEDUPE_MIN_IDS - 100, DEDUPE_MIN_IDS - 100),
         (DEDUPE_MIN_IDS, 50),
     ]
+    with pytest.raises(ValueError, match="dedupe_min_ids"):
+        LookupEngine(TableStore.from_tables({"t": table}), dedupe_min_ids=0)
 
 
 def test_resolve_device_here_and_on_gpus_the_kernels_cannot_run_on(monkeypatch) -> None:
