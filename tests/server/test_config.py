@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -51,11 +52,23 @@ def test_flag_beats_env_beats_file(tmp_path):
         (("--grace-s", "nan"), {}, "grace_s must be a finite"),
         (("--max-message-mb", "2048"), {}, "int32"),
         (("--malloc-retain-mb", "-1"), {}, "malloc_retain_mb must be >= 0"),
+        ((), {"IBPEMBED_DEDUPE_MIN_IDS": "0"}, "dedupe_min_ids must be >= 1"),
     ],
 )
 def test_invalid_settings_are_named(argv, env, message):
     with pytest.raises(ValueError, match=message):
         config.load(_args(*argv), environ=env)
+
+
+def test_readme_table_is_the_generated_one():
+    """README's settings table is config.markdown_table(), row for row (paste it when a setting
+    changes)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+    def rows(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("| `--")]
+
+    assert rows(readme) == rows(config.markdown_table())
 
 
 def test_markdown_table_lists_every_setting():

@@ -81,6 +81,7 @@ class LookupServer:
             max_inflight=config.max_inflight,
             device=config.device,
             dedupe_max_unique_fraction=config.dedupe_max_unique_fraction,
+            dedupe_min_ids=config.dedupe_min_ids,
             hot_row_budget=config.hot_row_budget,
             hot_row_refresh_s=config.hot_row_refresh_s,
             # Leave room for the response's framing (names, shapes: ~50 bytes a feature).

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ibpembed.engine import DEDUPE_MIN_IDS
+
 ENV_PREFIX = "IBPEMBED_"
 # gRPC takes message sizes as int32 bytes: 2047 MiB is the most it accepts.
 MAX_MESSAGE_MB = 2047
@@ -63,9 +65,14 @@ class ServerConfig:
     )
     dedupe_max_unique_fraction: float = _setting(
         0.5,
-        "A table's pooled lookups of >= 32,768 ids (in one request) sort them and decode"
-        " distinct rows once when distinct/ids <= this (0 = never); smaller ones decode repeats"
-        " once through the kernel's per-call cache.",
+        "A table's pooled lookups of >= `dedupe_min_ids` ids (in one request) sort them and"
+        " decode distinct rows once when distinct/ids <= this (0 = never).",
+    )
+    dedupe_min_ids: int = _setting(
+        DEDUPE_MIN_IDS,
+        "Ids of one table in one request from which pooled lookups consider sorting them (see"
+        " `dedupe_max_unique_fraction`); smaller lookups decode repeats once through the"
+        " kernel's per-call cache of decoded rows.",
     )
     hot_row_budget: float = _setting(
         0.01,
@@ -102,6 +109,7 @@ class ServerConfig:
             "max_inflight",
             "max_message_mb",
             "stream_window",
+            "dedupe_min_ids",
             "demo_max_rows",
         ):
             if getattr(self, name) < 1:
