@@ -87,9 +87,9 @@ inline constexpr int64_t kDecodeStageRows = 32;
 // into the round's scratch instead.
 //
 // NOTE(codec): a taken slot costs its row a decode into L2 instead of the round's L1 scratch, and
-// the cache is only worth that while rows come back: with hot-row copies (which already serve
-// the repeated rows: 453 re-reads for 84,010 slots taken on 1 GiB of Zipf traffic) or uniform
-// ids it made lookups ~7 % slower. So a call stops using it once kRepeatProbeTakes slots have
+// the cache is only worth that while rows come back, which they do not where hot-row copies
+// already serve the repeated rows (453 re-reads for 84,010 slots taken on 1 GiB of Zipf
+// traffic) or ids do not repeat. So a call stops using it once kRepeatProbeTakes slots have
 // been taken and fewer than one in kRepeatMinReuse of them was read again.
 inline constexpr int64_t kRepeatProbeTakes = 256;
 inline constexpr int64_t kRepeatMinReuse = 8;
