@@ -388,12 +388,14 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
     const int64_t r = ids[i];
     const int64_t round = i / S;
     LocatedRow& loc = ring[i % (2 * S)];
-    // Only compressed rows that are not hot take a slot, so a tag match needs no index lookup.
-    const size_t slot = repeats != nullptr ? repeats->slot(r) : 0;
-    if (repeats != nullptr && repeats->tags[slot] == r) {  // an earlier row decodes it: read that
-      repeats->rounds[slot] = round;
+    // Only compressed rows that are not hot take a slot, so a slot holding the row needs no
+    // index lookup.
+    const size_t index = repeats != nullptr ? repeats->slot(r) : 0;
+    RepeatCache::Slot* const slot = repeats != nullptr ? &repeats->slots[index] : nullptr;
+    if (slot != nullptr && slot->row == r) {  // an earlier row decodes it: read that
+      slot->round = round;
       ++repeat_hits;
-      loc = LocatedRow{repeats->row_of(slot), t.row_bytes, false, nullptr};
+      loc = LocatedRow{repeats->row_of(index), t.row_bytes, false, nullptr};
       prefetch_lines(loc.src, t.row_bytes);
       return;
     }
@@ -405,12 +407,11 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
     loc.src = t.payload + row_offset(t, r);
     loc.compressed = row_is_compressed(t, r);
     loc.decode_to = nullptr;
-    if (loc.compressed && repeats != nullptr && repeats->rounds[slot] < round) {
+    if (loc.compressed && slot != nullptr && slot->round < round) {
       // No row of this round reads the slot: take it.
-      repeats->tags[slot] = r;
-      repeats->rounds[slot] = round;
+      *slot = RepeatCache::Slot{r, round};
       ++repeat_takes;
-      loc.decode_to = repeats->row_of(slot);
+      loc.decode_to = repeats->row_of(index);
     }
     loc.read_bytes = loc.compressed ? t.unit_bytes * t.row_units[r] + kPayloadPad : t.row_bytes;
     prefetch_lines(loc.src, loc.read_bytes);

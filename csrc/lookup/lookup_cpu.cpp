@@ -42,11 +42,10 @@ int repeat_slot_bits(int64_t num_ids, int64_t row_bytes) {
 // 1.4 ms lookup (development A/B).
 RepeatCache* thread_repeat_cache(int64_t num_ids, int64_t row_bytes) {
   struct Storage {
-    // Uninitialised: a slot is decoded into before any row that found its tag reaches the sink.
+    // Uninitialised: a slot is decoded into before any row that found it reaches the sink.
     std::unique_ptr<uint8_t[]> rows;
     size_t capacity = 0;
-    std::vector<int64_t> tags;
-    std::vector<int64_t> rounds;
+    std::vector<RepeatCache::Slot> slots;
     RepeatCache cache{};
   };
   thread_local Storage storage;
@@ -58,10 +57,8 @@ RepeatCache* thread_repeat_cache(int64_t num_ids, int64_t row_bytes) {
     storage.rows.reset(new uint8_t[bytes]);
     storage.capacity = bytes;
   }
-  storage.tags.assign(slots, -1);
-  storage.rounds.assign(slots, -1);
-  storage.cache = RepeatCache{storage.rows.get(), storage.tags.data(), storage.rounds.data(), bits,
-                              row_bytes};
+  storage.slots.assign(slots, RepeatCache::Slot{-1, -1});
+  storage.cache = RepeatCache{storage.rows.get(), storage.slots.data(), bits, row_bytes};
   return &storage.cache;
 }
 

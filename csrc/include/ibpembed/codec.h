@@ -82,8 +82,8 @@ inline constexpr int64_t kDecodeStageRows = 32;
 //
 // NOTE(codec): decode_rows locates a row one round (kDecodeStageRows rows) before it decodes it,
 // and hands a round's rows to the sink only after the whole round is decoded. So a slot may be
-// given to another row only if no row of the new row's round reads it yet: `rounds` records the
-// last round that took or read each slot, and a row whose slot is busy in its own round decodes
+// given to another row only if no row of the new row's round reads it yet: a slot's `round` is
+// the last round that took or read it, and a row whose slot is busy in its own round decodes
 // into the round's scratch instead.
 //
 // NOTE(codec): a taken slot costs its row a decode into L2 instead of the round's L1 scratch, and
@@ -95,10 +95,15 @@ inline constexpr int64_t kRepeatProbeTakes = 256;
 inline constexpr int64_t kRepeatMinReuse = 8;
 
 struct RepeatCache {
-  uint8_t* rows;    // [1 << slot_bits, row_bytes]
-  int64_t* tags;    // row id each slot holds (or will hold once its round decodes it); -1: none
-  int64_t* rounds;  // last round that took or read each slot; -1: none
-  int slot_bits;    // >= 1
+  // What a slot holds; both fields are read and written together, so they share a line.
+  struct Slot {
+    int64_t row;    // row id it holds (or will hold once its round decodes it); -1: none
+    int64_t round;  // last round that took or read it; -1: none
+  };
+
+  uint8_t* rows;  // [1 << slot_bits, row_bytes]
+  Slot* slots;    // [1 << slot_bits]
+  int slot_bits;  // >= 1
   int64_t row_bytes;
 
   // Fibonacci hashing: consecutive ids spread over the slots.
