@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Collection
 
 import numpy as np
 import torch
@@ -149,12 +150,17 @@ class HotRowTracker:
             window.add(ids)
             self._fresh.add(table)
 
-    def refresh(self) -> dict[str, int]:
+    def refresh(self, tables: Collection[str] | None = None) -> dict[str, int]:
         """Publish fresh copies for every table looked up since its last refresh, where the hot
-        set changed. Returns the rows now cached per table republished."""
+        set changed. Returns the rows now cached per table republished.
+
+        ``tables``: refresh these instead, looked up lately or not (a reload replaced them and
+        their copies with them; their windows still hold the traffic's recent ids).
+        """
         with self._lock:
-            recent = {n: self._windows[n].recent() for n in self._fresh if n in self._windows}
-            self._fresh.clear()
+            names = set(self._fresh) if tables is None else set(tables)
+            recent = {n: self._windows[n].recent() for n in names if n in self._windows}
+            self._fresh -= names
         with self.store.acquire() as snapshot:
             tables = dict(snapshot.tables)
         with self._lock:  # windows of tables a reload dropped (a lookup of an older snapshot may

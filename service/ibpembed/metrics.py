@@ -30,6 +30,8 @@ metric                                                 type       labels
 ``ibpembed_table_compression_ratio``                   gauge      table
 ``ibpembed_table_version``                             gauge      table
 ``ibpembed_table_reloads_total``                       counter    table
+``ibpembed_table_set_reloads_total``                   counter    result
+``ibpembed_table_set_reload_failing``                  gauge      —
 =====================================================  =========  ==================================
 """
 
@@ -58,6 +60,7 @@ from prometheus_client.utils import floatToGoString
 
 import ibpembed
 from ibpembed.engine import KernelCall
+from ibpembed.server.reload import RELOAD_RESULTS, ReloadResult
 from ibpembed.tables.store import TableStore
 from ibpembed_client.v1 import lookup_pb2 as pb
 
@@ -421,6 +424,21 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
         ).set_function(lambda: self._inflight)
         self._tables = _TableCollector(store)
         reg.register(self._tables)
+        self._reloads = _Counters(
+            f"{NAMESPACE}_table_set_reloads",
+            "Reloads of the table set from its directory (manifest change or SIGHUP): ok"
+            " (published), unchanged (nothing to publish), error (previous version kept).",
+            ["result"],
+        )
+        for result in RELOAD_RESULTS:  # every series exists from the start, for rate()
+            self._reloads.inc((result,), 0.0)
+        reg.register(_Families(self._reloads))
+        self._reload_failing = 0  # event loop only, like _inflight
+        prometheus_client.Gauge(
+            f"{NAMESPACE}_table_set_reload_failing",
+            "1 while the last reload of the table set failed (the previous version serves).",
+            registry=reg,
+        ).set_function(lambda: self._reload_failing)
         self._handlers: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._http: prometheus_client.exposition.WSGIServer | None = None
 
@@ -429,6 +447,11 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
         """The kernel calls of one request (engine worker thread), one per table it read."""
         self._tables.sync()
         self._kernel.add(pooling, calls, self._tables.row_bytes)
+
+    def reload_done(self, result: ReloadResult) -> None:
+        """One reload attempt of the table set (event loop)."""
+        self._reloads.inc((result,))
+        self._reload_failing = int(result == "error")
 
     def rpc_done(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         """One finished ``ibpembed.v1`` RPC (event loop).

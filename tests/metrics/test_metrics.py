@@ -156,6 +156,7 @@ def test_no_request_values_in_labels(served):
     assert labels == {"version", "device", "cpu_path", "torch", "method", "code", "pooling"} | {
         "le",
         "table",
+        "result",
     }
 
 

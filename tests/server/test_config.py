@@ -53,6 +53,8 @@ def test_flag_beats_env_beats_file(tmp_path):
         (("--max-message-mb", "2048"), {}, "int32"),
         (("--malloc-retain-mb", "-1"), {}, "malloc_retain_mb must be >= 0"),
         ((), {"IBPEMBED_DEDUPE_MIN_IDS": "0"}, "dedupe_min_ids must be >= 1"),
+        (("--reload-poll-s", "-1"), {}, "reload_poll_s must be >= 0"),
+        (("--reload-poll-s", "nan"), {}, "reload_poll_s must be a finite"),
     ],
 )
 def test_invalid_settings_are_named(argv, env, message):

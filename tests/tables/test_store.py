@@ -100,17 +100,17 @@ def test_snapshot_is_immutable(table_dir: Path) -> None:
 # -- reload ----------------------------------------------------------------------------------
 
 
-def test_reload_publishes_a_new_version_and_reuses_unchanged_tables(table_dir: Path) -> None:
+def test_reload_publishes_a_new_version_only_when_the_set_changed(table_dir: Path) -> None:
     store = TableStore.load(table_dir)
     with store.acquire() as snap:
         old_user = snap.tables["user"]
-    store.reload()  # nothing changed: same tables, new version number
+    assert store.reload() is False  # nothing changed: same tables, same version
     with store.acquire() as snap:
-        assert snap.version == 2 and snap.tables["user"] is old_user
+        assert snap.version == 1 and snap.tables["user"] is old_user
     pack(table_dir, 2)
-    store.reload()
+    assert store.reload() is True
     with store.acquire() as snap:
-        assert snap.version == 3 and snapshot_version(snap) == {2.0}
+        assert snap.version == 2 and snapshot_version(snap) == {2.0}
 
 
 def test_old_version_is_released_when_its_last_lookup_ends(table_dir: Path) -> None:
@@ -178,8 +178,10 @@ def test_failed_reload_keeps_serving_the_old_version(
     assert store.version == 1
     with store.acquire() as snap:
         assert snapshot_version(snap) == {1.0}
-    store.reload()  # the store still reloads from its own directory afterwards
-    assert store.version == 2
+    pack(table_dir, 3)
+    assert store.reload()  # the store still reloads from its own directory afterwards
+    with store.acquire() as snap:
+        assert snap.version == 2 and snapshot_version(snap) == {3.0}
 
 
 def test_reload_under_concurrent_lookups_never_mixes_versions(

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The grpc.aio server: wiring of store, engine, servicer, interceptors, health and reflection.
 
-Lifecycle: load tables -> bind -> SERVING. On SIGTERM or SIGINT: stop admitting new RPCs
-(UNAVAILABLE; health NOT_SERVING), let in-flight RPCs finish for up to ``grace_s``, stop the
-kernel threads, exit 0.
+Lifecycle: load tables -> bind -> SERVING. A table set from a directory is reloaded live when its
+manifest changes and on SIGHUP (:mod:`ibpembed.server.reload`). On SIGTERM or SIGINT: stop
+admitting new RPCs (UNAVAILABLE; health NOT_SERVING), let in-flight RPCs finish for up to
+``grace_s``, stop the kernel threads, exit 0.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ibpembed.server.interceptors import (
     ServingState,
 )
 from ibpembed.server.memory import keep_freed_memory
+from ibpembed.server.reload import ReloadObserver, TableSetReloader
 from ibpembed.server.servicer import EmbeddingLookupServicer
 from ibpembed.tables.store import TableStore
 from ibpembed_client.v1 import lookup_pb2, lookup_pb2_grpc
@@ -43,7 +45,7 @@ _DRAIN_POLL_S = 0.05
 SERVICE_NAME = lookup_pb2.DESCRIPTOR.services_by_name["EmbeddingLookup"].full_name
 
 
-class ServerObserver(LookupObserver, RpcObserver, Protocol):
+class ServerObserver(LookupObserver, RpcObserver, ReloadObserver, Protocol):
     """The metrics hook of a whole server (issue 6 implements it)."""
 
 
@@ -89,9 +91,21 @@ class LookupServer:
             observer=observer,
         )
         self.observer = observer
+        # None for in-memory tables (the embedded demo): nothing on disk to reload from.
+        self.reloader = (
+            TableSetReloader(
+                store,
+                poll_s=config.reload_poll_s,
+                hot_rows=self.engine.hot_rows,
+                observer=observer,
+            )
+            if store.directory is not None
+            else None
+        )
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
+        self._reloads: set[asyncio.Task] = set()
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         interceptors: list[grpc.aio.ServerInterceptor] = []
@@ -148,7 +162,18 @@ class LookupServer:
         self.state.accepting, self.state.reason = True, "serving"
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if self.reloader is not None:
+            self.reloader.start()
         return port
+
+    def request_reload(self) -> None:
+        """Reload the table set in the background (SIGHUP); outcomes are logged and counted."""
+        if self.reloader is None:
+            log.warning("reload requested: serving in-memory tables, nothing to reload")
+            return
+        task = asyncio.get_running_loop().create_task(self.reloader.reload("SIGHUP"))
+        self._reloads.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._reloads.discard)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: refuse new RPCs, finish in-flight ones (up to the grace period), stop.
@@ -159,6 +184,10 @@ class LookupServer:
         """
         grace = self.config.grace_s if grace_s is None else grace_s
         self.state.accepting, self.state.reason = False, "draining for shutdown"
+        if self.reloader is not None:
+            await self.reloader.stop()
+        for task in self._reloads:  # SIGHUPs not yet running: a reload in progress finishes
+            task.cancel()
         await self.health.enter_graceful_shutdown()
         loop = asyncio.get_running_loop()
         give_up = loop.time() + grace
@@ -196,6 +225,11 @@ def example_query(host: str, port: int, feature: str, *, tls: bool, token: bool)
     )
 
 
+def _reload_line(config: ServerConfig) -> str:
+    when = f"when its manifest changes (checked every {config.reload_poll_s:g} s) and "
+    return f"table set reloads {when if config.reload_poll_s else ''}on SIGHUP\n"
+
+
 async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     """Run until SIGTERM/SIGINT, then drain and return 0."""
     # Process-wide, hence here and not in LookupServer (see ServerConfig.torch_threads).
@@ -207,6 +241,12 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
         metrics = ServerMetrics(store, device=resolve_device(config.device).type)
         metrics_port = metrics.start_http_server(config.host, config.metrics_port)
     server = LookupServer(config, store, observer=metrics)
+    # Before the banner: whoever reads it may signal at once (the default actions would kill).
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, server.request_reload)
     port = await server.start()
     tables = server.engine.describe()
     first_feature = next((t.features[0] for t in tables if t.features), "cat_0")
@@ -216,6 +256,7 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
         f"ibpembed serving {source} on {server.engine.device}\n"
         f"listening on {config.host}:{port} ({scheme})\n"
         + (f"metrics on http://{config.host}:{metrics_port}/metrics\n" if metrics else "")
+        + (_reload_line(config) if config.tables else "")
         + example_query(
             config.host,
             port,
@@ -226,10 +267,6 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
         file=out,
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.warning("signal received: draining (grace %.1f s)", config.grace_s)
     await server.stop()

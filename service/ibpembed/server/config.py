@@ -38,6 +38,11 @@ class ServerConfig:
     tables: str | None = _setting(
         None, "Packed table-set directory; unset serves the embedded demo table set."
     )
+    reload_poll_s: float = _setting(
+        10.0,
+        "Seconds between checks of the table set's manifest: a new one (`ibpembed pack` into"
+        " the directory) is loaded and published live; SIGHUP reloads at once (0 = SIGHUP only).",
+    )
     device: str = _setting(
         "auto",
         "Where kernels run: `cpu`, `cuda` or `auto` (CUDA when present).",
@@ -121,6 +126,7 @@ class ServerConfig:
             )
         for name in (
             "grace_s",
+            "reload_poll_s",
             "dedupe_max_unique_fraction",
             "hot_row_budget",
             "hot_row_refresh_s",
@@ -133,6 +139,8 @@ class ServerConfig:
             raise ValueError(f"hot_row_refresh_s must be > 0, got {self.hot_row_refresh_s}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.reload_poll_s < 0:
+            raise ValueError(f"reload_poll_s must be >= 0, got {self.reload_poll_s}")
         if self.malloc_retain_mb < 0:
             raise ValueError(f"malloc_retain_mb must be >= 0, got {self.malloc_retain_mb}")
         if (self.tls_cert is None) != (self.tls_key is None):

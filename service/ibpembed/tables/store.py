@@ -5,7 +5,7 @@
 >>> with store.acquire() as snap:                 # one consistent version for the whole lookup
 ...     name, table = snap.table_for_feature("user_id")
 ...     rows = table.gather(ids)
->>> store.reload()                                # publish the directory's new manifest
+>>> store.reload()                                # publish the directory's new manifest, if any
 >>> store.update_rows("t_user", ids, new_rows)    # re-encode rows, publish atomically
 
 Versioning. A ``TableSnapshot`` is immutable. ``reload`` and ``update_rows`` build the next
@@ -282,15 +282,20 @@ class TableStore:
                 version, _frozen(tables), _frozen(features), _frozen(shards)
             )
 
-    def reload(self, directory: str | os.PathLike[str] | None = None) -> None:
+    def reload(self, directory: str | os.PathLike[str] | None = None) -> bool:
         """Load a table set and publish it as the next version, all or nothing.
 
         Tables whose manifest entry is unchanged (same file, same checksum, no row updates since)
-        are kept as they are rather than mapped again.
+        are kept as they are rather than mapped again. A set identical to the one serving (same
+        tables, features and row ranges) publishes nothing: versions number table contents.
 
         Parameters
         ----------
         directory : the table set to load; default the one this store was loaded from.
+
+        Returns
+        -------
+        Whether a new version was published.
 
         Raises
         ------
@@ -311,11 +316,27 @@ class TableStore:
 
             manifest, tables = load_table_set(target, verify=self._verify, reuse=reuse)
             fresh = {n: t for n, t in tables.items() if t is not current.get(n)}
-            tables.update(self._pinned(fresh))
-            self._publish(tables, manifest.features, _shards(manifest.tables))
+            shards = _shards(manifest.tables)
+            unchanged = (
+                not fresh
+                and tables.keys() == current.keys()
+                and dict(manifest.features) == dict(self._current.features)
+                and dict(shards) == dict(self._current.shards)
+            )
             self._directory = target
             self._entries = dict(manifest.tables)
+            if unchanged:
+                return False
+            tables.update(self._pinned(fresh))
+            self._publish(tables, manifest.features, shards)
             self._spill.clear()
+            return True
+
+    @property
+    def directory(self) -> Path | None:
+        """The table set this store was loaded (or last reloaded) from; None for in-memory
+        tables."""
+        return self._directory
 
     def put_table(
         self, name: str, table: CompressedTable, features: Mapping[str, str] | None = None

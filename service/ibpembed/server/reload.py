@@ -1,0 +1,166 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Live reloads of the served table set: on SIGHUP, and when its manifest changes.
+
+``TableStore.reload`` does the work: it loads the whole set off to the side and publishes it with
+one pointer swap, all or nothing, so a lookup sees the old version or the new one, never a mix,
+and tables whose files did not change are kept as they are. This module decides when to call it,
+runs it off the event loop, and reports what happened.
+
+When. ``ibpembed pack`` publishes a set by replacing its ``manifest.json`` last, atomically, so a
+change of the manifest's identity (inode, mtime, size) is the signal. The watcher polls it every
+``reload_poll_s`` seconds; SIGHUP reloads at once. The first poll always loads: the set may have
+changed between the server's start-up load and the watcher's start, and a reload that finds the
+set unchanged publishes nothing.
+
+Failures (a corrupt or truncated file, a manifest naming a missing table, a file swept by a
+concurrent pack) keep the previous version serving: the error is logged, counted
+(``ibpembed_table_set_reloads_total{result="error"}``) and raised as
+``ibpembed_table_set_reload_failing`` until a reload succeeds. The watcher tries a manifest that
+failed again only once it changes (the same bytes would fail the same way); SIGHUP always tries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from ibpembed.tables.manifest import MANIFEST
+from ibpembed.tables.store import TableStore
+
+log = logging.getLogger(__name__)
+
+ReloadResult = Literal["ok", "unchanged", "error"]
+RELOAD_RESULTS: tuple[ReloadResult, ...] = ("ok", "unchanged", "error")
+
+# (inode, mtime ns, size) of the manifest; None when it cannot be read.
+_Stamp = tuple[int, int, int] | None
+
+
+class ReloadObserver(Protocol):
+    """Optional hook for reload metrics, called on the event loop once per reload attempt."""
+
+    def reload_done(self, result: ReloadResult) -> None:
+        """A reload ``ok`` (published), ``unchanged`` (nothing to publish) or ``error``."""
+
+
+class HotRowRefresher(Protocol):
+    def refresh(self, tables: Collection[str] | None = None) -> dict[str, int]: ...
+
+
+@dataclass(frozen=True)
+class ReloadOutcome:
+    result: ReloadResult
+    version: int  # serving after the attempt
+    changed: tuple[str, ...] = ()  # tables whose rows were replaced, added or dropped
+    error: str | None = None
+
+
+class TableSetReloader:
+    """Reloads ``store`` from its directory on request and when the manifest changes.
+
+    Parameters
+    ----------
+    store : a store loaded from a table-set directory (``store.directory`` set).
+    poll_s : seconds between manifest checks; 0 = reload on request (SIGHUP) only.
+    hot_rows : the engine's hot-row tracker; tables a reload replaced get fresh copies at once
+        rather than at its next refresh.
+    observer : optional metrics hook.
+    """
+
+    def __init__(
+        self,
+        store: TableStore,
+        *,
+        poll_s: float,
+        hot_rows: HotRowRefresher | None = None,
+        observer: ReloadObserver | None = None,
+    ) -> None:
+        if store.directory is None:
+            raise ValueError("the store was not loaded from a table-set directory")
+        if poll_s < 0:
+            raise ValueError(f"poll_s must be >= 0, got {poll_s}")
+        self.store = store
+        self.poll_s = poll_s
+        self.hot_rows = hot_rows
+        self.observer = observer
+        self._lock = asyncio.Lock()  # one reload at a time; SIGHUPs during one wait for it
+        self._tried: _Stamp | Literal["never"] = "never"  # manifest the watcher last loaded
+        self._task: asyncio.Task[None] | None = None
+
+    def _stamp(self) -> _Stamp:
+        assert self.store.directory is not None
+        try:
+            st = os.stat(self.store.directory / MANIFEST)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    async def reload(self, reason: str) -> ReloadOutcome:
+        """Reload now (waiting for a reload in progress first); never raises for a bad set."""
+        async with self._lock:
+            stamp = self._stamp()
+            started = time.perf_counter()
+            outcome = await asyncio.to_thread(self._reload_blocking)
+            self._tried = stamp
+        seconds = time.perf_counter() - started
+        what = {
+            "ok": f"version {outcome.version} published, tables changed: "
+            + ", ".join(outcome.changed),
+            "unchanged": f"nothing changed, version {outcome.version} serves",
+            "error": f"failed, version {outcome.version} keeps serving: {outcome.error}",
+        }[outcome.result]
+        level = logging.ERROR if outcome.result == "error" else logging.INFO
+        log.log(level, "reload of %s (%s, %.2f s): %s", self.store.directory, reason, seconds, what)
+        if self.observer is not None:
+            self.observer.reload_done(outcome.result)
+        return outcome
+
+    def _reload_blocking(self) -> ReloadOutcome:
+        with self.store.acquire() as before:
+            old = dict(before.tables)
+        try:
+            published = self.store.reload()
+        except (ValueError, OSError) as exc:  # TableSetError, TableFileError, I/O
+            return ReloadOutcome("error", self.store.version, error=str(exc))
+        except Exception as exc:  # a bug, not a bad set: keep serving, keep the traceback
+            log.exception("reload failed unexpectedly")
+            return ReloadOutcome("error", self.store.version, error=repr(exc))
+        if not published:
+            return ReloadOutcome("unchanged", self.store.version)
+        with self.store.acquire() as after:
+            version, new = after.version, dict(after.tables)
+        changed = tuple(sorted(n for n in old.keys() | new.keys() if old.get(n) is not new.get(n)))
+        if self.hot_rows is not None and changed:
+            try:
+                self.hot_rows.refresh([n for n in changed if n in new])
+            except Exception:  # the copies come back at the next periodic refresh
+                log.exception("hot-row refresh after the reload failed")
+        return ReloadOutcome("ok", version, changed)
+
+    # -- the manifest watcher --------------------------------------------------------------------
+    def start(self) -> None:
+        """Start polling the manifest (on the running event loop); no-op when ``poll_s`` is 0."""
+        if self.poll_s > 0 and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            if self._stamp() != self._tried:
+                await self.reload("manifest changed")
+            await asyncio.sleep(self.poll_s)
+
+    async def stop(self) -> None:
+        """Stop polling (a reload in progress finishes first)."""
+        if self._task is None:
+            return
+        async with self._lock:
+            self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
