@@ -10,6 +10,11 @@
 * ``kill_reload``: a process serving lookups from a ``TableStore`` and reloading it in a loop
   while new versions are published, SIGKILLed at a random moment. Every lookup it made saw one
   whole version; the directory still loads the newest published version.
+* ``reload_under_load``: ``ibpembed serve --tables DIR`` under steady lookups while new versions
+  are packed into DIR, every third one corrupt (a flipped byte in a table file). The server
+  reloads each good version live (manifest poll); every call succeeds, every response holds one
+  version, versions only move forward on a connection, a corrupt set is never served, and the
+  last good version is served at the end.
 * ``sigterm_under_load``: ``ibpembed serve`` with requests in flight gets SIGTERM. Every call
   that started before the signal completes OK; later ones get UNAVAILABLE; exit code 0.
 * ``vanishing_client``: client processes SIGKILLed in the middle of a LookupStream (reading, or
@@ -24,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,13 +45,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
+import numpy as np
 import torch
 
 from benchmarks.reliability import IBPEMBED, REPO, ServerProcess, settle
 from ibpembed.tables.importers import TableSet, TableSource
 from ibpembed.tables.manifest import MANIFEST, pack_table_set, read_manifest
 from ibpembed.tables.store import TableStore
-from ibpembed_client import build_request
+from ibpembed_client import AsyncLookupClient, LookupServiceError, bf16_to_float32, build_request
 from ibpembed_client.v1 import lookup_pb2_grpc
 
 
@@ -243,6 +251,112 @@ def kill_reload(work: Path, trials: int, rows: int, rng: random.Random) -> dict:
     }
 
 
+# -- live reloads under load -----------------------------------------------------------------------
+BAD_VERSION_BASE = 1000  # corrupt sets hold versions from here: seeing one served is a failure
+
+
+def publish_corrupt_set(directory: Path, version: int, rows: int, staging: Path) -> None:
+    """Publish ``version`` into ``directory`` with one flipped byte in a table file, the way a
+    bad deploy would: files first, the manifest replaced last."""
+    shutil.rmtree(staging, ignore_errors=True)
+    pack_table_set(staging, constant_set(version, rows))
+    for path in staging.glob("*.ibpt"):
+        data = bytearray(path.read_bytes())
+        if path.name.startswith("b."):
+            data[200] ^= 0x10  # the section table: its checksum catches it
+        (directory / path.name).write_bytes(bytes(data))
+    os.replace(staging / MANIFEST, directory / MANIFEST)
+
+
+async def _lookups_until(target: str, rows: int, done: asyncio.Event) -> tuple[Counter, list]:
+    """NONE lookups of both tables from 4 connections until ``done``; per call, the set of
+    versions its rows hold. Returns (codes, per-connection lists of versions seen)."""
+    codes: Counter = Counter()
+    seen: list[list[tuple[float, ...]]] = []
+    sizes = (("a", rows), ("b", max(1, rows // 3)))  # constant_set's tables
+
+    async def connection() -> None:
+        mine: list[tuple[float, ...]] = []
+        seen.append(mine)
+        async with AsyncLookupClient(target, timeout=60) as client:
+            rng = random.Random(len(seen))
+            while not done.is_set():
+                ids = {name: [[rng.randrange(n) for _ in range(16)]] for name, n in sizes}
+                try:
+                    result = await client.lookup(ids, pooling="none")
+                except LookupServiceError as exc:
+                    codes[exc.code.name] += 1
+                    continue
+                codes["OK"] += 1
+                values = {float(v) for name in ids for v in np.unique(_floats(result[name]))}
+                mine.append(tuple(sorted(values)))
+
+    await asyncio.gather(*(connection() for _ in range(4)))
+    return codes, seen
+
+
+def _floats(rows: np.ndarray) -> np.ndarray:
+    return bf16_to_float32(rows) if rows.dtype == np.uint16 else rows
+
+
+def reload_under_load(work: Path, trials: int, rows: int, rng: random.Random) -> dict:
+    directory, staging = work / "served_set", work / "staging"
+    pack_table_set(directory, constant_set(1, rows))
+    published: list[int] = [1]
+    corrupt = 0
+
+    async def run(server: ServerProcess) -> tuple[Counter, list]:
+        nonlocal corrupt
+        done = asyncio.Event()
+        load = asyncio.create_task(_lookups_until(server.target, rows, done))
+        for trial in range(trials):
+            await asyncio.sleep(rng.uniform(0.2, 1.0))
+            if trial % 3 == 2:
+                corrupt += 1
+                bad = BAD_VERSION_BASE + trial
+                await asyncio.to_thread(publish_corrupt_set, directory, bad, rows, staging)
+            else:
+                version = published[-1] + 1
+                await asyncio.to_thread(pack_table_set, directory, constant_set(version, rows))
+                published.append(version)
+        await asyncio.sleep(3.0)  # several polls: the last good version must be live by now
+        done.set()
+        return await load
+
+    with ServerProcess(
+        "--tables", str(directory), "--reload-poll-s", "0.2", "--device", "cpu"
+    ) as server:
+        codes, seen = asyncio.run(run(server))
+        log = server.stderr_lines
+        reloads_failed = sum("reload of" in line and "failed" in line for line in log)
+    failures = []
+    if set(codes) != {"OK"}:
+        failures.append(f"calls failed: {dict(codes)}")
+    served: set[float] = set()
+    for conn, versions in enumerate(seen):
+        mixed = [v for v in versions if len(v) != 1]
+        if mixed:
+            failures.append(f"connection {conn}: {len(mixed)} responses mix versions: {mixed[:3]}")
+        order = [v[0] for v in versions if len(v) == 1]
+        served.update(order)
+        if any(b < a for a, b in itertools.pairwise(order)):
+            failures.append(f"connection {conn}: a version went backwards")
+        if not order or order[-1] != published[-1]:
+            failures.append(f"connection {conn}: ended on {order[-1:]}, not {published[-1]}")
+    if any(v >= BAD_VERSION_BASE for v in served):
+        failures.append(f"a corrupt set was served: {sorted(served)}")
+    if reloads_failed < corrupt:
+        failures.append(f"{corrupt} corrupt sets, {reloads_failed} failed reloads logged")
+    return {
+        "versions_published": len(published),
+        "corrupt_sets_published": corrupt,
+        "calls": dict(codes),
+        "versions_seen_by_clients": len(served),
+        "failed_reloads_logged": reloads_failed,
+        "failures": failures,
+    }
+
+
 # -- SIGTERM under load ----------------------------------------------------------------------------
 async def _load_until_refused(target: str, concurrency: int, term_at: list[float]) -> list[tuple]:
     """Calls (started, ended, code, details) from ``concurrency`` loops until each is refused."""
@@ -437,6 +551,7 @@ def disk_full(work: Path, trials: int, rows: int, rng: random.Random) -> dict:
 FAULTS: dict[str, Callable[[Path, int, int, random.Random], dict]] = {
     "kill_pack": kill_pack,
     "kill_reload": kill_reload,
+    "reload_under_load": reload_under_load,
     "sigterm_under_load": sigterm_under_load,
     "vanishing_client": vanishing_client,
     "disk_full": disk_full,

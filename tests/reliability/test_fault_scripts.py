@@ -21,6 +21,15 @@ def test_kill_during_live_reload_keeps_every_lookup_on_one_version(tmp_path: Pat
     assert result["child_totals"]["bad"] == 0
 
 
+def test_live_reloads_under_load_serve_whole_versions_and_never_a_corrupt_one(
+    tmp_path: Path,
+) -> None:
+    result = faults.reload_under_load(tmp_path, 3, 300, random.Random(0))  # the third is corrupt
+    assert result["failures"] == []
+    assert result["corrupt_sets_published"] == 1 and result["failed_reloads_logged"] >= 1
+    assert result["versions_published"] == 3 and set(result["calls"]) == {"OK"}
+
+
 def test_sigterm_under_load_completes_admitted_calls_and_exits_zero(tmp_path: Path) -> None:
     result = faults.sigterm_under_load(tmp_path, 1, 0, random.Random(0))
     assert result["failures"] == []
