@@ -1,0 +1,283 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Table-file benchmark: pack throughput and peak memory, load time vs ``torch.load``.
+
+    python -m benchmarks.tables [--gib 2] [--tables 4] [--repeats 3] [--out DIR]
+
+One run writes a raw state dict of ``--tables`` DLRM-profile fp32 tables (D=128, ``--gib`` GiB in
+all) with ``torch.save``, packs it with the ``ibpembed pack`` CLI, and loads both, each load in a
+fresh process so nothing is shared between them:
+
+* **pack**: wall time and throughput (raw GiB/s), and the process's peak resident memory
+  (``ru_maxrss``) relative to the table bytes; sampled ``/proc`` counters split it into anonymous
+  memory and the pages of the memory-mapped source file. A pack of a one-row source gives the
+  interpreter's own baseline (torch and the extension imported).
+* **load**: ``torch.load`` of the state dict (read into memory: what serving raw tensors takes),
+  ``torch.load(mmap=True)``, ``TableStore.load`` of the packed set (mmap; header, index and
+  metadata checksums) and ``TableStore.load(verify=True)`` (every payload byte hashed too). Each
+  also times its first lookup (one B=512 pooled batch per table), which for the mmap loads is
+  where pages come in. Two cache states: *warm* (files in the page cache) and *cold* (the files'
+  pages dropped with ``posix_fadvise(DONTNEED)`` first; the VM's host may still cache the disk).
+
+Targets (issue 3): loading a packed set ≥ 5× faster than ``torch.load`` of the raw tensors; pack
+peak RSS ≤ 1.5× the table size. Results: DIR/tables.json and DIR/tables.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import data
+from ibpembed import cpu_path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "benchmarks" / ".cache" / "results"
+IBPEMBED = [sys.executable, "-m", "ibpembed.cli"]
+GIB = 1 << 30
+DIM = 128
+LOOKUP_BATCH = 512
+LOOKUP_POOLING = 20
+LOAD_KINDS = ("torch.load", "torch.load mmap", "ibpembed", "ibpembed verify")
+LOAD_TARGET = 5.0
+PACK_RSS_TARGET = 1.5
+
+# Runs in a fresh interpreter per load: imports are not timed, the load and first lookup are.
+_LOADER = r"""
+import json, os, sys, time
+from pathlib import Path
+import torch
+from ibpembed.tables.store import TableStore
+torch.set_num_threads(1)
+kind, path, cold = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "cold"
+batch, pooling = int(sys.argv[4]), int(sys.argv[5])
+if cold:
+    for f in ([p for p in path.iterdir() if p.is_file()] if path.is_dir() else [path]):
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+gen = torch.Generator().manual_seed(0)
+offsets = torch.arange(0, batch * pooling + 1, pooling)
+started = time.perf_counter()
+if kind.startswith("torch.load"):
+    tables = torch.load(path, weights_only=True, mmap=kind.endswith("mmap"))
+    loaded = time.perf_counter()
+    for t in tables.values():
+        ids = torch.randint(0, t.shape[0], (batch * pooling,), generator=gen)
+        torch.nn.functional.embedding_bag(ids, t, offsets[:-1], mode="sum")
+else:
+    store = TableStore.load(path, verify=kind.endswith("verify"))
+    loaded = time.perf_counter()
+    with store.acquire() as snap:
+        for t in snap.tables.values():
+            ids = torch.randint(0, t.num_rows, (batch * pooling,), generator=gen)
+            t.lookup(ids, offsets)
+done = time.perf_counter()
+print(json.dumps({"load_s": loaded - started, "first_lookup_s": done - loaded}))
+"""
+
+
+def _status_kib(pid: int) -> dict[str, int]:
+    """VmRSS, RssAnon and RssFile of a live process, in KiB (empty once it is gone)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    fields = {}
+    for line in lines:
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            fields[key] = int(rest.split()[0])
+    return fields
+
+
+def _read_all(file: Any) -> str:
+    file.seek(0)
+    return file.read().decode()
+
+
+def run_pack(source: Path, out: Path) -> dict[str, Any]:
+    """``ibpembed pack SOURCE -o OUT``: wall seconds, peak RSS (``ru_maxrss``) and sampled peaks
+    of anonymous and file-backed resident memory."""
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        started = time.perf_counter()
+        proc = subprocess.Popen(
+            [*IBPEMBED, "pack", str(source), "-o", str(out), "--no-progress", "--json"],
+            cwd=REPO,
+            stdout=stdout,
+            stderr=stderr,
+        )
+        peaks = {"RssAnon": 0, "RssFile": 0}
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(0.02):
+                for key, kib in _status_kib(proc.pid).items():
+                    if key in peaks:
+                        peaks[key] = max(peaks[key], kib)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        _, status, usage = os.wait4(proc.pid, 0)  # reaps it, with its own peak RSS
+        seconds = time.perf_counter() - started
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        stop.set()
+        sampler.join()
+        output, errors = _read_all(stdout), _read_all(stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ibpembed pack failed ({proc.returncode}): {errors[-2000:]}")
+    return {
+        "seconds": seconds,
+        "peak_rss_bytes": usage.ru_maxrss * 1024,
+        "peak_anon_bytes": peaks["RssAnon"] * 1024,
+        "peak_file_bytes": peaks["RssFile"] * 1024,
+        "report": json.loads(output),
+    }
+
+
+def run_load(kind: str, path: Path, cold: bool) -> dict[str, float]:
+    argv = [sys.executable, "-c", _LOADER, kind, str(path), "cold" if cold else "warm"]
+    argv += [str(LOOKUP_BATCH), str(LOOKUP_POOLING)]
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def write_state_dict(path: Path, num_tables: int, rows: int) -> int:
+    """``torch.save`` of ``num_tables`` [rows, DIM] fp32 tables, fsynced (so that cold runs can
+    drop its pages); returns the raw bytes."""
+    tables = {f"t{i}": data.dlrm_table(rows, DIM, seed=i) for i in range(num_tables)}
+    torch.save(tables, path)
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+    return sum(t.numel() * t.element_size() for t in tables.values())
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    rows = int(args.gib * GIB) // (args.tables * DIM * 4)
+    source, packed = work / "raw.pt", work / "packed"
+    raw_bytes = write_state_dict(source, args.tables, rows)
+    write_state_dict(work / "one_row.pt", 1, 1)
+    baseline = run_pack(work / "one_row.pt", work / "one_row")
+    pack = run_pack(source, packed)
+    stored = sum(p.stat().st_size for p in packed.iterdir() if p.is_file())
+
+    loads: dict[str, dict[str, list[dict[str, float]]]] = {
+        state: {kind: [] for kind in LOAD_KINDS} for state in ("warm", "cold")
+    }
+    for rep in range(args.repeats):
+        kinds = LOAD_KINDS if rep % 2 == 0 else tuple(reversed(LOAD_KINDS))
+        for state in ("cold", "warm"):
+            for kind in kinds:
+                path = source if kind.startswith("torch") else packed
+                if state == "warm":
+                    run_load(kind, path, cold=False)  # brings the pages in; timed next
+                loads[state][kind].append(run_load(kind, path, cold=state == "cold"))
+    return {
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpu_path": cpu_path(),
+        },
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%MZ"),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip(),
+        "tables": args.tables,
+        "rows_per_table": rows,
+        "dim": DIM,
+        "raw_bytes": raw_bytes,
+        "source_file_bytes": source.stat().st_size,
+        "packed_bytes": stored,
+        "pack": pack,
+        "pack_baseline": baseline,
+        "loads": {
+            state: {
+                kind: {
+                    "load_s": statistics.median(r["load_s"] for r in runs),
+                    "first_lookup_s": statistics.median(r["first_lookup_s"] for r in runs),
+                    "runs": runs,
+                }
+                for kind, runs in by_kind.items()
+            }
+            for state, by_kind in loads.items()
+        },
+    }
+
+
+def render_markdown(r: dict[str, Any]) -> str:
+    gib = r["raw_bytes"] / GIB
+    pack, base = r["pack"], r["pack_baseline"]
+    m = r["machine"]
+    rss_ratio = pack["peak_rss_bytes"] / r["raw_bytes"]
+    above_baseline = (pack["peak_rss_bytes"] - base["peak_rss_bytes"]) / r["raw_bytes"]
+    lines = [
+        f"`python -m benchmarks.tables` ({r['date']}, commit {r['commit']}, {m['cpu']}, "
+        f"{m['cpus']} CPUs, Python {m['python']}, torch {m['torch']}, CPU path {m['cpu_path']}): "
+        f"{r['tables']} DLRM-profile fp32 tables of {r['rows_per_table']:,} × {r['dim']} "
+        f"({gib:.2f} GiB raw; `torch.save` file {r['source_file_bytes'] / GIB:.2f} GiB; packed "
+        f"set {r['packed_bytes'] / GIB:.2f} GiB). Loads in fresh processes, median of "
+        f"{len(r['loads']['warm']['ibpembed']['runs'])}; first lookup: one B={LOOKUP_BATCH} "
+        f"SUM batch of {LOOKUP_POOLING} uniform ids per sample per table, one thread.",
+        "",
+        "| pack | seconds | GiB/s (raw) | peak RSS | peak RSS / table bytes | anonymous peak "
+        "| source pages peak | interpreter baseline | (peak − baseline) / table bytes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| `ibpembed pack raw.pt` | {pack['seconds']:.1f} | {gib / pack['seconds']:.2f} "
+        f"| {pack['peak_rss_bytes'] / GIB:.2f} GiB | {rss_ratio:.2f}× "
+        f"| {pack['peak_anon_bytes'] / GIB:.2f} GiB | {pack['peak_file_bytes'] / GIB:.2f} GiB "
+        f"| {base['peak_rss_bytes'] / GIB:.2f} GiB | {above_baseline:.2f}× |",
+        "",
+        "| cache | load | load s | s/GiB | first lookup s | load vs torch.load |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for state in ("cold", "warm"):
+        reference = r["loads"][state]["torch.load"]["load_s"]
+        for kind in LOAD_KINDS:
+            x = r["loads"][state][kind]
+            label = {
+                "torch.load": "`torch.load(raw.pt)`",
+                "torch.load mmap": "`torch.load(raw.pt, mmap=True)`",
+                "ibpembed": "`TableStore.load(packed)`",
+                "ibpembed verify": "`TableStore.load(packed, verify=True)`",
+            }[kind]
+            lines.append(
+                f"| {state} | {label} | {x['load_s']:.3f} | {x['load_s'] / gib:.3f} "
+                f"| {x['first_lookup_s']:.3f} | {reference / x['load_s']:.1f}× |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--gib", type=float, default=2.0, help="raw table bytes, GiB")
+    p.add_argument("--tables", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3, help="loads per kind and cache state")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temp)")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        results = measure(args, Path(tmp))
+    (args.out / "tables.json").write_text(json.dumps(results, indent=1))
+    markdown = render_markdown(results)
+    (args.out / "tables.md").write_text(markdown)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
