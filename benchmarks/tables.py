@@ -9,8 +9,8 @@ fresh process so nothing is shared between them:
 
 * **pack**: wall time and throughput (raw GiB/s), and the process's peak resident memory
   (``VmHWM``) relative to the table bytes; sampled ``/proc`` counters split it into anonymous
-  memory and file-backed pages (the memory-mapped source, shared libraries). A pack of a one-row source gives the
-  interpreter's own baseline (torch and the extension imported).
+  memory and file-backed pages (the memory-mapped source, shared libraries). A pack of a
+  one-row source gives the interpreter's own baseline (torch and the extension imported).
 * **load**: ``torch.load`` of the state dict (read into memory: what serving raw tensors takes),
   ``torch.load(mmap=True)``, ``TableStore.load`` of the packed set (mmap; header, index and
   metadata checksums) and ``TableStore.load(verify=True)`` (every payload byte hashed too). Each
@@ -250,7 +250,8 @@ def render_markdown(r: dict[str, Any]) -> str:
         f"SUM batch of {LOOKUP_POOLING} uniform ids per sample per table, one thread.",
         "",
         "| pack | seconds | GiB/s (raw) | peak RSS | peak RSS / table bytes | anonymous peak "
-        "| file-backed peak (source pages, libraries) | interpreter baseline | (peak − baseline) / table bytes |",
+        "| file-backed peak (source pages, libraries) | interpreter baseline "
+        "| (peak − baseline) / table bytes |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| `ibpembed pack raw.pt` | {pack['seconds']:.1f} | {gib / pack['seconds']:.2f} "
         f"| {pack['peak_rss_bytes'] / GIB:.2f} GiB | {rss_ratio:.2f}× "
