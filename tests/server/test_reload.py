@@ -18,11 +18,15 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ibpembed.metrics import ServerMetrics
+from ibpembed.server.app import load_store
+from ibpembed.server.config import ServerConfig
+from ibpembed.tables.format import TableFileError
 from ibpembed.tables.importers import TableSet, TableSource
 from ibpembed.tables.manifest import MANIFEST, pack_table_set, read_manifest
 from ibpembed.tables.store import TableStore
 from ibpembed_client import LookupClient
 from tests.server.helpers import RecordingObserver, RunningServer, ServeProcess
+from tests.tables.helpers import flip_bit, section_ranges
 
 ROWS, DIM = 300, 16
 
@@ -168,6 +172,16 @@ def test_a_reload_gives_replaced_tables_fresh_hot_row_copies(table_dir: Path) ->
             assert hot is not None and 1 in hot.ids.tolist()
         assert_serves(client, 2)
         client.close()
+
+
+def test_verify_payloads_refuses_a_set_whose_payload_is_corrupt(table_dir: Path) -> None:
+    entry = read_manifest(table_dir).tables["emb"]
+    path = table_dir / entry.file
+    begin, _ = section_ranges(path)["payload"]
+    flip_bit(path, begin + 100)
+    assert load_store(ServerConfig(tables=str(table_dir))).version == 1  # payload not hashed
+    with pytest.raises(TableFileError, match="payload"):
+        load_store(ServerConfig(tables=str(table_dir), verify_payloads=True))
 
 
 def _free_port() -> int:

@@ -38,6 +38,12 @@ class ServerConfig:
     tables: str | None = _setting(
         None, "Packed table-set directory; unset serves the embedded demo table set."
     )
+    verify_payloads: bool = _setting(
+        False,
+        "Hash every payload byte against its checksum at load and at each reload (reads the"
+        " whole table set; without it header, index and metadata are checked, payloads by"
+        " `ibpembed verify`).",
+    )
     reload_poll_s: float = _setting(
         10.0,
         "Seconds between checks of the table set's manifest: a new one (`ibpembed pack` into"
