@@ -606,3 +606,28 @@ def test_hot_rows_are_what_the_forward_reads() -> None:
     )
     values = ours(kjt)["f_shared@t_mid"]
     assert bool((values == 0).all()) and bool(ebc(kjt)["f_shared@t_mid"].ne(0).any())
+
+
+def _cuda_kernels_missing() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("ibpembed::lookup_pooled", "CUDA"):
+        return "ibpembed._C was built without its CUDA kernels"
+    return None
+
+
+@pytest.mark.skipif(_cuda_kernels_missing() is not None, reason=_cuda_kernels_missing() or "")
+def test_on_a_gpu_the_rows_stay_in_pinned_host_memory() -> None:
+    ebc = make_ebc(TABLES)
+    ours = CompressedEmbeddingBagCollection.from_ebc(ebc).cuda()
+    for bag in ours.embedding_bags.values():
+        assert bag.payload.device.type == "cpu" and bag.payload.is_pinned()
+        assert bag.block_base.is_cuda and bag.bitval.is_cuda and bag.meta.is_cuda
+    kjt = random_kjt(ebc, 16, 5, seed=3)
+    got = ours(kjt.to(torch.device("cuda")))
+    expected = ebc(kjt)
+    diff = (got.values().cpu().double() - expected.values().detach().double()).abs()
+    assert bool((diff <= pooled_error_bound(ebc, kjt)).all())
+    back = ours.cpu()
+    assert all(bag.block_base.device.type == "cpu" for bag in back.embedding_bags.values())
+    assert_same_as_torchrec(ebc, back, kjt)

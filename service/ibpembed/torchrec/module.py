@@ -11,6 +11,7 @@ script) because torchrec users ship inference models with ``torch.jit.script``.
 """
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -42,6 +43,8 @@ _TORCH_DTYPES: dict[DataType, torch.dtype] = {
 }
 _DATA_TYPES = {str(dtype).removeprefix("torch."): d for d, dtype in _TORCH_DTYPES.items()}
 _BUFFER_NAMES = ("payload", "block_base", "row_units", "bitmask", "mask", "bitval", "meta")
+# Buffers that stay in host memory when the module moves to a GPU (see _apply).
+_HOST_BUFFERS = ("payload", "hot_ids", "hot_dir", "hot_rows")
 # The compact row layout the payload is in (format.h); a payload in another layout must be repacked.
 LAYOUT_VERSION = int(_C.FORMAT_VERSION)
 # Layout 2 is layout 3 with one-pattern codebooks: its state dicts load unchanged.
@@ -148,6 +151,27 @@ class CompressedEmbeddingBag(nn.Module):
             hot_dir,
             hot_rows,
         )
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
+        """Moves like any module, except that on a GPU the rows stay in host memory.
+
+        The CUDA kernels read compressed rows zero-copy over PCIe from page-locked host memory
+        and need only the index, bitmask and masks on the device, so ``.cuda()`` / ``.to(gpu)``
+        pins the payload (a copy into page-locked memory, unless it is pinned already) instead
+        of copying the table into GPU memory. Hot-row copies, a CPU-lookup cache the CUDA
+        kernels do not read, stay on the host as well.
+        """
+        probe = torch.empty(0, dtype=torch.int64, device=self.block_base.device)
+        if fn(probe).device.type != "cuda" or self.payload.is_cuda:
+            return super()._apply(fn, recurse)
+        host = {name: self._buffers.pop(name) for name in _HOST_BUFFERS}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers.update(host)
+        if not self._buffers["payload"].is_pinned():
+            self._buffers["payload"] = self._buffers["payload"].pin_memory()
+        return self
 
     @torch.jit.unused
     def set_hot_rows(self, ids: Tensor) -> int:
