@@ -253,7 +253,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     saved = results["raw_bytes"] - results["stored_bytes"]
     print(f"host bytes saved:      {saved:,.0f} of {results['raw_bytes']:,.0f}")
     print(f"({time.perf_counter() - start:.1f} s)")  # fmt: skip
-    if not (rows_exact and within):
+    # Pooled sums may differ within the fp32 bound, which moves logits by ~1e-6: ranks, and so
+    # the AUC, stay put (one swapped pair of the ~10k test ratings moves it by ~1e-8).
+    if not (rows_exact and within and abs(results["auc_after"] - results["auc_before"]) <= 1e-6):
         raise SystemExit("compressed model disagrees with the original")
     return results
 
