@@ -19,7 +19,11 @@ takes the server past its first refresh, and the in-process engine ranks each po
 before timing them.
 
 ``grpc / in-process`` is the throughput ratio. Client and server share the machine, so on few
-cores the ratio is a lower bound. Results: DIR/service.json and DIR/service.md.
+cores the ratio is a lower bound. CPU per request is measured over the same windows: the server
+process's CPU time (``/proc``) per answered gRPC request, and the benchmark process's per
+in-process request. Their ratio (in-process / server) is the gRPC path's throughput relative to
+the engine's when CPU-bound on cores of its own, which the shared machine cannot show directly.
+Results: DIR/service.json and DIR/service.md.
 """
 
 from __future__ import annotations
@@ -104,12 +108,39 @@ class ServerProcess:
         self.proc.wait(timeout=60)
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuWindow:
+    """A process's CPU seconds between ``start + warmup_s`` and ``start + warmup_s + seconds``,
+    read by timers on the wall clock: the window a load's QPS is measured over."""
+
+    def __init__(self, pid: int, warmup_s: float, seconds: float) -> None:
+        self.readings: list[float] = []
+        self._timers = [
+            threading.Timer(at, lambda: self.readings.append(process_cpu_s(pid)))
+            for at in (warmup_s, warmup_s + seconds)
+        ]
+        for timer in self._timers:
+            timer.start()
+
+    def seconds(self) -> float:
+        for timer in self._timers:
+            timer.join()
+        return self.readings[1] - self.readings[0]
+
+
 def in_process(
     engine: LookupEngine, requests: list, workers: int, seconds: float, warmup_s: float
 ) -> dict:
-    """QPS and latency of ``workers`` threads running ``engine.run`` back to back."""
+    """QPS, latency and CPU per request of ``workers`` threads running ``engine.run`` back to
+    back."""
     decoded = [decode_request(r) for r in requests]
     latencies: list[list[float]] = [[] for _ in range(workers)]
+    cpu = CpuWindow(os.getpid(), warmup_s, seconds)
     start = time.perf_counter()
     warm_from, stop_at = start + warmup_s, start + warmup_s + seconds
 
@@ -132,6 +163,7 @@ def in_process(
         "qps": lat.size / seconds,
         "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
         "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
+        "cpu_ms": cpu.seconds() * 1000.0 / lat.size if lat.size else None,
     }
 
 
@@ -196,7 +228,9 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
                         deadline_ms=60_000,
                         progress=False,
                     )
+                    server_cpu = CpuWindow(server.proc.pid, cfg.warmup_s, cfg.seconds)
                     remote = asyncio.run(run_load(load))
+                    server_cpu_ms = server_cpu.seconds() * 1000.0 / max(1, remote["ok"])
                     lat = remote["latency_ms"]
                     row = {
                         "batch": batch,
@@ -209,6 +243,8 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
                         "inproc_p50_ms": local["p50_ms"],
                         "inproc_p99_ms": local["p99_ms"],
                         "ratio": remote["qps"] / local["qps"] if local["qps"] else None,
+                        "grpc_server_cpu_ms": server_cpu_ms,
+                        "inproc_cpu_ms": local["cpu_ms"],
                         "response_mb": batch * len(features) * demo.DIM * 4 / 1e6,
                     }
                     results.append(row)
@@ -238,13 +274,16 @@ def markdown(report: dict) -> str:
         f"`{report['command']}` ({report['config']})",
         "",
         "| B | tables | gRPC QPS | gRPC p50 ms | gRPC p99 ms | in-process QPS | gRPC / in-process "
+        "| server CPU ms / request | in-process CPU ms / request | CPU in-process / server "
         "| response MB | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
+        cpu_ratio = r["inproc_cpu_ms"] / r["grpc_server_cpu_ms"] if r["inproc_cpu_ms"] else None
         lines.append(
             f"| {r['batch']} | {r['tables']} | {r['grpc_qps']:.1f} | {_ms(r['grpc_p50_ms'])} "
             f"| {_ms(r['grpc_p99_ms'])} | {r['inproc_qps']:.1f} | {_ratio(r['ratio'])} "
+            f"| {_ms(r['grpc_server_cpu_ms'])} | {_ms(r['inproc_cpu_ms'])} | {_ratio(cpu_ratio)} "
             f"| {r['response_mb']:.1f} | {r['grpc_errors'] or 'none'} |"
         )
     return "\n".join(lines) + "\n"
