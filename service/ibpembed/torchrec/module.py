@@ -374,6 +374,12 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._known_features: dict[str, int] = {
             f: i for i, names in enumerate(self._feature_names) for f in names
         }
+        # Ids a feature may hold: the rows of the smallest table reading it.
+        self._feature_rows: dict[str, int] = {}
+        for i, names in enumerate(self._feature_names):
+            for f in names:
+                rows = self._num_embeddings[i]
+                self._feature_rows[f] = min(self._feature_rows.get(f, rows), rows)
 
     @classmethod
     def from_ebc(
@@ -521,23 +527,26 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         KeyedTensor with values [B, sum of dims] float32, keys as torchrec's module would give.
         """
         offsets_per_key = self._validate(features)
-        values = features.values()
+        values = features.values().to(torch.int64)
         weights = features.weights_or_none() if self._is_weighted else None
-        lengths = features.lengths().to(torch.int64)
+        if weights is not None:
+            weights = weights.to(torch.float32)
+        keys = features.keys()
         stride = features.stride()
-        key_index: dict[str, int] = {k: i for i, k in enumerate(features.keys())}
+        # Every key's bag offsets at once ([keys, B + 1], one row per key): the per-feature tensor
+        # ops of a batch cost more than its lookups on small tables.
+        lengths = features.lengths().to(torch.int64).view(len(keys), stride)
+        bag_offsets = torch.cat([lengths.new_zeros(len(keys), 1), lengths.cumsum(1)], dim=1)
+        key_index: dict[str, int] = {k: i for i, k in enumerate(keys)}
         pooled: list[Tensor] = []
         for i, bag in enumerate(self.embedding_bags.values()):
             for feature in self._feature_names[i]:
                 k = key_index[feature]
                 start, end = offsets_per_key[k], offsets_per_key[k + 1]
-                bag_lengths = lengths[k * stride : (k + 1) * stride]
-                offsets = torch.cat([bag_lengths.new_zeros(1), torch.cumsum(bag_lengths, 0)])
                 bag_weights: Tensor | None = None
                 if weights is not None:
-                    bag_weights = weights[start:end].to(torch.float32).contiguous()
-                ids = values[start:end].to(torch.int64).contiguous()
-                pooled.append(bag(ids, offsets, bag_weights))
+                    bag_weights = weights[start:end]
+                pooled.append(bag(values[start:end], bag_offsets[k], bag_weights))
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
@@ -585,6 +594,17 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         offsets: list[int] = [0]
         for n in per_key:
             offsets.append(offsets[-1] + n)
+        if values.numel() == 0:
+            return offsets
+        # One pass over all ids against each key's limit; the loop below only names the culprit.
+        # Keys no table reads (allow_unknown_keys) get int64's max: never out of range.
+        limits = [self._feature_rows.get(key, 9223372036854775807) for key in keys]
+        per_id_limit = torch.repeat_interleave(
+            torch.tensor(limits, dtype=torch.int64, device=values.device),
+            torch.tensor(per_key, dtype=torch.int64, device=values.device),
+        )
+        if not bool(((values < 0) | (values >= per_id_limit)).any()):
+            return offsets
         for i, names in enumerate(self._feature_names):
             num_rows = self._num_embeddings[i]
             for feature in names:
