@@ -15,17 +15,9 @@ import torch
 from ibpembed import CompressedTable, compress
 from ibpembed._ops import INT8_ROWWISE_CODE, ops
 from tests.codec.tables import DTYPES, FLOAT_DTYPES, make_table, same_bits
+from tests.cuda import cuda_kernels_missing
 
-
-def _cuda_kernels_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA device visible to torch"
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("ibpembed::ibp_gather", "CUDA"):
-        return "ibpembed._C was built without its CUDA kernels"
-    return None
-
-
-_REASON = _cuda_kernels_reason()
+_REASON = cuda_kernels_missing()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
 POOLING = {"sum": 0, "mean": 1}

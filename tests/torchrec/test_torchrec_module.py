@@ -35,6 +35,7 @@ from ibpembed.torchrec import (
     format_table_bytes,
     pooled_error_bound,
 )
+from tests.cuda import cuda_kernels_missing
 
 # Awkward shapes on purpose: D = 1, 3, 129; a feature shared by two tables (named f@table);
 # a table read by two features; SUM and MEAN mixed.
@@ -608,15 +609,7 @@ def test_hot_rows_are_what_the_forward_reads() -> None:
     assert bool((values == 0).all()) and bool(ebc(kjt)["f_shared@t_mid"].ne(0).any())
 
 
-def _cuda_kernels_missing() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA device visible to torch"
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("ibpembed::lookup_pooled", "CUDA"):
-        return "ibpembed._C was built without its CUDA kernels"
-    return None
-
-
-@pytest.mark.skipif(_cuda_kernels_missing() is not None, reason=_cuda_kernels_missing() or "")
+@pytest.mark.skipif(cuda_kernels_missing() is not None, reason=cuda_kernels_missing() or "")
 def test_on_a_gpu_the_rows_stay_in_pinned_host_memory() -> None:
     ebc = make_ebc(TABLES)
     ours = CompressedEmbeddingBagCollection.from_ebc(ebc).cuda()

@@ -101,8 +101,11 @@ class TableSetReloader:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    async def reload(self, reason: str) -> ReloadOutcome:
-        """Reload now (waiting for a reload in progress first); never raises for a bad set."""
+    async def reload(self, reason: str, *, log_unchanged: bool = True) -> ReloadOutcome:
+        """Reload now (waiting for a reload in progress first); never raises for a bad set.
+
+        ``log_unchanged``: log a reload that found nothing to publish at INFO (else DEBUG).
+        """
         async with self._lock:
             stamp = self._stamp()
             started = time.perf_counter()
@@ -115,7 +118,9 @@ class TableSetReloader:
             "unchanged": f"nothing changed, version {outcome.version} serves",
             "error": f"failed, version {outcome.version} keeps serving: {outcome.error}",
         }[outcome.result]
-        level = logging.ERROR if outcome.result == "error" else logging.INFO
+        level = {"ok": logging.INFO, "error": logging.ERROR}.get(
+            outcome.result, logging.INFO if log_unchanged else logging.DEBUG
+        )
         log.log(level, "reload of %s (%s, %.2f s): %s", self.store.directory, reason, seconds, what)
         if self.observer is not None:
             self.observer.reload_done(outcome.result)
@@ -152,7 +157,10 @@ class TableSetReloader:
     async def _watch(self) -> None:
         while True:
             if self._stamp() != self._tried:
-                await self.reload("manifest changed")
+                # The first check finds the set loaded at start-up unless a pack raced it.
+                first = self._tried == "never"
+                reason = "start-up check" if first else "manifest changed"
+                await self.reload(reason, log_unchanged=not first)
             await asyncio.sleep(self.poll_s)
 
     async def stop(self) -> None:
