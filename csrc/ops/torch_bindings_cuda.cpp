@@ -6,9 +6,10 @@
 // Argument contract. The dispatcher runs these whenever any tensor argument is a CUDA tensor (CUDA
 // outranks CPU in dispatch-key order), which is what lets the payload stay on the host:
 //   payload      uint8, contiguous, 16-byte aligned, either
-//                  - pinned host memory: a CPU tensor from pin_memory(), or one whose storage lies
-//                    in a cudaHostRegister'ed range (the table store registers its payload with
-//                    cudaHostRegisterPortable | cudaHostRegisterMapped); the kernels read it
+//                  - pinned host memory: a CPU tensor from pin_memory() (what the table store
+//                    and the torchrec module make today: a copy into page-locked memory), or one
+//                    whose storage lies in a cudaHostRegister'ed range (registering the mapped
+//                    file in place, without the copy, is a follow-up); the kernels read it
 //                    zero-copy over PCIe through the alias cudaHostGetDevicePointer returns; or
 //                  - a CUDA tensor on the op's device (tables that fit in GPU memory).
 //                Pageable CPU memory is rejected: the GPU cannot read it.
