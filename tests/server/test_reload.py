@@ -174,6 +174,30 @@ def test_a_reload_gives_replaced_tables_fresh_hot_row_copies(table_dir: Path) ->
         client.close()
 
 
+def test_a_merging_pack_reloads_only_the_table_it_replaced(tmp_path: Path) -> None:
+    directory = tmp_path / "two"
+    other = TableSource("other", weights(7)[:50], feature_names=("user",))
+    pack_table_set(directory, TableSet((other,)), sample_rows=None)
+    pack(directory, 1)  # replaces the set: "emb" only
+    assert set(read_manifest(directory).tables) == {"emb"}
+    pack_table_set(directory, TableSet((other,)), sample_rows=None, merge=True)
+    store = TableStore.load(directory)
+    with store.acquire() as snap:
+        kept = snap.tables["emb"]
+    with RunningServer(store, observer=RecordingObserver(), reload_poll_s=0) as srv:
+        new = TableSource("other", weights(8)[:50], feature_names=("user",))
+        pack_table_set(directory, TableSet((new,)), sample_rows=None, merge=True)
+        outcome = srv.run(srv.server.reloader.reload("test"))
+        assert outcome.result == "ok" and outcome.changed == ("other",)
+        with store.acquire() as snap:
+            assert snap.tables["emb"] is kept  # not even mapped again
+        client = LookupClient(srv.target, timeout=30)
+        assert_serves(client, 1)
+        rows = client.lookup({"user": [[3]]}, pooling="none")["user"]
+        assert rows.view(np.uint32).tolist() == weights(8)[[3]].numpy().view(np.uint32).tolist()
+        client.close()
+
+
 def test_verify_payloads_refuses_a_set_whose_payload_is_corrupt(table_dir: Path) -> None:
     entry = read_manifest(table_dir).tables["emb"]
     path = table_dir / entry.file

@@ -92,6 +92,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="shard addresses for shard_map.json, {shard} standing for k "
         "(e.g. ibpembed-{shard}.ibpembed:50051); needs --shards",
     )
+    pack.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other tables already in DIR (and their features) and add or replace only "
+        "these; without it DIR's new manifest lists only the packed tables (a running server "
+        "reloads it and drops the rest)",
+    )
     pack.add_argument("--no-progress", action="store_true", help="no progress bar")
     pack.add_argument("--json", action="store_true", help="print the report as JSON")
     pack.set_defaults(func=_pack)
@@ -196,6 +203,7 @@ def _pack(args: argparse.Namespace) -> int:
             "chunk_bits": args.chunk_bits,
             "code_bits": args.code_bits,
             "progress": _progress_factory(not args.no_progress),
+            "merge": args.merge,
         }
         if args.shards is None:
             if args.shard_address is not None:

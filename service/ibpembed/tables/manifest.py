@@ -327,6 +327,7 @@ def pack_table_set(
     progress: Callable[[TableSource], Callable[[int], None] | None] | None = None,
     on_table: Callable[[tf.PackedTable], None] | None = None,
     shard: tuple[int, int] | None = None,
+    merge: bool = False,
 ) -> list[tf.PackedTable]:
     """Pack every table of a set into ``directory`` and publish its manifest.
 
@@ -340,12 +341,21 @@ def pack_table_set(
     on_table : called with each table's report as soon as it is written.
     shard : ``(k, N)``: pack only shard k's rows of each table (:func:`split_rows`), fitted on
         those rows alone; a table with no row in the range is left out of this shard's set.
+    merge : keep the tables of the set already in ``directory`` (and their features) and add or
+        replace only these; by default the new manifest lists only these tables.
+
+    Raises
+    ------
+    TableSetError
+        with ``merge``, when the directory's manifest cannot be read, or a feature a kept table
+        serves is also claimed by a packed table (``TableSet.extra_features`` may remap it).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     reports = []
     entries: dict[str, ManifestEntry] = {}
     with _pack_lock(directory), _unpublished_removed_on_error(directory, reports):
+        kept = _kept_for_merge(directory, table_set) if merge else Manifest({}, {})
         for source in table_set.tables:
             num_rows = source.weight.shape[0]
             rows = (
@@ -377,8 +387,32 @@ def pack_table_set(
             if on_table is not None:
                 on_table(packed)
         features = {f: t for f, t in table_set.features().items() if t in entries}
-        _publish(directory, Manifest(tables=entries, features=features))
+        _publish(
+            directory,
+            Manifest(tables={**kept.tables, **entries}, features={**kept.features, **features}),
+        )
     return reports
+
+
+def _kept_for_merge(directory: Path, table_set: TableSet) -> Manifest:
+    """The part of ``directory``'s set a merging pack keeps: every table it does not repack,
+    with the features that map to them (an empty set when there is no manifest yet)."""
+    if not (directory / MANIFEST).exists():
+        return Manifest({}, {})
+    current = read_manifest(directory)
+    packed = {source.name for source in table_set.tables}
+    tables = {n: e for n, e in current.tables.items() if n not in packed}
+    features = {f: t for f, t in current.features.items() if t in tables}
+    explicit = table_set.extra_features
+    for source in table_set.tables:
+        for feature in source.features:
+            if feature in features and feature not in explicit:
+                raise TableSetError(
+                    f"{directory / MANIFEST}: feature '{feature}' of table '{source.name}' is "
+                    f"already served by table '{features[feature]}', which this merge keeps "
+                    f"(map it explicitly with --feature {feature}={source.name})"
+                )
+    return Manifest(tables, {f: t for f, t in features.items() if f not in explicit})
 
 
 @dataclass(frozen=True)
@@ -411,10 +445,12 @@ def pack_shards(
         ``ibpembed-{shard}.ibpembed:50051`` for a StatefulSet's pods); None leaves the
         addresses out of the shard map, for clients to supply.
     progress : as for :func:`pack_table_set`.
-    pack_args : ``method``, ``sample_rows``, ``seed``, ``align``, ``chunk_bits``, ``code_bits``.
+    pack_args : ``method``, ``sample_rows``, ``seed``, ``align``, ``chunk_bits``, ``code_bits``,
+        ``merge`` (keep the other tables of every shard, and their entries in the shard map).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    previous = _previous_shard_map(directory, shards) if pack_args.get("merge") else None
     reports = []
     for k in range(shards):
         target = directory / shard_directory(k, shards)
@@ -423,10 +459,34 @@ def pack_shards(
         )
         reports.append(ShardReport(k, target, packed))
     body = shard_map(table_set, shards, address_template)
+    if previous is not None:  # the kept tables' ranges and features, then the packed ones
+        kept = {n: t for n, t in previous["tables"].items() if n not in body["tables"]}
+        body["tables"] = dict(sorted({**kept, **body["tables"]}.items()))
+        kept_features = {f: t for f, t in previous["features"].items() if t in kept}
+        body["features"] = {**kept_features, **body["features"]}
+        if address_template is None:  # the addresses the set was deployed with
+            body["shards"] = previous["shards"]
     tf.write_bytes_atomic(
         directory / SHARD_MAP, json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
     )
     return reports
+
+
+def _previous_shard_map(directory: Path, shards: int) -> dict[str, Any] | None:
+    """``directory``'s shard map, for a merging pack (None when there is none yet)."""
+    path = directory / SHARD_MAP
+    if not path.exists():
+        return None
+    try:
+        body = json.loads(path.read_bytes())
+        count = len(body["shards"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TableSetError(f"{path}: cannot merge into this shard map: {exc}") from None
+    if count != shards:
+        raise TableSetError(
+            f"{path}: the set has {count} shards; a merge must keep them (--shards {count})"
+        )
+    return body
 
 
 def shard_map(

@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``pack --merge``: replace or add some tables of a set, keep the rest (whole and sharded sets)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ibpembed.tables.importers import TableSet, TableSource
+from ibpembed.tables.manifest import (
+    MANIFEST,
+    SHARD_MAP,
+    TableSetError,
+    pack_shards,
+    pack_table_set,
+    read_manifest,
+)
+from ibpembed.tables.store import TableStore
+from tests.tables.helpers import same_bits, trained_like
+from tests.tables.test_cli import run
+
+
+def source(name: str, seed: int, rows: int = 120, features: tuple[str, ...] = ()) -> TableSource:
+    torch.manual_seed(seed)
+    return TableSource(name, trained_like(rows, 8), feature_names=features)
+
+
+def tables_of(directory: Path) -> dict[str, torch.Tensor]:
+    with TableStore.load(directory, verify=True).acquire() as snap:
+        return {name: t.decompress() for name, t in snap.tables.items()}
+
+
+def test_merge_replaces_one_table_and_keeps_the_others_files(tmp_path: Path) -> None:
+    a, b, b2, c = source("a", 1, features=("fa",)), source("b", 2), source("b", 3), source("c", 4)
+    pack_table_set(tmp_path, TableSet((a, b)), sample_rows=None)
+    a_file = read_manifest(tmp_path).tables["a"].file
+    pack_table_set(tmp_path, TableSet((b2, c)), sample_rows=None, merge=True)
+    manifest = read_manifest(tmp_path)
+    assert manifest.tables["a"].file == a_file  # untouched, so a server reuses its mapping
+    assert dict(manifest.features) == {"fa": "a", "b": "b", "c": "c"}
+    got = tables_of(tmp_path)
+    assert got.keys() == {"a", "b", "c"}
+    for want in (a, b2, c):
+        assert same_bits(got[want.name], want.weight)
+    # Only the files the manifest names are left: b's old file was swept.
+    files = {p.name for p in tmp_path.glob("*.ibpt")}
+    assert files == {e.file for e in manifest.tables.values()}
+
+
+def test_without_merge_the_set_is_replaced(tmp_path: Path) -> None:
+    pack_table_set(tmp_path, TableSet((source("a", 1), source("b", 2))), sample_rows=None)
+    pack_table_set(tmp_path, TableSet((source("b", 3),)), sample_rows=None)
+    assert set(read_manifest(tmp_path).tables) == {"b"}
+
+
+def test_merge_into_an_empty_directory_is_a_plain_pack(tmp_path: Path) -> None:
+    pack_table_set(tmp_path / "new", TableSet((source("a", 1),)), sample_rows=None, merge=True)
+    assert set(read_manifest(tmp_path / "new").tables) == {"a"}
+
+
+def test_a_feature_two_tables_claim_needs_an_explicit_mapping(tmp_path: Path) -> None:
+    pack_table_set(tmp_path, TableSet((source("a", 1, features=("f",)),)), sample_rows=None)
+    before = (tmp_path / MANIFEST).read_bytes()
+    claim = source("c", 2, features=("f",))
+    with pytest.raises(TableSetError, match="feature 'f' of table 'c' is already served by"):
+        pack_table_set(tmp_path, TableSet((claim,)), sample_rows=None, merge=True)
+    assert (tmp_path / MANIFEST).read_bytes() == before  # nothing published, nothing left
+    assert len(list(tmp_path.glob("*.ibpt"))) == 1
+    remap = TableSet((source("c", 2),), extra_features={"f": "c"})
+    pack_table_set(tmp_path, remap, sample_rows=None, merge=True)
+    assert dict(read_manifest(tmp_path).features) == {"f": "c", "c": "c"}
+
+
+def test_merge_keeps_every_shards_other_tables_and_the_shard_map(tmp_path: Path) -> None:
+    a, b, b2 = source("a", 1, rows=100), source("b", 2, rows=10), source("b", 3, rows=31)
+    address = "shard-{shard}:50051"
+    pack_shards(tmp_path, TableSet((a, b)), 3, address_template=address, sample_rows=None)
+    pack_shards(tmp_path, TableSet((b2,)), 3, sample_rows=None, merge=True)
+    body = json.loads((tmp_path / SHARD_MAP).read_text())
+    assert set(body["tables"]) == {"a", "b"} and body["tables"]["b"]["num_rows"] == 31
+    assert [s["address"] for s in body["shards"]] == [address.format(shard=k) for k in range(3)]
+    rows = {"a": [], "b": []}
+    for k in range(3):
+        for name, values in tables_of(tmp_path / f"shard-{k}-of-3").items():
+            rows[name].append(values)
+    assert same_bits(torch.cat(rows["a"]), a.weight) and same_bits(torch.cat(rows["b"]), b2.weight)
+    with pytest.raises(TableSetError, match="a merge must keep them"):
+        pack_shards(tmp_path, TableSet((b2,)), 2, sample_rows=None, merge=True)
+
+
+def test_cli_merge_flag(tmp_path: Path) -> None:
+    first, second = tmp_path / "first.pt", tmp_path / "second.pt"
+    torch.save({"t_a": trained_like(50, 8)}, first)
+    torch.save({"t_b": trained_like(60, 8)}, second)
+    out = tmp_path / "set"
+    assert run(["pack", str(first), "-o", str(out), "--no-progress"]) == 0
+    assert run(["pack", str(second), "-o", str(out), "--no-progress", "--merge"]) == 0
+    assert set(read_manifest(out).tables) == {"t_a", "t_b"}
