@@ -114,6 +114,25 @@ def test_reload_publishes_a_new_version_only_when_the_set_changed(table_dir: Pat
         assert snap.version == 2 and snapshot_version(snap) == {2.0}
 
 
+def test_a_reload_that_fails_to_pin_is_retried_in_full(
+    table_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = TableStore.load(table_dir)
+    pack(table_dir, 2)
+    pinned = store._pinned
+
+    def out_of_pinned_memory(tables):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(store, "_pinned", out_of_pinned_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        store.reload()
+    monkeypatch.setattr(store, "_pinned", pinned)
+    assert store.reload() is True  # not mistaken for an unchanged set
+    with store.acquire() as snap:
+        assert snap.version == 2 and snapshot_version(snap) == {2.0}
+
+
 def test_old_version_is_released_when_its_last_lookup_ends(table_dir: Path) -> None:
     store = TableStore.load(table_dir)
     holding = store.acquire()
@@ -217,15 +236,16 @@ def test_reload_under_concurrent_lookups_never_mixes_versions(
     threads = [threading.Thread(target=reader) for _ in range(READERS)]
     for t in threads:
         t.start()
-    for directory in directories:
-        time.sleep(0.02)  # let the readers see each version
+    for version, directory in enumerate(directories, start=2):
         store.reload(directory)
-    time.sleep(0.02)
+        give_up = time.monotonic() + 10
+        while version not in seen and not errors and time.monotonic() < give_up:
+            time.sleep(0.001)  # until a reader has read this version (under the next reload)
     stop.set()
     for t in threads:
         t.join()
     assert not errors, errors[0]
-    assert len(set(seen)) >= 3, f"the reads overlapped too few reloads: {sorted(set(seen))}"
+    assert set(seen) >= {2, 3, 4, 5}, f"the reads missed versions: {sorted(set(seen))}"
     with store.acquire() as snap:
         assert snapshot_version(snap) == {5.0}
 

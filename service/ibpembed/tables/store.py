@@ -323,14 +323,15 @@ class TableStore:
                 and dict(manifest.features) == dict(self._current.features)
                 and dict(shards) == dict(self._current.shards)
             )
+            if not unchanged:
+                # Pinning may fail (page-locked memory runs out): the entries below must keep
+                # describing what is published, or the next reload would "reuse" old tables.
+                tables.update(self._pinned(fresh))
+                self._publish(tables, manifest.features, shards)
+                self._spill.clear()
             self._directory = target
             self._entries = dict(manifest.tables)
-            if unchanged:
-                return False
-            tables.update(self._pinned(fresh))
-            self._publish(tables, manifest.features, shards)
-            self._spill.clear()
-            return True
+            return not unchanged
 
     @property
     def directory(self) -> Path | None:
