@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import socket
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -57,6 +58,13 @@ def wait_for_version(client: LookupClient, version: int, timeout: float = 60.0) 
     while client.describe_table("emb").version != version:
         assert time.monotonic() < give_up, f"version {version} never served"
         time.sleep(0.02)
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    give_up = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < give_up, "condition never held"
+        time.sleep(0.01)
 
 
 def publish_corrupt(directory: Path, version: int, staging: Path) -> Path:
@@ -171,6 +179,50 @@ def test_a_reload_gives_replaced_tables_fresh_hot_row_copies(table_dir: Path) ->
             hot = snap.tables["emb"].hot
             assert hot is not None and 1 in hot.ids.tolist()
         assert_serves(client, 2)
+        client.close()
+
+
+def test_stopping_finishes_a_reload_in_progress_and_refuses_later_ones(
+    table_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = TableStore.load(table_dir)
+    original, started = store.reload, threading.Event()
+
+    def slow_reload() -> bool:
+        started.set()
+        time.sleep(0.5)
+        return original()
+
+    monkeypatch.setattr(store, "reload", slow_reload)
+    observer = RecordingObserver()
+    srv = RunningServer(store, observer=observer, reload_poll_s=0)
+    pack(table_dir, 2)
+    srv.loop.call_soon_threadsafe(srv.server.request_reload)  # what SIGHUP does
+    assert started.wait(30)
+    srv.loop.call_soon_threadsafe(srv.server.request_reload)  # queued behind it
+    srv.stop()
+    assert store.version == 2 and observer.reloads == ["ok"]  # finished, and nothing after it
+
+
+def test_the_watcher_retries_a_failure_that_may_pass(
+    table_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = TableStore.load(table_dir)
+    original, failures = store.reload, [OSError(24, "Too many open files")]
+
+    def flaky_reload() -> bool:
+        if failures:
+            raise failures.pop()
+        return original()
+
+    observer = RecordingObserver()
+    with RunningServer(store, observer=observer, reload_poll_s=0.05) as srv:
+        client = LookupClient(srv.target, timeout=30)
+        wait_until(lambda: "unchanged" in observer.reloads)  # the start-up check
+        monkeypatch.setattr(store, "reload", flaky_reload)
+        pack(table_dir, 2)  # the same manifest is tried again at the next poll
+        wait_for_version(client, 2)
+        assert observer.reloads == ["unchanged", "error", "ok"]
         client.close()
 
 

@@ -184,11 +184,12 @@ class LookupServer:
         """
         grace = self.config.grace_s if grace_s is None else grace_s
         self.state.accepting, self.state.reason = False, "draining for shutdown"
-        if self.reloader is not None:
-            await self.reloader.stop()
-        for task in self._reloads:  # SIGHUPs not yet running: a reload in progress finishes
-            task.cancel()
         await self.health.enter_graceful_shutdown()
+        if self.reloader is not None:
+            # A reload in progress finishes (its thread cannot be stopped); later ones are
+            # refused, so the SIGHUP tasks still queued return at once.
+            await self.reloader.stop()
+            await asyncio.gather(*self._reloads)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + grace
         while self.state.active and loop.time() < give_up:

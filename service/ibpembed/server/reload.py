@@ -13,10 +13,11 @@ changed between the server's start-up load and the watcher's start, and a reload
 set unchanged publishes nothing.
 
 Failures (a corrupt or truncated file, a manifest naming a missing table, a file swept by a
-concurrent pack) keep the previous version serving: the error is logged, counted
-(``ibpembed_table_set_reloads_total{result="error"}``) and raised as
-``ibpembed_table_set_reload_failing`` until a reload succeeds. The watcher tries a manifest that
-failed again only once it changes (the same bytes would fail the same way); SIGHUP always tries.
+concurrent pack, no memory to pin a table) keep the previous version serving: the error is
+logged, counted (``ibpembed_table_set_reloads_total{result="error"}``) and raised as
+``ibpembed_table_set_reload_failing`` until a reload succeeds. A set the loader rejects is tried
+again by the watcher only once its manifest changes (the same bytes would fail the same way);
+other failures (I/O, memory) are retried at the next poll; SIGHUP always tries.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class ReloadOutcome:
     version: int  # serving after the attempt
     changed: tuple[str, ...] = ()  # tables whose rows were replaced, added or dropped
     error: str | None = None
+    # The set itself is bad (the loader rejected it), not the moment: retrying cannot help.
+    rejected: bool = False
 
 
 class TableSetReloader:
@@ -92,6 +95,7 @@ class TableSetReloader:
         self._lock = asyncio.Lock()  # one reload at a time; SIGHUPs during one wait for it
         self._tried: _Stamp | Literal["never"] = "never"  # manifest the watcher last loaded
         self._task: asyncio.Task[None] | None = None
+        self._stopped = False
 
     def _stamp(self) -> _Stamp:
         assert self.store.directory is not None
@@ -101,16 +105,22 @@ class TableSetReloader:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    async def reload(self, reason: str, *, log_unchanged: bool = True) -> ReloadOutcome:
+    async def reload(self, reason: str, *, log_unchanged: bool = True) -> ReloadOutcome | None:
         """Reload now (waiting for a reload in progress first); never raises for a bad set.
+        None once :meth:`stop` has been called: a stopping server loads nothing new.
 
         ``log_unchanged``: log a reload that found nothing to publish at INFO (else DEBUG).
         """
         async with self._lock:
+            if self._stopped:
+                log.info("reload (%s) skipped: the server is stopping", reason)
+                return None
             stamp = self._stamp()
             started = time.perf_counter()
-            outcome = await asyncio.to_thread(self._reload_blocking)
-            self._tried = stamp
+            # Shielded: a cancelled caller must not abandon a reload its thread still runs.
+            outcome = await asyncio.shield(asyncio.to_thread(self._reload_blocking))
+            if outcome.result != "error" or outcome.rejected:
+                self._tried = stamp
         seconds = time.perf_counter() - started
         what = {
             "ok": f"version {outcome.version} published, tables changed: "
@@ -127,19 +137,23 @@ class TableSetReloader:
         return outcome
 
     def _reload_blocking(self) -> ReloadOutcome:
+        # A table's index tensor names its rows: a hot-row refresh republishes the same one.
         with self.store.acquire() as before:
-            old = dict(before.tables)
+            old = {name: table.block_base for name, table in before.tables.items()}
         try:
             published = self.store.reload()
-        except (ValueError, OSError) as exc:  # TableSetError, TableFileError, I/O
+        except ValueError as exc:  # TableSetError, TableFileError: the set itself is bad
+            return ReloadOutcome("error", self.store.version, error=str(exc), rejected=True)
+        except OSError as exc:  # I/O: may pass
             return ReloadOutcome("error", self.store.version, error=str(exc))
-        except Exception as exc:  # a bug, not a bad set: keep serving, keep the traceback
+        except Exception as exc:  # e.g. out of memory, or a bug: keep serving, keep the traceback
             log.exception("reload failed unexpectedly")
             return ReloadOutcome("error", self.store.version, error=repr(exc))
         if not published:
             return ReloadOutcome("unchanged", self.store.version)
         with self.store.acquire() as after:
-            version, new = after.version, dict(after.tables)
+            version = after.version
+            new = {name: table.block_base for name, table in after.tables.items()}
         changed = tuple(sorted(n for n in old.keys() | new.keys() if old.get(n) is not new.get(n)))
         if self.hot_rows is not None and changed:
             try:
@@ -164,11 +178,12 @@ class TableSetReloader:
             await asyncio.sleep(self.poll_s)
 
     async def stop(self) -> None:
-        """Stop polling (a reload in progress finishes first)."""
-        if self._task is None:
-            return
-        async with self._lock:
-            self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self._task = None
+        """Stop polling and refuse later reloads; a reload in progress finishes first."""
+        self._stopped = True
+        async with self._lock:  # waits for a reload in progress
+            if self._task is not None:
+                self._task.cancel()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
