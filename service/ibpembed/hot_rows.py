@@ -159,18 +159,20 @@ class HotRowTracker:
         """
         with self._lock:
             names = set(self._fresh) if tables is None else set(tables)
-            recent = {n: self._windows[n].recent() for n in names if n in self._windows}
+            windows = {n: self._windows[n] for n in names if n in self._windows}
+            recent = {n: (w.recent(), w.num_rows) for n, w in windows.items()}
             self._fresh -= names
         with self.store.acquire() as snapshot:
-            tables = dict(snapshot.tables)
+            current = dict(snapshot.tables)
         with self._lock:  # windows of tables a reload dropped (a lookup of an older snapshot may
-            for gone in set(self._windows) - set(tables):  # have recorded one meanwhile)
+            for gone in set(self._windows) - set(current):  # have recorded one meanwhile)
                 del self._windows[gone]
                 self._fresh.discard(gone)
         cached: dict[str, int] = {}
-        for name, ids in recent.items():
-            table = tables.get(name)
-            if table is None:  # dropped by a reload
+        for name, (ids, num_rows) in recent.items():
+            table = current.get(name)
+            # Dropped by a reload, or resized: the window's ids name rows of the old table.
+            if table is None or table.num_rows != num_rows:
                 continue
             try:
                 chosen, coverage = rank_hot_rows(table, ids, self.budget)

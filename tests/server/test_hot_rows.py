@@ -74,6 +74,18 @@ def test_window_restarts_when_a_reload_resizes_the_table() -> None:
     assert capped._windows["t"].filled == 7
 
 
+def test_refresh_after_a_reload_skips_windows_of_a_resized_table() -> None:
+    store = TableStore.from_tables({"t": compress(_table()), "u": compress(_table(1))})
+    tracker = HotRowTracker(store, budget=0.05)
+    tracker.record("t", _zipf_ids(5000, 0), ROWS)
+    tracker.record("u", _zipf_ids(5000, 1), ROWS)
+    store.put_table("t", compress(_table(2)[: ROWS // 2]))  # a reload that shrank it
+    store.put_table("u", compress(_table(3)))  # same size: its traffic still ranks it
+    assert set(tracker.refresh(["t", "u"])) == {"u"}
+    with store.acquire() as snap:
+        assert snap.tables["t"].hot is None and snap.tables["u"].hot is not None
+
+
 def test_a_failing_table_does_not_stop_the_others_and_is_retried(monkeypatch) -> None:
     store = TableStore.from_tables({"a": compress(_table(1)), "b": compress(_table(2))})
     tracker = HotRowTracker(store, budget=0.05)

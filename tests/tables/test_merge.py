@@ -91,6 +91,16 @@ def test_merge_keeps_every_shards_other_tables_and_the_shard_map(tmp_path: Path)
         pack_shards(tmp_path, TableSet((b2,)), 2, sample_rows=None, merge=True)
 
 
+def test_a_sharded_merge_checks_every_shard_before_publishing_any(tmp_path: Path) -> None:
+    tiny = source("tiny", 1, rows=1, features=("ft",))  # only in the last shard
+    pack_shards(tmp_path, TableSet((source("a", 2, rows=30), tiny)), 3, sample_rows=None)
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*.json"))}
+    claim = TableSet((source("x", 3, rows=30, features=("ft",)),))
+    with pytest.raises(TableSetError, match="feature 'ft' of table 'x'"):
+        pack_shards(tmp_path, claim, 3, sample_rows=None, merge=True)
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*.json"))} == before
+
+
 def test_cli_merge_flag(tmp_path: Path) -> None:
     first, second = tmp_path / "first.pt", tmp_path / "second.pt"
     torch.save({"t_a": trained_like(50, 8)}, first)

@@ -164,6 +164,32 @@ def test_weighted_collection(batch: int) -> None:
         assert_same_as_torchrec(ebc, ours, random_kjt(ebc, batch, 6, seed, weighted=True))
 
 
+def test_non_contiguous_kjt_values_lengths_and_weights() -> None:
+    tables = [
+        EmbeddingBagConfig(name="w1", embedding_dim=5, num_embeddings=40, feature_names=["x"]),
+        EmbeddingBagConfig(name="w2", embedding_dim=12, num_embeddings=9, feature_names=["y"]),
+    ]
+    ebc = make_ebc(tables, is_weighted=True)
+    ours = CompressedEmbeddingBagCollection.from_ebc(ebc)
+    dense = random_kjt(ebc, 7, 4, seed=5, weighted=True)
+    strided = KeyedJaggedTensor(  # every tensor a view of every other element of a larger one
+        keys=dense.keys(),
+        values=torch.stack([dense.values(), dense.values()], 1).view(-1)[::2],
+        lengths=torch.stack([dense.lengths(), dense.lengths()], 1).view(-1)[::2],
+        weights=torch.stack([dense.weights(), dense.weights()], 1).view(-1)[::2],
+    )
+    assert not strided.values().is_contiguous() and not strided.weights().is_contiguous()
+    assert torch.equal(ours(strided).values(), ours(dense).values())
+    assert_same_as_torchrec(ebc, ours, strided)
+
+
+def test_a_meta_placeholder_moves_like_any_module() -> None:
+    with torch.device("meta"):
+        placeholder = CompressedEmbeddingBagCollection(TABLES)
+    moved = placeholder.to_empty(device="cpu")
+    assert all(b.payload.device.type == "cpu" for b in moved.embedding_bags.values())
+
+
 def test_unweighted_collection_ignores_weights_like_torchrec(mixed) -> None:
     ebc, ours = mixed
     assert_same_as_torchrec(ebc, ours, random_kjt(ebc, 8, 4, seed=3, weighted=True))

@@ -450,7 +450,13 @@ def pack_shards(
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    previous = _previous_shard_map(directory, shards) if pack_args.get("merge") else None
+    previous = None
+    if pack_args.get("merge"):
+        previous = _previous_shard_map(directory, shards)
+        # Every shard's conflicts before any shard is published: a merge that failed on a later
+        # shard would leave the earlier ones serving the new tables.
+        for k in range(shards):
+            _kept_for_merge(directory / shard_directory(k, shards), table_set)
     reports = []
     for k in range(shards):
         target = directory / shard_directory(k, shards)

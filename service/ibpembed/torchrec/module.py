@@ -159,10 +159,14 @@ class CompressedEmbeddingBag(nn.Module):
         and need only the index, bitmask and masks on the device, so ``.cuda()`` / ``.to(gpu)``
         pins the payload (a copy into page-locked memory, unless it is pinned already) instead
         of copying the table into GPU memory. Hot-row copies, a CPU-lookup cache the CUDA
-        kernels do not read, stay on the host as well.
+        kernels do not read, stay on the host as well. Move the module before scripting it: a
+        scripted module's ``.to()`` (and loading tensors that are already on a GPU) moves every
+        buffer, the payload into GPU memory.
         """
         probe = torch.empty(0, dtype=torch.int64, device=self.block_base.device)
-        if fn(probe).device.type != "cuda" or self.payload.is_cuda:
+        # Only real host rows stay behind: a payload already on a device, or a meta placeholder
+        # (to_empty), moves like any buffer.
+        if fn(probe).device.type != "cuda" or self.payload.device.type != "cpu":
             return super()._apply(fn, recurse)
         host = {name: self._buffers.pop(name) for name in _HOST_BUFFERS}
         try:
@@ -527,15 +531,15 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         KeyedTensor with values [B, sum of dims] float32, keys as torchrec's module would give.
         """
         offsets_per_key = self._validate(features)
-        values = features.values().to(torch.int64)
+        values = features.values().to(torch.int64).contiguous()
         weights = features.weights_or_none() if self._is_weighted else None
         if weights is not None:
-            weights = weights.to(torch.float32)
+            weights = weights.to(torch.float32).contiguous()
         keys = features.keys()
         stride = features.stride()
         # Every key's bag offsets at once ([keys, B + 1], one row per key): the per-feature tensor
         # ops of a batch cost more than its lookups on small tables.
-        lengths = features.lengths().to(torch.int64).view(len(keys), stride)
+        lengths = features.lengths().to(torch.int64).reshape(len(keys), stride)
         bag_offsets = torch.cat([lengths.new_zeros(len(keys), 1), lengths.cumsum(1)], dim=1)
         key_index: dict[str, int] = {k: i for i, k in enumerate(keys)}
         pooled: list[Tensor] = []
