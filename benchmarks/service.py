@@ -114,23 +114,32 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class CpuWindow:
-    """A process's CPU seconds between ``start + warmup_s`` and ``start + warmup_s + seconds``,
-    read by timers on the wall clock: the window a load's QPS is measured over."""
+class CpuSampler:
+    """A process's CPU seconds, sampled on the ``time.monotonic()`` clock every ``every_s`` while
+    running, so that the CPU of any span inside the sampling can be read afterwards."""
 
-    def __init__(self, pid: int, warmup_s: float, seconds: float) -> None:
-        self.readings: list[float] = []
-        self._timers = [
-            threading.Timer(at, lambda: self.readings.append(process_cpu_s(pid)))
-            for at in (warmup_s, warmup_s + seconds)
-        ]
-        for timer in self._timers:
-            timer.start()
+    def __init__(self, pid: int, every_s: float = 0.05) -> None:
+        self.pid, self.every_s = pid, every_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._sample()
+        self._thread.start()
 
-    def seconds(self) -> float:
-        for timer in self._timers:
-            timer.join()
-        return self.readings[1] - self.readings[0]
+    def _sample(self) -> None:
+        self.samples.append((time.monotonic(), process_cpu_s(self.pid)))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def between(self, start: float, end: float) -> float:
+        """CPU seconds from ``start`` to ``end`` (monotonic), linear between samples."""
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        times, cpu = zip(*self.samples, strict=True)
+        return float(np.interp(end, times, cpu) - np.interp(start, times, cpu))
 
 
 def in_process(
@@ -140,8 +149,9 @@ def in_process(
     back."""
     decoded = [decode_request(r) for r in requests]
     latencies: list[list[float]] = [[] for _ in range(workers)]
-    cpu = CpuWindow(os.getpid(), warmup_s, seconds)
+    cpu = CpuSampler(os.getpid())
     start = time.perf_counter()
+    to_monotonic = time.monotonic() - start
     warm_from, stop_at = start + warmup_s, start + warmup_s + seconds
 
     def worker(w: int) -> None:
@@ -163,7 +173,11 @@ def in_process(
         "qps": lat.size / seconds,
         "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
         "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
-        "cpu_ms": cpu.seconds() * 1000.0 / lat.size if lat.size else None,
+        "cpu_ms": (
+            cpu.between(warm_from + to_monotonic, stop_at + to_monotonic) * 1000.0 / lat.size
+            if lat.size
+            else None
+        ),
     }
 
 
@@ -228,9 +242,10 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
                         deadline_ms=60_000,
                         progress=False,
                     )
-                    server_cpu = CpuWindow(server.proc.pid, cfg.warmup_s, cfg.seconds)
+                    server_cpu = CpuSampler(server.proc.pid)
                     remote = asyncio.run(run_load(load))
-                    server_cpu_ms = server_cpu.seconds() * 1000.0 / max(1, remote["ok"])
+                    window_cpu_s = server_cpu.between(*remote["window_monotonic_s"])
+                    server_cpu_ms = window_cpu_s * 1000.0 / max(1, remote["ok"])
                     lat = remote["latency_ms"]
                     row = {
                         "batch": batch,

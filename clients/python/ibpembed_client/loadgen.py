@@ -209,14 +209,19 @@ async def run_load(cfg: LoadConfig) -> dict:
         ticker.cancel()
         progress.update(loop.time() - start, tally)
         progress.close()
-        measured = max(1e-9, min(loop.time(), stop_at) - warm_from)
-        return summarize(cfg, tally, measured)
+        window = (warm_from, min(loop.time(), stop_at))
+        return summarize(cfg, tally, window)
     finally:
         await client.close()
 
 
-def summarize(cfg: LoadConfig, tally: _Tally, measured_s: float) -> dict:
-    """The JSON report: settings, counts, QPS and latency percentiles in milliseconds."""
+def summarize(cfg: LoadConfig, tally: _Tally, window: tuple[float, float]) -> dict:
+    """The JSON report: settings, counts, QPS and latency percentiles in milliseconds.
+
+    ``window``: the measured span on the event loop's clock (``time.monotonic()``), reported so
+    that other readings (a server's CPU time) can be taken over the same span.
+    """
+    measured_s = max(1e-9, window[1] - window[0])
     lat = np.asarray(tally.latencies) * 1000.0
     pct = {}
     if lat.size:
@@ -228,6 +233,7 @@ def summarize(cfg: LoadConfig, tally: _Tally, measured_s: float) -> dict:
         "config": asdict(cfg) | {"token": None, "tls": cfg.tls is not None},
         "mode": "concurrency" if cfg.concurrency is not None else "request_rate",
         "measured_s": measured_s,
+        "window_monotonic_s": list(window),
         "ok": int(lat.size),
         "errors": dict(tally.errors),
         "dropped": tally.dropped,
