@@ -507,7 +507,7 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
     def _timed_stream(self, behavior: Callable) -> Callable:
         async def stream(
             requests: AsyncIterator[pb.LookupRequest], context: grpc.aio.ServicerContext
-        ) -> AsyncIterator[pb.LookupResponse]:
+        ) -> AsyncIterator[bytes | pb.LookupResponse]:
             # The servicer answers every request exactly once and in order, so arrivals and
             # responses pair up first in, first out.
             arrivals: collections.deque[tuple[float, str]] = collections.deque()
@@ -524,11 +524,9 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
                     started, pooling = arrivals.popleft()
                     self._inflight -= 1
                     self._latency.observe(("LookupStream", pooling), time.perf_counter() - started)
-                    code = (
-                        _CODE_NAMES.get(response.error.code, "UNKNOWN")
-                        if response.HasField("error")
-                        else "OK"
-                    )
+                    # Answers are serialized bytes; a failed request's is an Error message.
+                    failed = not isinstance(response, bytes) and response.HasField("error")
+                    code = _CODE_NAMES.get(response.error.code, "UNKNOWN") if failed else "OK"
                     self._requests.inc(("LookupStream", code))
                     yield response
             finally:

@@ -103,6 +103,7 @@ def test_a_new_manifest_is_served_without_a_restart(table_dir: Path) -> None:
         pack(table_dir, 2)
         wait_for_version(client, 2)
         assert_serves(client, 2)
+        wait_until(lambda: "ok" in observer.reloads)  # reported just after the publication
         time.sleep(0.3)  # several more polls: the same manifest is not loaded again
         assert client.describe_table("emb").version == 2
         assert observer.reloads.count("ok") == 1 and "error" not in observer.reloads
@@ -143,6 +144,7 @@ def test_a_bad_set_keeps_the_old_version_serving_until_a_good_one_arrives(
         pack(table_dir, 3)  # the next good deploy heals it
         wait_for_version(client, 2)
         assert_serves(client, 3)
+        wait_until(lambda: scrape()[("ibpembed_table_set_reloads_total", "ok")] == 1)
         sample = scrape()
         assert sample[("ibpembed_table_set_reload_failing", None)] == 0
         assert sample[("ibpembed_table_set_reloads_total", "ok")] == 1
@@ -222,6 +224,7 @@ def test_the_watcher_retries_a_failure_that_may_pass(
         monkeypatch.setattr(store, "reload", flaky_reload)
         pack(table_dir, 2)  # the same manifest is tried again at the next poll
         wait_for_version(client, 2)
+        wait_until(lambda: "ok" in observer.reloads)  # reported just after the publication
         assert observer.reloads == ["unchanged", "error", "ok"]
         client.close()
 

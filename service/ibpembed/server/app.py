@@ -34,9 +34,9 @@ from ibpembed.server.interceptors import (
 )
 from ibpembed.server.memory import keep_freed_memory
 from ibpembed.server.reload import ReloadObserver, TableSetReloader
-from ibpembed.server.servicer import EmbeddingLookupServicer
+from ibpembed.server.servicer import EmbeddingLookupServicer, add_to_server
 from ibpembed.tables.store import TableStore
-from ibpembed_client.v1 import lookup_pb2, lookup_pb2_grpc
+from ibpembed_client.v1 import lookup_pb2
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +143,7 @@ class LookupServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ],
         )
-        lookup_pb2_grpc.add_EmbeddingLookupServicer_to_server(
-            EmbeddingLookupServicer(self.engine, stream_window=cfg.stream_window), server
-        )
+        add_to_server(EmbeddingLookupServicer(self.engine, stream_window=cfg.stream_window), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if cfg.reflection:
             reflection.enable_server_reflection(

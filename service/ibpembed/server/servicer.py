@@ -26,6 +26,7 @@ from ibpembed.server.errors import (
     ensure_request_id,
     status_for,
 )
+from ibpembed.server.wire import lookup_response_bytes, serialize_response
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 
@@ -86,19 +87,11 @@ def decode_request(request: pb.LookupRequest) -> tuple[list[FeatureQuery], Pooli
     return features, _POOLING[request.pooling]
 
 
-def encode_response(request_id: str, result: LookupResult) -> pb.LookupResponse:
-    """Raw little-endian bytes per feature (a memory copy, no per-element work)."""
-    response = pb.LookupResponse(request_id=request_id, table_version=result.version)
-    for feature in result.features:
-        values = feature.values.contiguous()
-        # add() builds in place: append(FeatureOutput(...)) would copy the values once more.
-        response.features.add(
-            name=feature.name,
-            dtype=_DTYPES[values.dtype],
-            shape=list(values.shape),
-            values=values.view(torch.uint8).numpy().tobytes(),
-        )
-    return response
+def encode_response(request_id: str, result: LookupResult) -> bytes:
+    """The serialized ``LookupResponse`` (:mod:`ibpembed.server.wire`: raw little-endian values
+    per feature, one memory copy)."""
+    features = [(f.name, _DTYPES[f.values.dtype], f.values) for f in result.features]
+    return lookup_response_bytes(request_id, result.version, features)
 
 
 def table_info(desc: TableDescription) -> pb.TableInfo:
@@ -138,9 +131,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self.engine = engine
         self.stream_window = stream_window
 
-    async def Lookup(
-        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
-    ) -> pb.LookupResponse:
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> bytes:
         features, pooling = decode_request(request)
         return await self.engine.lookup(
             features,
@@ -151,7 +142,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
 
     async def LookupStream(
         self, request_iterator: AsyncIterator[pb.LookupRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.LookupResponse]:
+    ) -> AsyncIterator[bytes | pb.LookupResponse]:
         deadline = deadline_of(context)
         # Reader task -> queue of per-request tasks -> this generator, which yields them in order.
         # A queue item is a task, None (client done) or the reader's exception. A request holds
@@ -187,7 +178,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
 
     async def _stream_one(
         self, request: pb.LookupRequest, deadline: float | None
-    ) -> pb.LookupResponse:
+    ) -> bytes | pb.LookupResponse:
         ensure_request_id(request)
         try:
             features, pooling = decode_request(request)
@@ -216,3 +207,34 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self, request: pb.DescribeTableRequest, context: grpc.aio.ServicerContext
     ) -> pb.TableInfo:
         return table_info(self.engine.describe(request.name)[0])
+
+
+def add_to_server(servicer: EmbeddingLookupServicer, server: grpc.aio.Server) -> None:
+    """Register ``ibpembed.v1.EmbeddingLookup`` (what the generated
+    ``add_EmbeddingLookupServicer_to_server`` does, but lookups answer with the bytes of
+    :func:`encode_response`, which their serializer passes through)."""
+    handlers = {
+        "Lookup": grpc.unary_unary_rpc_method_handler(
+            servicer.Lookup,
+            request_deserializer=pb.LookupRequest.FromString,
+            response_serializer=serialize_response,
+        ),
+        "LookupStream": grpc.stream_stream_rpc_method_handler(
+            servicer.LookupStream,
+            request_deserializer=pb.LookupRequest.FromString,
+            response_serializer=serialize_response,
+        ),
+        "ListTables": grpc.unary_unary_rpc_method_handler(
+            servicer.ListTables,
+            request_deserializer=pb.ListTablesRequest.FromString,
+            response_serializer=pb.ListTablesResponse.SerializeToString,
+        ),
+        "DescribeTable": grpc.unary_unary_rpc_method_handler(
+            servicer.DescribeTable,
+            request_deserializer=pb.DescribeTableRequest.FromString,
+            response_serializer=pb.TableInfo.SerializeToString,
+        ),
+    }
+    name = pb.DESCRIPTOR.services_by_name["EmbeddingLookup"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
