@@ -564,6 +564,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "2",
             "--device",
             "cpu",
+            # RSS is the leak check: without this, glibc keeps freed response buffers for reuse
+            # in every thread's arena (the server's default, up to 256 MiB), and RSS drifts up
+            # by that policy, not by leaks (RELIABILITY.md, RPC fuzz). The soak runs the default.
+            "--malloc-retain-mb",
+            "0",
         ]
         with ServerProcess(*flags) as server:
             findings = asyncio.run(
