@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.reliability import proc_cpu_seconds
 from ibpembed.codec import compress
 from ibpembed.engine import LookupEngine
 from ibpembed.hot_rows import DEFAULT_BUDGET, FIRST_REFRESH_S
@@ -108,12 +109,6 @@ class ServerProcess:
         self.proc.wait(timeout=60)
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class CpuSampler:
     """A process's CPU seconds, sampled on the ``time.monotonic()`` clock every ``every_s`` while
     running, so that the CPU of any span inside the sampling can be read afterwards."""
@@ -127,7 +122,7 @@ class CpuSampler:
         self._thread.start()
 
     def _sample(self) -> None:
-        self.samples.append((time.monotonic(), process_cpu_s(self.pid)))
+        self.samples.append((time.monotonic(), proc_cpu_seconds(self.pid)))
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):

@@ -412,7 +412,6 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
             ["method", "pooling"],
             LATENCY_BUCKETS_S,
         )
-        reg.register(_Families(self._requests, self._latency))
         self._kernel = _KernelTally(LATENCY_BUCKETS_S)
         reg.register(self._kernel)
         # Touched on the event loop only (interceptor), so a plain int read at scrape will do.
@@ -432,7 +431,7 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
         )
         for result in RELOAD_RESULTS:  # every series exists from the start, for rate()
             self._reloads.inc((result,), 0.0)
-        reg.register(_Families(self._reloads))
+        reg.register(_Families(self._requests, self._latency, self._reloads))
         self._reload_failing = 0  # event loop only, like _inflight
         prometheus_client.Gauge(
             f"{NAMESPACE}_table_set_reload_failing",

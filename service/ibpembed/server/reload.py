@@ -117,8 +117,7 @@ class TableSetReloader:
                 return None
             stamp = self._stamp()
             started = time.perf_counter()
-            # Shielded: a cancelled caller must not abandon a reload its thread still runs.
-            outcome = await asyncio.shield(asyncio.to_thread(self._reload_blocking))
+            outcome = await asyncio.to_thread(self._reload_blocking)
             if outcome.result != "error" or outcome.rejected:
                 self._tried = stamp
         seconds = time.perf_counter() - started

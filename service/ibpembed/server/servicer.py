@@ -209,32 +209,28 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         return table_info(self.engine.describe(request.name)[0])
 
 
+class _GeneratedHandlers:
+    """Stands in for a server to collect what the generated registration adds."""
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.service, self.handlers = service, handlers
+
+
 def add_to_server(servicer: EmbeddingLookupServicer, server: grpc.aio.Server) -> None:
-    """Register ``ibpembed.v1.EmbeddingLookup`` (what the generated
-    ``add_EmbeddingLookupServicer_to_server`` does, but lookups answer with the bytes of
-    :func:`encode_response`, which their serializer passes through)."""
+    """Register ``ibpembed.v1.EmbeddingLookup`` as the generated
+    ``add_EmbeddingLookupServicer_to_server`` does, except that the lookups answer with the bytes
+    of :func:`encode_response`, which their serializer passes through."""
+    generated = _GeneratedHandlers()
+    lookup_pb2_grpc.add_EmbeddingLookupServicer_to_server(servicer, generated)
     handlers = {
-        "Lookup": grpc.unary_unary_rpc_method_handler(
-            servicer.Lookup,
-            request_deserializer=pb.LookupRequest.FromString,
-            response_serializer=serialize_response,
-        ),
-        "LookupStream": grpc.stream_stream_rpc_method_handler(
-            servicer.LookupStream,
-            request_deserializer=pb.LookupRequest.FromString,
-            response_serializer=serialize_response,
-        ),
-        "ListTables": grpc.unary_unary_rpc_method_handler(
-            servicer.ListTables,
-            request_deserializer=pb.ListTablesRequest.FromString,
-            response_serializer=pb.ListTablesResponse.SerializeToString,
-        ),
-        "DescribeTable": grpc.unary_unary_rpc_method_handler(
-            servicer.DescribeTable,
-            request_deserializer=pb.DescribeTableRequest.FromString,
-            response_serializer=pb.TableInfo.SerializeToString,
-        ),
+        name: handler._replace(response_serializer=serialize_response)
+        if name in ("Lookup", "LookupStream")
+        else handler
+        for name, handler in generated.handlers.items()
     }
-    name = pb.DESCRIPTOR.services_by_name["EmbeddingLookup"].full_name
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
-    server.add_registered_method_handlers(name, handlers)
+    generic = grpc.method_handlers_generic_handler(generated.service, handlers)
+    server.add_generic_rpc_handlers((generic,))
+    server.add_registered_method_handlers(generated.service, handlers)
