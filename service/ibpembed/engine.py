@@ -133,6 +133,26 @@ class _TableWork:
     rows: RowRange  # global rows the table holds; ids are shifted by rows.start
     positions: list[int] = field(default_factory=list)  # indexes into the request's features
     queries: list[FeatureQuery] = field(default_factory=list)
+    # This table's ids and samples: [start, end) of the request plan's arrays.
+    id_span: tuple[int, int] = (0, 0)
+    sample_span: tuple[int, int] = (0, 0)
+
+
+@dataclass
+class _RequestPlan:
+    """A validated request: features grouped by table, every id, length and weight of it
+    concatenated once, table after table (each table's CSR batch is a slice).
+
+    NOTE(engine): one concatenation and one vectorised check per request instead of per table:
+    at B=1 a 26-table request spent ~0.6 of its ~0.9 ms of CPU in per-table numpy and torch
+    calls around kernels doing ~10 us of work each.
+    """
+
+    work: list[_TableWork]
+    ids: np.ndarray  # int64, writable (the request's own bytes are read-only), shard-local rows
+    offsets: np.ndarray  # int64 [samples + 1]: bag boundaries over ``ids``
+    lengths: np.ndarray  # int32 [samples]
+    weights: np.ndarray | None  # float32 [ids]; ones for features sent without weights
 
 
 def resolve_device(device: str) -> torch.device:
@@ -311,11 +331,16 @@ class LookupEngine:
         if pooling not in POOLINGS:
             raise InvalidArgument("pooling", f"must be one of {POOLINGS}, got {pooling!r}")
         with self.store.acquire() as snap:
-            work = self._plan(snap, features, pooling)
+            plan = self._plan(snap, features, pooling)
+            if self.hot_rows is not None:
+                self.hot_rows.record(
+                    (item.table_name, plan.ids[slice(*item.id_span)], item.table.num_rows)
+                    for item in plan.work
+                )
             out: list[torch.Tensor | None] = [None] * len(features)
             calls: list[KernelCall] = []
-            for item in work:
-                results = self._run_table(item, pooling, calls)
+            for item in plan.work:
+                results = self._run_table(plan, item, pooling, calls)
                 for pos, values in zip(item.positions, results, strict=True):
                     out[pos] = values
             if self.observer is not None:
@@ -327,7 +352,7 @@ class LookupEngine:
 
     def _plan(
         self, snap: TableSnapshot, features: Sequence[FeatureQuery], pooling: Pooling
-    ) -> list[_TableWork]:
+    ) -> _RequestPlan:
         by_table: dict[str, _TableWork] = {}
         seen: set[str] = set()
         output_bytes = 0
@@ -339,10 +364,12 @@ class LookupEngine:
                 table_name, table = snap.table_for_feature(query.name)
             except KeyError:
                 raise NotFound(f"unknown feature {query.name!r}") from None
-            rows = snap.row_range(table_name)
-            _validate(query, i, pooling, table_name, table, rows)
+            _check_layout(query, i, pooling, table_name, table)
             output_bytes += _output_bytes(query, pooling, table)
-            item = by_table.setdefault(table_name, _TableWork(table_name, table, rows))
+            item = by_table.get(table_name)
+            if item is None:
+                rows = snap.row_range(table_name)
+                item = by_table[table_name] = _TableWork(table_name, table, rows)
             item.positions.append(i)
             item.queries.append(query)
         if self.max_output_bytes is not None and output_bytes > self.max_output_bytes:
@@ -351,49 +378,46 @@ class LookupEngine:
                 f"the result would be {output_bytes} bytes, over this server's limit of "
                 f"{self.max_output_bytes}: split the batch (LookupStream pipelines the parts)",
             )
-        return list(by_table.values())
+        work = list(by_table.values())
+        plan = _concatenate(work)
+        _check_values(plan)
+        for item in work:
+            if item.rows.start:  # global ids -> rows of this shard's file
+                plan.ids[slice(*item.id_span)] -= item.rows.start
+        return plan
 
     def _run_table(
-        self, item: _TableWork, pooling: Pooling, calls: list[KernelCall]
+        self, plan: _RequestPlan, item: _TableWork, pooling: Pooling, calls: list[KernelCall]
     ) -> list[torch.Tensor]:
         """One kernel call for every feature of the request that reads this table (appended to
         ``calls``)."""
         start = time.perf_counter()
         table = item.table
         qs = item.queries
-        # Concatenating also copies the request's read-only message bytes into writable memory,
-        # which torch.from_numpy wants (a memcpy, small next to the decode).
-        ids_np = np.concatenate([q.ids for q in qs])
-        if item.rows.start:
-            ids_np -= item.rows.start  # global ids -> rows of this shard's file
-        if self.hot_rows is not None:
-            self.hot_rows.record(item.table_name, ids_np, table.num_rows)
-        ids = self._tensor(ids_np)
+        ids = self._tensor(plan.ids[slice(*item.id_span)])
         nnz = ids.numel()
         unique_count = nnz
         if pooling == "none":
             unique, inverse = torch.unique(ids, return_inverse=True)
             unique_count = unique.numel()
-            rows = table.gather(unique).index_select(0, inverse)
-            results = _split(rows.cpu(), [q.ids.size for q in qs])
+            values = table.gather(unique).index_select(0, inverse)
+            sizes = [q.ids.size for q in qs]
         else:
-            lengths_np = np.concatenate([q.lengths for q in qs]).astype(np.int64)
-            offsets_np = np.zeros(lengths_np.size + 1, dtype=np.int64)
-            np.cumsum(lengths_np, out=offsets_np[1:])
-            lengths, offsets = self._tensor(lengths_np), self._tensor(offsets_np)
+            first, end = item.sample_span
+            offsets_np = plan.offsets[first : end + 1]
+            if offsets_np[0]:  # the table's bags counted from its first id
+                offsets_np = offsets_np - offsets_np[0]
             weights = None
-            if any(q.weights is not None for q in qs):
-                weights_np = np.concatenate(
-                    [
-                        q.weights if q.weights is not None else np.ones(q.ids.size, np.float32)
-                        for q in qs
-                    ]
-                )
-                weights = self._tensor(weights_np)
-            pooled, unique_count = self._pool_table(table, ids, lengths, offsets, weights, pooling)
-            results = _split(pooled.cpu(), [q.lengths.size for q in qs])
+            if plan.weights is not None and any(q.weights is not None for q in qs):
+                weights = self._tensor(plan.weights[slice(*item.id_span)])
+            values, unique_count = self._pool_table(
+                table, ids, plan.lengths[first:end], self._tensor(offsets_np), weights, pooling
+            )
+            sizes = [q.lengths.size for q in qs]
+        if self.device.type != "cpu":
+            values = values.cpu()
         calls.append((item.table_name, nnz, unique_count, time.perf_counter() - start))
-        return results
+        return _split(values, sizes)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         # NOTE(engine): per-table costs add up over a request's 26 tables: a no-op .to() on
@@ -405,7 +429,7 @@ class LookupEngine:
         self,
         table: CompressedTable,
         ids: torch.Tensor,
-        lengths: torch.Tensor,
+        lengths: np.ndarray,
         offsets: torch.Tensor,
         weights: torch.Tensor | None,
         pooling: Pooling,
@@ -426,7 +450,8 @@ class LookupEngine:
                     inverse, rows, offsets[:-1], mode="sum", per_sample_weights=weights
                 )
                 if pooling == "mean":  # as the kernels scale: a rounded reciprocal, then a multiply
-                    pooled *= lengths.clamp(min=1).float().reciprocal().unsqueeze(1)
+                    counts = self._tensor(lengths).clamp(min=1).float()
+                    pooled *= counts.reciprocal().unsqueeze(1)
                 return pooled, unique.numel()
         return table.lookup(ids, offsets, weights, pooling), nnz  # type: ignore[arg-type]
 
@@ -492,15 +517,11 @@ def _output_bytes(query: FeatureQuery, pooling: Pooling, table: CompressedTable)
     return query.lengths.size * dim * 4
 
 
-def _validate(
-    query: FeatureQuery,
-    index: int,
-    pooling: Pooling,
-    table_name: str,
-    table: CompressedTable,
-    rows: RowRange,
+def _check_layout(
+    query: FeatureQuery, index: int, pooling: Pooling, table_name: str, table: CompressedTable
 ) -> None:
-    """Everything the kernels assume, checked with messages naming the field."""
+    """One feature's dtypes and shapes, checked with messages naming the field (its values are
+    checked with the whole request's, :func:`_check_values`)."""
     where = f"features[{index}]"
     ids, lengths, weights = query.ids, query.lengths, query.weights
     if ids.dtype != np.int64 or ids.ndim != 1:
@@ -508,13 +529,6 @@ def _validate(
     if lengths.dtype != np.int32 or lengths.ndim != 1:
         raise InvalidArgument(
             f"{where}.lengths", f"must be 1-D int32, got {lengths.dtype} {lengths.shape}"
-        )
-    if lengths.size and int(lengths.min()) < 0:
-        raise InvalidArgument(f"{where}.lengths", "counts must be non-negative")
-    total = int(lengths.sum(dtype=np.int64))
-    if total != ids.size:
-        raise InvalidArgument(
-            f"{where}.lengths", f"sum to {total} but feature {query.name!r} has {ids.size} ids"
         )
     if weights is not None:
         if pooling == "none":
@@ -528,17 +542,83 @@ def _validate(
         raise InvalidArgument(
             "pooling", f"table {table_name!r} holds {table.dtype} rows, which only pool as NONE"
         )
-    if ids.size:
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < rows.start or hi >= rows.end:
-            bad = lo if lo < rows.start else hi
-            held = (
-                f"with {rows.total} rows"
-                if rows.is_whole
-                else f"(this server holds the shard of rows [{rows.start}, {rows.end}) of "
-                f"{rows.total})"
-            )
-            raise InvalidArgument(
-                f"{where}.ids",
-                f"feature {query.name!r}: id {bad} out of range for table {table_name!r} {held}",
-            )
+
+
+def _concatenate(work: list[_TableWork]) -> _RequestPlan:
+    """Every feature's ids, lengths and weights in one array each, table after table; sets each
+    item's spans. The ids are a copy: kernels take writable memory, shards shift them."""
+    queries = [q for item in work for q in item.queries]
+    id_end = sample_end = 0
+    for item in work:
+        id_start, sample_start = id_end, sample_end
+        for q in item.queries:
+            id_end += q.ids.size
+            sample_end += q.lengths.size
+        item.id_span, item.sample_span = (id_start, id_end), (sample_start, sample_end)
+    ids = np.concatenate([q.ids for q in queries]) if queries else np.empty(0, np.int64)
+    lengths = np.concatenate([q.lengths for q in queries]) if queries else np.empty(0, np.int32)
+    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, dtype=np.int64, out=offsets[1:])
+    weights = None
+    if any(q.weights is not None for q in queries):
+        weights = np.concatenate(
+            [
+                q.weights if q.weights is not None else np.ones(q.ids.size, np.float32)
+                for q in queries
+            ]
+        )
+    return _RequestPlan(work, ids, offsets, lengths, weights)
+
+
+def _check_values(plan: _RequestPlan) -> None:
+    """Lengths and id ranges of every feature, vectorised over the request; the error names the
+    first bad feature in request order (lengths before ids)."""
+    entries = [
+        (pos, q, item)
+        for item in plan.work
+        for pos, q in zip(item.positions, item.queries, strict=True)
+    ]
+    if not entries:
+        return
+    id_sizes = np.array([q.ids.size for _, q, _ in entries], dtype=np.int64)
+    sample_sizes = np.array([q.lengths.size for _, q, _ in entries], dtype=np.int64)
+    bad_lengths = np.zeros(len(entries), dtype=bool)
+    if plan.lengths.size and int(plan.lengths.min()) < 0:
+        bad_lengths = np.array([q.lengths.size > 0 and q.lengths.min() < 0 for _, q, _ in entries])
+    # Sums from the offsets: each feature's samples are contiguous in them.
+    sample_ends = np.cumsum(sample_sizes)
+    sums = plan.offsets[sample_ends] - plan.offsets[sample_ends - sample_sizes]
+    bad_lengths |= sums != id_sizes
+    bad_ids = np.zeros(len(entries), dtype=bool)
+    present = id_sizes > 0
+    if present.any():
+        starts = (np.cumsum(id_sizes) - id_sizes)[present]
+        lo, hi = np.minimum.reduceat(plan.ids, starts), np.maximum.reduceat(plan.ids, starts)
+        first = np.array([item.rows.start for _, _, item in entries], dtype=np.int64)[present]
+        end = np.array([item.rows.end for _, _, item in entries], dtype=np.int64)[present]
+        bad_ids[present] = (lo < first) | (hi >= end)
+    if not (bad_lengths.any() or bad_ids.any()):
+        return
+    order = sorted(range(len(entries)), key=lambda k: entries[k][0])
+    k = next(k for k in order if bad_lengths[k] or bad_ids[k])
+    index, query, item = entries[k]
+    where = f"features[{index}]"
+    if bad_lengths[k]:
+        if query.lengths.size and query.lengths.min() < 0:
+            raise InvalidArgument(f"{where}.lengths", "counts must be non-negative")
+        raise InvalidArgument(
+            f"{where}.lengths",
+            f"sum to {int(sums[k])} but feature {query.name!r} has {query.ids.size} ids",
+        )
+    rows = item.rows
+    lo_k, hi_k = int(query.ids.min()), int(query.ids.max())
+    bad = lo_k if lo_k < rows.start else hi_k
+    held = (
+        f"with {rows.total} rows"
+        if rows.is_whole
+        else f"(this server holds the shard of rows [{rows.start}, {rows.end}) of {rows.total})"
+    )
+    raise InvalidArgument(
+        f"{where}.ids",
+        f"feature {query.name!r}: id {bad} out of range for table {item.table_name!r} {held}",
+    )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 import numpy as np
 import torch
@@ -138,17 +138,19 @@ class HotRowTracker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def record(self, table: str, ids: np.ndarray, num_rows: int) -> None:
-        """Remember one lookup's ids (int64 rows of ``table``, which has ``num_rows``; repeats
-        count)."""
+    def record(self, lookups: Iterable[tuple[str, np.ndarray, int]]) -> None:
+        """Remember one request's ids: (table, int64 rows of it, the table's ``num_rows``) per
+        table it read; repeats count. One call per request: the lock is taken once."""
         with self._lock:
-            window = self._windows.get(table)
-            # A reload that resized the table restarts its window: the old ids name other rows.
-            if window is None or window.num_rows != num_rows:
-                size = min(self.window_ids, max(MIN_WINDOW_IDS, WINDOW_IDS_PER_ROW * num_rows))
-                window = self._windows[table] = _IdRing(size, num_rows)
-            window.add(ids)
-            self._fresh.add(table)
+            for table, ids, num_rows in lookups:
+                window = self._windows.get(table)
+                # A reload that resized the table restarts its window: the old ids name other
+                # rows.
+                if window is None or window.num_rows != num_rows:
+                    size = min(self.window_ids, max(MIN_WINDOW_IDS, WINDOW_IDS_PER_ROW * num_rows))
+                    window = self._windows[table] = _IdRing(size, num_rows)
+                window.add(ids)
+                self._fresh.add(table)
 
     def refresh(self, tables: Collection[str] | None = None) -> dict[str, int]:
         """Publish fresh copies for every table looked up since its last refresh, where the hot

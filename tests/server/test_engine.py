@@ -10,12 +10,14 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ibpembed.codec import compress
 from ibpembed.engine import DEDUPE_MIN_IDS, FeatureQuery, LookupEngine, resolve_device
-from ibpembed.server.errors import DeadlineExceeded, Overloaded
+from ibpembed.server.errors import DeadlineExceeded, InvalidArgument, Overloaded
 from ibpembed.tables.store import TableStore
-from tests.server.helpers import GateObserver, RecordingObserver, make_store
+from tests.server.helpers import FEATURES, GateObserver, RecordingObserver, make_store, make_tables
 
 
 def test_kernels_release_the_gil():
@@ -125,3 +127,78 @@ def test_resolve_device_here_and_on_gpus_the_kernels_cannot_run_on(monkeypatch) 
         resolve_device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
     assert resolve_device("auto") == torch.device("cuda")
+
+
+_FAULTS = ("negative length", "lengths sum", "id below", "id past")
+_ROWS = {name: table.num_rows for name, table in make_tables().items()}
+
+
+@st.composite
+def _requests(draw: st.DrawFn) -> tuple[list[FeatureQuery], str, dict[int, str]]:
+    """Features of the helper store in any order and subset (two read one table), batches of
+    0-6 samples of 0-4 ids, weights on some features, and value faults on some."""
+    pooling = draw(st.sampled_from(["sum", "mean", "none"]))
+    names = draw(st.permutations(sorted(FEATURES)))[: draw(st.integers(1, len(FEATURES)))]
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    queries, faults = [], {}
+    for i, name in enumerate(names):
+        rows = _ROWS[FEATURES[name]]
+        lengths = rng.integers(0, 5, draw(st.integers(0, 6))).astype(np.int32)
+        ids = rng.integers(0, rows, int(lengths.sum())).astype(np.int64)
+        weights = None
+        if pooling != "none" and draw(st.booleans()):
+            weights = rng.uniform(-1, 1, ids.size).astype(np.float32)
+        fault = draw(st.sampled_from((None, None, *_FAULTS)))
+        if fault == "negative length" and lengths.size >= 2:
+            lengths[1] += lengths[0] + 1  # still sums to the ids
+            lengths[0] = -1
+        elif fault == "lengths sum" and lengths.size:
+            lengths[-1] += 1
+        elif fault in ("id below", "id past") and ids.size:
+            ids[rng.integers(0, ids.size)] = -3 if fault == "id below" else rows + 7
+        else:
+            fault = None
+        if fault is not None:
+            faults[i] = fault
+        queries.append(FeatureQuery(name, ids, lengths, weights))
+    return queries, pooling, faults
+
+
+@settings(max_examples=60, deadline=None)
+@given(_requests())
+def test_a_request_equals_its_features_looked_up_alone(request_) -> None:
+    """The engine concatenates a request's features table by table and checks their values in
+    one pass: results equal each feature's own codec lookup bit for bit, and a bad value is
+    reported for the first bad feature in request order, as a feature-by-feature check would."""
+    queries, pooling, faults = request_
+    store = make_store()
+    engine = LookupEngine(store, max_workers=1)
+    try:
+        if faults:
+            first = min(faults)
+            field = "lengths" if faults[first] in _FAULTS[:2] else "ids"
+            with pytest.raises(InvalidArgument) as info:
+                engine.run(queries, pooling)
+            assert info.value.field == f"features[{first}].{field}"
+            if field == "ids":
+                query = queries[first]
+                bad = -3 if faults[first] == "id below" else _ROWS[FEATURES[query.name]] + 7
+                assert f"id {bad} out of range" in str(info.value)
+            return
+        result = engine.run(queries, pooling)
+    finally:
+        engine.close()
+    with store.acquire() as snap:
+        for query, got in zip(queries, result.features, strict=True):
+            table = snap.tables[FEATURES[query.name]]
+            ids = torch.from_numpy(query.ids)
+            if pooling == "none":
+                want = table.gather(ids)
+            else:
+                weights = None if query.weights is None else torch.from_numpy(query.weights)
+                want = table.lookup(
+                    ids, weights=weights, pooling=pooling, lengths=torch.from_numpy(query.lengths)
+                )
+            assert got.name == query.name
+            assert torch.equal(got.values.view(torch.uint8), want.view(torch.uint8))

@@ -142,6 +142,12 @@ def test_deadline_exceeded_and_slot_released():
         with pytest.raises(LookupServiceError) as info:
             client.lookup({"user": [[1]]}, timeout=0.2)
         assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        # The server's deadline runs from the request's arrival, a little after the client's:
+        # open the gate only once the server has ended the call itself (opened earlier, the
+        # kernel could finish first and the server answer OK to a client no longer there).
+        waited = time.monotonic() + 10
+        while not gate.rpcs and time.monotonic() < waited:
+            time.sleep(0.01)
         gate.open()
         # The abandoned kernel finishes and frees its slot; the next call runs normally.
         running.run(_wait_idle(running))

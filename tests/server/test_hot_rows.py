@@ -47,38 +47,39 @@ def test_tracker_window_keeps_the_latest_ids() -> None:
     tracker = HotRowTracker(store, budget=0.05, window_ids=1000)
     window = None
     for i, n in enumerate([300, 500, 0, 150, 70, 2500, 30, 650]):
-        tracker.record("t", np.arange(n, dtype=np.int64) + 10_000 * i, ROWS)
+        tracker.record([("t", np.arange(n, dtype=np.int64) + 10_000 * i, ROWS)])
         window = tracker._windows["t"]
     assert window is not None and window.ids.size == 1000  # the buffer never grows
     expected = torch.cat([torch.arange(320, 2500) + 50_000, torch.arange(30) + 60_000,
                           torch.arange(650) + 70_000])[-1000:]  # fmt: skip
     assert torch.equal(window.recent().sort().values, expected.sort().values)
     default = HotRowTracker(store, budget=0.05)
-    default.record("small", np.arange(5), 10)  # a small table's window is small
+    default.record([("small", np.arange(5), 10)])  # a small table's window is small
     assert default._windows["small"].ids.size == hot_rows.MIN_WINDOW_IDS
 
 
 def test_window_restarts_when_a_reload_resizes_the_table() -> None:
     store = TableStore.from_tables({"t": compress(_table())})
     tracker = HotRowTracker(store, budget=0.05)
-    tracker.record("t", np.arange(100, dtype=np.int64), ROWS)
-    tracker.record("t", np.arange(50, dtype=np.int64), ROWS)
+    tracker.record([("t", np.arange(100, dtype=np.int64), ROWS)])
+    tracker.record([("t", np.arange(50, dtype=np.int64), ROWS)])
     assert tracker._windows["t"].filled == 150
-    tracker.record("t", np.arange(30, dtype=np.int64) + ROWS, 2 * ROWS)  # reloaded, twice as big
+    # Reloaded, twice as big.
+    tracker.record([("t", np.arange(30, dtype=np.int64) + ROWS, 2 * ROWS)])
     window = tracker._windows["t"]
     assert window.ids.size == hot_rows.WINDOW_IDS_PER_ROW * 2 * ROWS
     assert torch.equal(window.recent(), torch.arange(30) + ROWS)  # the old rows' ids are gone
     capped = HotRowTracker(store, budget=0.05, window_ids=1000)  # both sizes hit the cap
-    capped.record("t", np.arange(100, dtype=np.int64), ROWS)
-    capped.record("t", np.arange(7, dtype=np.int64), ROWS + 1)
+    capped.record([("t", np.arange(100, dtype=np.int64), ROWS)])
+    capped.record([("t", np.arange(7, dtype=np.int64), ROWS + 1)])
     assert capped._windows["t"].filled == 7
 
 
 def test_refresh_after_a_reload_skips_windows_of_a_resized_table() -> None:
     store = TableStore.from_tables({"t": compress(_table()), "u": compress(_table(1))})
     tracker = HotRowTracker(store, budget=0.05)
-    tracker.record("t", _zipf_ids(5000, 0), ROWS)
-    tracker.record("u", _zipf_ids(5000, 1), ROWS)
+    tracker.record([("t", _zipf_ids(5000, 0), ROWS)])
+    tracker.record([("u", _zipf_ids(5000, 1), ROWS)])
     store.put_table("t", compress(_table(2)[: ROWS // 2]))  # a reload that shrank it
     store.put_table("u", compress(_table(3)))  # same size: its traffic still ranks it
     assert set(tracker.refresh(["t", "u"])) == {"u"}
@@ -90,7 +91,7 @@ def test_a_failing_table_does_not_stop_the_others_and_is_retried(monkeypatch) ->
     store = TableStore.from_tables({"a": compress(_table(1)), "b": compress(_table(2))})
     tracker = HotRowTracker(store, budget=0.05)
     for name in ("a", "b"):
-        tracker.record(name, _zipf_ids(5_000, 3), ROWS)
+        tracker.record([(name, _zipf_ids(5_000, 3), ROWS)])
     publish = store.set_hot_rows
 
     def fail_for_a(name: str, ids: torch.Tensor, *, coverage: float) -> int:
@@ -112,15 +113,15 @@ def test_a_lookup_of_a_dropped_table_during_a_refresh_does_not_wedge_it(monkeypa
     acquire = store.acquire
 
     def acquire_while_an_old_lookup_records_b():  # a lookup of a snapshot that still had "b"
-        tracker.record("b", _zipf_ids(5_000, 4), ROWS)
+        tracker.record([("b", _zipf_ids(5_000, 4), ROWS)])
         return acquire()
 
-    tracker.record("a", _zipf_ids(5_000, 3), ROWS)
+    tracker.record([("a", _zipf_ids(5_000, 3), ROWS)])
     monkeypatch.setattr(store, "acquire", acquire_while_an_old_lookup_records_b)
     assert "a" in tracker.refresh()
     monkeypatch.setattr(store, "acquire", acquire)
     assert "b" not in tracker._windows and "b" not in tracker._fresh
-    tracker.record("a", _zipf_ids(5_000, 5), ROWS)
+    tracker.record([("a", _zipf_ids(5_000, 5), ROWS)])
     tracker.refresh()  # raised KeyError('b') at every refresh before the fix
 
 
@@ -129,7 +130,7 @@ def test_refresh_publishes_copies_without_changing_rows_or_version() -> None:
     store = TableStore.from_tables({"t": compress(values)})
     tracker = HotRowTracker(store, budget=0.05)
     ids = torch.from_numpy(_zipf_ids(20_000, 1))
-    tracker.record("t", ids.numpy(), ROWS)
+    tracker.record([("t", ids.numpy(), ROWS)])
     version = store.version
     cached = tracker.refresh()
     assert 0 < cached["t"] <= 0.05 * values.numel() * 4 / (DIM * 4 + 8)
@@ -141,7 +142,7 @@ def test_refresh_publishes_copies_without_changing_rows_or_version() -> None:
     offsets = torch.arange(0, ids.numel() + 1, 20)
     assert same_bits(table.lookup(ids, offsets), compress(values).lookup(ids, offsets))
     assert tracker.refresh() == {}  # no lookups since: nothing to rank
-    tracker.record("t", ids[:10].numpy(), ROWS)
+    tracker.record([("t", ids[:10].numpy(), ROWS)])
     assert tracker.refresh() == {}  # the same hot set: nothing to republish
     with store.acquire() as snap:
         assert snap.tables["t"] is table
