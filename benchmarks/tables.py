@@ -275,6 +275,19 @@ def render_markdown(r: dict[str, Any]) -> str:
                 f"| {state} | {label} | {x['load_s']:.3f} | {x['load_s'] / gib:.3f} "
                 f"| {x['first_lookup_s']:.3f} | {reference / x['load_s']:.1f}× |"
             )
+    speedups = {
+        state: r["loads"][state]["torch.load"]["load_s"] / r["loads"][state]["ibpembed"]["load_s"]
+        for state in ("cold", "warm")
+    }
+    load_met = min(speedups.values()) >= LOAD_TARGET
+    rss_met = rss_ratio <= PACK_RSS_TARGET
+    lines += [
+        "",
+        f"Targets: load ≥ {LOAD_TARGET:g}× faster than `torch.load`: "
+        f"{speedups['cold']:.1f}× cold, {speedups['warm']:.1f}× warm, "
+        f"{'met' if load_met else 'missed'}; pack peak RSS ≤ {PACK_RSS_TARGET:g}× the table "
+        f"bytes: {rss_ratio:.2f}×, {'met' if rss_met else 'missed'}.",
+    ]
     return "\n".join(lines) + "\n"
 
 

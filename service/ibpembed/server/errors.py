@@ -56,12 +56,6 @@ class DeadlineExceeded(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-class Unauthenticated(ServiceError):
-    """Missing or wrong bearer token."""
-
-    code = grpc.StatusCode.UNAUTHENTICATED
-
-
 class UndecodableRequest:
     """Stands in for a request message whose bytes do not parse.
 
