@@ -329,28 +329,106 @@ void decode_coded_row(const DecodePlan<W>& plan, const TableView& t, const uint8
   }
 }
 
-// The scalar row decoder of a path: plain IBP (C = 1) or codebooks (C > 1), per-table constants
-// built once per decode_rows call.
+// The scalar row decoder of a path: plain IBP (C = 1) or codebooks (C > 1). Built from a
+// table's metadata (DecoderCache); decodes rows of any table with the same metadata.
 template <int W, class Ops>
 class ScalarRowDecoder {
  public:
   explicit ScalarRowDecoder(const TableView& t)
-      : t_(t), plan_(t), escapes_(t.code_bits > 1 ? static_cast<size_t>(t.num_chunks) : 0) {}
+      : plan_(t), escapes_(t.code_bits > 1 ? static_cast<size_t>(t.num_chunks) : 0) {}
 
   // `in` holds the slot followed by at least kStageSlack readable bytes.
-  void operator()(const uint8_t* in, uint8_t* row) {
+  void operator()(const TableView& t, const uint8_t* in, uint8_t* row) {
     if (plan_.code_bits == 1) {
-      decode_ibp_row<W, Ops>(plan_, t_, in, row);
+      decode_ibp_row<W, Ops>(plan_, t, in, row);
     } else {
-      decode_coded_row<W, Ops>(plan_, t_, in, row, escapes_.data());
+      decode_coded_row<W, Ops>(plan_, t, in, row, escapes_.data());
     }
   }
 
  private:
-  const TableView& t_;
   DecodePlan<W> plan_;
   LocalVector<int32_t> escapes_;
 };
+
+// NOTE(codec): a row decoder's per-table constants (DecodePlan, the vector decoder's tables)
+// cost 2-5 us to build, as much as decoding 10-40 rows, and a lookup request reads each of its
+// tables in one small call. So each thread keeps the decoders of the tables it decoded last. A
+// decoder depends on the table's metadata only (widths, masks, codebooks), and an entry is used
+// only while those bytes equal the ones it was built from: a reload may free a table and reuse
+// its addresses, so the pointers merely find the entry and the bytes decide.
+template <class RowDecoder>
+class DecoderCache {
+ public:
+  DecoderCache() { entries_.reserve(kCapacity); }
+
+  RowDecoder& get(const TableView& t) {
+    ++clock_;
+    Entry* victim = nullptr;
+    for (Entry& e : entries_) {
+      if (e.matches(t)) {
+        e.last_use = clock_;
+        return *e.decoder;
+      }
+      if (victim == nullptr || e.last_use < victim->last_use) victim = &e;
+    }
+    if (entries_.size() < kCapacity) victim = &entries_.emplace_back();
+    victim->build(t);
+    victim->last_use = clock_;
+    return *victim->decoder;
+  }
+
+ private:
+  // Tables a thread keeps decoders for (a DCNv2-profile request reads 26).
+  static constexpr size_t kCapacity = 64;
+
+  struct Entry {
+    int chunk_bits = 0;
+    int num_chunks = 0;
+    int code_bits = 0;
+    int64_t row_bytes = 0;
+    const uint64_t* mask = nullptr;
+    const uint64_t* bitval = nullptr;
+    LocalVector<uint64_t> metadata;  // the mask, then the codebooks, as built from
+    std::unique_ptr<RowDecoder> decoder;
+    uint64_t last_use = 0;
+
+    static size_t bitval_words(const TableView& t) {
+      return static_cast<size_t>(t.num_chunks) * static_cast<size_t>(codebook_size(t.code_bits));
+    }
+
+    bool matches(const TableView& t) const {
+      return t.mask == mask && t.bitval == bitval && t.num_chunks == num_chunks &&
+             t.code_bits == code_bits && t.chunk_bits == chunk_bits && t.row_bytes == row_bytes &&
+             std::memcmp(metadata.data(), t.mask, sizeof(uint64_t) * num_chunks) == 0 &&
+             std::memcmp(metadata.data() + num_chunks, t.bitval,
+                         sizeof(uint64_t) * bitval_words(t)) == 0;
+    }
+
+    void build(const TableView& t) {
+      chunk_bits = t.chunk_bits;
+      num_chunks = t.num_chunks;
+      code_bits = t.code_bits;
+      row_bytes = t.row_bytes;
+      mask = t.mask;
+      bitval = t.bitval;
+      metadata.assign(t.mask, t.mask + t.num_chunks);
+      metadata.insert(metadata.end(), t.bitval, t.bitval + bitval_words(t));
+      decoder.reset();  // before building the next: one decoder per entry in memory at a time
+      decoder = std::make_unique<RowDecoder>(t);
+    }
+  };
+
+  LocalVector<Entry> entries_;
+  uint64_t clock_ = 0;
+};
+
+// This thread's decoder for table t (see DecoderCache).
+template <class RowDecoder>
+RowDecoder& cached_decoder(const TableView& t) {
+  thread_local DecoderCache<RowDecoder> cache;
+  return cache.get(t);
+}
 
 // Readable bytes past each staged slot: the payload's own padding guarantee (kPayloadPad) is
 // enough for the scalar decoders; vector decoders load whole 64-byte windows.
@@ -375,7 +453,7 @@ template <class RowDecoder>
 void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t* out,
                       const RowSink* sink) {
   constexpr int64_t S = kDecodeStageRows;
-  RowDecoder decode_row(t);
+  RowDecoder& decode_row = cached_decoder<RowDecoder>(t);
   const int64_t slot_cap = t.unit_bytes * units_for(t.row_bytes, t.unit_bytes);
   const int64_t stride = slot_cap + kStageSlack;
   LocalVector<uint8_t> stage(static_cast<size_t>(S * stride));
@@ -437,7 +515,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
         uint8_t* row = loc.decode_to != nullptr
                            ? loc.decode_to
                            : out + (sink == nullptr ? i : i - begin) * t.row_bytes;
-        decode_row(stage.data() + (i - begin) * stride, row);
+        decode_row(t, stage.data() + (i - begin) * stride, row);
         rows[i - begin] = row;
       } else {
         rows[i - begin] = loc.src;

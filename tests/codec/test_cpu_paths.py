@@ -33,7 +33,7 @@ FAST_PATHS = [
 )
 def test_fast_paths_match_the_reference_path(path, table, chunk_bits, code_bits, seed) -> None:
     """Same bytes from both encoders; each decoder reads what the other wrote. The gather takes
-    256 ids: the avx512 path's vector decoder only runs on calls of >= 32 rows."""
+    256 ids: several rounds of the decode pipeline."""
     ids = torch.from_numpy(np.random.default_rng(seed).integers(0, table.shape[0], 256))
     before = cpu_path()
     try:

@@ -31,7 +31,7 @@ def _hot_subset(c: CompressedTable, rng: np.random.Generator, fraction: float) -
     seed=st.integers(0, 2**32 - 1),
 )
 def test_gather_with_hot_rows_is_bit_exact(path, table, code_bits, fraction, seed) -> None:
-    """256 ids with duplicates (the avx512 vector decoder only runs on calls of >= 32 rows),
+    """256 ids with duplicates (several rounds of the decode pipeline),
     some of them cached, the rest decoded from the payload."""
     _C.set_cpu_path(path)
     rng = np.random.default_rng(seed)
