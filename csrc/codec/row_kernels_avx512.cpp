@@ -187,6 +187,10 @@ class CodebookRowDecoder {
     }
   }
 
+  // The decoder itself: its constants are vector registers' worth of tables, read through the
+  // pointer (DecoderCache keeps it).
+  const CodebookRowDecoder& bind() const { return *this; }
+
   // `in` holds the slot followed by at least kStageSlack readable bytes (windows read 64).
   void operator()(const TableView& t, const uint8_t* in, uint8_t* row) const {
     uint64_t exception = exception_start_;
