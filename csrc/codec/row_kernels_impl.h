@@ -6,6 +6,7 @@
 // leak into another path.
 #pragma once
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <type_traits>
@@ -413,23 +414,37 @@ class DecoderCache {
 
   RowDecoder& get(const TableView& t) {
     ++clock_;
-    Entry* victim = nullptr;
     for (Entry& e : entries_) {
       if (e.matches(t)) {
         e.last_use = clock_;
         return *e.decoder;
       }
-      if (victim == nullptr || e.last_use < victim->last_use) victim = &e;
     }
-    if (entries_.size() < kCapacity) victim = &entries_.emplace_back();
-    victim->build(t);
-    victim->last_use = clock_;
-    return *victim->decoder;
+    // Least recently used out, until the newcomer fits both bounds.
+    const size_t bytes = Entry::metadata_bytes(t);
+    while (!entries_.empty() &&
+           (entries_.size() >= kCapacity || metadata_bytes_ + bytes > kMetadataBudget)) {
+      auto oldest = std::min_element(entries_.begin(), entries_.end(),
+                                     [](const Entry& a, const Entry& b) {
+                                       return a.last_use < b.last_use;
+                                     });
+      metadata_bytes_ -= oldest->metadata.size() * sizeof(uint64_t);
+      std::swap(*oldest, entries_.back());
+      entries_.pop_back();
+    }
+    Entry& entry = entries_.emplace_back();
+    entry.build(t);
+    entry.last_use = clock_;
+    metadata_bytes_ += bytes;
+    return *entry.decoder;
   }
 
  private:
-  // Tables a thread keeps decoders for (a DCNv2-profile request reads 26).
+  // Tables a thread keeps decoders for (a DCNv2-profile request reads 26), and the metadata
+  // bytes their copies may hold: decoders take a few times their metadata, so wide rows (a D =
+  // 4096 fp32 table with C = 4 codebooks has 0.5 MiB of it) keep fewer.
   static constexpr size_t kCapacity = 64;
+  static constexpr size_t kMetadataBudget = size_t{4} << 20;
 
   struct Entry {
     int chunk_bits = 0;
@@ -444,6 +459,10 @@ class DecoderCache {
 
     static size_t bitval_words(const TableView& t) {
       return static_cast<size_t>(t.num_chunks) * static_cast<size_t>(codebook_size(t.code_bits));
+    }
+
+    static size_t metadata_bytes(const TableView& t) {
+      return (static_cast<size_t>(t.num_chunks) + bitval_words(t)) * sizeof(uint64_t);
     }
 
     bool matches(const TableView& t) const {
@@ -463,12 +482,12 @@ class DecoderCache {
       bitval = t.bitval;
       metadata.assign(t.mask, t.mask + t.num_chunks);
       metadata.insert(metadata.end(), t.bitval, t.bitval + bitval_words(t));
-      decoder.reset();  // before building the next: one decoder per entry in memory at a time
       decoder = std::make_unique<RowDecoder>(t);
     }
   };
 
   LocalVector<Entry> entries_;
+  size_t metadata_bytes_ = 0;
   uint64_t clock_ = 0;
 };
 

@@ -87,3 +87,17 @@ def test_more_tables_than_a_thread_caches(path):
     for _ in range(2):
         for table, rows in zip(tables, sources, strict=True):
             assert torch.equal(table.gather(ids).view(torch.int32), rows[ids].view(torch.int32))
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+def test_wide_tables_leave_the_cache_by_their_metadata_bytes(path):
+    """Rows of 4,096 fp32 chunks with C = 4 codebooks carry 0.5 MiB of metadata each: a thread
+    keeps fewer of them than of narrow tables (a 4 MiB budget); 12 read round robin twice all
+    decode."""
+    gen = torch.Generator().manual_seed(11)
+    sources = [torch.randn(16, 4096, generator=gen) * (0.02 * (1 + i)) for i in range(12)]
+    tables = [compress(s, chunk_bits=32, code_bits=4) for s in sources]
+    ids = torch.tensor([3, 0, 15, 3, 7])
+    for _ in range(2):
+        for table, rows in zip(tables, sources, strict=True):
+            assert torch.equal(table.gather(ids).view(torch.int32), rows[ids].view(torch.int32))
