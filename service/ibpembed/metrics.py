@@ -3,10 +3,11 @@
 
 :class:`ServerMetrics` is the server's observer (``LookupServer(observer=...)``): the engine
 reports the kernel calls of each request (:meth:`~ServerMetrics.kernels_done`, worker threads),
-the service interceptor each finished RPC (:meth:`~ServerMetrics.rpc_done`, event loop), and the
-metrics object is itself an interceptor that times every lookup request, including each request
-inside a ``LookupStream``, by pooling. Table sizes, versions and the build are read from the
-store when Prometheus scrapes, so they cost nothing per request.
+and the service interceptor each finished RPC (:meth:`~ServerMetrics.rpc_done`) and the start and
+answer of every lookup request, each request inside a ``LookupStream`` included
+(:meth:`~ServerMetrics.lookup_started`, :meth:`~ServerMetrics.lookup_done`; event loop). Table
+sizes, versions and the build are read from the store when Prometheus scrapes, so they cost
+nothing per request.
 
 Names end in their unit (``_seconds``, ``_bytes``, ``_total``, ``_ratio``). Labels take bounded
 values only: the RPC method, the status code name, the pooling mode and the table name (tables
@@ -41,9 +42,8 @@ import bisect
 import collections
 import itertools
 import threading
-import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -60,6 +60,7 @@ from prometheus_client.utils import floatToGoString
 
 import ibpembed
 from ibpembed.engine import KernelCall
+from ibpembed.server.interceptors import STREAM_METHOD
 from ibpembed.server.reload import RELOAD_RESULTS, ReloadResult
 from ibpembed.tables.store import TableStore
 from ibpembed_client.v1 import lookup_pb2 as pb
@@ -87,8 +88,6 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
     5.0,
     10.0,
 )
-LOOKUP_METHOD = "/ibpembed.v1.EmbeddingLookup/Lookup"
-STREAM_METHOD = "/ibpembed.v1.EmbeddingLookup/LookupStream"
 # Protocol enum -> the engine's pooling names; values the server rejects share one label.
 _POOLING_NAMES = {
     pb.POOLING_UNSPECIFIED: "sum",
@@ -368,8 +367,8 @@ class _TableCollector(Collector):
         yield reloads
 
 
-class ServerMetrics(grpc.aio.ServerInterceptor):
-    """The server's metrics: observer of the engine and the RPCs, and a lookup-timing interceptor.
+class ServerMetrics:
+    """The server's metrics: observer of the engine, the RPCs and the table-set reloads.
 
     Parameters
     ----------
@@ -414,7 +413,8 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
         )
         self._kernel = _KernelTally(LATENCY_BUCKETS_S)
         reg.register(self._kernel)
-        # Touched on the event loop only (interceptor), so a plain int read at scrape will do.
+        # Touched on the event loop only (lookup_started/done), so a plain int read at scrape
+        # will do.
         self._inflight = 0
         prometheus_client.Gauge(
             f"{NAMESPACE}_inflight_requests",
@@ -461,78 +461,24 @@ class ServerMetrics(grpc.aio.ServerInterceptor):
             return
         self._requests.inc((_short(method), code.name))
 
-    # -- interceptor ---------------------------------------------------------------------------
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or details.method not in (LOOKUP_METHOD, STREAM_METHOD):
-            return handler
-        # Innermost interceptor: ``handler`` is the servicer's own, the same object on every
-        # call, so the wrapped one is built once per method.
-        cached = self._handlers.get(details.method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        if handler.unary_unary is not None:
-            wrapped = grpc.unary_unary_rpc_method_handler(
-                self._timed_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        else:
-            wrapped = grpc.stream_stream_rpc_method_handler(
-                self._timed_stream(handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        self._handlers[details.method] = (handler, wrapped)
-        return wrapped
+    def lookup_started(self, method: str, request: Any) -> tuple[str, str]:
+        """A Lookup call or LookupStream request reached the servicer (event loop)."""
+        self._inflight += 1
+        return _short(method), _pooling(request)
 
-    def _timed_unary(self, behavior: Callable) -> Callable:
-        async def unary(request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> Any:
-            pooling = _pooling(request)
-            self._inflight += 1
-            started = time.perf_counter()
-            try:
-                return await behavior(request, context)
-            finally:
-                self._inflight -= 1
-                self._latency.observe(("Lookup", pooling), time.perf_counter() - started)
+    def lookup_done(self, token: tuple[str, str], seconds: float, response: Any = None) -> None:
+        """Its answer (event loop); a LookupStream request's is counted by its code here."""
+        self._inflight -= 1
+        self._latency.observe(token, seconds)
+        if response is not None:
+            # Answers are serialized bytes; a failed request's is an Error message.
+            failed = not isinstance(response, bytes) and response.HasField("error")
+            code = _CODE_NAMES.get(response.error.code, "UNKNOWN") if failed else "OK"
+            self._requests.inc((token[0], code))
 
-        return unary
-
-    def _timed_stream(self, behavior: Callable) -> Callable:
-        async def stream(
-            requests: AsyncIterator[pb.LookupRequest], context: grpc.aio.ServicerContext
-        ) -> AsyncIterator[bytes | pb.LookupResponse]:
-            # The servicer answers every request exactly once and in order, so arrivals and
-            # responses pair up first in, first out.
-            arrivals: collections.deque[tuple[float, str]] = collections.deque()
-
-            async def arriving() -> AsyncIterator[pb.LookupRequest]:
-                async for request in requests:
-                    pooling = _pooling(request)
-                    arrivals.append((time.perf_counter(), pooling))
-                    self._inflight += 1
-                    yield request
-
-            try:
-                async for response in behavior(arriving(), context):
-                    started, pooling = arrivals.popleft()
-                    self._inflight -= 1
-                    self._latency.observe(("LookupStream", pooling), time.perf_counter() - started)
-                    # Answers are serialized bytes; a failed request's is an Error message.
-                    failed = not isinstance(response, bytes) and response.HasField("error")
-                    code = _CODE_NAMES.get(response.error.code, "UNKNOWN") if failed else "OK"
-                    self._requests.inc(("LookupStream", code))
-                    yield response
-            finally:
-                # Requests left unanswered by a failed or cancelled stream.
-                self._inflight -= len(arrivals)
-
-        return stream
+    def lookups_abandoned(self, count: int) -> None:
+        """Requests of a failed or cancelled LookupStream left unanswered (event loop)."""
+        self._inflight -= count
 
     # -- exposition ----------------------------------------------------------------------------
     def start_http_server(self, host: str, port: int) -> int:

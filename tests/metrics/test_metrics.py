@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -220,6 +221,31 @@ def test_inflight_counts_unary_and_stream_requests():
             metrics.gate.set()
             unary.result(timeout=30)
             stream.result(timeout=30)
+        assert value(served.scrape(), "ibpembed_inflight_requests") == 0
+    finally:
+        metrics.gate.set()
+        served.close()
+
+
+def test_a_cancelled_stream_leaves_nothing_in_flight():
+    """Requests of a LookupStream the client cancels before they are answered stop counting as
+    in flight when the stream ends."""
+    served = Served(GatedMetrics)
+    metrics = served.metrics
+    try:
+        with grpc.insecure_channel(served.running.target) as channel:
+            call = channel.stream_stream(
+                STREAM_METHOD,
+                request_serializer=pb.LookupRequest.SerializeToString,
+                response_deserializer=pb.LookupResponse.FromString,
+            )(iter([build_request({"item": [[1]]}, "sum"), build_request({"item": [[2]]}, "sum")]))
+            assert metrics.entered.acquire(timeout=30)  # the first request is in its kernel
+            assert value(served.scrape(), "ibpembed_inflight_requests") >= 1
+            call.cancel()
+        metrics.gate.set()
+        waited = time.monotonic() + 30
+        while value(served.scrape(), "ibpembed_inflight_requests") and time.monotonic() < waited:
+            time.sleep(0.05)
         assert value(served.scrape(), "ibpembed_inflight_requests") == 0
     finally:
         metrics.gate.set()

@@ -116,6 +116,8 @@ class RecordingObserver:
     def __init__(self) -> None:
         self.kernels: list[tuple[str, str, int, int]] = []
         self.rpcs: list[tuple[str, str]] = []
+        self.lookups: list[str] = []  # answered lookup requests, by method
+        self.abandoned = 0
         self.reloads: list[str] = []
 
     def kernels_done(self, pooling: str, calls: Sequence[KernelCall]) -> None:
@@ -123,6 +125,15 @@ class RecordingObserver:
 
     def rpc_done(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         self.rpcs.append((method.rsplit("/", 1)[-1], code.name))
+
+    def lookup_started(self, method: str, request: Any) -> str:
+        return method.rsplit("/", 1)[-1]
+
+    def lookup_done(self, token: str, seconds: float, response: Any = None) -> None:
+        self.lookups.append(token)
+
+    def lookups_abandoned(self, count: int) -> None:
+        self.abandoned += count
 
     def reload_done(self, result: str) -> None:
         self.reloads.append(result)

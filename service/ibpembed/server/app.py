@@ -113,10 +113,6 @@ class LookupServer:
             token = _read(self.config.auth_token_file).decode().strip()
             interceptors.append(BearerTokenInterceptor(token, self.observer))
         interceptors.append(ServiceInterceptor(self.state, self.observer))
-        # An observer that is also an interceptor (ibpembed.metrics) goes innermost: it reads the
-        # lookup requests (pooling) and the servicer's own handlers.
-        if isinstance(self.observer, grpc.aio.ServerInterceptor):
-            interceptors.append(self.observer)
         return interceptors
 
     def _credentials(self) -> grpc.ServerCredentials | None:

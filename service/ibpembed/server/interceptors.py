@@ -11,6 +11,7 @@ Health and reflection pass through untouched, so probes keep working while drain
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import inspect
 import logging
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 
 SERVICE_PREFIX = "/ibpembed.v1."
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+LOOKUP_METHOD = "/ibpembed.v1.EmbeddingLookup/Lookup"
+STREAM_METHOD = "/ibpembed.v1.EmbeddingLookup/LookupStream"
 
 
 @dataclass
@@ -52,10 +55,28 @@ class ServingState:
 
 
 class RpcObserver(Protocol):
-    """Optional hook for RPC metrics (issue 6), called on the event loop once per RPC."""
+    """Optional hook for RPC metrics (issue 6), called on the event loop.
+
+    NOTE(interceptors): the metrics ride on this interceptor instead of one of their own: an
+    interceptor costs every RPC a coroutine layer of grpc's handler lookup and one around the
+    call, and at B=1 the metrics' own interceptor measured several per cent of the server's CPU
+    per request (BENCHMARKS.md, *Metrics overhead*).
+    """
 
     def rpc_done(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         """``method`` (e.g. ``/ibpembed.v1.EmbeddingLookup/Lookup``) ended with ``code``."""
+
+    def lookup_started(self, method: str, request: Any) -> object:
+        """A lookup request reached the servicer: a ``Lookup`` call, or one request of a
+        ``LookupStream``. Returns the token :meth:`lookup_done` gets back."""
+
+    def lookup_done(self, token: object, seconds: float, response: Any = None) -> None:
+        """That request was answered, in any way, ``seconds`` after it started. ``response``:
+        a ``LookupStream`` request's answer (wire bytes or a message with ``error``); None for a
+        ``Lookup`` call, whose code :meth:`rpc_done` reports."""
+
+    def lookups_abandoned(self, count: int) -> None:
+        """``count`` requests of a failed or cancelled ``LookupStream`` got no answer."""
 
 
 # How close to the server's deadline a client's cancellation counts as its deadline passing.
@@ -79,7 +100,8 @@ def _cancelled_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
 
 
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
-    """Readiness gate, request ids and the exception -> status map for ``ibpembed.v1``."""
+    """Readiness gate, request ids, the exception -> status map and the RPC observer's timings
+    for ``ibpembed.v1``."""
 
     def __init__(self, state: ServingState, observer: RpcObserver | None = None) -> None:
         self.state = state
@@ -136,6 +158,8 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         await context.abort(code, message)
 
     def _wrap_unary(self, method: str, behavior: Callable) -> Callable:
+        observer = self.observer if method == LOOKUP_METHOD else None
+
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             request_id = ensure_request_id(request)
             started = time.perf_counter()
@@ -144,10 +168,13 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 if isinstance(request, UndecodableRequest):
                     raise request.error()
                 self.state.active += 1
+                token = observer.lookup_started(method, request) if observer is not None else None
                 try:
                     response = await behavior(request, context)
                 finally:
                     self.state.active -= 1
+                    if observer is not None:
+                        observer.lookup_done(token, time.perf_counter() - started)
             except grpc.aio.AbortError:
                 raise
             except asyncio.CancelledError:  # the deadline passed or the client went away
@@ -167,14 +194,26 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             metadata = dict(context.invocation_metadata() or ())
             stream_id = metadata.get("x-request-id") or uuid.uuid4().hex
             started = time.perf_counter()
+            # LookupStream requests timed one by one: the servicer answers each exactly once and
+            # in order, so arrivals and answers pair up first in, first out.
+            observer = self.observer if method == STREAM_METHOD else None
+            arrivals: collections.deque[tuple[float, object]] = collections.deque()
             try:
                 self._check_state()
                 self.state.active += 1
+                requests = request_iterator
+                if observer is not None:
+                    requests = _arriving(request_iterator, method, observer, arrivals)
                 try:
-                    async for response in behavior(request_iterator, context):
+                    async for response in behavior(requests, context):
+                        if observer is not None:
+                            arrived, token = arrivals.popleft()
+                            observer.lookup_done(token, time.perf_counter() - arrived, response)
                         yield response
                 finally:
                     self.state.active -= 1
+                    if observer is not None and arrivals:
+                        observer.lookups_abandoned(len(arrivals))
             except grpc.aio.AbortError:
                 raise
             except asyncio.CancelledError:
@@ -185,6 +224,18 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             self._done(method, grpc.StatusCode.OK, started)
 
         return stream
+
+
+async def _arriving(
+    requests: AsyncIterator,
+    method: str,
+    observer: RpcObserver,
+    arrivals: collections.deque[tuple[float, object]],
+) -> AsyncIterator:
+    """``requests``, each reported to ``observer`` and queued in ``arrivals`` as it comes."""
+    async for request in requests:
+        arrivals.append((time.perf_counter(), observer.lookup_started(method, request)))
+        yield request
 
 
 async def _drain(result: Any, context: grpc.aio.ServicerContext) -> None:
