@@ -47,6 +47,7 @@ import sys
 import tempfile
 import threading
 import timeit
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -327,7 +328,7 @@ def _percent(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:+.1f} %"
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small tables, B=1, short rounds")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -339,7 +340,7 @@ def main() -> int:
     )
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
     parser.add_argument("--concurrency", type=int, default=None, help="default 2 x workers")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     if args.rounds is not None:
         cfg = Config(**(cfg.__dict__ | {"rounds": args.rounds}))

@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
-engine_paths = pytest.importorskip("benchmarks.engine_paths")
+from benchmarks import engine_paths
 
 
 def test_quick_run_reports_every_variant(tmp_path: Path) -> None:
