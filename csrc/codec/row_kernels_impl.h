@@ -420,8 +420,13 @@ class DecoderCache {
         return *e.decoder;
       }
     }
+    // Built aside first: if it throws (out of memory), the cache is as it was, with no entry
+    // that matches and holds no decoder.
+    Entry fresh;
+    fresh.build(t);
+    fresh.last_use = clock_;
     // Least recently used out, until the newcomer fits both bounds.
-    const size_t bytes = Entry::metadata_bytes(t);
+    const size_t bytes = fresh.metadata.size() * sizeof(uint64_t);
     while (!entries_.empty() &&
            (entries_.size() >= kCapacity || metadata_bytes_ + bytes > kMetadataBudget)) {
       auto oldest = std::min_element(entries_.begin(), entries_.end(),
@@ -432,11 +437,9 @@ class DecoderCache {
       std::swap(*oldest, entries_.back());
       entries_.pop_back();
     }
-    Entry& entry = entries_.emplace_back();
-    entry.build(t);
-    entry.last_use = clock_;
+    entries_.push_back(std::move(fresh));  // within the reserved capacity: no reallocation
     metadata_bytes_ += bytes;
-    return *entry.decoder;
+    return *entries_.back().decoder;
   }
 
  private:
@@ -459,10 +462,6 @@ class DecoderCache {
 
     static size_t bitval_words(const TableView& t) {
       return static_cast<size_t>(t.num_chunks) * static_cast<size_t>(codebook_size(t.code_bits));
-    }
-
-    static size_t metadata_bytes(const TableView& t) {
-      return (static_cast<size_t>(t.num_chunks) + bitval_words(t)) * sizeof(uint64_t);
     }
 
     bool matches(const TableView& t) const {
