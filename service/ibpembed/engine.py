@@ -602,10 +602,10 @@ def _check_values(plan: _RequestPlan) -> None:
         first = np.array([item.rows.start for _, _, item in entries], dtype=np.int64)[present]
         end = np.array([item.rows.end for _, _, item in entries], dtype=np.int64)[present]
         bad_ids[present] = (lo < first) | (hi >= end)
-    if not (bad_lengths.any() or bad_ids.any()):
+    failing = np.flatnonzero(bad_lengths | bad_ids)
+    if failing.size == 0:
         return
-    order = sorted(range(len(entries)), key=lambda k: entries[k][0])
-    k = next(k for k in order if bad_lengths[k] or bad_ids[k])
+    k = min(failing, key=lambda i: entries[i][0])  # the first in request order
     index, query, item = entries[k]
     where = f"features[{index}]"
     if bad_lengths[k]:
