@@ -191,8 +191,9 @@ class CodebookRowDecoder {
   // pointer (DecoderCache keeps it).
   const CodebookRowDecoder& bind() const { return *this; }
 
-  // `in` holds the slot followed by at least kStageSlack readable bytes (windows read 64).
-  void operator()(const TableView& t, const uint8_t* in, uint8_t* row) const {
+  // `in` holds the slot followed by readable bytes up to max_encoding_bytes(t) + kStageSlack
+  // (windows read 64). Returns the stream bit where the row's encoding ends.
+  uint64_t operator()(const TableView& t, const uint8_t* in, uint8_t* row) const {
     uint64_t exception = exception_start_;
     for (size_t b = 0; b < blocks_.size(); ++b) {
       const Block& blk = blocks_[b];
@@ -223,6 +224,7 @@ class CodebookRowDecoder {
         _mm512_mask_storeu_epi8(row + kBlockBytes * b, blk.store_bytes, x);
       }
     }
+    return exception;
   }
 
  private:

@@ -279,10 +279,11 @@ uint64_t read_group_free(const PlanView<W>& plan, const uint8_t* in, int g) {
 
 // C = 1. Two passes over a compressed row. Every chunk from its free field, a whole 8-byte group
 // per pdep at a constant offset: no dependency between groups. Then the exceptions: walk the
-// clear code bits (usually few) and patch those chunks in place.
+// clear code bits (usually few) and patch those chunks in place. Returns the stream bit where the
+// row's encoding ends (after its last exception), which the caller checks against the slot.
 template <int W, class Ops>
-void decode_ibp_row(const PlanView<W>& plan, const TableView& t, const uint8_t* in,
-                    uint8_t* row) {
+uint64_t decode_ibp_row(const PlanView<W>& plan, const TableView& t, const uint8_t* in,
+                        uint8_t* row) {
   const int groups = plan.groups;
   for (int g = 0; g < groups; ++g) {
     const uint64_t x = plan.group_bitval[g] | read_group_free<W, Ops>(plan, in, g);
@@ -310,13 +311,14 @@ void decode_ibp_row(const PlanView<W>& plan, const TableView& t, const uint8_t* 
       pos += W - plan.free_count[j];
     }
   }
+  return pos;
 }
 
 // C > 1 (exponent-aware codes). Like decode_ibp_row, but every chunk first takes the codebook
 // pattern of its own code, and the escaped chunks are listed on the way (branch-free) for the
-// patch pass. `escapes` holds V entries.
+// patch pass. `escapes` holds V entries. Returns the stream bit where the encoding ends.
 template <int W, class Ops>
-void decode_coded_row(const PlanView<W>& plan, const TableView& t, const uint8_t* in,
+uint64_t decode_coded_row(const PlanView<W>& plan, const TableView& t, const uint8_t* in,
                       uint8_t* row, int32_t* escapes) {
   constexpr int kPerGroup = DecodePlan<W>::kChunksPerGroup;
   using Chunk = typename DecodePlan<W>::Chunk;
@@ -365,6 +367,7 @@ void decode_coded_row(const PlanView<W>& plan, const TableView& t, const uint8_t
     store_chunk<W>(row, t.row_bytes, j, x);
     pos += W - plan.free_count[j];
   }
+  return pos;
 }
 
 // The scalar row decoder of a path: plain IBP (C = 1) or codebooks (C > 1). Built from a
@@ -380,13 +383,11 @@ class ScalarRowDecoder {
    public:
     Bound(const DecodePlan<W>& plan, int32_t* escapes) : plan_(plan), escapes_(escapes) {}
 
-    // `in` holds the slot followed by at least kStageSlack readable bytes.
-    void operator()(const TableView& t, const uint8_t* in, uint8_t* row) const {
-      if (plan_.code_bits == 1) {
-        decode_ibp_row<W, Ops>(plan_, t, in, row);
-      } else {
-        decode_coded_row<W, Ops>(plan_, t, in, row, escapes_);
-      }
+    // `in` holds the slot followed by readable bytes up to max_encoding_bytes(t) +
+    // kStageSlack. Returns the stream bit where the row's encoding ends.
+    uint64_t operator()(const TableView& t, const uint8_t* in, uint8_t* row) const {
+      if (plan_.code_bits == 1) return decode_ibp_row<W, Ops>(plan_, t, in, row);
+      return decode_coded_row<W, Ops>(plan_, t, in, row, escapes_);
     }
 
    private:
@@ -501,6 +502,14 @@ RowDecoder& cached_decoder(const TableView& t) {
 // enough for the scalar decoders; vector decoders load whole 64-byte windows.
 inline constexpr int64_t kStageSlack = 64;
 
+// The most bytes a decoder reads of a compressed row, whatever its codes say: every chunk
+// escaped, V * (C + W) bits. A staged row has this much room (plus kStageSlack), so a corrupted
+// slot whose codes claim more exceptions than it holds is read within the stage and then
+// rejected, never read past.
+inline int64_t max_encoding_bytes(const TableView& t) {
+  return (static_cast<int64_t>(t.num_chunks) * (t.code_bits + t.chunk_bits) + 7) / 8;
+}
+
 // Where a row's slot is and how to read it; resolved once per row, a round before it is read.
 struct LocatedRow {
   const uint8_t* src;
@@ -522,8 +531,10 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
   constexpr int64_t S = kDecodeStageRows;
   // A reference to the cached vector decoder; the scalar one binds a PlanView by value.
   const auto& decode_row = cached_decoder<RowDecoder>(t).bind();
-  const int64_t slot_cap = t.unit_bytes * units_for(t.row_bytes, t.unit_bytes);
-  const int64_t stride = slot_cap + kStageSlack;
+  const int64_t raw_units = units_for(t.row_bytes, t.unit_bytes);
+  const int64_t slot_cap = t.unit_bytes * raw_units;
+  const int64_t stride = std::max(slot_cap, max_encoding_bytes(t)) + kStageSlack;
+  const int64_t payload_end = t.block_base[num_blocks(t.num_rows)];
   LocalVector<uint8_t> stage(static_cast<size_t>(S * stride));
   LocatedRow ring[2 * S];  // row i at i % 2S: this round's rows and the next round's
   const uint8_t* rows[S];
@@ -550,8 +561,18 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
       prefetch_lines(hot, t.row_bytes);
       return;
     }
-    loc.src = t.payload + row_offset(t, r);
+    const int64_t offset = row_offset(t, r);
+    const int64_t units = t.row_units[r];
     loc.compressed = row_is_compressed(t, r);
+    // format.h: a row is compressed iff its slot is smaller than a raw one, and every slot lies
+    // in the payload. One compare on values already loaded; what it rules out would read past
+    // the stage or the payload.
+    if ((loc.compressed ? units >= raw_units : units != raw_units) || offset < 0 ||
+        offset + units * t.unit_bytes > payload_end) {
+      throw_corrupt_table(r, "the index gives it a slot outside the payload or of a size its "
+                             "compressed bit rules out");
+    }
+    loc.src = t.payload + offset;
     loc.decode_to = nullptr;
     if (loc.compressed && slot != nullptr && slot->round < round) {
       // No row of this round reads the slot: take it.
@@ -559,7 +580,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
       ++repeat_takes;
       loc.decode_to = repeats->row_of(index);
     }
-    loc.read_bytes = loc.compressed ? t.unit_bytes * t.row_units[r] + kPayloadPad : t.row_bytes;
+    loc.read_bytes = loc.compressed ? t.unit_bytes * units + kPayloadPad : t.row_bytes;
     prefetch_lines(loc.src, loc.read_bytes);
   };
   for (int64_t i = 0; i < 2 * S && i < n; ++i) prefetch_index(t, ids[i]);
@@ -583,7 +604,10 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
         uint8_t* row = loc.decode_to != nullptr
                            ? loc.decode_to
                            : out + (sink == nullptr ? i : i - begin) * t.row_bytes;
-        decode_row(t, stage.data() + (i - begin) * stride, row);
+        const uint64_t end_bit = decode_row(t, stage.data() + (i - begin) * stride, row);
+        if (end_bit > static_cast<uint64_t>(8 * (loc.read_bytes - kPayloadPad))) {
+          throw_corrupt_table(ids[i], "its codes ask for more bits than its slot holds");
+        }
         rows[i - begin] = row;
       } else {
         rows[i - begin] = loc.src;

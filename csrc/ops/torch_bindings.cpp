@@ -169,6 +169,18 @@ void check_offsets(const at::Tensor& offsets, int64_t nnz) {
 
 const RowKernels& active_kernels() { return row_kernels(active_cpu_path()); }
 
+// Runs a row-kernel call. Bytes that contradict the table's layout (codec.h CorruptTableError,
+// found before anything is read past a slot) become a ValueError naming the row.
+template <class Call>
+void read_rows(const Call& call) {
+  try {
+    call();
+  } catch (const CorruptTableError& e) {
+    TORCH_CHECK_VALUE(false, "corrupted table: ", e.what(),
+                      " (`ibpembed verify FILE` checks a table file's payload)");
+  }
+}
+
 // A zeroed payload buffer. NOTE(ops): lookups touch rows at random, so with 4 KiB pages almost
 // every row costs a TLB miss and a page walk; transparent huge pages (asked for before the first
 // touch) avoid most of them. Best effort: where THP is off the advice is ignored.
@@ -366,8 +378,10 @@ at::Tensor ibp_gather_cpu(const at::Tensor& payload, const at::Tensor& block_bas
   attach_hot_rows(t, hot_dir, hot_rows);
   check_indices(indices, num_rows);
   at::Tensor out = at::empty({indices.numel(), row_bytes}, at::kByte);
-  gather_rows_cpu(active_kernels(), t, indices.data_ptr<int64_t>(), indices.numel(),
-                  out.data_ptr<uint8_t>());
+  read_rows([&] {
+    gather_rows_cpu(active_kernels(), t, indices.data_ptr<int64_t>(), indices.numel(),
+                    out.data_ptr<uint8_t>());
+  });
   return out;
 }
 
@@ -406,9 +420,11 @@ at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& blo
   }
   const int64_t bags = offsets.numel() - 1;
   at::Tensor out = at::empty({bags, dim}, at::kFloat);
-  lookup_pooled_cpu(active_kernels(), t, dt, indices.data_ptr<int64_t>(),
-                    offsets.data_ptr<int64_t>(), bags, weights, static_cast<Pooling>(pooling),
-                    out.data_ptr<float>());
+  read_rows([&] {
+    lookup_pooled_cpu(active_kernels(), t, dt, indices.data_ptr<int64_t>(),
+                      offsets.data_ptr<int64_t>(), bags, weights, static_cast<Pooling>(pooling),
+                      out.data_ptr<float>());
+  });
   return out;
 }
 

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from ibpembed import compress
+from ibpembed import _C, compress
 from ibpembed._ops import ops
+from ibpembed.codec import CompressedTable, available_cpu_paths
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +134,70 @@ def test_ops_validate_raw_tensor_arguments(table) -> None:
         ops.ibp_fit(torch.zeros(4, 4, dtype=torch.uint8), 8, "ibpembed")
     with pytest.raises(ValueError, match=r"uint8|Byte"):
         ops.ibp_fit(torch.zeros(4, 4), 32, "ibpembed")
+
+
+# -- tables whose bytes contradict their layout ------------------------------------------------
+# The ops trust a table's tensors past their shapes (checking every slot per call would cost a
+# pass over the index), but the decoders bound every read: contradicting bytes, from a corrupted
+# file whose payload was not verified at load, or from tensors built by hand, give a ValueError
+# naming the row. Each case once read or wrote past a buffer (found by review, shown with
+# AddressSanitizer).
+
+
+def _compressed_table(code_bits: int) -> tuple[CompressedTable, int]:
+    """A table of wide fp16 rows (many chunks: a slot of all-escape codes claims far more bits
+    than it holds) and a row stored compressed, near the end of a block."""
+    weight = (torch.randn(64, 2048) * 0.02).to(torch.float16)
+    table = compress(weight, chunk_bits=16, code_bits=code_bits)
+    row = 31
+    assert bool(table.is_compressed(torch.tensor([row])))
+    return table, row
+
+
+@pytest.mark.parametrize("path", available_cpu_paths())
+@pytest.mark.parametrize("code_bits", [1, 4])
+def test_a_zeroed_slot_is_refused_not_read_past(restore_path, path: str, code_bits: int) -> None:
+    table, row = _compressed_table(code_bits)
+    _C.set_cpu_path(path)
+    payload = table.payload.clone()
+    start = int(table.block_base[row // 32]) + table.unit_bytes * int(
+        table.row_units[row // 32 * 32 : row].sum()
+    )
+    payload[start : start + table.unit_bytes * int(table.row_units[row])] = 0
+    corrupted = dataclasses.replace(table, payload=payload)
+    ids = torch.tensor([0, row, 5])
+    # All-zero codes escape every chunk: the exceptions they claim run far past the slot.
+    match = rf"corrupted table: row {row}: its codes ask for more bits"
+    with pytest.raises(ValueError, match=match):
+        corrupted.gather(ids)
+    with pytest.raises(ValueError, match=match):
+        corrupted.lookup(ids, torch.tensor([0, 3]))
+
+
+@pytest.mark.parametrize("path", available_cpu_paths())
+def test_a_raw_bit_on_a_short_slot_is_refused(restore_path, path: str) -> None:
+    table, row = _compressed_table(1)
+    _C.set_cpu_path(path)
+    lying = dataclasses.replace(table, bitmask=torch.zeros_like(table.bitmask))
+    with pytest.raises(ValueError, match=rf"corrupted table: row {row}: the index gives it a slot"):
+        lying.gather(torch.tensor([row]))
+    with pytest.raises(ValueError, match="corrupted table"):
+        lying.lookup(torch.tensor([row]), torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("path", available_cpu_paths())
+@pytest.mark.parametrize("units", [255, 0])
+def test_a_slot_size_the_layout_rules_out_is_refused(restore_path, path: str, units: int) -> None:
+    table, row = _compressed_table(4)
+    _C.set_cpu_path(path)
+    row_units = table.row_units.clone()
+    row_units[row] = units  # 255: larger than a raw slot; 0: no bytes at all
+    with pytest.raises(ValueError, match=rf"corrupted table: row {row}"):
+        dataclasses.replace(table, row_units=row_units).gather(torch.tensor([row]))
+
+
+def test_a_slot_past_the_payload_is_refused(table) -> None:
+    bases = table.block_base.clone()
+    bases[1:-1] = int(bases[-1])  # blocks after the first start at the payload's end
+    with pytest.raises(ValueError, match="corrupted table: row 40"):
+        dataclasses.replace(table, block_base=bases).gather(torch.tensor([3, 40]))

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import torch
+import xxhash
 
 from ibpembed.tables import format as tf
 
@@ -41,3 +43,26 @@ def flip_bit(path: Path, offset: int, bit: int = 0) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 1 << bit
     path.write_bytes(bytes(data))
+
+
+def reseal_section(path: Path, kind: tf.SectionKind, data: bytes) -> None:
+    """Replace one section's bytes (same length) and rewrite every checksum over them: a file
+    that lies about its table while every hash holds."""
+    blob = bytearray(path.read_bytes())
+    header = list(tf.HEADER.unpack_from(blob, 0))
+    count = len(tf.read_table(path).sections)
+    entries = [
+        list(tf.SECTION.unpack_from(blob, tf.HEADER.size + i * tf.SECTION.size))
+        for i in range(count)
+    ]
+    # SectionEntry: kind, reserved, offset, length, xxh3 (table_file.h).
+    entry = next(e for e in entries if e[0] == kind)
+    assert len(data) == entry[3]
+    blob[entry[2] : entry[2] + entry[3]] = data
+    entry[4] = xxhash.xxh3_64_intdigest(data)
+    table = b"".join(tf.SECTION.pack(*e) for e in entries)
+    blob[tf.HEADER.size : tf.HEADER.size + len(table)] = table
+    header[-4] = xxhash.xxh3_64_intdigest(table)  # FileHeader.sections_xxh3
+    hashed = tf.HEADER.pack(*header)[: tf.HEADER.size - 8]
+    blob[: tf.HEADER.size] = hashed + struct.pack("<Q", xxhash.xxh3_64_intdigest(hashed))
+    path.write_bytes(bytes(blob))

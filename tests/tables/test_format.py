@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 from ibpembed import compress
 from ibpembed.tables import format as tf
 from tests.codec.tables import DIMS, DTYPES, KINDS, make_table
-from tests.tables.helpers import flip_bit, same_bits, section_ranges, trained_like
+from tests.tables.helpers import (
+    flip_bit,
+    reseal_section,
+    same_bits,
+    section_ranges,
+    trained_like,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS = ("header", "section table", *(k.label for k in tf.SectionKind))
@@ -401,3 +407,16 @@ def test_code_width_must_suit_the_layout(packed, layout: int, code_bits: int) ->
     _with_header_field(path, 88, code_bits)  # FileHeader.code_bits
     with pytest.raises(tf.TableFileError, match=f"code width {code_bits} is invalid"):
         tf.read_table(path)
+
+
+def test_slot_sizes_must_agree_with_the_compressed_bits(tmp_path: Path) -> None:
+    # A well-sealed file (every checksum right) whose rows are marked raw while their slots keep
+    # the compressed size: lookups would copy raw rows past their slots and off the mapping.
+    path = tmp_path / "lie.ibpt"
+    tf.pack_table(path, trained_like(64, 64), name="lie")
+    bitmask = tf.read_table(path).table.bitmask
+    assert bool(bitmask.ne(0).any())
+    reseal_section(path, tf.SectionKind.BITMASK, bytes(bitmask.numel() * 4))  # every row "raw"
+    with pytest.raises(tf.TableFileError, match="disagrees with its compressed bit") as e:
+        tf.read_table(path, verify=True)
+    assert e.value.section == "row_units"

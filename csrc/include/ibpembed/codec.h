@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -126,6 +127,21 @@ struct RowSink {
   void* ctx;
   RepeatCache* repeats = nullptr;
 };
+
+// Thrown by the row kernels when a table's bytes contradict its layout: a slot the index puts
+// outside the payload or sizes against its compressed bit, or a compressed row whose codes ask
+// for more bits than its slot holds. Such bytes come only from corruption the load-time checks
+// cannot see (the payload checksum is verified on request); decoders stop at them instead of
+// reading past the slot. Defined in corrupt_table.cpp, compiled without ISA flags, so the ISA
+// translation units emit none of its (weak) class machinery.
+class CorruptTableError : public std::runtime_error {
+ public:
+  explicit CorruptTableError(const std::string& what);
+  ~CorruptTableError() override;
+};
+
+// Throws CorruptTableError for row `row` of a table.
+[[noreturn]] void throw_corrupt_table(int64_t row, const char* what);
 
 struct RowKernels {
   // comp_bytes[r] = compressed encoding size of row r in bytes (before slot rounding).

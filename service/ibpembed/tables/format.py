@@ -814,6 +814,13 @@ def _check_index(path: Path, table: CompressedTable) -> None:
         or bool(table.row_units[table.num_rows :].any())
     ):
         raise TableFileError(path, "row_units", "row slot sizes out of range")
+    # format.h: a row is stored compressed iff its slot is smaller than a raw one. Decoders rely
+    # on it to bound what they read (a "raw" row with a short slot would be copied past it).
+    compressed = table.is_compressed(torch.arange(table.num_rows))
+    if bool((compressed != (real < max_units)).any()):
+        raise TableFileError(
+            path, "row_units", "a row's slot size disagrees with its compressed bit"
+        )
     if table.chunk_bits < 64 and bool((table.mask >> table.chunk_bits).any()):
         raise TableFileError(path, "mask", "mask bits above the chunk width")
     codebooks = table.bitval.view(table.mask.numel(), -1)  # [V, K], sized by the header's C
