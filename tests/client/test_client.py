@@ -70,6 +70,30 @@ def test_feature_batch_from_lists_and_request_bytes():
         build_request({}, "max")
 
 
+def test_from_lists_needs_one_weight_per_id_in_every_sample():
+    # Same total count as the ids, but sample 0 is one weight short and sample 1 one long.
+    with pytest.raises(ValueError, match="sample 0 has 2 ids but 1 weights"):
+        FeatureBatch.from_lists([[1, 2], [3]], weights=[[0.5], [1.0, 2.0]])
+    with pytest.raises(ValueError, match="1 weight lists for 2 samples"):
+        FeatureBatch.from_lists([[1], [2]], weights=[[0.5]])
+
+
+def test_build_request_refuses_ids_a_cast_would_change():
+    lengths = np.array([2], np.int32)
+    with pytest.raises(TypeError, match="feature 'f': ids must be integers, got float64"):
+        build_request({"f": FeatureBatch(np.array([1.9, 2.7]), lengths)})
+    with pytest.raises(TypeError, match="feature 'f': lengths must be integers, got float32"):
+        build_request({"f": FeatureBatch(np.array([1, 2]), np.array([2], np.float32))})
+    with pytest.raises(ValueError, match=r"feature 'f': ids must be 1-D, got shape \(1, 2\)"):
+        build_request({"f": FeatureBatch(np.array([[1, 2]]), lengths)})
+    narrow = build_request({"f": FeatureBatch(np.array([7, 9], np.uint16), np.array([2], "i1"))})
+    assert np.frombuffer(narrow.features[0].ids, "<i8").tolist() == [7, 9]
+    assert np.frombuffer(narrow.features[0].lengths, "<i4").tolist() == [2]
+    # numpy makes an empty list float64; nothing in it can be truncated.
+    empty = build_request({"f": FeatureBatch(np.array([]), np.array([0, 0]))}).features[0]
+    assert empty.ids == b"" and np.frombuffer(empty.lengths, "<i4").tolist() == [0, 0]
+
+
 def test_decode_response_dtypes():
     bits = np.array([[0x3F80, 0xC000]], dtype="<u2")  # bf16 1.0, -2.0
     response = pb.LookupResponse(

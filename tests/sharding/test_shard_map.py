@@ -67,6 +67,13 @@ def test_ranges_must_tile_the_table(ranges, problem):
         ShardedTable("t", 10, 4, "float32", None, tuple(ShardRange(*r) for r in ranges))
 
 
+def test_a_shard_holds_at_most_one_range_of_a_table():
+    # Split, the shard would get the feature twice in one request and reject it as repeated.
+    ranges = (ShardRange(0, 4, 10), ShardRange(0, 0, 4))
+    with pytest.raises(ValueError, match=r"'t': shard 0 holds two ranges, rows \[0, 4\) and \[4"):
+        ShardedTable("t", 10, 4, "float32", None, ranges)
+
+
 def test_servers_must_agree():
     with pytest.raises(ValueError, match=r"shard 0 .* reports rows, dim"):
         ShardMap.from_table_infos(ADDRESSES[:2], [[info("t", 0, 4)], [info("t", 4, 10, 11)]])

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -17,9 +19,12 @@ from ibpembed_client import (
     LookupServiceError,
     RetryPolicy,
     ShardedLookupClient,
+    ShardedTable,
     ShardMap,
+    ShardRange,
     build_request,
 )
+from tests.server.helpers import GateObserver, RunningServer, make_store
 from tests.sharding.helpers import FEATURES, SHARDS, values_of
 
 BATCH = 48
@@ -159,3 +164,83 @@ def test_client_discovers_its_map(servers, shard_map):
         assert client.shard_map.tables == shard_map.tables
         assert client.lookup({"tiny": [[1, 0]]}, pooling="none")["tiny"].shape == (2, 4)
     assert {r.shard for t in shard_map.tables.values() for r in t.ranges} == set(range(SHARDS))
+
+
+def test_shard_errors_name_the_callers_feature_position(servers, shard_map):
+    # A stale map (shards 1 and 2 swapped): shard 1's part reaches the server of [666, 1000).
+    addresses = list(shard_map.addresses)
+    addresses[1], addresses[2] = addresses[2], addresses[1]
+    stale = ShardMap(tuple(addresses), shard_map.tables, shard_map.features)
+    features = {"user": [[10]], "user_hist": [[400]]}
+    # Shard 1 is sent only user_hist, its features[0]; the caller sent it as features[1].
+    where = f"shard 1 at {addresses[1]} (emb_f32 rows [333, 666)): features[1].ids: "
+
+    async def run_async() -> LookupServiceError:
+        async with AsyncShardedLookupClient(stale, timeout=30) as client:
+            with pytest.raises(LookupServiceError) as err:
+                await client.lookup(features)
+            return err.value
+
+    with ShardedLookupClient(stale, timeout=30) as client, pytest.raises(LookupServiceError) as err:
+        client.lookup(features)
+    for error in (err.value, asyncio.run(run_async())):
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details.startswith(where), error.details
+        assert "id 400" in error.details
+
+
+def halves_of_one_server(target: str) -> ShardMap:
+    """emb_f32 as two shards of 500 rows, both at ``target`` (which holds every row)."""
+    table = ShardedTable(
+        "emb_f32", 1000, 16, "float32", None, (ShardRange(0, 0, 500), ShardRange(1, 500, 1000))
+    )
+    return ShardMap((target, target), {"emb_f32": table}, {"user": "emb_f32"})
+
+
+def test_concurrent_callers_each_keep_their_deadline():
+    timeout, callers = 0.5, 8
+    gate = GateObserver()  # holds every lookup, so no shard answers in time
+    outcomes: list[tuple[grpc.StatusCode, float]] = []
+
+    def call(client: ShardedLookupClient) -> None:
+        start = time.monotonic()
+        try:
+            client.lookup({"user": [[1, 700]]}, timeout=timeout)
+        except LookupServiceError as err:
+            outcomes.append((err.code, time.monotonic() - start))
+
+    with RunningServer(make_store(), observer=gate) as running:
+        try:
+            with ShardedLookupClient(halves_of_one_server(running.target)) as client:
+                # 16 parts: more than the pool's threads, so some wait for one.
+                threads = [threading.Thread(target=call, args=(client,)) for _ in range(callers)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+        finally:
+            gate.open()
+    assert len(outcomes) == callers
+    assert {code for code, _ in outcomes} == {grpc.StatusCode.DEADLINE_EXCEEDED}
+    assert max(seconds for _, seconds in outcomes) < timeout + 0.45, outcomes
+
+
+def test_a_failed_part_waits_for_the_others(monkeypatch):
+    gate = GateObserver()  # holds shard 1's part until the timer opens it
+
+    def broken(request: object, *, timeout: float | None = None) -> None:
+        raise RuntimeError("shard 0 client bug")
+
+    with (
+        RunningServer(make_store(), observer=gate) as running,
+        ShardedLookupClient(halves_of_one_server(running.target), timeout=30) as client,
+    ):
+        monkeypatch.setattr(client._clients[0], "lookup_request", broken)
+        opener = threading.Timer(0.3, gate.open)
+        start = time.monotonic()
+        opener.start()
+        with pytest.raises(RuntimeError, match="shard 0 client bug"):
+            client.lookup({"user": [[1, 700]]})
+        waited = time.monotonic() - start
+        opener.join()
+    assert gate.entered == 1 and waited >= 0.3

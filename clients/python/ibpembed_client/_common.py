@@ -81,12 +81,28 @@ class FeatureBatch:
         samples: Sequence[Sequence[int]],
         weights: Sequence[Sequence[float]] | None = None,
     ) -> FeatureBatch:
-        """From per-sample id lists: ``[[3, 1], [], [7]]`` is B=3 with lengths ``[2, 0, 1]``."""
+        """From per-sample id lists: ``[[3, 1], [], [7]]`` is B=3 with lengths ``[2, 0, 1]``.
+
+        ``weights``, when given, holds one list per sample with one weight per id.
+
+        Raises
+        ------
+        ValueError
+            when ``weights`` does not match ``samples`` sample by sample.
+        """
         lengths = np.array([len(s) for s in samples], dtype=np.int32)
-        ids = np.fromiter((i for s in samples for i in s), dtype=np.int64, count=int(lengths.sum()))
+        nnz = int(lengths.sum())
+        ids = np.fromiter((i for s in samples for i in s), dtype=np.int64, count=nnz)
         w = None
         if weights is not None:
-            w = np.fromiter((x for s in weights for x in s), dtype=np.float32)
+            # Flattened, a weight list that is short in one sample and long in another would
+            # still match the total and silently weight the wrong ids.
+            if len(weights) != len(samples):
+                raise ValueError(f"{len(weights)} weight lists for {len(samples)} samples")
+            for i, (s, ws) in enumerate(zip(samples, weights, strict=True)):
+                if len(ws) != len(s):
+                    raise ValueError(f"sample {i} has {len(s)} ids but {len(ws)} weights")
+            w = np.fromiter((x for s in weights for x in s), dtype=np.float32, count=nnz)
         return cls(ids, lengths, w)
 
 
@@ -95,6 +111,18 @@ FeatureInput = Union[FeatureBatch, Sequence[Sequence[int]]]  # noqa: UP007 (runt
 
 def _le_bytes(array: np.ndarray, dtype: str) -> bytes:
     return np.ascontiguousarray(array, dtype=dtype).tobytes()
+
+
+def _int_bytes(array: np.ndarray, dtype: str, what: str) -> bytes:
+    """``array`` as little-endian ``dtype`` bytes, refusing values a cast would change."""
+    array = np.asarray(array)
+    if array.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {array.shape}")
+    # A cast would truncate 1.9 to 1 and look up the wrong row; an empty list is float64 in
+    # numpy but holds nothing to truncate.
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers, got {array.dtype}")
+    return _le_bytes(array, dtype)
 
 
 def build_request(
@@ -107,6 +135,13 @@ def build_request(
     features : feature name -> :class:`FeatureBatch` or list of per-sample id lists.
     pooling : ``"sum"``, ``"mean"`` or ``"none"`` (rows, bit-exact).
     request_id : echoed back and logged by the server on failures; empty = server picks one.
+
+    Raises
+    ------
+    TypeError
+        for ids or lengths that are not integers.
+    ValueError
+        for ids or lengths that are not 1-D, or an unknown pooling.
     """
     if pooling not in POOLING:
         raise ValueError(f"pooling must be one of {sorted(POOLING)}, got {pooling!r}")
@@ -116,8 +151,8 @@ def build_request(
         request.features.append(
             pb.FeatureInput(
                 name=name,
-                ids=_le_bytes(batch.ids, "<i8"),
-                lengths=_le_bytes(batch.lengths, "<i4"),
+                ids=_int_bytes(batch.ids, "<i8", f"feature {name!r}: ids"),
+                lengths=_int_bytes(batch.lengths, "<i4", f"feature {name!r}: lengths"),
                 weights=b"" if batch.weights is None else _le_bytes(batch.weights, "<f4"),
             )
         )

@@ -17,8 +17,8 @@ subtracts the range start itself. For one request the client
    order inside each part, and sends each server one request holding its parts of every feature;
    for SUM/MEAN a part carries only the samples with at least one id on that server, with their
    weights;
-2. sends the requests concurrently (one thread per server for :class:`ShardedLookupClient`, one
-   task per server for :class:`AsyncShardedLookupClient`);
+2. sends the requests concurrently (on a thread pool shared by the calling threads for
+   :class:`ShardedLookupClient`, one task per server for :class:`AsyncShardedLookupClient`);
 3. merges: NONE rows are put back at their request positions (bit-exact); SUM partial sums are
    added in shard order (fixed, so a result never depends on which server answered first); MEAN
    asks every server for SUM and divides the total by the sample's full number of ids, as one
@@ -27,7 +27,8 @@ subtracts the range start itself. For one request the client
 A SUM/MEAN merge adds fp32 partial sums, so it equals a single server's result within fp32
 rounding (``ibpembed.reference.pooled_tolerance``), not bit for bit. Any failed shard fails the
 whole request with that shard's status, its message naming the shard, its address and the rows
-it holds (``UNAVAILABLE: shard 1 at host:port (cat_0 rows [333, 666)) ...``).
+it holds (``UNAVAILABLE: shard 1 at host:port (cat_0 rows [333, 666)) ...``); a ``features[j]``
+in the shard's message is renumbered to the feature's position in the caller's request.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +73,10 @@ _NUMPY_DTYPES: dict[str, np.dtype] = dict(DTYPES.values())
 # Row dtypes the servers pool (SUM/MEAN) without a quantisation scheme.
 _POOLABLE_DTYPES = ("float32", "float16", "bfloat16")
 _POOLINGS = (pb.POOLING_UNSPECIFIED, pb.POOLING_SUM, pb.POOLING_MEAN, pb.POOLING_NONE)
+# How a server names a field of a request's feature: ``features[2].ids: ...``.
+_FEATURE_FIELD = re.compile(r"^features\[(\d+)\]")
+# Fan-out threads per shard for ShardedLookupClient: several callers' parts run at once.
+DEFAULT_WORKERS_PER_SHARD = 4
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,8 @@ class ShardedTable:
     Raises
     ------
     ValueError
-        when the ranges leave a gap or overlap (naming the rows and shards).
+        when the ranges leave a gap or overlap (naming the rows and shards), or one shard holds
+        two ranges.
     """
 
     name: str
@@ -109,6 +117,17 @@ class ShardedTable:
     def __post_init__(self) -> None:
         ranges = tuple(sorted(self.ranges, key=lambda r: r.row_start))
         object.__setattr__(self, "ranges", ranges)
+        # A server holds one row range of a table; a shard request naming the feature twice
+        # would be rejected as "feature repeated".
+        held: dict[int, ShardRange] = {}
+        for r in ranges:
+            if r.shard in held:
+                other = held[r.shard]
+                raise ValueError(
+                    f"table '{self.name}': shard {r.shard} holds two ranges, rows "
+                    f"[{other.row_start}, {other.row_end}) and [{r.row_start}, {r.row_end})"
+                )
+            held[r.shard] = r
         end = 0
         for r in ranges:
             if r.row_start > end:
@@ -358,6 +377,9 @@ class SplitPlan:
     pooling: int
     features: list[_FeaturePlan]
     requests: dict[int, pb.LookupRequest]
+    # Per shard, the caller's index of each feature of ``requests[shard]``, in that request's
+    # order: a shard request leaves out features without ids there, so numbering differs.
+    feature_index: dict[int, list[int]]
 
 
 def _invalid(field_name: str, problem: str, request_id: str) -> LookupServiceError:
@@ -388,6 +410,7 @@ def split_request(shard_map: ShardMap, request: pb.LookupRequest) -> SplitPlan:
     none = request.pooling == pb.POOLING_NONE
     shard_pooling = pb.POOLING_NONE if none else pb.POOLING_SUM
     requests: dict[int, pb.LookupRequest] = {}
+    feature_index: dict[int, list[int]] = {}
     plans = []
     seen: set[str] = set()
 
@@ -395,6 +418,7 @@ def split_request(shard_map: ShardMap, request: pb.LookupRequest) -> SplitPlan:
         if shard not in requests:
             # One id for every part, so the shards' logs of one request can be joined.
             requests[shard] = pb.LookupRequest(request_id=request_id, pooling=shard_pooling)
+            feature_index[shard] = []
         return requests[shard]
 
     for i, feature in enumerate(request.features):
@@ -468,7 +492,8 @@ def split_request(shard_map: ShardMap, request: pb.LookupRequest) -> SplitPlan:
                 lengths=part_lengths.tobytes(),
                 weights=weights[positions].tobytes() if feature.weights else b"",
             )
-    return SplitPlan(request_id, request.pooling, plans, requests)
+            feature_index[shard_range.shard].append(i)
+    return SplitPlan(request_id, request.pooling, plans, requests, feature_index)
 
 
 def merge_results(plan: SplitPlan, results: Mapping[int, LookupResult]) -> LookupResult:
@@ -518,11 +543,22 @@ def merge_results(plan: SplitPlan, results: Mapping[int, LookupResult]) -> Looku
 
 
 def _shard_error(
-    shard_map: ShardMap, shard: int, request: pb.LookupRequest, err: LookupServiceError
+    shard_map: ShardMap, plan: SplitPlan, shard: int, err: LookupServiceError
 ) -> LookupServiceError:
-    tables = dict.fromkeys(shard_map.features[f.name] for f in request.features)
+    tables = dict.fromkeys(shard_map.features[f.name] for f in plan.requests[shard].features)
     where = shard_map.describe_shard(shard, tables)
-    return LookupServiceError(err.code, f"{where}: {err.details}", err.request_id, err.attempts)
+    callers = plan.feature_index[shard]
+
+    def renumber(match: re.Match[str]) -> str:
+        j = int(match[1])
+        return f"features[{callers[j]}]" if j < len(callers) else match[0]
+
+    details = _FEATURE_FIELD.sub(renumber, err.details)
+    return LookupServiceError(err.code, f"{where}: {details}", err.request_id, err.attempts)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 # -- clients ---------------------------------------------------------------------------------
@@ -555,13 +591,18 @@ class ShardedLookupClient:
     ...     rows = client.lookup({"cat_0": [[7, 123_456]]}, pooling="none")["cat_0"]
 
     Thread-safe. One :class:`LookupClient` (one connection) per shard; a request's parts run
-    concurrently on a pool with one thread per shard (grpc releases the GIL while waiting).
+    concurrently on a thread pool shared by every calling thread (grpc releases the GIL while
+    waiting).
 
     Parameters
     ----------
     shard_map : which server holds which rows.
     timeout, retry, keepalive, tls, token, max_message_bytes : as for :class:`LookupClient`,
-        applied to every shard (the timeout is per shard call; calls run at the same time).
+        applied to every shard. The timeout is one deadline for the whole request: each shard
+        call gets the time left when it starts, and a lookup still unanswered at the deadline
+        fails with DEADLINE_EXCEEDED, time spent queued for a pool thread included.
+    max_workers : threads sending shard calls (default ``DEFAULT_WORKERS_PER_SHARD`` per
+        shard); with more calling threads than this allows, their parts queue.
     """
 
     def __init__(
@@ -574,13 +615,15 @@ class ShardedLookupClient:
         tls: TlsOptions | None = None,
         token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_workers: int | None = None,
     ) -> None:
         self.shard_map = shard_map
+        self.timeout = timeout
         args = _ClientArgs(timeout, retry, keepalive, tls, token, max_message_bytes)
         self._clients = [LookupClient(a, **args.kwargs()) for a in shard_map.addresses]
-        self._pool = ThreadPoolExecutor(
-            max(1, len(self._clients)), thread_name_prefix="ibpembed-shard"
-        )
+        if max_workers is None:
+            max_workers = max(1, DEFAULT_WORKERS_PER_SHARD * len(self._clients))
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="ibpembed-shard")
 
     @classmethod
     def discover(cls, addresses: Sequence[str], **client_args: Any) -> ShardedLookupClient:
@@ -612,31 +655,59 @@ class ShardedLookupClient:
 
         Raises
         ------
-        LookupServiceError : the first failed shard's status (in shard order), naming it.
+        LookupServiceError : the first failed shard's status (in shard order), naming it;
+            DEADLINE_EXCEEDED when the shards have not all answered within ``timeout``.
         """
         return self.lookup_request(build_request(features, pooling, request_id), timeout=timeout)
 
     def lookup_request(
         self, request: pb.LookupRequest, *, timeout: float | None = None
     ) -> LookupResult:
-        """Send a prebuilt request, split across the shards."""
+        """Send a prebuilt request, split across the shards (``timeout``: as for :meth:`lookup`)."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         plan = split_request(self.shard_map, request)
         futures = {
-            shard: self._pool.submit(self._clients[shard].lookup_request, part, timeout=timeout)
+            shard: self._pool.submit(self._send, shard, part, deadline)
             for shard, part in plan.requests.items()
         }
+        # Wait for every part, even after a failure, so no call outlives this one; at the
+        # deadline stop: a part still running ends then too (its grpc deadline is the same).
+        _, late = wait(futures.values(), timeout=_remaining(deadline))
+        for future in late:
+            future.cancel()
         results: dict[int, LookupResult] = {}
-        failure: LookupServiceError | None = None
-        # Wait for every part, even after a failure, so no call outlives this one.
+        failure: BaseException | None = None
         for shard in sorted(futures):
-            try:
-                results[shard] = futures[shard].result()
-            except LookupServiceError as err:
-                if failure is None:
-                    failure = _shard_error(self.shard_map, shard, plan.requests[shard], err)
+            future = futures[shard]
+            if future in late:
+                error: BaseException | None = LookupServiceError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no answer within the {timeout} s deadline",
+                    plan.request_id,
+                )
+            else:
+                error = future.exception()
+            if error is None:
+                results[shard] = future.result()
+            elif failure is None:
+                failure = error
+                if isinstance(error, LookupServiceError):
+                    failure = _shard_error(self.shard_map, plan, shard, error)
         if failure is not None:
             raise failure
         return merge_results(plan, results)
+
+    def _send(self, shard: int, request: pb.LookupRequest, deadline: float | None) -> LookupResult:
+        """One shard's part, with whatever time the request has left once a thread is free."""
+        remaining = _remaining(deadline)
+        if remaining == 0.0:
+            raise LookupServiceError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "deadline passed while the call waited for a free thread",
+                request.request_id,
+            )
+        return self._clients[shard].lookup_request(request, timeout=remaining)
 
 
 class AsyncShardedLookupClient:
@@ -696,7 +767,7 @@ class AsyncShardedLookupClient:
         results: dict[int, LookupResult] = {}
         for shard, answer in zip(shards, answers, strict=True):
             if isinstance(answer, LookupServiceError):
-                raise _shard_error(self.shard_map, shard, plan.requests[shard], answer)
+                raise _shard_error(self.shard_map, plan, shard, answer)
             if isinstance(answer, BaseException):
                 raise answer
             results[shard] = answer
