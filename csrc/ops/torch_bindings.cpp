@@ -11,11 +11,15 @@
 //   chunk_bits, row_bytes, unit_bytes, num_rows.
 // Gathers and pooled lookups also take an optional hot-row overlay (format.h) as two trailing
 // tensors: hot_dir int64 [ceil(N / 64) * 2] and hot_rows uint8 [cached rows, row_bytes].
+//
+// lookup_pooled_tables reads several tables in one call: they are registered once in a TableSet
+// (torch.classes.ibpembed.TableSet), each with the same tensors and ints, then its dtype code.
 #include <torch/extension.h>
 #include <torch/library.h>
 
 #include <sys/mman.h>
 
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -428,6 +432,118 @@ at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& blo
   return out;
 }
 
+// Tables registered once for lookup_pooled_tables, validated as they are added.
+//
+// NOTE(ops): a DCNv2-profile request reads 26 tables with a few ids each. One lookup_pooled
+// call per table costs ~15 us of dispatch, argument boxing and re-validation of the table's
+// masks and codebooks (up to V * 15 words), more than decoding a B=1 request's rows; a set
+// pays that once per table version and a request makes one call.
+class TableSet : public torch::CustomClassHolder {
+ public:
+  struct Entry {
+    TableView view;
+    DType dtype;
+    int64_t dim;                    // fp32 outputs per bag
+    std::vector<at::Tensor> owned;  // keeps every memory the view points into alive
+  };
+
+  // Adds a table (the seven tensors and four ints of lookup_pooled, its dtype code and the
+  // optional hot-row overlay); returns its position in the set.
+  int64_t add(const at::Tensor& payload, const at::Tensor& block_base,
+              const at::Tensor& row_units, const at::Tensor& bitmask, const at::Tensor& mask,
+              const at::Tensor& bitval, int64_t chunk_bits, int64_t row_bytes,
+              int64_t unit_bytes, int64_t num_rows, int64_t dtype,
+              const std::optional<at::Tensor>& hot_dir,
+              const std::optional<at::Tensor>& hot_rows) {
+    TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
+                             row_bytes, unit_bytes, num_rows);
+    attach_hot_rows(t, hot_dir, hot_rows);
+    const int64_t dim = check_pooling_args(dtype, 0, row_bytes);
+    std::vector<at::Tensor> owned{payload, block_base, row_units, bitmask, mask, bitval};
+    if (hot_dir.has_value()) {
+      owned.push_back(*hot_dir);
+      owned.push_back(*hot_rows);
+    }
+    entries_.push_back(Entry{t, static_cast<DType>(dtype), dim, std::move(owned)});
+    return static_cast<int64_t>(entries_.size()) - 1;
+  }
+
+  int64_t size() const { return static_cast<int64_t>(entries_.size()); }
+
+  const Entry& at(int64_t position) const {
+    TORCH_CHECK_INDEX(position >= 0 && position < size(), "table ", position,
+                      " is not in this TableSet of ", size(), " tables");
+    return entries_[static_cast<size_t>(position)];
+  }
+
+ private:
+  std::vector<Entry> entries_;
+};
+
+// Pooled lookups of several tables over one CSR batch. Row k of `table_bags` (int64 [K, 3]) is
+// (set position, first bag, bag count): table k of the call is that set entry and pools bags
+// [first, first + count) of `offsets`, whose entries index `indices` (and `per_sample_weights`)
+// as a whole. A tensor rather than int lists: Python's dispatch of ops taking a TorchScript
+// object walks every list argument element by element. Every argument and every id is checked
+// before any table is read. Returns each table's [count, dim] fp32 output and the seconds each
+// table's lookup took (float64 [K], for the server's kernel metrics).
+std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cpu(
+    const c10::intrusive_ptr<TableSet>& tables, const at::Tensor& indices,
+    const at::Tensor& offsets, const at::Tensor& table_bags,
+    const std::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
+  TORCH_CHECK_VALUE(pooling == 0 || pooling == 1, "pooling must be 0 (sum) or 1 (mean), got ",
+                    pooling);
+  check_cpu_contiguous(table_bags, "table_bags", at::kLong);
+  TORCH_CHECK_VALUE(table_bags.dim() == 2 && table_bags.size(1) == 3,
+                    "table_bags must be [K, 3] (set position, first bag, bag count), got shape ",
+                    table_bags.sizes());
+  check_cpu_contiguous(indices, "indices", at::kLong);
+  TORCH_CHECK_VALUE(indices.dim() == 1, "indices must be 1-D, got ", indices.dim(), "-D");
+  check_offsets(offsets, indices.numel());
+  const float* weights = nullptr;
+  if (per_sample_weights.has_value()) {
+    check_cpu_contiguous(*per_sample_weights, "per_sample_weights", at::kFloat);
+    check_weights_shape(*per_sample_weights, indices.numel());
+    weights = per_sample_weights->data_ptr<float>();
+  }
+  const auto count = static_cast<size_t>(table_bags.size(0));
+  const int64_t* calls = table_bags.data_ptr<int64_t>();
+  const int64_t num_bags = offsets.numel() - 1;
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  const int64_t* ids = indices.data_ptr<int64_t>();
+  std::vector<const TableSet::Entry*> entries(count);
+  for (size_t k = 0; k < count; ++k) {
+    entries[k] = &tables->at(calls[3 * k]);
+    const int64_t first = calls[3 * k + 1];
+    const int64_t bags = calls[3 * k + 2];
+    TORCH_CHECK_VALUE(first >= 0 && bags >= 0 && bags <= num_bags - first, "table_bags[", k,
+                      "] reads bags [", first, ", ", first + bags, ") of a batch of ", num_bags);
+    const int64_t num_rows = entries[k]->view.num_rows;
+    for (int64_t i = o[first]; i < o[first + bags]; ++i) {
+      TORCH_CHECK_INDEX(ids[i] >= 0 && ids[i] < num_rows, "index ", ids[i], " at position ", i,
+                        " (table_bags[", k, "]) is out of range for a table of ", num_rows,
+                        " rows");
+    }
+  }
+  const RowKernels& kernels = active_kernels();
+  std::vector<at::Tensor> out(count);
+  at::Tensor seconds = at::empty({static_cast<int64_t>(count)}, at::kDouble);
+  double* elapsed = seconds.data_ptr<double>();
+  for (size_t k = 0; k < count; ++k) {
+    const auto start = std::chrono::steady_clock::now();
+    const TableSet::Entry& e = *entries[k];
+    const int64_t first = calls[3 * k + 1];
+    const int64_t bags = calls[3 * k + 2];
+    out[k] = at::empty({bags, e.dim}, at::kFloat);
+    read_rows([&] {
+      lookup_pooled_cpu(kernels, e.view, e.dtype, ids, o + first, bags, weights,
+                        static_cast<Pooling>(pooling), out[k].data_ptr<float>());
+    });
+    elapsed[k] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  return {std::move(out), seconds};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ibpembed, m) {
@@ -454,6 +570,14 @@ TORCH_LIBRARY(ibpembed, m) {
       "Tensor mask, Tensor bitval, int chunk_bits, int row_bytes, int unit_bytes, int num_rows, "
       "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int dtype, int pooling, "
       "Tensor? hot_dir=None, Tensor? hot_rows=None) -> Tensor");
+  m.class_<TableSet>("TableSet")
+      .def(torch::init<>())
+      .def("add", &TableSet::add)
+      .def("__len__", &TableSet::size);
+  m.def(
+      "lookup_pooled_tables(__torch__.torch.classes.ibpembed.TableSet tables, Tensor indices, "
+      "Tensor offsets, Tensor table_bags, Tensor? per_sample_weights, int pooling) "
+      "-> (Tensor[], Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(ibpembed, CPU, m) {
@@ -464,6 +588,7 @@ TORCH_LIBRARY_IMPL(ibpembed, CPU, m) {
   m.impl("ibp_decompress", &ibp_decompress_cpu);
   m.impl("ibp_gather", &ibp_gather_cpu);
   m.impl("lookup_pooled", &lookup_pooled_cpu_op);
+  m.impl("lookup_pooled_tables", &lookup_pooled_tables_cpu);
 }
 
 }  // namespace ibpembed

@@ -2,7 +2,9 @@
 """Loads the native extension (which registers torch.ops.ibpembed.*) and the ops' fake kernels.
 
 Fake kernels give every op a shape function, so torch.compile, torch.export and
-torch.library.opcheck can trace through them without running the codec.
+torch.library.opcheck can trace through them without running the codec. The one exception is
+``lookup_pooled_tables``, whose first argument is a TorchScript object (``TableSet``, tables
+registered once): the lookup engine calls it eagerly, and traced models use ``lookup_pooled``.
 """
 
 from __future__ import annotations

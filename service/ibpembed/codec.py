@@ -12,6 +12,7 @@ The layout is documented in csrc/include/ibpembed/format.h.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -48,6 +49,7 @@ MAX_SLOT_UNIT = 1 << 16  # format.h kMaxSlotUnit: the largest alignment a table 
 _POOLING_CODES = {"sum": 0, "mean": 1}
 _BIT_WEIGHTS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+_POOLABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def cpu_path() -> str:
@@ -181,6 +183,12 @@ class CompressedTable:
         return self.hot.bytes if self.hot is not None else 0
 
     @property
+    def poolable(self) -> bool:
+        """Whether pooled lookups (SUM/MEAN) read this table: float rows, or fbgemm row-wise
+        int8 rows (``quant="int8_rowwise"``); other rows only come back as they are."""
+        return self.quant == "int8_rowwise" or self.dtype in _POOLABLE_DTYPES
+
+    @property
     def code_bits(self) -> int:
         """C of format.h: 1 for plain IBP, 2..4 for exponent-aware codebooks."""
         return code_bits_of(self.mask, self.bitval)
@@ -309,6 +317,64 @@ class CompressedTable:
                 "int8 rows with quant='int8_rowwise'"
             )
         return DTYPE_CODES[self.dtype]
+
+
+class CompressedTableSet:
+    """CPU tables registered once with the native op, for pooled lookups of several of them in
+    one call (``torch.ops.ibpembed.lookup_pooled_tables``).
+
+    One ``CompressedTable.lookup`` per table costs ~15 us of dispatch and checks, more than the
+    decoding of a B=1 request's few rows; a request that reads 26 tables pays it once here. The
+    set holds references to the tables' memory, so build one per table version.
+
+    Parameters
+    ----------
+    tables : poolable CPU tables (float rows, or ``quant="int8_rowwise"``), with their hot-row
+        overlays; table ``k`` of a call is ``tables[table_ids[k]]``.
+    """
+
+    def __init__(self, tables: Sequence[CompressedTable]) -> None:
+        self.tables = tuple(tables)
+        self._handle = torch.classes.ibpembed.TableSet()
+        for table in self.tables:
+            self._handle.add(*table._args(), table._dtype_code(), *table._hot_args())
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    def lookup(
+        self,
+        table_bags: torch.Tensor,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        pooling: Pooling = "sum",
+    ) -> tuple[list[torch.Tensor], list[float]]:
+        """Pooled lookups over one CSR batch (``ids``, ``offsets``, optional ``weights`` as in
+        :meth:`CompressedTable.lookup`). Row ``k`` of ``table_bags`` (int64 [K, 3]) is
+        (position in the set, first bag, bag count): table ``k`` of the call is that table and
+        pools those bags of the batch, whose ids it holds.
+
+        Returns each table's [bag count, D] fp32 result, and the seconds each table's part
+        took. Every id is checked (``IndexError``) before any table is read.
+        """
+        if pooling not in _POOLING_CODES:
+            raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
+        if weights is not None and (
+            not isinstance(weights, torch.Tensor) or weights.dtype != torch.float32
+        ):
+            raise TypeError("weights must be a float32 tensor")
+        if table_bags.dtype != torch.int64 or not table_bags.is_contiguous():
+            table_bags = table_bags.to(torch.int64).contiguous()
+        values, seconds = ops.lookup_pooled_tables(
+            self._handle,
+            _as_indices(ids, "ids"),
+            _as_indices(offsets, "offsets"),
+            table_bags,
+            None if weights is None else weights.contiguous(),
+            _POOLING_CODES[pooling],
+        )
+        return values, seconds.tolist()
 
 
 def _as_indices(ids: torch.Tensor, name: str) -> torch.Tensor:

@@ -14,11 +14,14 @@ Ids are global row numbers. A server holding a row shard of a table (a table set
 that range only (others are INVALID_ARGUMENT naming the range) and subtracts ``row_start``
 before the kernels, so clients route ids without renumbering them.
 
-The engine validates the request, groups features by table (one kernel call per table, whatever
-the number of features reading it), deduplicates ids, and runs the kernels in a thread pool so the
-asyncio event loop never waits on them (torch ops run their C++ without holding the GIL, so the
-pool's threads decode in parallel). It holds a bounded number of requests: past ``max_inflight``
-new ones fail at once with :class:`~ibpembed.server.errors.Overloaded` instead of queueing.
+The engine validates the request, groups features by table (each table's features form one
+batch, whatever their number), and runs the kernels: on the CPU, pooled lookups of every table
+of the request in one call of the fused kernel (``CompressedTableSet``; a table with very many
+ids deduplicates them first instead), otherwise one call per table. Calls run in a thread pool
+so the asyncio event loop never waits on them (torch ops run their C++ without holding the GIL,
+so the pool's threads decode in parallel). It holds a bounded number of requests: past
+``max_inflight`` new ones fail at once with :class:`~ibpembed.server.errors.Overloaded` instead
+of queueing.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from ibpembed.tables.store import TableSnapshot, TableStore
 
 Pooling = Literal["sum", "mean", "none"]
 POOLINGS: tuple[Pooling, ...] = ("sum", "mean", "none")
-_POOLABLE = (torch.float32, torch.float16, torch.bfloat16)
 T = TypeVar("T")
 # Pooled lookups of a table with fewer ids go straight to the fused kernel, whose per-call cache
 # decodes most repeated ids once (csrc codec.h's RepeatCache): sorting the ids to find every
@@ -341,7 +343,13 @@ class LookupEngine:
                 )
             out: list[torch.Tensor | None] = [None] * len(features)
             calls: list[KernelCall] = []
-            for item in plan.work:
+            rest = plan.work
+            if pooling != "none" and self.device.type == "cpu":
+                batched = [item for item in plan.work if not self._dedupes(item)]
+                if batched:
+                    self._run_tables(snap, plan, batched, pooling, calls, out)
+                    rest = [item for item in plan.work if self._dedupes(item)]
+            for item in rest:
                 results = self._run_table(plan, item, pooling, calls)
                 for pos, values in zip(item.positions, results, strict=True):
                     out[pos] = values
@@ -391,6 +399,56 @@ class LookupEngine:
                 plan.ids[slice(*item.id_span)] -= item.rows.start
         return plan
 
+    def _dedupes(self, item: _TableWork) -> bool:
+        """Whether a pooled lookup of this table takes the decode-once path (sort the ids,
+        decode each distinct row once, pool with ``embedding_bag``) instead of the fused kernel.
+
+        Quantised rows need the codec's dequantising kernel; float rows may take the
+        decode-once path when a table has many ids (Zipf traffic). Hot-row copies that serve
+        most lookups spare the fused kernel most of its decoding, and its one pass then beats
+        sorting the ids (benchmarks.engine_paths, BENCHMARKS.md).
+        """
+        table = item.table
+        nnz = item.id_span[1] - item.id_span[0]
+        covered = table.hot is not None and table.hot.coverage >= FUSED_MIN_HOT_COVERAGE
+        return (
+            table.quant is None
+            and self.dedupe_max_unique_fraction > 0
+            and nnz >= self.dedupe_min_ids
+            and not covered
+        )
+
+    def _run_tables(
+        self,
+        snap: TableSnapshot,
+        plan: _RequestPlan,
+        items: list[_TableWork],
+        pooling: Pooling,
+        calls: list[KernelCall],
+        out: list[torch.Tensor | None],
+    ) -> None:
+        """Pooled lookups of several tables with one call of the fused kernel (CPU; see
+        :class:`~ibpembed.codec.CompressedTableSet`), every feature's result put in ``out``."""
+        table_set, position = snap.pooling_set
+        # (set position, first bag, bag count) per table
+        table_bags = np.array(
+            [(position[item.table_name], *item.sample_span) for item in items], dtype=np.int64
+        ).reshape(-1, 3)
+        table_bags[:, 2] -= table_bags[:, 1]
+        values, seconds = table_set.lookup(
+            torch.from_numpy(table_bags),
+            torch.from_numpy(plan.ids),
+            torch.from_numpy(plan.offsets),
+            None if plan.weights is None else torch.from_numpy(plan.weights),
+            pooling,  # type: ignore[arg-type]
+        )
+        for item, table_values, took in zip(items, values, seconds, strict=True):
+            nnz = item.id_span[1] - item.id_span[0]
+            calls.append((item.table_name, nnz, nnz, took))
+            parts = _split(table_values, [q.lengths.size for q in item.queries])
+            for pos, part in zip(item.positions, parts, strict=True):
+                out[pos] = part
+
     def _run_table(
         self, plan: _RequestPlan, item: _TableWork, pooling: Pooling, calls: list[KernelCall]
     ) -> list[torch.Tensor]:
@@ -416,7 +474,13 @@ class LookupEngine:
             if plan.weights is not None and any(q.weights is not None for q in qs):
                 weights = self._tensor(plan.weights[slice(*item.id_span)])
             values, unique_count = self._pool_table(
-                table, ids, plan.lengths[first:end], self._tensor(offsets_np), weights, pooling
+                table,
+                ids,
+                plan.lengths[first:end],
+                self._tensor(offsets_np),
+                weights,
+                pooling,
+                dedupe=self._dedupes(item),
             )
             sizes = [q.lengths.size for q in qs]
         if self.device.type != "cpu":
@@ -438,18 +502,15 @@ class LookupEngine:
         offsets: torch.Tensor,
         weights: torch.Tensor | None,
         pooling: Pooling,
+        *,
+        dedupe: bool,
     ) -> tuple[torch.Tensor, int]:
-        """Pooled [B, D] fp32 and the number of rows decoded."""
+        """Pooled [B, D] fp32 and the number of rows decoded; ``dedupe``: try the decode-once
+        path (:meth:`_dedupes`), taken when the distinct ids are few enough."""
         nnz = ids.numel()
-        # Quantised rows need the codec's dequantising kernel; float rows may take the
-        # decode-once path when ids repeat enough (Zipf traffic) for it to pay off. Hot-row
-        # copies that serve most lookups spare the fused kernel most of its decoding, and its
-        # one pass then beats sorting the ids (benchmarks.engine_paths, BENCHMARKS.md).
-        bar = self.dedupe_max_unique_fraction
-        covered = table.hot is not None and table.hot.coverage >= FUSED_MIN_HOT_COVERAGE
-        if table.quant is None and bar > 0 and nnz >= self.dedupe_min_ids and not covered:
+        if dedupe:
             unique, inverse = torch.unique(ids, return_inverse=True)
-            if unique.numel() <= bar * nnz:
+            if unique.numel() <= self.dedupe_max_unique_fraction * nnz:
                 rows = table.gather(unique).float()
                 pooled = torch.nn.functional.embedding_bag(
                     inverse, rows, offsets[:-1], mode="sum", per_sample_weights=weights
@@ -543,7 +604,7 @@ def _check_layout(
                 f"{where}.weights",
                 f"must be [{ids.size}] float32 (one per id), got {weights.dtype} {weights.shape}",
             )
-    if pooling != "none" and table.quant is None and table.dtype not in _POOLABLE:
+    if pooling != "none" and not table.poolable:
         raise InvalidArgument(
             "pooling", f"table {table_name!r} holds {table.dtype} rows, which only pool as NONE"
         )

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 import types
@@ -42,7 +43,7 @@ from pathlib import Path
 import torch
 
 from ibpembed._ops import ops
-from ibpembed.codec import CompressedTable, HotRows
+from ibpembed.codec import CompressedTable, CompressedTableSet, HotRows
 from ibpembed.tables import _layout
 from ibpembed.tables import format as tf
 from ibpembed.tables.manifest import ManifestEntry, RowRange, load_table_set, save_table_set
@@ -99,6 +100,16 @@ class TableSnapshot:
     features: Mapping[str, str]  # feature -> table
     # Global rows of the tables that are row shards; a table not listed is whole.
     shards: Mapping[str, RowRange] = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def pooling_set(self) -> tuple[CompressedTableSet, Mapping[str, int]]:
+        """This version's poolable tables registered for one-call pooled lookups (CPU tables
+        only), and each one's position in the set. Built on first use: CUDA engines never
+        ask for it."""
+        names = [name for name, table in self.tables.items() if table.poolable]
+        return CompressedTableSet([self.tables[n] for n in names]), {
+            n: i for i, n in enumerate(names)
+        }
 
     def row_range(self, name: str) -> RowRange:
         """Global rows ``table`` holds here: its shard's range, or all its rows."""
