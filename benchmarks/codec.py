@@ -186,7 +186,8 @@ def exponent_entropy_bound(table: torch.Tensor) -> float | None:
 
     Sign and mantissa bits that vary anywhere in the table are stored raw; bits constant over the
     whole table (e.g. the 16 zero mantissa bits of bf16-rounded fp32) cost nothing. This is the
-    bound design.md quotes (about 17 % on dense fp32, 34 % on bf16). None for integer rows.
+    ceiling of any exponent-only scheme (about 17 % on dense fp32, 34 % on bf16). None for
+    integer rows.
     """
     if table.dtype not in _FLOAT_FIELDS:
         return None
@@ -203,7 +204,7 @@ def exponent_entropy_bound(table: torch.Tensor) -> float | None:
 
 
 def paper_inplace_savings(table: torch.Tensor, ct: codec.CompressedTable) -> float | None:
-    """PCIe-byte savings under the paper's own per-row accounting (ibp-spec.md section 3.4).
+    """PCIe-byte savings under the paper's own per-row accounting (Kamath et al., EuroSys 2026).
 
     The paper keeps rows in place at the original stride, so host memory does not shrink; this
     is what a gather reads: a header of ceil(V/8) bytes rounded up to the chunk size, then the

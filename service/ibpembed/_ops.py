@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from ibpembed import _C  # noqa: F401  (registers the ops)
+from ibpembed import _C  # registers the ops
+
+# The CPU path (IBPEMBED_CPU_PATH, or the CPU's fastest) resolves on first use; resolve it now so
+# that a bad value fails the import, not a server's first lookup.
+_C.cpu_path()
 
 ops = torch.ops.ibpembed
 

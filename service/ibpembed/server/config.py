@@ -82,8 +82,8 @@ class ServerConfig:
     dedupe_min_ids: int = _setting(
         DEDUPE_MIN_IDS,
         "Ids of one table in one request from which pooled lookups consider sorting them (see"
-        " `dedupe_max_unique_fraction`); smaller lookups decode repeats once through the"
-        " kernel's per-call cache of decoded rows.",
+        " `dedupe_max_unique_fraction`); smaller lookups decode most repeats once through the"
+        " kernel's bounded per-call cache of decoded rows.",
     )
     hot_row_budget: float = _setting(
         0.01,
