@@ -438,7 +438,6 @@ class ServerMetrics:
             "1 while the last reload of the table set failed (the previous version serves).",
             registry=reg,
         ).set_function(lambda: self._reload_failing)
-        self._handlers: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._http: prometheus_client.exposition.WSGIServer | None = None
 
     # -- observer hooks ----------------------------------------------------------------------
@@ -452,7 +451,7 @@ class ServerMetrics:
         self._reloads.inc((result,))
         self._reload_failing = int(result == "error")
 
-    def rpc_done(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+    def rpc_done(self, method: str, code: grpc.StatusCode) -> None:
         """One finished ``ibpembed.v1`` RPC (event loop).
 
         A LookupStream that ends OK is not counted here: its requests were, one by one.

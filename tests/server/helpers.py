@@ -123,7 +123,7 @@ class RecordingObserver:
     def kernels_done(self, pooling: str, calls: Sequence[KernelCall]) -> None:
         self.kernels += [(table, pooling, nnz, unique) for table, nnz, unique, _ in calls]
 
-    def rpc_done(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+    def rpc_done(self, method: str, code: grpc.StatusCode) -> None:
         self.rpcs.append((method.rsplit("/", 1)[-1], code.name))
 
     def lookup_started(self, method: str, request: Any) -> str:

@@ -63,7 +63,7 @@ class RpcObserver(Protocol):
     per request (BENCHMARKS.md, *Metrics overhead*).
     """
 
-    def rpc_done(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+    def rpc_done(self, method: str, code: grpc.StatusCode) -> None:
         """``method`` (e.g. ``/ibpembed.v1.EmbeddingLookup/Lookup``) ended with ``code``."""
 
     def lookup_started(self, method: str, request: Any) -> object:
@@ -107,9 +107,9 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         self.state = state
         self.observer = observer
 
-    def _done(self, method: str, code: grpc.StatusCode, started: float) -> None:
+    def _done(self, method: str, code: grpc.StatusCode) -> None:
         if self.observer is not None:
-            self.observer.rpc_done(method, code, time.perf_counter() - started)
+            self.observer.rpc_done(method, code)
 
     async def intercept_service(
         self,
@@ -147,14 +147,13 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         method: str,
         request_id: str,
         exc: Exception,
-        started: float,
     ) -> None:
         code, message = status_for(exc, request_id)
         if isinstance(exc, ServiceError):
             log.debug("%s request %s: %s %s", method, request_id, code.name, message)
         else:
             log.error("%s request %s failed", method, request_id, exc_info=exc)
-        self._done(method, code, started)
+        self._done(method, code)
         await context.abort(code, message)
 
     def _wrap_unary(self, method: str, behavior: Callable) -> Callable:
@@ -178,11 +177,11 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 raise
             except asyncio.CancelledError:  # the deadline passed or the client went away
-                self._done(method, _cancelled_code(context), started)
+                self._done(method, _cancelled_code(context))
                 raise
             except Exception as exc:
-                await self._fail(context, method, request_id, exc, started)
-            self._done(method, grpc.StatusCode.OK, started)
+                await self._fail(context, method, request_id, exc)
+            self._done(method, grpc.StatusCode.OK)
             return response
 
         return unary
@@ -193,7 +192,6 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             # stream's own id (the client's x-request-id metadata, or a fresh one).
             metadata = dict(context.invocation_metadata() or ())
             stream_id = metadata.get("x-request-id") or uuid.uuid4().hex
-            started = time.perf_counter()
             # LookupStream requests timed one by one: the servicer answers each exactly once and
             # in order, so arrivals and answers pair up first in, first out.
             observer = self.observer if method == STREAM_METHOD else None
@@ -217,11 +215,11 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 raise
             except asyncio.CancelledError:
-                self._done(method, _cancelled_code(context), started)
+                self._done(method, _cancelled_code(context))
                 raise
             except Exception as exc:
-                await self._fail(context, method, stream_id, exc, started)
-            self._done(method, grpc.StatusCode.OK, started)
+                await self._fail(context, method, stream_id, exc)
+            self._done(method, grpc.StatusCode.OK)
 
         return stream
 
@@ -310,7 +308,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(HEALTH_PREFIX) or self._authorized(details):
             return handler
         if self.observer is not None and details.method.startswith(SERVICE_PREFIX):
-            self.observer.rpc_done(details.method, grpc.StatusCode.UNAUTHENTICATED, 0.0)
+            self.observer.rpc_done(details.method, grpc.StatusCode.UNAUTHENTICATED)
         return _rejecting_handler(handler)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:

@@ -13,6 +13,7 @@ script) because torchrec users ship inference models with ``torch.jit.script``.
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -387,7 +388,7 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     @classmethod
     def from_ebc(
-        cls, ebc: EmbeddingBagCollection, allow_unknown_keys: bool = False, **compress_kwargs
+        cls, ebc: EmbeddingBagCollection, allow_unknown_keys: bool = False, **compress_kwargs: Any
     ) -> "CompressedEmbeddingBagCollection":
         """Compress every table of a float torchrec ``EmbeddingBagCollection``.
 
@@ -642,7 +643,7 @@ def _checked_config(config: EmbeddingBagConfig) -> EmbeddingBagConfig:
 
 
 def compress_model(
-    model: nn.Module, allow_unknown_keys: bool = False, **compress_kwargs
+    model: nn.Module, allow_unknown_keys: bool = False, **compress_kwargs: Any
 ) -> list[TableBytes]:
     """Replace every torchrec ``EmbeddingBagCollection`` inside ``model``, in place.
 
