@@ -39,6 +39,16 @@ def section_ranges(path: Path) -> dict[str, tuple[int, int]]:
     return ranges
 
 
+def mapped_from(address: int) -> str | None:
+    """The file whose mapping holds ``address`` in this process (Linux /proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        begin, end = (int(x, 16) for x in fields[0].split("-"))
+        if begin <= address < end:
+            return fields[5] if len(fields) == 6 else None
+    return None
+
+
 def flip_bit(path: Path, offset: int, bit: int = 0) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 1 << bit

@@ -95,6 +95,19 @@ def test_pack_text_report_and_table_selection(tmp_path: Path, sources: Path, cap
     assert "item" in text and "t_user" not in text and "wrote 1 table(s)" in text
 
 
+def test_table_selection_applies_before_other_entries_are_checked(tmp_path: Path) -> None:
+    emb = trained_like(100, 8)
+    checkpoint = {"model": {"emb": emb, "pos_ids": torch.arange(20).reshape(2, 10)}}
+    torch.save(checkpoint, tmp_path / "m.pt")
+    out = tmp_path / "out"
+    argv = ["pack", str(tmp_path / "m.pt"), "-o", str(out), "--no-progress"]
+    assert run(argv) == 1  # everything: the int64 matrix is no table
+    assert run([*argv, "--table", "model.emb"]) == 0
+    with TableStore.load(out, verify=True).acquire() as snap:
+        assert list(snap.tables) == ["model.emb"]
+        assert same_bits(snap.tables["model.emb"].decompress(), emb)
+
+
 @pytest.mark.parametrize(
     "argv",
     [

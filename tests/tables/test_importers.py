@@ -14,7 +14,7 @@ from ibpembed.tables import importers
 from ibpembed.tables.importers import SourceError, TableSet, TableSource
 from ibpembed.tables.manifest import pack_table_set
 from ibpembed.tables.store import TableStore
-from tests.tables.helpers import same_bits, trained_like
+from tests.tables.helpers import mapped_from, same_bits, trained_like
 
 torchrec = pytest.importorskip("torchrec")
 fbgemm_inference = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_inference")
@@ -199,16 +199,6 @@ def test_fbgemm_names_must_match_table_count() -> None:
 # -- files -----------------------------------------------------------------------------------
 
 
-def mapped_from(address: int) -> str | None:
-    """The file whose mapping holds ``address`` in this process (Linux /proc/self/maps)."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        begin, end = (int(x, 16) for x in fields[0].split("-"))
-        if begin <= address < end:
-            return fields[5] if len(fields) == 6 else None
-    return None
-
-
 def test_npy_is_memory_mapped(tmp_path: Path) -> None:
     array = trained_like(120, 10, torch.float16).numpy()
     np.save(tmp_path / "emb.npy", array)
@@ -226,6 +216,40 @@ def test_npy_rejects_bad_arrays(tmp_path: Path) -> None:
     np.save(tmp_path / "f64.npy", np.zeros((3, 3), np.float64))
     with pytest.raises(SourceError, match=r"unsupported table dtype torch\.float64"):
         importers.from_npy(tmp_path / "f64.npy")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_npy_in_the_other_byte_order_is_swapped_losslessly(tmp_path: Path, dtype) -> None:
+    gen = np.random.default_rng(0)
+    native = (gen.standard_normal((40, 6)) * 0.1).astype(dtype)
+    bits = native.view(np.uint16 if dtype == np.float16 else np.uint32)
+    bits[0, :3] = [0x7E01, 0xFE55, 0x8000] if dtype == np.float16 else [0x7FC00001, 0xFFA0BEEF, 0]
+    np.save(tmp_path / "big.npy", native.byteswap().view(native.dtype.newbyteorder(">")))
+    assert np.load(tmp_path / "big.npy").dtype.byteorder == ">"
+    source = importers.from_npy(tmp_path / "big.npy").tables[0]
+    assert same_bits(source.weight, torch.from_numpy(native))  # NaN payloads, -0.0 included
+    store = roundtrip(tmp_path, importers.load_sources([tmp_path / "big.npy"]))
+    with store.acquire() as snap:
+        assert same_bits(snap.tables["big"].decompress(), torch.from_numpy(native))
+
+
+def test_load_sources_selects_tables_before_checking_them(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    emb = trained_like(64, 8)
+    torch.save({"emb": emb, "pos_ids": torch.arange(20).reshape(2, 10)}, src / "model.pt")
+    torch.save(torch.zeros(3, 3, dtype=torch.int64), src / "steps.pt")  # a lone bad tensor
+    np.save(src / "counts.npy", np.zeros((4, 4), np.int64))
+    np.save(src / "item.npy", trained_like(10, 4).numpy())
+    with pytest.raises(SourceError, match=r"unsupported table dtype torch\.int64"):
+        importers.load_sources([src])
+    table_set = importers.load_sources([src], tables=["item", "emb"])
+    assert [s.name for s in table_set.tables] == ["item", "emb"]  # in the order asked for
+    assert same_bits(table_set.tables[1].weight, emb)
+    with pytest.raises(SourceError, match=r"no table named \['nope'\]"):
+        importers.load_sources([src], tables=["emb", "nope"])
+    with pytest.raises(SourceError, match="table 'pos_ids': unsupported table dtype"):
+        importers.load_sources([src], tables=["pos_ids"])  # chosen, then checked
 
 
 def test_safetensors_bf16(tmp_path: Path) -> None:

@@ -18,10 +18,16 @@ from hypothesis import strategies as st
 from ibpembed import compress
 from ibpembed.tables import format as tf
 from ibpembed.tables.importers import TableSet, TableSource
-from ibpembed.tables.manifest import MANIFEST, TableSetError, pack_table_set
-from ibpembed.tables.store import TableBytes, TableSnapshot, TableStore
+from ibpembed.tables.manifest import MANIFEST, TableSetError, pack_table_set, read_manifest
+from ibpembed.tables.store import MIN_SPILL_BYTES, TableBytes, TableSnapshot, TableStore
 from tests.codec.tables import make_table
-from tests.tables.helpers import flip_bit, same_bits, section_ranges, trained_like
+from tests.tables.helpers import (
+    flip_bit,
+    mapped_from,
+    same_bits,
+    section_ranges,
+    trained_like,
+)
 
 READERS = 4
 
@@ -411,6 +417,78 @@ def test_put_table_adds_a_table_atomically() -> None:
     with store.acquire() as snap:
         name, table = snap.table_for_feature("b_feature")
         assert name == "b" and same_bits(table.decompress(), weight) and snap.version == 2
+
+
+def test_save_keeps_pooling_and_file_metadata_of_updated_tables(tmp_path: Path) -> None:
+    packed = torch.randint(0, 256, (100, 12), dtype=torch.uint8)
+    table_set = TableSet(
+        (
+            TableSource("item", trained_like(100, 4), pooling="mean", origin="ckpt.pt"),
+            TableSource("q4", packed, pooling="sum", origin="tbe", layout="fbgemm_int4_rowwise"),
+        )
+    )
+    pack_table_set(tmp_path / "set", table_set, sample_rows=None)
+    store = TableStore.load(tmp_path / "set")
+    store.update_rows("item", torch.tensor([3]), torch.ones(1, 4))
+    store.update_rows("q4", torch.tensor([5, 99]), packed[:2].flip(1).contiguous())
+
+    def described(directory: Path) -> dict[str, tuple]:
+        found = read_manifest(directory)
+        metas = {n: tf.read_table(directory / e.file).meta for n, e in found.tables.items()}
+        return {
+            n: (e.pooling, metas[n]["pooling"], metas[n].get("origin"), metas[n].get("layout"))
+            for n, e in found.tables.items()
+        }
+
+    want = {
+        "item": ("mean", "mean", "ckpt.pt", None),
+        "q4": ("sum", "sum", "tbe", "fbgemm_int4_rowwise"),
+    }
+    store.save(tmp_path / "saved")
+    assert described(tmp_path / "saved") == want
+    store.save(tmp_path / "set")  # in place, over the files it was loaded from
+    assert described(tmp_path / "set") == want
+    assert store.reload()  # the updated tables now come from the saved files
+    store.update_rows("item", torch.tensor([4]), torch.ones(1, 4))
+    store.save(tmp_path / "again")
+    assert described(tmp_path / "again") == want
+    with TableStore.load(tmp_path / "again", verify=True).acquire() as snap:
+        assert torch.equal(snap.tables["item"].gather(torch.tensor([3, 4])), torch.ones(2, 4))
+    # A table put in by hand keeps its pooling, not the old file's origin and layout.
+    store.put_table("q4", compress(packed))
+    store.save(tmp_path / "put")
+    assert described(tmp_path / "put") == {**want, "q4": ("sum", "sum", None, None)}
+
+
+def test_update_of_a_mapped_table_lets_go_of_the_mapping(table_dir: Path) -> None:
+    store = TableStore.load(table_dir)
+    user_file = str(next(table_dir.glob("user.*.ibpt")))
+    with store.acquire() as snap:
+        assert mapped_from(snap.tables["user"].mask.data_ptr()) == user_file
+    store.update_rows("user", torch.tensor([5]), torch.ones(1, 8))
+    with store.acquire() as snap:
+        new = snap.tables["user"]
+    del snap
+    held = [new.payload, new.block_base, new.row_units, new.bitmask, new.mask, new.bitval]
+    assert all(mapped_from(t.data_ptr()) != user_file for t in held)
+    gc.collect()
+    # Nothing of the old version is left: its file is unmapped (its disk space free once deleted).
+    assert user_file not in Path("/proc/self/maps").read_text()
+    assert str(next(table_dir.glob("item.*.ibpt"))) in Path("/proc/self/maps").read_text()
+
+
+def test_accounting_counts_the_spill_areas_spare_room() -> None:
+    store = TableStore.from_tables({"t": compress(trained_like(640, 16))})
+    with store.acquire() as snap:
+        assert store.accounting()["t"].stored == snap.tables["t"].payload_bytes
+    store.update_rows("t", torch.tensor([100]), torch.ones(1, 16))
+    with store.acquire() as snap:
+        table = snap.tables["t"]
+    sizes = store.accounting()["t"]
+    buffer = table.payload.untyped_storage().nbytes()
+    assert sizes.stored == buffer >= table.payload_bytes + MIN_SPILL_BYTES
+    assert sizes.total == sizes.stored + sizes.index + sizes.metadata + sizes.hot
+    assert sizes.total == table.stored_bytes + (buffer - table.payload_bytes)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only no-op")

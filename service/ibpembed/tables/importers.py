@@ -150,6 +150,7 @@ def from_state_dict(
     state: Mapping[str, Any],
     *,
     keys: Sequence[str] | None = None,
+    tables: Iterable[str] | None = None,
     origin: str = "state dict",
 ) -> TableSet:
     """Tables from a state dict.
@@ -159,6 +160,8 @@ def from_state_dict(
     keys : the entries to import (table name = key). By default: the torchrec
         ``...embedding_bags.<table>.weight`` entries if there are any (table name = ``<table>``),
         else every 2-D tensor (dense layers of a checkpoint included; pass ``keys`` to choose).
+    tables : import only the tables of these names (possibly none), chosen before any entry is
+        checked: the other entries may be anything.
     """
     flat = _flatten(state)
     if keys is not None:
@@ -171,7 +174,10 @@ def from_state_dict(
         chosen = torchrec or {
             k: k for k, v in flat.items() if isinstance(v, torch.Tensor) and v.dim() == 2
         }
-    if not chosen:
+    if tables is not None:
+        wanted = set(tables)
+        chosen = {k: name for k, name in chosen.items() if name in wanted}
+    elif not chosen:
         raise SourceError(f"{origin}: no 2-D tensors to import")
     return TableSet(
         tuple(
@@ -343,29 +349,44 @@ def from_fbgemm(
 
 
 def from_npy(path: str | os.PathLike[str], name: str | None = None) -> TableSet:
-    """One table from a 2-D ``.npy`` file, memory-mapped (copy-on-write, never written back)."""
+    """One table from a 2-D ``.npy`` file, memory-mapped (copy-on-write, never written back).
+
+    An array in the other byte order is byte-swapped into memory (a copy; the same values, bit
+    for bit).
+    """
     path = Path(path)
     array = np.load(path, mmap_mode="c")
     if array.ndim != 2:
         raise SourceError(f"{path}: expected a 2-D array, got shape {array.shape}")
+    if not array.dtype.isnative:
+        array = array.byteswap().view(array.dtype.newbyteorder("="))
     try:
         weight = torch.from_numpy(array)
-    except TypeError:
+    except (TypeError, ValueError):
         raise SourceError(f"{path}: unsupported array dtype {array.dtype}") from None
     return from_tensor(weight, name or path.stem, origin=str(path))
 
 
 def from_safetensors(
-    path: str | os.PathLike[str], *, keys: Sequence[str] | None = None
+    path: str | os.PathLike[str],
+    *,
+    keys: Sequence[str] | None = None,
+    tables: Iterable[str] | None = None,
 ) -> TableSet:
     """Tables from a safetensors file (bf16 included), chosen as in ``from_state_dict``."""
     from safetensors.torch import load_file
 
-    return from_state_dict(load_file(str(path)), keys=keys, origin=str(path))
+    return from_state_dict(load_file(str(path)), keys=keys, tables=tables, origin=str(path))
 
 
-def from_pt(path: str | os.PathLike[str], *, keys: Sequence[str] | None = None) -> TableSet:
-    """Tables from a ``torch.save`` file: a tensor or a (possibly nested) state dict.
+def from_pt(
+    path: str | os.PathLike[str],
+    *,
+    keys: Sequence[str] | None = None,
+    tables: Iterable[str] | None = None,
+) -> TableSet:
+    """Tables from a ``torch.save`` file: a tensor or a (possibly nested) state dict, chosen as
+    in ``from_state_dict`` (a lone tensor is the table named after the file).
 
     Loaded with ``weights_only=True`` (no pickled code runs) and ``mmap=True`` (no copy).
     """
@@ -375,17 +396,27 @@ def from_pt(path: str | os.PathLike[str], *, keys: Sequence[str] | None = None) 
     except Exception as exc:  # torch raises many types for a bad file; the cause stays chained
         raise SourceError(f"{path}: cannot load with torch.load: {exc}") from exc
     if isinstance(obj, torch.Tensor):
+        if tables is not None and path.stem not in set(tables):
+            return TableSet(())
         return from_tensor(obj, path.stem, origin=str(path))
     if isinstance(obj, Mapping):
-        return from_state_dict(obj, keys=keys, origin=str(path))
+        return from_state_dict(obj, keys=keys, tables=tables, origin=str(path))
     raise SourceError(f"{path}: holds a {type(obj).__name__}, not a tensor or a state dict")
 
 
-def load_sources(paths: Sequence[str | os.PathLike[str]]) -> TableSet:
+def load_sources(
+    paths: Sequence[str | os.PathLike[str]], *, tables: Sequence[str] | None = None
+) -> TableSet:
     """A table set from files and directories (``.pt/.pth``, ``.safetensors``, ``.npy``).
 
     A directory contributes every such file directly inside it. Table names must be unique
     across all files.
+
+    Parameters
+    ----------
+    tables : only these tables, in this order (``TableSet.select``); the selection applies
+        before anything is checked, so other entries of a checkpoint (e.g. an int64 position-id
+        matrix) do not stop it.
     """
     files: list[Path] = []
     for entry in map(Path, paths):
@@ -401,12 +432,15 @@ def load_sources(paths: Sequence[str | os.PathLike[str]]) -> TableSet:
     sources: list[TableSource] = []
     for path in files:
         if path.suffix == ".npy":
+            if tables is not None and path.stem not in tables:
+                continue
             found = from_npy(path)
         elif path.suffix == ".safetensors":
-            found = from_safetensors(path)
+            found = from_safetensors(path, tables=tables)
         elif path.suffix in (".pt", ".pth"):
-            found = from_pt(path)
+            found = from_pt(path, tables=tables)
         else:
             raise SourceError(f"{path}: unknown source type (expected {_SOURCE_SUFFIXES})")
         sources.extend(found.tables)
-    return TableSet(tuple(sources))
+    table_set = TableSet(tuple(sources))
+    return table_set if tables is None else table_set.select(tables)

@@ -32,6 +32,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -148,8 +149,10 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     Raises
     ------
     TableSetError
-        for a missing or malformed manifest, an unknown version, or a feature naming a table the
-        manifest does not list.
+        for a missing or malformed manifest (naming the table and the field at fault: a missing,
+        unknown or mistyped field, or a ``file`` that is not a plain ``.ibpt`` name in the
+        set's directory), an unknown version, or a feature naming a table the manifest does not
+        list.
     """
     path = Path(directory) / MANIFEST
     try:
@@ -168,14 +171,20 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
             f"{path}: unknown manifest version {version!r} "
             f"(this reader knows versions {MANIFEST_VERSION} and {SHARDED_MANIFEST_VERSION})"
         )
-    try:
-        tables = {
-            name: ManifestEntry(**{**entry, "feature_names": tuple(entry["feature_names"])})
-            for name, entry in body["tables"].items()
-        }
-        features = {str(f): str(t) for f, t in body["features"].items()}
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise TableSetError(f"{path}: malformed manifest: {exc!r}") from None
+    for key in ("tables", "features"):
+        if not isinstance(body.get(key), dict):
+            raise TableSetError(
+                f"{path}: malformed manifest: field '{key}' must be a JSON object, "
+                f"got {body.get(key)!r}"
+            )
+    tables = {name: _parse_entry(path, name, entry) for name, entry in body["tables"].items()}
+    features: dict[str, str] = {}
+    for feature, table in body["features"].items():
+        if not isinstance(table, str):
+            raise TableSetError(
+                f"{path}: feature '{feature}' must map to a table name, got {table!r}"
+            )
+        features[feature] = table
     for name, entry in tables.items():
         rows = entry.row_range
         if version == MANIFEST_VERSION and entry.total_rows is not None:
@@ -192,6 +201,102 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
                 "manifest does not list"
             )
     return Manifest(tables=tables, features=features)
+
+
+def _is_count(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_file_name(value: Any) -> bool:
+    """A plain ``.ibpt`` file name: no directory part, not hidden, so it stays in the set."""
+    return (
+        isinstance(value, str)
+        and value.endswith(tf.SUFFIX)
+        and not value.startswith(".")
+        and not any(c in value for c in ("/", "\\", "\0"))
+    )
+
+
+# Each entry field: (check, what it must be). Fields with a default may be left out.
+_ENTRY_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "file": (_is_file_name, "a plain file name ending in .ibpt, in the set's directory"),
+    "header_xxh3": (
+        lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{16}", v) is not None,
+        "16 lowercase hex digits",
+    ),
+    "num_rows": (lambda v: _is_count(v, 1), "a positive integer"),
+    "dim": (lambda v: _is_count(v, 1), "a positive integer"),
+    "dtype": (lambda v: isinstance(v, str), "a dtype name"),
+    "quant": (lambda v: v is None or isinstance(v, str), "null or a string"),
+    "pooling": (lambda v: v is None or isinstance(v, str), "null or a string"),
+    "feature_names": (
+        lambda v: isinstance(v, list) and all(isinstance(f, str) for f in v),
+        "a list of strings",
+    ),
+    "row_start": (lambda v: _is_count(v, 0), "a non-negative integer"),
+    "total_rows": (lambda v: v is None or _is_count(v, 1), "null or a positive integer"),
+}
+_ENTRY_DEFAULTS = {"row_start": 0, "total_rows": None}
+
+
+def _parse_entry(path: Path, name: str, raw: Any) -> ManifestEntry:
+    """One manifest entry, every field type-checked (TableSetError naming the field)."""
+    where = f"{path}: table '{name}'"
+    if not isinstance(raw, dict):
+        raise TableSetError(f"{where}: the entry must be a JSON object, got {raw!r}")
+    unknown = sorted(set(raw) - _ENTRY_FIELDS.keys())
+    if unknown:
+        raise TableSetError(f"{where}: unknown field(s) {unknown}")
+    values: dict[str, Any] = {}
+    for key, (check, expected) in _ENTRY_FIELDS.items():
+        if key not in raw and key not in _ENTRY_DEFAULTS:
+            raise TableSetError(f"{where}: field '{key}' is missing")
+        value = raw.get(key, _ENTRY_DEFAULTS.get(key))
+        if not check(value):
+            raise TableSetError(f"{where}: field '{key}' must be {expected}, got {value!r}")
+        values[key] = value
+    return ManifestEntry(**{**values, "feature_names": tuple(values["feature_names"])})
+
+
+def check_entry(
+    manifest_path: str | os.PathLike[str], name: str, entry: ManifestEntry, loaded: tf.TableFile
+) -> None:
+    """Check that ``loaded`` is the file ``entry`` describes: its header checksum and name, and
+    the rows, width, dtype, quantisation and row range its header and metadata record.
+
+    Raises
+    ------
+    TableSetError
+        naming the manifest, the table, the field and both values.
+    """
+    if f"{loaded.header.header_xxh3:016x}" != entry.header_xxh3 or loaded.name != name:
+        raise TableSetError(
+            f"{loaded.path}: does not match the manifest entry for table '{name}' (header "
+            f"checksum or name differs: the file was replaced after the manifest was written)"
+        )
+    header, meta = loaded.header, loaded.meta
+    in_file = {
+        "num_rows": header.num_rows,
+        "dim": header.dim,
+        "dtype": tf.dtype_name(loaded.table.dtype),
+        "quant": loaded.table.quant,
+        "row_start": meta.get("row_start", 0),
+        "total_rows": meta.get("total_rows", header.num_rows),
+    }
+    in_manifest = {
+        "num_rows": entry.num_rows,
+        "dim": entry.dim,
+        "dtype": entry.dtype,
+        "quant": entry.quant,
+        "row_start": entry.row_start,
+        "total_rows": entry.row_range.total,
+    }
+    for key, value in in_manifest.items():
+        if value != in_file[key]:
+            raise TableSetError(
+                f"{manifest_path}: table '{name}': {key} is {value!r} in the manifest but "
+                f"{in_file[key]!r} in {loaded.path}"
+            )
 
 
 def load_table_set(
@@ -211,13 +316,27 @@ def load_table_set(
     Raises
     ------
     TableSetError
-        for a bad manifest or a table file missing or not matching the manifest.
+        for a bad manifest or a table file missing or not matching its manifest entry
+        (``check_entry``).
     format.TableFileError
         for a corrupt table file (naming the file and section).
     """
+    manifest, tables, _ = load_table_set_meta(directory, verify=verify, reuse=reuse)
+    return manifest, tables
+
+
+def load_table_set_meta(
+    directory: str | os.PathLike[str],
+    *,
+    verify: bool = False,
+    reuse: Callable[[str, ManifestEntry], CompressedTable | None] | None = None,
+) -> tuple[Manifest, dict[str, CompressedTable], dict[str, Mapping[str, Any]]]:
+    """``load_table_set``, and the meta section of every table it read from its file (tables
+    ``reuse`` returned are not read, so have none)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     tables: dict[str, CompressedTable] = {}
+    metas: dict[str, Mapping[str, Any]] = {}
     for name, entry in manifest.tables.items():
         previous = reuse(name, entry) if reuse is not None else None
         if previous is not None:
@@ -227,13 +346,10 @@ def load_table_set(
         if not path.is_file():
             raise TableSetError(f"{directory / MANIFEST}: table '{name}': file {path} is missing")
         loaded = tf.read_table(path, verify=verify)
-        if f"{loaded.header.header_xxh3:016x}" != entry.header_xxh3 or loaded.name != name:
-            raise TableSetError(
-                f"{path}: does not match the manifest entry for table '{name}' (header checksum "
-                f"or name differs: the file was replaced after the manifest was written)"
-            )
+        check_entry(directory / MANIFEST, name, entry, loaded)
         tables[name] = loaded.table
-    return manifest, tables
+        metas[name] = loaded.meta
+    return manifest, tables, metas
 
 
 @contextlib.contextmanager
@@ -545,15 +661,19 @@ def save_table_set(
     features: Mapping[str, str],
     pooling: Mapping[str, str | None] | None = None,
     row_ranges: Mapping[str, RowRange] | None = None,
+    meta: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[tf.PackedTable]:
     """Write already compressed tables (e.g. a store snapshot with row updates) as a table set.
 
     ``row_ranges`` gives the global rows of tables that are shards (default: whole tables).
+    ``meta`` gives more fields for a table's meta section (the ``origin`` and ``layout`` of the
+    file it was loaded from); the fields this function writes itself take precedence.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     pooling = pooling or {}
     row_ranges = row_ranges or {}
+    meta = meta or {}
     by_table: dict[str, list[str]] = {name: [] for name in tables}
     for feature, table in features.items():
         by_table[table].append(feature)
@@ -562,10 +682,17 @@ def save_table_set(
     with _pack_lock(directory):
         for name, table in tables.items():
             rows = row_ranges.get(name, RowRange.whole(table.num_rows))
-            meta: dict[str, Any] = {"feature_names": by_table[name], "pooling": pooling.get(name)}
+            extra = {
+                k: v for k, v in meta.get(name, {}).items() if k not in ("row_start", "total_rows")
+            }
+            file_meta: dict[str, Any] = {
+                **extra,
+                "feature_names": by_table[name],
+                "pooling": pooling.get(name),
+            }
             if not rows.is_whole:
-                meta["row_start"], meta["total_rows"] = rows.start, rows.total
-            packed = tf.write_table(directory, table, name=name, meta=meta, content_named=True)
+                file_meta["row_start"], file_meta["total_rows"] = rows.start, rows.total
+            packed = tf.write_table(directory, table, name=name, meta=file_meta, content_named=True)
             entries[name] = _entry(packed, pooling.get(name), tuple(by_table[name]), rows)
             reports.append(packed)
         _publish(directory, Manifest(tables=entries, features=dict(features)))

@@ -23,9 +23,10 @@ version can read are never written, which is what makes the update atomic withou
 (an in-place overwrite, even of a same-size slot, would be seen half-done by a concurrent
 lookup). The spill area is spare capacity of one buffer shared by successive versions; when it is
 full, when block 0 changes (the layout pins block 0 at offset 0) or on the first update of a
-memory-mapped table, the table is compacted into a fresh buffer with new spare room. Each update
-also copies the small index (about 1.4 bytes per row). Updates live in memory: ``save`` writes
-them out; ``reload`` replaces updated tables with their files.
+memory-mapped table, the table is compacted into a fresh buffer with new spare room (and its masks
+copied, so nothing of a mapped file stays referenced). Each update also copies the small index
+(about 1.4 bytes per row). Updates live in memory: ``save`` writes them out; ``reload`` replaces
+updated tables with their files.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,12 +48,27 @@ from ibpembed._ops import ops
 from ibpembed.codec import CompressedTable, CompressedTableSet, HotRows
 from ibpembed.tables import _layout
 from ibpembed.tables import format as tf
-from ibpembed.tables.manifest import ManifestEntry, RowRange, load_table_set, save_table_set
+from ibpembed.tables.manifest import (
+    ManifestEntry,
+    RowRange,
+    load_table_set_meta,
+    save_table_set,
+)
 
 # Spare payload bytes a compaction reserves for later spills: this fraction of the payload, and
 # at least enough for a few updates like the one that triggered it.
 SPILL_FRACTION = 8
 MIN_SPILL_BYTES = 1 << 16
+
+# Meta-section fields ``save`` writes itself; every other field of a loaded file's meta section
+# (origin, layout, the fit's parameters) is carried over to the file ``save`` writes.
+_SAVE_WRITES = frozenset(
+    {"name", "quant", "source_xxh3", "feature_names", "pooling", "row_start", "total_rows"}
+)
+
+
+def _kept_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in meta.items() if k not in _SAVE_WRITES}
 
 
 @dataclass(frozen=True)
@@ -61,8 +78,10 @@ class TableBytes:
     Attributes
     ----------
     raw : bytes of the uncompressed table (rows x row bytes).
-    stored : payload bytes addressed by the current version (compressed and raw slots, spilled
-        blocks and the holes they left, the decoder's pad).
+    stored : bytes of the buffer under the payload: those the current version addresses
+        (compressed and raw slots, spilled blocks and the holes they left, the decoder's pad)
+        and, once rows were updated, the spill area's spare room past them (allocated and
+        zero-filled, shared by later versions).
     index : random-access index (block bases and per-row slot sizes).
     metadata : compressed-row bitmask and the per-position masks.
     hot : decoded copies of hot rows kept for CPU lookups (``CompressedTable.with_hot_rows``),
@@ -186,6 +205,7 @@ class TableStore:
         *,
         directory: Path | None = None,
         entries: Mapping[str, ManifestEntry] | None = None,
+        metas: Mapping[str, Mapping[str, Any]] | None = None,
         verify: bool = False,
         pin: bool = False,
     ) -> None:
@@ -195,6 +215,10 @@ class TableStore:
         self._holders: dict[int, int] = {}
         self._directory = directory
         self._entries = dict(entries or {})
+        # What ``save`` writes back of each table beyond its rows, kept across row updates
+        # (``_entries`` forgets an updated table): the model's pooling and the file's metadata.
+        self._pooling = {n: e.pooling for n, e in self._entries.items()}
+        self._meta = {n: _kept_meta(m) for n, m in (metas or {}).items()}
         self._verify = verify
         self._pin = pin
         self._spill: dict[str, _Spill] = {}
@@ -223,12 +247,13 @@ class TableStore:
             CUDA. Buffers made by row updates are then allocated page-locked too.
         """
         directory = Path(directory)
-        manifest, tables = load_table_set(directory, verify=verify)
+        manifest, tables, metas = load_table_set_meta(directory, verify=verify)
         return cls(
             tables,
             manifest.features,
             directory=directory,
             entries=manifest.tables,
+            metas=metas,
             verify=verify,
             pin=pin,
         )
@@ -266,7 +291,12 @@ class TableStore:
         """Per table of the current version: raw, stored, index, metadata and hot-row bytes."""
         return {
             name: TableBytes(
-                t.raw_bytes, t.payload_bytes, t.index_bytes, t.metadata_bytes, t.hot_bytes
+                t.raw_bytes,
+                # The whole buffer the payload views: a spill buffer's spare room is resident.
+                max(t.payload_bytes, t.payload.untyped_storage().nbytes()),
+                t.index_bytes,
+                t.metadata_bytes,
+                t.hot_bytes,
             )
             for name, t in self._current.tables.items()
         }
@@ -325,7 +355,7 @@ class TableStore:
                 kept = target == self._directory and self._entries.get(name) == entry
                 return current.get(name) if kept and name not in self._spill else None
 
-            manifest, tables = load_table_set(target, verify=self._verify, reuse=reuse)
+            manifest, tables, metas = load_table_set_meta(target, verify=self._verify, reuse=reuse)
             fresh = {n: t for n, t in tables.items() if t is not current.get(n)}
             shards = _shards(manifest.tables)
             unchanged = (
@@ -342,6 +372,11 @@ class TableStore:
                 self._spill.clear()
             self._directory = target
             self._entries = dict(manifest.tables)
+            self._pooling = {n: e.pooling for n, e in manifest.tables.items()}
+            self._meta = {
+                n: _kept_meta(metas[n]) if n in metas else self._meta.get(n, {})
+                for n in manifest.tables
+            }
             return not unchanged
 
     @property
@@ -353,7 +388,11 @@ class TableStore:
     def put_table(
         self, name: str, table: CompressedTable, features: Mapping[str, str] | None = None
     ) -> None:
-        """Publish a new version with ``table`` added or replaced (and optional feature changes)."""
+        """Publish a new version with ``table`` added or replaced (and optional feature changes).
+
+        A replaced table keeps its features and pooling (``save`` writes them), not the metadata
+        of the file it was loaded from (its origin and layout describe the old rows).
+        """
         with self._write_lock:
             tables = {**self._current.tables, name: self._pinned({name: table})[name]}
             merged = {**self._current.features, **(features or {})}
@@ -364,6 +403,7 @@ class TableStore:
             shards = {n: r for n, r in self._current.shards.items() if n != name}
             self._publish(tables, merged, shards)
             self._entries.pop(name, None)
+            self._meta.pop(name, None)
             self._spill.pop(name, None)
 
     def set_hot_rows(self, table: str, ids: torch.Tensor, *, coverage: float = 0.0) -> int:
@@ -418,7 +458,7 @@ class TableStore:
             new, buffer = self._apply(table, old, ids, rows)
             self._publish({**current, table: new}, self._current.features)
             self._spill[table] = _Spill(new, buffer)
-            self._entries.pop(table, None)  # it no longer matches its file
+            self._entries.pop(table, None)  # it no longer matches its file (_pooling, _meta stay)
 
     def _apply(
         self, name: str, old: CompressedTable, ids: torch.Tensor, rows: torch.Tensor
@@ -446,6 +486,7 @@ class TableStore:
         end = _layout.payload_end(old)
         spill = self._spill.get(name)
         start = end + _layout.PAYLOAD_PAD  # past the pad the previous version may read ahead into
+        mask, bitval = old.mask, old.bitval
         if (
             spill is not None
             and spill.table is old
@@ -472,6 +513,9 @@ class TableStore:
                 reserve=reserve,
                 pin_memory=pinning_enabled(self._pin),
             )
+            # The masks too get memory of their own: views of a mapped file would keep the
+            # whole mapping (and the file's disk space, once a pack deletes it) alive.
+            mask, bitval = old.mask.clone(), old.bitval.clone()
         new_end = int(block_base[-1])
         table = dataclasses.replace(
             old,
@@ -479,16 +523,22 @@ class TableStore:
             block_base=block_base,
             row_units=row_units,
             bitmask=new_bitmask,
+            mask=mask,
+            bitval=bitval,
             hot=_updated_hot_rows(old.hot, ids, rows),
         )
         return table, buffer
 
     def save(self, directory: str | os.PathLike[str]) -> list[tf.PackedTable]:
-        """Write the current version (row updates included) as a table set."""
-        with self.acquire() as snapshot:
-            pooling = {n: e.pooling for n, e in self._entries.items()}
+        """Write the current version (row updates included) as a table set: each table with its
+        features, row range, pooling and the metadata of the file it was loaded from."""
+        with contextlib.ExitStack() as held:
+            with self._write_lock:  # the version and what describes its tables, together
+                snapshot = held.enter_context(self.acquire())
+                pooling = {n: self._pooling.get(n) for n in snapshot.tables}
+                meta = {n: dict(self._meta.get(n, {})) for n in snapshot.tables}
             return save_table_set(
-                directory, snapshot.tables, snapshot.features, pooling, snapshot.shards
+                directory, snapshot.tables, snapshot.features, pooling, snapshot.shards, meta
             )
 
 
