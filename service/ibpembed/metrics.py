@@ -324,7 +324,8 @@ class _TableCollector(Collector):
             ),
             "stored": GaugeMetricFamily(
                 f"{NAMESPACE}_table_stored_bytes",
-                "Bytes held to serve the table: payload, index, bitmask, masks and hot rows.",
+                "Bytes held to serve the table: payload buffer (with spare room for row updates),"
+                " index, bitmask, masks and hot rows.",
                 labels=["table"],
             ),
             "hot": GaugeMetricFamily(
