@@ -885,7 +885,9 @@ def run(cfg: Config, command: str) -> dict[str, Any]:
     ]
     results["alignment"] = alignment_sweep([by_name[p] for p in picks if p in by_name])
     paths = ["minilm_fp32", "dlrm_d128_fp32", "dlrm_d128_bf16", "dlrm_d16_fp32"]
-    results["cpu_paths"] = cpu_path_decode([by_name[p] for p in paths if p in by_name], 1)
+    results["cpu_paths"] = cpu_path_decode(
+        [by_name[p] for p in paths if p in by_name], cfg.decode_reps
+    )
     del tables, by_name
     gc.collect()
     results["gather"] = []

@@ -14,16 +14,18 @@ Two models, each run on the same Zipf batches (B=512, alpha 1.0, hot ids permute
 
 Accuracy is reported against the float EBC: ours is lossless (rows bit-exact, pooled within the
 fp32 summation bound), INT8 is measured. Timings are medians over batches of each batch's best of
-a few runs, with the interquartile range, on whatever CPU runs this (the header records it).
+a few passes that run the modules side by side (see ``interleaved_ms``), with the interquartile
+range, on whatever CPU runs this (the header records it).
 """
 
 import argparse
+import copy
 import importlib.util
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -94,26 +96,34 @@ def host_bytes(module: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
-def median_iqr_ms(
-    fn: Callable[[int], object], batches: int, warmup: int, repeats: int
-) -> tuple[float, float]:
-    """Median and interquartile range over batches of fn(i)'s best-of-``repeats`` time, in ms.
+def interleaved_ms(
+    fns: Sequence[Callable[[int], object]], batches: int, warmup: int, passes: int
+) -> list[tuple[float, float]]:
+    """Per function: the median and interquartile range over batches of fn(i)'s best time over
+    ``passes`` passes, in ms.
 
-    Best-of-n per batch because the CPUs this runs on are shared: other processes only ever add
-    time, so the minimum is the least disturbed measurement of the same work.
+    The functions are timed side by side: each pass runs batch after batch, every function on a
+    batch in turn (starting with another one each time), so no function runs a batch again with
+    the caches it has just warmed, and a noisy moment on the shared CPUs lands on all of them.
+    Best of the passes because other processes only ever add time.
     """
     for i in range(warmup):
-        fn(i % batches)
-    times = []
-    for i in range(batches):
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn(i)
-            best = min(best, time.perf_counter() - start)
-        times.append(best * 1e3)
-    q = statistics.quantiles(times, n=4)
-    return statistics.median(times), q[2] - q[0]
+        for fn in fns:
+            fn(i % batches)
+    best = [[float("inf")] * batches for _ in fns]
+    for p in range(passes):
+        for i in range(batches):
+            for j in range(len(fns)):
+                k = (i + p + j) % len(fns)
+                start = time.perf_counter()
+                fns[k](i)
+                best[k][i] = min(best[k][i], time.perf_counter() - start)
+    out = []
+    for times in best:
+        ms = [t * 1e3 for t in times]
+        q = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
+        out.append((statistics.median(ms), q[2] - q[0]))
+    return out
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -145,20 +155,27 @@ def compare_ebcs(
     kjts: list[KeyedJaggedTensor],
     traffic: list[KeyedJaggedTensor],
     warmup: int,
-    repeats: int,
+    passes: int,
 ) -> list[dict[str, object]]:
     """Forward time, host bytes and pooled accuracy of the modules on the same batches."""
     reference = [ebc(k).values().detach() for k in kjts]
     int8 = quantize_int8(ebc)
-    rows = []
-    for label, module, nbytes in [
+    modules = [
         ("torchrec EBC fp32", ebc, host_bytes(ebc)),
         ("torchrec INT8 EBC", int8, host_bytes(int8)),
         *((label, m, compressed_bytes(m)) for label, m in compressed_variants(ebc, traffic)),
-    ]:
+    ]
+    with torch.no_grad():
+        timings = interleaved_ms(
+            [lambda i, m=module: m(kjts[i]) for _, module, _ in modules],
+            len(kjts),
+            warmup,
+            passes,
+        )
+    rows = []
+    for (label, module, nbytes), (ms, iqr) in zip(modules, timings, strict=True):
         with torch.no_grad():
             outputs = [module(k).values() for k in kjts]
-            ms, iqr = median_iqr_ms(lambda i, m=module: m(kjts[i]), len(kjts), warmup, repeats)
         err = max(relative_error(o, r) for o, r in zip(outputs, reference, strict=True))
         delta = max(float((o - r).abs().max()) for o, r in zip(outputs, reference, strict=True))
         within = all(
@@ -189,6 +206,18 @@ def synthetic_ebc(num_rows: int, bf16_rounded: bool, seed: int) -> EmbeddingBagC
     return ebc
 
 
+def with_ebc(model: torch.nn.Module, ebc: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of the DLRM ``model`` whose sparse arch reads ``ebc``; the original and
+    its other submodules are shared, not changed."""
+    sparse = copy.copy(model.sparse_arch)
+    sparse._modules = dict(sparse._modules)  # a shallow copy would share (and edit) the dict
+    sparse.embedding_bag_collection = ebc
+    copied = copy.copy(model)
+    copied._modules = dict(copied._modules)
+    copied.sparse_arch = sparse
+    return copied
+
+
 def run_movielens(args: argparse.Namespace) -> list[dict[str, object]]:
     """Trained DLRM: whole-model forward on Zipf batches, accuracy on the real test ratings."""
     spec = importlib.util.spec_from_file_location("movielens_dlrm", EXAMPLE)
@@ -212,15 +241,20 @@ def run_movielens(args: argparse.Namespace) -> list[dict[str, object]]:
         ("torchrec INT8 EBC", quantize_int8(ebc)),
         *compressed_variants(ebc, traffic),
     ]
+    # One model per module, sharing the dense layers, so that switching modules between timed
+    # calls costs nothing.
+    models = [with_ebc(model, module) for _, module in variants]
     rows = []
     with torch.no_grad():
         ref_logits = model(test_dense, test_kjt).squeeze(1)
-        for label, module in variants:
-            model.sparse_arch.embedding_bag_collection = module
-            ms, iqr = median_iqr_ms(
-                lambda i: model(dense[i], kjts[i]), len(kjts), args.warmup, args.repeats
-            )
-            logits = model(test_dense, test_kjt).squeeze(1)
+        timings = interleaved_ms(
+            [lambda i, m=m: m(dense[i], kjts[i]) for m in models],
+            len(kjts),
+            args.warmup,
+            args.passes,
+        )
+        for (label, module), copied, (ms, iqr) in zip(variants, models, timings, strict=True):
+            logits = copied(test_dense, test_kjt).squeeze(1)
             nbytes = (
                 compressed_bytes(module)
                 if isinstance(module, CompressedEmbeddingBagCollection)
@@ -232,7 +266,6 @@ def run_movielens(args: argparse.Namespace) -> list[dict[str, object]]:
                  "auc": example.auc(logits, labels),
                  "max_abs": float((logits - ref_logits).abs().max())}
             )  # fmt: skip
-    model.sparse_arch.embedding_bag_collection = ebc
     return rows
 
 
@@ -252,9 +285,11 @@ def markdown(ml: list[dict[str, object]], syn: list[dict[str, object]], args) ->
         f"({time.strftime('%Y-%m-%d')}; {cpu}, {os.cpu_count()} cores, "
         f"torch threads: {torch.get_num_threads()}; torch {torch.__version__}; "
         f"ibpembed CPU path `{ibpembed.cpu_path()}`). Same Zipf batches (B={BATCH}, "
-        f"alpha {args.alpha}, hot ids permuted) for every module; per batch the best of "
-        f"{args.repeats} runs (shared CPUs), then the median over {args.batches} batches after "
-        f"{args.warmup} warm-up, IQR in brackets. Each table's hot ids are the same in every "
+        f"alpha {args.alpha}, hot ids permuted) for every module, the modules timed side by "
+        f"side: {args.passes} passes over the batches, each batch run by every module in turn "
+        "(rotating which goes first); per batch the best of the passes (shared CPUs), then the "
+        f"median over {args.batches} batches after {args.warmup} warm-up, IQR in brackets. "
+        "Each table's hot ids are the same in every "
         f"batch. *{HOT_LABEL}*: `cache_hot_rows` on 8 other batches of the same "
         "distribution (1 % of raw bytes per table); host bytes include the copies.",
         "",
@@ -296,7 +331,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=100_000, help="rows per synthetic table")
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per batch (best kept)")
+    parser.add_argument("--passes", type=int, default=5, help="timed passes (best kept per batch)")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (1: stable on shared CPUs)"
     )
@@ -317,7 +352,7 @@ def main() -> None:
         kjts = [zipf_kjt(configs, factors, args.alpha, seed=s) for s in range(args.batches)]
         traffic = [zipf_kjt(configs, factors, args.alpha, seed=TRAFFIC_SEED + s) for s in range(8)]
         name = "bf16-rounded fp32" if bf16 else "full fp32"
-        syn += compare_ebcs(name, ebc, kjts, traffic, args.warmup, args.repeats)
+        syn += compare_ebcs(name, ebc, kjts, traffic, args.warmup, args.passes)
         del ebc
     text = markdown(ml, syn, args)
     print(text)
