@@ -17,7 +17,10 @@ same requests (CPU time per request, best of several alternating passes, one tor
   B=64 and B=512, DCNv2 pooling factors.
 
 Copies are ranked by the engine's own policy on 8 earlier requests of the same traffic (1 % of
-raw bytes). Results: DIR/engine_paths.json and DIR/engine_paths.md.
+raw bytes). Before the timed passes every variant's sums over the timed requests are compared
+once with the fused variant's, within ``reference.pooled_tolerance`` (the fp32 bound for two
+summation orders): a case records ``agree`` per variant, and the run exits 1 when one differs.
+Results: DIR/engine_paths.json and DIR/engine_paths.md.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import numpy as np
 import torch
 
 from benchmarks import data
+from ibpembed import reference
 from ibpembed.codec import compress
 from ibpembed.engine import DEDUPE_MIN_IDS, FeatureQuery, LookupEngine
 from ibpembed.hot_rows import DEFAULT_BUDGET
@@ -51,6 +55,8 @@ VARIANTS = {  # name: (dedupe_max_unique_fraction, dedupe_min_ids, hot_row_budge
     "engine default, no copies": (0.5, DEDUPE_MIN_IDS, 0.0),
     "engine default + hot rows": (0.5, DEDUPE_MIN_IDS, DEFAULT_BUDGET),
 }
+
+REFERENCE_VARIANT = "fused"  # the others' results are compared with this one's
 
 Request = list[FeatureQuery]
 
@@ -72,8 +78,49 @@ def engines(tables: dict) -> dict[str, LookupEngine]:
     return out
 
 
+def sums(engine: LookupEngine, requests: list[Request]) -> list[list[torch.Tensor]]:
+    """Each request's pooled SUM per feature, as ``engine`` computes it."""
+    return [[f.values for f in engine.run(request, "sum").features] for request in requests]
+
+
+def tolerances(store: TableStore, requests: list[Request]) -> list[list[torch.Tensor]]:
+    """Per request and feature, the [B, D] bound on how far two fp32 sums of its bags may differ
+    (``reference.pooled_tolerance``: sequential fp32 accumulation, two summation orders)."""
+    out = []
+    with store.acquire() as snap:
+        for request in requests:
+            bounds = []
+            for query in request:
+                _, table = snap.table_for_feature(query.name)
+                rows = table.gather(torch.tensor(query.ids)).double().numpy()
+                offsets = np.concatenate([[0], np.cumsum(query.lengths, dtype=np.int64)])
+                positions = np.arange(query.ids.size)  # rows[i] is the row of the i-th id
+                bound = reference.pooled_tolerance(rows, positions, offsets, query.weights, "sum")
+                bounds.append(torch.from_numpy(bound))
+            out.append(bounds)
+    return out
+
+
+def agreement(variants: dict[str, LookupEngine], requests: list[Request]) -> dict[str, bool]:
+    """Whether each variant's sums over ``requests`` equal the fused variant's within the fp32
+    summation-order tolerance (same shapes, every element)."""
+    want = sums(variants[REFERENCE_VARIANT], requests)
+    bounds = tolerances(variants[REFERENCE_VARIANT].store, requests)
+    agree = {}
+    for name, engine in variants.items():
+        got = sums(engine, requests)
+        agree[name] = all(
+            g.shape == w.shape and bool(((g.double() - w.double()).abs() <= t).all())
+            for got_r, want_r, bound_r in zip(got, want, bounds, strict=True)
+            for g, w, t in zip(got_r, want_r, bound_r, strict=True)
+        )
+    return agree
+
+
 def measure(tables: dict, warm: list[Request], timed: list[Request], passes: int) -> dict:
-    """Best-of-``passes`` CPU ms per request of each variant, passes alternating."""
+    """Best-of-``passes`` CPU ms per request of each variant, passes alternating (``ms``), and
+    whether each variant's results agree with the fused variant's (``agree``, checked once
+    before the timed passes, outside them)."""
     variants = engines(tables)
     try:
         for engine in variants.values():
@@ -82,6 +129,7 @@ def measure(tables: dict, warm: list[Request], timed: list[Request], passes: int
             if engine.hot_rows is not None:
                 engine.hot_rows.refresh()
                 engine.hot_rows.close()  # no background re-ranking on the timed requests
+        agree = agreement(variants, timed)  # with the copies in place, before any timing
         best = dict.fromkeys(variants, float("inf"))
         for p in range(passes):
             order = list(variants.items())
@@ -90,7 +138,7 @@ def measure(tables: dict, warm: list[Request], timed: list[Request], passes: int
                 for request in timed:
                     engine.run(request, "sum")
                 best[name] = min(best[name], (time.process_time() - start) / len(timed) * 1e3)
-        return best
+        return {"ms": best, "agree": agree}
     finally:
         for engine in variants.values():
             engine.close()
@@ -103,8 +151,8 @@ def large_case(gib: float, passes: int) -> dict:
     requests = [
         [FeatureQuery("t", b.ids.numpy(), b.lengths.numpy().astype(np.int32))] for b in batches
     ]
-    ms = measure({"t": table}, requests[:WARMUP_REQUESTS], requests[WARMUP_REQUESTS:], passes)
-    return {"case": f"large: 1 table, {rows:,} x 128 fp32 ({gib:g} GiB)", "batch": 512, "ms": ms}
+    measured = measure({"t": table}, requests[:WARMUP_REQUESTS], requests[WARMUP_REQUESTS:], passes)
+    return {"case": f"large: 1 table, {rows:,} x 128 fp32 ({gib:g} GiB)", "batch": 512, **measured}
 
 
 def demo_case(batch: int, max_rows: int, passes: int) -> dict:
@@ -116,8 +164,8 @@ def demo_case(batch: int, max_rows: int, passes: int) -> dict:
     stream = make_requests(rows, batch_size=batch, hotness=hotness_for(features, "dcnv2"),
                            alpha=1.05, pooling="sum", count=WARMUP_REQUESTS + 8)  # fmt: skip
     requests = [decode_request(r)[0] for r in stream]
-    ms = measure(tables, requests[:WARMUP_REQUESTS], requests[WARMUP_REQUESTS:], passes)
-    return {"case": f"demo: 26 tables, <= {max_rows:,} rows", "batch": batch, "ms": ms}
+    measured = measure(tables, requests[:WARMUP_REQUESTS], requests[WARMUP_REQUESTS:], passes)
+    return {"case": f"demo: 26 tables, <= {max_rows:,} rows", "batch": batch, **measured}
 
 
 def markdown(report: dict) -> str:
@@ -126,12 +174,14 @@ def markdown(report: dict) -> str:
         f"torch {report['torch']}, `{report['command']}`: CPU ms per request, best of "
         f"{report['passes']} alternating passes, one thread.",
         "",
-        "| case | B | " + " | ".join(VARIANTS) + " |",
-        "|---|---|" + "---|" * len(VARIANTS),
+        "| case | B | " + " | ".join(VARIANTS) + " | results agree |",
+        "|---|---|" + "---|" * (len(VARIANTS) + 1),
     ]
     for r in report["results"]:
         cells = " | ".join(f"{r['ms'][v]:.2f}" for v in VARIANTS)
-        lines.append(f"| {r['case']} | {r['batch']} | {cells} |")
+        differ = [v for v in VARIANTS if not r["agree"][v]]
+        agree = "yes" if not differ else "NO: " + ", ".join(differ)
+        lines.append(f"| {r['case']} | {r['batch']} | {cells} | {agree} |")
     return "\n".join(lines) + "\n"
 
 
@@ -159,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "engine_paths.json").write_text(json.dumps(report, indent=2))
     (args.out / "engine_paths.md").write_text(markdown(report))
     print(markdown(report))
+    if not all(all(r["agree"].values()) for r in results):
+        print(f"some variant's results differ from the {REFERENCE_VARIANT!r} variant's")
+        return 1
     return 0
 
 

@@ -170,34 +170,66 @@ def _which(found: int | None, old: int, new: int) -> str:
 # -- kill during live reload -----------------------------------------------------------------------
 # The child serves lookups from a TableStore on a thread while the main thread reloads it in a
 # loop; every lookup must see one whole version (tables hold their version number in every
-# element), and it reports its counts on stdout.
+# element), and it reports its counts on stdout as one JSON object a line. A lookup that raises
+# counts as bad too (a table torn between two versions makes a lookup fail as easily as it makes
+# it read two values), and the report says whether the reader thread is still alive, with the
+# first error it met: a reader that died would otherwise look like one that saw nothing wrong.
 _RELOADER = r"""
-import sys, threading, time
+import json, sys, threading, time, traceback
 import torch
 from ibpembed.tables.store import TableStore
 store = TableStore.load(sys.argv[1])
-bad, reads, reloads, reload_errors = [], 0, 0, 0
+state = {"reads": 0, "bad": 0, "read_errors": 0, "first_bad": None, "reader_died": None}
+def read_once():
+    with store.acquire() as snap:
+        seen = set()
+        for t in snap.tables.values():
+            ends = t.gather(torch.tensor([0, t.num_rows - 1]))
+            seen.update(float(v) for v in ends.float().unique())
+    return seen
 def read():
-    global reads
-    while True:
-        with store.acquire() as snap:
-            seen = {float(t.gather(torch.tensor([0, t.num_rows - 1]))[:, 0].float().unique().item())
-                    for t in snap.tables.values()}
-        if len(seen) != 1:
-            bad.append(sorted(seen))
-        reads += 1
-threading.Thread(target=read, daemon=True).start()
-last = time.monotonic()
+    try:
+        while True:
+            try:
+                seen = read_once()
+            except Exception as exc:  # a torn table may raise rather than read two values
+                state["read_errors"] += 1
+                state["bad"] += 1
+                state["first_bad"] = state["first_bad"] or f"lookup raised {exc!r}"
+            else:
+                if len(seen) != 1:
+                    state["bad"] += 1
+                    state["first_bad"] = state["first_bad"] or f"one lookup saw {sorted(seen)}"
+            state["reads"] += 1
+    except BaseException:
+        state["reader_died"] = traceback.format_exc()[-500:]
+        raise
+reader = threading.Thread(target=read, daemon=True)
+reader.start()
+reloads, reload_errors, started = 0, 0, time.monotonic()
+last = started
 while True:
     try:
         store.reload()
         reloads += 1
     except Exception:  # e.g. a pack swept files between manifest read and open: keep serving
         reload_errors += 1
-    if time.monotonic() - last > 0.2:
-        print(f"reads {reads} reloads {reloads} errors {reload_errors} bad {len(bad)}", flush=True)
+    # The first report (the parent waits for it) once the reader has read, died or hung.
+    now = time.monotonic()
+    if now - last > 0.2 and (state["reads"] or not reader.is_alive() or now - started > 30):
+        report = dict(state, reloads=reloads, errors=reload_errors, reader_alive=reader.is_alive())
+        print(json.dumps(report), flush=True)
         last = time.monotonic()
 """
+_COUNTS = ("reads", "reloads", "errors", "bad", "read_errors")
+
+
+def _child_report(line: str) -> dict | None:
+    try:
+        report = json.loads(line)
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) else None
 
 
 def constant_set(value: float, rows: int) -> TableSet:
@@ -223,21 +255,29 @@ def kill_reload(work: Path, trials: int, rows: int, rng: random.Random) -> dict:
             stderr=subprocess.PIPE,
             text=True,
         )
-        child.stdout.readline()  # loaded and running
+        first = child.stdout.readline()  # loaded, and the reader has read (or died)
         for _ in range(rng.randint(1, 4)):
             version += 1
             pack_table_set(directory, constant_set(version, rows))
         time.sleep(rng.uniform(0.0, 0.5))
         child.send_signal(signal.SIGKILL)
-        out, _ = child.communicate()
-        lines = out.strip().splitlines()
-        last = lines[-1] if lines else "no report"
-        last_lines.append(last)
-        fields = last.split()
-        if len(fields) == 8:
-            totals.update({k: int(v) for k, v in zip(fields[::2], fields[1::2], strict=True)})
-            if int(fields[7]):
-                failures.append(f"trial {trial}: a lookup saw two versions ({last})")
+        out, err = child.communicate()
+        lines = (first + out).strip().splitlines()
+        report = _child_report(lines[-1]) if lines else None
+        last_lines.append(lines[-1] if lines else "no report")
+        if report is None:
+            failures.append(f"trial {trial}: no report from the child: {err.strip()[-500:]}")
+        else:
+            totals.update({k: int(report[k]) for k in _COUNTS})
+            if report["bad"]:
+                failures.append(
+                    f"trial {trial}: {report['bad']} lookups saw two versions or raised, the "
+                    f"first: {report['first_bad']}"
+                )
+            if not report["reader_alive"]:
+                failures.append(f"trial {trial}: the reader thread died: {report['reader_died']}")
+            if not report["reads"]:
+                failures.append(f"trial {trial}: the child made no lookup ({lines[-1]})")
         store = TableStore.load(directory, verify=True)
         with store.acquire() as snap:
             values = {float(t.decompress().float().unique().item()) for t in snap.tables.values()}
@@ -246,7 +286,8 @@ def kill_reload(work: Path, trials: int, rows: int, rng: random.Random) -> dict:
     return {
         "trials": trials,
         "versions_published": version,
-        "child_totals": dict(totals),
+        "child_totals": {k: totals[k] for k in _COUNTS},
+        "child_last_reports": last_lines,
         "failures": failures,
     }
 

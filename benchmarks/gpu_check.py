@@ -25,8 +25,11 @@
    asserted) and writes everything as JSON.
 
 --dry-run does everything that needs no GPU on the CPU, at toy sizes: table construction and
-tiling (checked against the CPU decoder), id streams, the CPU baseline, the report. Needs only
-torch, numpy and this repository (no torchrec/fbgemm, nothing downloaded).
+tiling (checked against the CPU decoder), id streams, the CPU baseline, the report. With no GPU
+to compare, the correctness checks compare the CPU ops with independent answers instead: gathers
+with the source rows (bit for bit), pooled lookups with ``ibpembed.reference.lookup_pooled``
+within ``reference.pooled_tolerance``. Needs only torch, numpy and this repository (no
+torchrec/fbgemm, nothing downloaded).
 """
 
 from __future__ import annotations
@@ -270,10 +273,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 class Checks:
     passed: int = 0
     failures: list[str] | None = None
+    kinds: dict[str, int] | None = None  # checks passed, by kind (default: the label's 1st word)
 
-    def record(self, ok: bool, what: str) -> None:
+    def record(self, ok: bool, what: str, kind: str | None = None) -> None:
         if ok:
             self.passed += 1
+            kind = kind or what.split()[0]
+            self.kinds = {**(self.kinds or {}), kind: (self.kinds or {}).get(kind, 0) + 1}
             return
         self.failures = [*(self.failures or []), what]
         log(f"  FAIL {what}")
@@ -298,16 +304,21 @@ def small_cases() -> Iterator[tuple[str, torch.Tensor, dict[str, Any]]]:
 
 def check_correctness(ibpembed, ops, dev: torch.device) -> dict[str, Any]:
     """Every small case through the ops on ``dev`` against the CPU ops. On a CPU ``dev``
-    (--dry-run) both sides are the CPU ops: that only exercises this script."""
+    (--dry-run) the CPU ops against independent answers instead: gathers against the source
+    rows, pooled lookups against ``ibpembed.reference`` (``against`` in the result says which)."""
     from benchmarks import data
 
     checks = Checks()
     start = time.perf_counter()
     rng = np.random.default_rng(0)
+    gpu = dev.type == "cuda"
     for label, table, kwargs in small_cases():
         c = ibpembed.compress(table, **kwargs)
         ids = request_ids(rng, c.num_rows, 3000)
-        want = ops.ibp_gather(*c._args(), ids)
+        if gpu:
+            want = ops.ibp_gather(*c._args(), ids)
+        else:  # the source rows themselves, as the op returns them (bytes of each row)
+            want = table[ids].contiguous().view(torch.uint8).reshape(ids.numel(), c.row_bytes)
         for where in ("pinned", "device"):
             got = ops.ibp_gather(*device_args(c, dev, where), ids.to(dev)).cpu()
             checks.record(same_bits(got, want), f"gather {label} payload={where}")
@@ -316,20 +327,72 @@ def check_correctness(ibpembed, ops, dev: torch.device) -> dict[str, Any]:
             same_bits(got.view(c.dtype).view(c.num_rows, c.dim), table), f"decompress {label}"
         )
         if table.dtype.is_floating_point:
-            check_pooled(ops, c, c._dtype_code(), rng, checks, label, dev)
-    q = ibpembed.compress(
-        data.int8_rowwise(data.dlrm_table(1000, 129, seed=5)), quant="int8_rowwise"
-    )
-    check_pooled(ops, q, 5, rng, checks, "int8 rowwise D=129", dev)
+            values = None if gpu else source_values(table, str(table.dtype).split(".")[-1])
+            check_pooled(ops, c, c._dtype_code(), rng, checks, label, dev, values)
+    quantised = data.int8_rowwise(data.dlrm_table(1000, 129, seed=5))
+    q = ibpembed.compress(quantised, quant="int8_rowwise")
+    values = None if gpu else source_values(quantised, "int8_rowwise")
+    check_pooled(ops, q, 5, rng, checks, "int8 rowwise D=129", dev, values)
     check_errors(ibpembed, ops, checks, dev)
     log(
         f"correctness on {dev}: {checks.passed} checks passed, {len(checks.failures or [])} "
         f"failed ({time.perf_counter() - start:.1f} s)"
     )
-    return {"device": str(dev), "passed": checks.passed, "failures": checks.failures or []}
+    return {
+        "device": str(dev),
+        "against": "CPU ops" if gpu else "source rows and ibpembed.reference",
+        "passed": checks.passed,
+        "passed_by_kind": checks.kinds or {},
+        "failures": checks.failures or [],
+    }
 
 
-def check_pooled(ops, c, dtype_code: int, rng, checks: Checks, label: str, dev) -> None:
+def source_values(table: torch.Tensor, kind: str) -> np.ndarray:
+    """A source table's rows widened to float64 (``reference.row_values``), for the reference."""
+    from ibpembed import reference
+
+    rows = table.contiguous().view(torch.uint8).reshape(table.shape[0], -1).numpy()
+    with np.errstate(invalid="ignore"):  # NaN payloads widen to NaN
+        return reference.row_values(rows, kind)
+
+
+def matches_reference(
+    got: torch.Tensor, values: np.ndarray, ids, offsets, weights, pooling: str
+) -> bool:
+    """An fp32 pooled result against ``reference.lookup_pooled`` (exact, float64): within
+    ``reference.pooled_tolerance`` plus one rounding in the subnormal range per operation (whose
+    error is absolute, at most half the smallest subnormal); non-finite where the reference is
+    (NaN for NaN, the same infinity). Elements where the finite terms add up past fp32's range
+    are left out: there an fp32 sum overflows or not depending on its order."""
+    from ibpembed import reference
+
+    ids, offsets = ids.numpy(), offsets.numpy()
+    w = None if weights is None else weights.numpy()
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = reference.lookup_pooled(values, ids, offsets, w, pooling)
+        finite_terms = np.where(np.isfinite(values), np.abs(values), 0.0)
+        magnitude_w = None if w is None else np.abs(w)
+        spread = reference.lookup_pooled(finite_terms, ids, offsets, magnitude_w, "sum")
+        lengths = np.diff(offsets)[:, None]
+        tol = reference.pooled_tolerance(finite_terms, ids, offsets, w, pooling)
+        tol = tol + (2 * lengths + 2) * 2.0**-150
+        got = got.double().numpy()
+        if got.shape != want.shape:
+            return False
+        decidable = spread < float(np.finfo(np.float32).max) / 2
+        finite = np.isfinite(want)
+        close = np.abs(got - want) <= tol
+        same_nan = np.isnan(got) == np.isnan(want)
+        same_inf = np.where(np.isinf(want), got == want, True)
+    ok = np.where(finite, close, same_nan & same_inf)
+    return bool(ok[decidable].all())
+
+
+def check_pooled(
+    ops, c, dtype_code: int, rng, checks: Checks, label: str, dev, values=None
+) -> None:
+    """Pooled SUM/MEAN, with and without weights: on a GPU against the CPU op bit for bit (NaN
+    payloads aside); on the CPU (``values``: the source rows as float64) against the reference."""
     lengths = rng.integers(0, 40, 200)
     lengths[::9] = 0  # empty bags
     offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
@@ -338,6 +401,11 @@ def check_pooled(ops, c, dtype_code: int, rng, checks: Checks, label: str, dev) 
     args = device_args(c, dev)
     for pooling in ("sum", "mean"):
         for w in (None, weights):
+            if values is not None:
+                got = ops.lookup_pooled(*args, ids, offsets, w, dtype_code, POOLING[pooling])
+                ok = matches_reference(got, values, ids, offsets, w, pooling)
+                checks.record(ok, f"pooled {pooling} weighted={w is not None} {label} (reference)")
+                continue
             want = ops.lookup_pooled(*c._args(), ids, offsets, w, dtype_code, POOLING[pooling])
             got = ops.lookup_pooled(
                 *args,
@@ -378,7 +446,7 @@ def check_errors(ibpembed, ops, checks: Checks, dev: torch.device) -> None:
             ok = False
         except error:
             ok = True
-        checks.record(ok, f"{what} raises {error.__name__}")
+        checks.record(ok, f"{what} raises {error.__name__}", "errors")
 
 
 # ---------------------------------------------------------------------------------------------

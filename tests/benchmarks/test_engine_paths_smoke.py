@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Smoke test of benchmarks.engine_paths: the quick run writes its report with every variant."""
+"""Smoke test of benchmarks.engine_paths: the quick run writes its report with every variant, and
+every variant's pooled sums agree with the fused kernel's (the timings compare like with like)."""
 
 from __future__ import annotations
 
@@ -16,4 +17,6 @@ def test_quick_run_reports_every_variant(tmp_path: Path) -> None:
     for result in report["results"]:
         assert set(result["ms"]) == set(engine_paths.VARIANTS)
         assert all(ms > 0 for ms in result["ms"].values())
+        # Each variant's results, compared once with the fused variant's outside the timing.
+        assert result["agree"] == dict.fromkeys(engine_paths.VARIANTS, True), result["case"]
     assert "| case | B |" in (tmp_path / "engine_paths.md").read_text()

@@ -18,7 +18,11 @@ from benchmarks.reliability import ServerProcess
 def test_kill_during_live_reload_keeps_every_lookup_on_one_version(tmp_path: Path) -> None:
     result = faults.kill_reload(tmp_path, 1, 300, random.Random(0))
     assert result["failures"] == []
-    assert result["child_totals"]["bad"] == 0
+    totals = result["child_totals"]
+    # Lookups and reloads both ran (a reader that died at once would leave bad at 0 too), and
+    # none of the lookups saw two versions or raised.
+    assert totals["reads"] > 0 and totals["reloads"] > 0, result
+    assert totals["bad"] == 0 and totals["read_errors"] == 0, result
 
 
 def test_live_reloads_under_load_serve_whole_versions_and_never_a_corrupt_one(

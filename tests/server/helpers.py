@@ -46,17 +46,25 @@ def _int8_rowwise(rows: int, codes: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.concatenate([header.view(np.uint8), body], axis=1).copy())
 
 
-def make_tables(seed: int = 0) -> dict[str, CompressedTable]:
+def source_tables(seed: int = 0) -> dict[str, torch.Tensor]:
+    """The rows :func:`make_tables` compresses (an oracle independent of the codec)."""
     gen = torch.Generator().manual_seed(seed)
     f32 = torch.randn(1000, 16, generator=gen) * 0.05
     f32[::97] = 0.0  # zero rows, as never-trained ids leave them
     bf16 = (torch.randn(500, 8, generator=gen) * 0.05).to(torch.bfloat16)
     f16 = (torch.randn(300, 3, generator=gen) * 0.05).to(torch.float16)
     return {
-        "emb_f32": compress(f32),
-        "emb_bf16": compress(bf16),
-        "emb_f16": compress(f16),
-        "emb_q8": compress(_int8_rowwise(300, 12, seed), quant="int8_rowwise"),
+        "emb_f32": f32,
+        "emb_bf16": bf16,
+        "emb_f16": f16,
+        "emb_q8": _int8_rowwise(300, 12, seed),
+    }
+
+
+def make_tables(seed: int = 0) -> dict[str, CompressedTable]:
+    return {
+        name: compress(rows, quant="int8_rowwise") if name == "emb_q8" else compress(rows)
+        for name, rows in source_tables(seed).items()
     }
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from ibpembed import reference
 from ibpembed.engine import FeatureQuery, LookupEngine
 from ibpembed.tables.store import TableStore
 from ibpembed_client import (
@@ -18,7 +19,13 @@ from ibpembed_client import (
     bf16_to_float32,
     build_request,
 )
-from tests.server.helpers import FEATURES, RunningServer, make_store
+from tests.server.helpers import (
+    FEATURES,
+    RecordingObserver,
+    RunningServer,
+    make_store,
+    source_tables,
+)
 
 POOLED = ("sum", "mean")
 NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
@@ -110,27 +117,36 @@ def test_pooled_matches_codec_and_engine(client, store, pooling, weighted, batch
 
 @pytest.mark.parametrize("fraction", [0.0, 1.0])
 def test_dedupe_and_fused_paths_agree(store, fraction):
-    """Pooling over decoded distinct rows and the fused kernel give the same sums."""
+    """Pooling over decoded distinct rows (fraction 1.0) and the fused kernel (fraction 0.0) give
+    the exact sums within fp32 rounding, and each arm took the path it names: the kernel call's
+    count of decoded rows is the distinct ids for decode-once, every id for the fused kernel."""
     rng = np.random.default_rng(7)
     ids = rng.integers(0, 20, 400).astype(np.int64)  # heavy repeats
     lengths = np.full(40, 10, np.int32)
     weights = rng.uniform(0, 1, 400).astype(np.float32)
     query = [FeatureQuery("user", ids, lengths, weights)]
+    observer = RecordingObserver()
     engine = LookupEngine(
-        store, max_workers=1, dedupe_max_unique_fraction=fraction, dedupe_min_ids=1
+        store,
+        max_workers=1,
+        dedupe_max_unique_fraction=fraction,
+        dedupe_min_ids=1,
+        observer=observer,
     )
     try:
         got = engine.run(query, "mean").features[0].values
     finally:
         engine.close()
-    with store.acquire() as snap:
-        want = snap.tables["emb_f32"].lookup(
-            torch.from_numpy(ids),
-            weights=torch.from_numpy(weights),
-            pooling="mean",
-            lengths=torch.from_numpy(lengths),
-        )
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    decoded = np.unique(ids).size if fraction else ids.size
+    assert np.unique(ids).size < ids.size  # the arms' counts differ: they tell the paths apart
+    assert observer.kernels == [("emb_f32", "mean", ids.size, decoded)]
+    values = source_tables()["emb_f32"].double().numpy()
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    exact = reference.lookup_pooled(values, ids, offsets, weights, "mean")
+    tol = reference.pooled_tolerance(values, ids, offsets, weights, "mean")
+    assert got.dtype == torch.float32 and tuple(got.shape) == exact.shape
+    excess = np.abs(got.double().numpy() - exact) - tol
+    assert (excess <= 0).all(), f"{(excess > 0).sum()} elements off, worst by {excess.max():.3g}"
 
 
 def test_empty_request_and_request_id_echo(client):

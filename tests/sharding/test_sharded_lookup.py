@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -197,50 +196,93 @@ def halves_of_one_server(target: str) -> ShardMap:
     return ShardMap((target, target), {"emb_f32": table}, {"user": "emb_f32"})
 
 
-def test_concurrent_callers_each_keep_their_deadline():
-    timeout, callers = 0.5, 8
+def test_concurrent_callers_each_keep_their_deadline(monkeypatch):
+    """More parts than the client's pool has threads, and a server that answers none of them:
+    every caller gets DEADLINE_EXCEEDED (a caller waiting for an answer would get one only when
+    the gate gives up, 60 s on, and OK), the server received and held parts, and no part was
+    sent with more time than its request had left (a part queued for a pool thread must not
+    start a fresh timeout)."""
+    timeout, callers = 1.0, 8
     gate = GateObserver()  # holds every lookup, so no shard answers in time
-    outcomes: list[tuple[grpc.StatusCode, float]] = []
+    codes: list[grpc.StatusCode] = []
+    given: list[float | None] = []  # the timeout of every part sent to a shard
 
     def call(client: ShardedLookupClient) -> None:
-        start = time.monotonic()
         try:
             client.lookup({"user": [[1, 700]]}, timeout=timeout)
+            codes.append(grpc.StatusCode.OK)
         except LookupServiceError as err:
-            outcomes.append((err.code, time.monotonic() - start))
+            codes.append(err.code)
 
     with RunningServer(make_store(), observer=gate) as running:
         try:
             with ShardedLookupClient(halves_of_one_server(running.target)) as client:
+                for shard_client in client._clients:
+                    send = shard_client.lookup_request
+
+                    def recorded(request, *, timeout=None, send=send):
+                        given.append(timeout)
+                        return send(request, timeout=timeout)
+
+                    monkeypatch.setattr(shard_client, "lookup_request", recorded)
                 # 16 parts: more than the pool's threads, so some wait for one.
                 threads = [threading.Thread(target=call, args=(client,)) for _ in range(callers)]
                 for t in threads:
                     t.start()
                 for t in threads:
                     t.join()
+                held = gate.entered  # while the gate is still closed: none was answered
         finally:
             gate.open()
-    assert len(outcomes) == callers
-    assert {code for code, _ in outcomes} == {grpc.StatusCode.DEADLINE_EXCEEDED}
-    assert max(seconds for _, seconds in outcomes) < timeout + 0.45, outcomes
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * callers
+    assert held >= 1
+    assert 1 <= len(given) <= 2 * callers
+    assert all(t is not None and 0 < t < timeout for t in given), given
 
 
 def test_a_failed_part_waits_for_the_others(monkeypatch):
-    gate = GateObserver()  # holds shard 1's part until the timer opens it
+    """Shard 0's part fails at once while shard 1's is held by the server: the lookup raises
+    the failure only after the held part has finished. The gate opens once shard 0 has failed
+    and shard 1's part has reached the server, or as soon as the lookup has raised: a lookup
+    that did not wait for shard 1 raises before its answer."""
+    gate = GateObserver()  # holds shard 1's part until the opener opens it
+    events: list[str] = []
+    failed, returned = threading.Event(), threading.Event()
 
     def broken(request: object, *, timeout: float | None = None) -> None:
+        events.append("shard 0 failed")
+        failed.set()
         raise RuntimeError("shard 0 client bug")
+
+    def opener() -> None:
+        gate.wait_entered(1)
+        failed.wait(30)
+        returned.wait(0.3)  # a lookup that does not wait raises now (the wait is not asserted)
+        events.append("shard 1 released")
+        gate.open()
 
     with (
         RunningServer(make_store(), observer=gate) as running,
         ShardedLookupClient(halves_of_one_server(running.target), timeout=30) as client,
     ):
         monkeypatch.setattr(client._clients[0], "lookup_request", broken)
-        opener = threading.Timer(0.3, gate.open)
-        start = time.monotonic()
-        opener.start()
-        with pytest.raises(RuntimeError, match="shard 0 client bug"):
-            client.lookup({"user": [[1, 700]]})
-        waited = time.monotonic() - start
-        opener.join()
-    assert gate.entered == 1 and waited >= 0.3
+        send = client._clients[1].lookup_request
+
+        def held(request, *, timeout=None):
+            try:
+                return send(request, timeout=timeout)
+            finally:
+                events.append("shard 1 answered")
+
+        monkeypatch.setattr(client._clients[1], "lookup_request", held)
+        # A daemon: when the lookup does not wait, shard 1's part may never reach the gate.
+        threading.Thread(target=opener, daemon=True).start()
+        try:
+            with pytest.raises(RuntimeError, match="shard 0 client bug"):
+                client.lookup({"user": [[1, 700]]})
+            events.append("lookup raised")
+        finally:
+            returned.set()
+            gate.open()
+    assert events == ["shard 0 failed", "shard 1 released", "shard 1 answered", "lookup raised"]
+    assert gate.entered == 1
