@@ -137,6 +137,8 @@ int main() {
               sizeof(SectionEntry), kTableFileVersion, kTableFileMagic);
   std::printf("align %llu %llu\n", (unsigned long long)kSectionAlign,
               (unsigned long long)kPayloadAlign);
+  OFF(FileHeader, magic); OFF(FileHeader, version); OFF(FileHeader, header_bytes);
+  OFF(FileHeader, section_count); OFF(FileHeader, section_entry_bytes);
   OFF(FileHeader, file_bytes); OFF(FileHeader, num_rows); OFF(FileHeader, dim);
   OFF(FileHeader, row_bytes); OFF(FileHeader, unit_bytes); OFF(FileHeader, dtype);
   OFF(FileHeader, chunk_bits); OFF(FileHeader, num_chunks); OFF(FileHeader, layout_version);
@@ -214,9 +216,7 @@ def test_cpp_header_matches_python_structs(tmp_path: Path) -> None:
     ]
     assert "<" + "".join(codes) == tf.HEADER.format
     for i, name in enumerate(header_fields):
-        key = f"FileHeader.{name}"
-        if key in out:
-            assert int(out[key]) == struct.calcsize("<" + "".join(codes[:i])), name
+        assert int(out[f"FileHeader.{name}"]) == struct.calcsize("<" + "".join(codes[:i])), name
     entry_codes = {"kind": "", "flags": "I", "offset": "II", "length": "IIQ", "xxh3": "IIQQ"}
     for name, prefix in entry_codes.items():
         assert int(out[f"SectionEntry.{name}"]) == struct.calcsize("<" + prefix), name

@@ -24,8 +24,8 @@ from tests.tables.test_cli import run
 
 
 def source(name: str, seed: int, rows: int = 120, features: tuple[str, ...] = ()) -> TableSource:
-    torch.manual_seed(seed)
-    return TableSource(name, trained_like(rows, 8), feature_names=features)
+    """Rows that differ with ``seed``: a merge that kept an old table shows in its bits."""
+    return TableSource(name, trained_like(rows, 8, seed=seed), feature_names=features)
 
 
 def tables_of(directory: Path) -> dict[str, torch.Tensor]:
@@ -35,11 +35,13 @@ def tables_of(directory: Path) -> dict[str, torch.Tensor]:
 
 def test_merge_replaces_one_table_and_keeps_the_others_files(tmp_path: Path) -> None:
     a, b, b2, c = source("a", 1, features=("fa",)), source("b", 2), source("b", 3), source("c", 4)
+    assert not same_bits(b.weight, b2.weight)
     pack_table_set(tmp_path, TableSet((a, b)), sample_rows=None)
-    a_file = read_manifest(tmp_path).tables["a"].file
+    before = read_manifest(tmp_path).tables
     pack_table_set(tmp_path, TableSet((b2, c)), sample_rows=None, merge=True)
     manifest = read_manifest(tmp_path)
-    assert manifest.tables["a"].file == a_file  # untouched, so a server reuses its mapping
+    assert manifest.tables["a"].file == before["a"].file  # untouched: a server reuses its mapping
+    assert manifest.tables["b"].file != before["b"].file  # replaced
     assert dict(manifest.features) == {"fa": "a", "b": "b", "c": "c"}
     got = tables_of(tmp_path)
     assert got.keys() == {"a", "b", "c"}
