@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Soak: saturating load on a real server for a minute; errors, memory, descriptors, latency.
 
-    python -m benchmarks.soak [--duration 60] [--window 10] [--concurrency 32] [--json PATH]
+    python -m benchmarks.soak [--duration 60] [--window 10] [--concurrency 8] [--json PATH]
 
 ``ibpembed serve`` (the embedded DLRM-DCNv2-profile demo set, ``--max-inflight`` below the load
 generator's concurrency) is driven by ``ibpembed-loadgen``'s closed loop in back-to-back windows
