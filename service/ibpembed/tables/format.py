@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
 import torch
 import xxhash
 
@@ -816,8 +817,9 @@ def _check_index(path: Path, table: CompressedTable) -> None:
         raise TableFileError(path, "row_units", "row slot sizes out of range")
     # format.h: a row is stored compressed iff its slot is smaller than a raw one. Decoders rely
     # on it to bound what they read (a "raw" row with a short slot would be copied past it).
-    compressed = table.is_compressed(torch.arange(table.num_rows))
-    if bool((compressed != (real < max_units)).any()):
+    # One bit per row, little-endian within the int32 words: unpacked in C, ~1 ms per 1M rows.
+    compressed = np.unpackbits(table.bitmask.numpy().view(np.uint8), bitorder="little")
+    if bool((compressed[: table.num_rows] != (real.numpy() < max_units)).any()):
         raise TableFileError(
             path, "row_units", "a row's slot size disagrees with its compressed bit"
         )
