@@ -62,6 +62,43 @@ def test_invalid_settings_are_named(argv, env, message):
         config.load(_args(*argv), environ=env)
 
 
+def test_log_level_has_choices():
+    assert config.load(_args("--log-level", "DEBUG"), environ={}).log_level == "debug"
+    assert config.load(_args(), environ={"IBPEMBED_LOG_LEVEL": "Warning"}).log_level == "warning"
+    with pytest.raises(SystemExit):  # argparse: "invalid choice", exit code 2
+        _args("--log-level", "verbose")
+    with pytest.raises(ValueError, match="IBPEMBED_LOG_LEVEL: log_level must be one of"):
+        config.load(_args(), environ={"IBPEMBED_LOG_LEVEL": "verbose"})
+    with pytest.raises(ValueError, match="log_level must be one of"):
+        config.ServerConfig(log_level="verbose").validate()
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("port = 52315.9", r"port must be an integer, got 52315\.9 \(float\)"),
+        ("port = 52315.0", "port must be an integer"),
+        ("workers = true", r"workers must be an integer, got True \(bool\)"),
+        ('max_inflight = "8"', "max_inflight must be an integer"),
+        ("grace_s = true", "grace_s must be a number"),
+        ('grace_s = "5"', "grace_s must be a number"),
+    ],
+)
+def test_config_file_numbers_must_be_numbers_of_the_right_kind(tmp_path, line, message):
+    path = tmp_path / "server.toml"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match=rf"{path}: {message}"):
+        config.load(_args("--config", str(path)), environ={})
+
+
+def test_config_file_int_and_float_settings(tmp_path):
+    path = tmp_path / "server.toml"
+    path.write_text("port = 52315\ngrace_s = 5\nreload_poll_s = 0.5\n")
+    cfg = config.load(_args("--config", str(path)), environ={})
+    assert (cfg.port, cfg.grace_s, cfg.reload_poll_s) == (52315, 5.0, 0.5)
+    assert isinstance(cfg.grace_s, float)
+
+
 def test_readme_table_is_the_generated_one():
     """README's settings table is config.markdown_table(), row for row (paste it when a setting
     changes)."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -188,11 +189,11 @@ def test_stopping_finishes_a_reload_in_progress_and_refuses_later_ones(
     table_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = TableStore.load(table_dir)
-    original, started = store.reload, threading.Event()
+    original, started, release = store.reload, threading.Event(), threading.Event()
 
     def slow_reload() -> bool:
         started.set()
-        time.sleep(0.5)
+        assert release.wait(60)
         return original()
 
     monkeypatch.setattr(store, "reload", slow_reload)
@@ -202,7 +203,14 @@ def test_stopping_finishes_a_reload_in_progress_and_refuses_later_ones(
     srv.loop.call_soon_threadsafe(srv.server.request_reload)  # what SIGHUP does
     assert started.wait(30)
     srv.loop.call_soon_threadsafe(srv.server.request_reload)  # queued behind it
-    srv.stop()
+    # Within the grace period the reload is waited for (a later one: test_lifecycle.py).
+    stopping = asyncio.run_coroutine_threadsafe(srv.server.stop(60), srv.loop)
+    wait_until(lambda: not srv.server.state.accepting)  # stop() is under way
+    release.set()
+    stopping.result(60)
+    srv.loop.call_soon_threadsafe(srv.loop.stop)
+    srv.thread.join(timeout=30)
+    srv.loop.close()
     assert store.version == 2 and observer.reloads == ["ok"]  # finished, and nothing after it
 
 

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +88,54 @@ def test_bad_config_fails_fast(tmp_path: Path):
     )
     assert result.returncode == 2 and "no_such_setting" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [(("--log-level", "verbose"), {}), ((), {"IBPEMBED_LOG_LEVEL": "verbose"})],
+)
+def test_an_unknown_log_level_is_a_configuration_error(argv, env):
+    result = subprocess.run(
+        [*IBPEMBED, "serve", "--port", "0", "--metrics-port", "0", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+    assert result.returncode == 2 and "verbose" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_busy_port_is_a_start_up_error():
+    port = next(p for p in range(52401, 53400) if _bindable(p))
+    first = ServeProcess("--port", str(port), "--metrics-port", "0")
+    try:
+        result = subprocess.run(
+            [*IBPEMBED, "serve", "--port", str(port), "--metrics-port", "0", "--demo-max-rows",
+             "300"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 1, result.stderr
+        assert f"ibpembed serve: cannot listen on 127.0.0.1:{port}: the port is in use" in (
+            result.stderr
+        )
+        assert "Traceback" not in result.stderr
+        client = LookupClient(first.target, timeout=30)
+        assert client.is_serving()  # the first one is untouched
+        client.close()
+    finally:
+        first.close()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def test_missing_table_set_fails_with_a_message(tmp_path: Path):

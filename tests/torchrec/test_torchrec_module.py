@@ -408,6 +408,86 @@ def test_state_dict_mismatches_are_reported(mixed) -> None:
         CompressedEmbeddingBagCollection(TABLES).load_state_dict(extra)
 
 
+def _tampered(state: dict, key: str, how: str) -> dict:
+    tensor = state[key]
+    if how == "truncated":
+        tensor = tensor[: max(1, tensor.numel() // 8)].clone()
+    elif how == "dtype":
+        tensor = tensor.to(torch.int64 if tensor.dtype == torch.int32 else torch.int32)
+    elif how == "other table's":  # a table of another shape: every size disagrees
+        tensor = state[key.replace("t_mid", "t_wide")]
+    return {**state, key: tensor}
+
+
+@pytest.mark.parametrize("how", ["truncated", "dtype", "other table's"])
+@pytest.mark.parametrize(
+    "buffer", ["payload", "block_base", "row_units", "bitmask", "mask", "bitval"]
+)
+def test_a_bad_buffer_fails_the_load_naming_it_and_changes_nothing(
+    mixed, buffer: str, how: str
+) -> None:
+    ebc, ours = mixed
+    state = ours.state_dict()
+    bad = _tampered(state, f"embedding_bags.t_mid.{buffer}", how)
+    target = CompressedEmbeddingBagCollection.from_ebc(make_ebc(TABLES, seed=5))
+    kjt = random_kjt(ebc, 16, 5, seed=7)
+    before = target(kjt).values()
+    buffers = target.state_dict()
+    with pytest.raises(RuntimeError, match=rf"embedding_bags\.t_mid\.{buffer}\b"):
+        target.load_state_dict(bad)
+    # Not even the tables whose buffers were fine (loaded before t_mid) changed.
+    after = target.state_dict()
+    assert after.keys() == buffers.keys()
+    for key, tensor in buffers.items():  # the very same memory
+        assert after[key].data_ptr() == tensor.data_ptr() and torch.equal(after[key], tensor)
+    assert torch.equal(target(kjt).values(), before)
+    fresh = CompressedEmbeddingBagCollection(TABLES)
+    with pytest.raises(RuntimeError, match=rf"t_mid\.{buffer}\b"):
+        fresh.load_state_dict(bad)
+    with pytest.raises(RuntimeError, match="has no table"):  # still an empty placeholder
+        fresh(kjt)
+
+
+@pytest.mark.parametrize("chunk_bits", [0, 5, 128])
+def test_a_bad_chunk_width_in_meta_fails_the_load(mixed, chunk_bits: int) -> None:
+    _, ours = mixed
+    state = dict(ours.state_dict())
+    meta = state["embedding_bags.t_mid.meta"].clone()
+    meta[2] = chunk_bits
+    state["embedding_bags.t_mid.meta"] = meta
+    fresh = CompressedEmbeddingBagCollection(TABLES)
+    with pytest.raises(RuntimeError, match=r"t_mid\.meta: chunk_bits must be 16, 32 or 64"):
+        fresh.load_state_dict(state)
+    assert fresh.embedding_bags["t_mid"].chunk_bits == 0
+
+
+def test_an_index_that_disagrees_with_its_rows_fails_the_load(mixed) -> None:
+    """Right sizes and dtypes, wrong contents: the loader's index checks catch it."""
+    _, ours = mixed
+    state = dict(ours.state_dict())
+    block_base = state["embedding_bags.t_mid.block_base"].clone()
+    block_base[1] += 1
+    state["embedding_bags.t_mid.block_base"] = block_base
+    with pytest.raises(RuntimeError, match=r"t_mid\.block_base: block offsets disagree"):
+        CompressedEmbeddingBagCollection(TABLES).load_state_dict(state)
+
+
+@pytest.mark.skipif(cuda_kernels_missing() is not None, reason=cuda_kernels_missing() or "")
+def test_a_gpu_modules_state_dict_is_checked_and_loads() -> None:
+    ebc = make_ebc(TABLES)
+    state = CompressedEmbeddingBagCollection.from_ebc(ebc).cuda().state_dict()
+    assert state["embedding_bags.t_mid.block_base"].is_cuda  # the payload stays on the host
+    fresh = CompressedEmbeddingBagCollection(TABLES)
+    fresh.load_state_dict(state)
+    kjt = random_kjt(ebc, 16, 5, seed=3)
+    got = fresh.cuda()(kjt.to(torch.device("cuda")))
+    diff = (got.values().cpu().double() - ebc(kjt).values().detach().double()).abs()
+    assert bool((diff <= pooled_error_bound(ebc, kjt)).all())
+    bad = _tampered(state, "embedding_bags.t_mid.row_units", "truncated")
+    with pytest.raises(RuntimeError, match=r"t_mid\.row_units must have"):
+        CompressedEmbeddingBagCollection(TABLES).load_state_dict(bad)
+
+
 # -- packed table sets ---------------------------------------------------------------------------
 
 
@@ -510,6 +590,22 @@ def test_compress_model_swaps_every_collection() -> None:
         assert r.stored_bytes == table.stored_bytes
     text = format_table_bytes(report)
     assert "towers.2.c" in text and "5000x4" in text and text.splitlines()[-1].startswith("total")
+
+
+def test_compress_model_replaces_a_shared_collection_at_every_path() -> None:
+    ebc = make_ebc(TABLES)
+    model = torch.nn.Module()
+    model.a = ebc
+    model.tower = torch.nn.Sequential(torch.nn.Identity(), ebc)  # the same module, twice more
+    model.b = ebc
+    report = compress_model(model)
+    compressed = model.a
+    assert isinstance(compressed, CompressedEmbeddingBagCollection)
+    assert model.b is compressed and model.tower[1] is compressed  # one module, not copies
+    assert not any(isinstance(m, EmbeddingBagCollection) for m in model.modules())
+    # Its tables are stored once: reported once, under the first path.
+    assert [(r.module, r.table) for r in report] == [("a", c.name) for c in TABLES]
+    assert_same_as_torchrec(ebc, model.b, random_kjt(ebc, 8, 4, seed=0))
 
 
 def test_compress_model_errors() -> None:

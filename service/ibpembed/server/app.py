@@ -4,15 +4,18 @@
 Lifecycle: load tables -> bind -> SERVING. A table set from a directory is reloaded live when its
 manifest changes and on SIGHUP (:mod:`ibpembed.server.reload`). On SIGTERM or SIGINT: stop
 admitting new RPCs (UNAVAILABLE; health NOT_SERVING), let in-flight RPCs finish for up to
-``grace_s``, stop the kernel threads, exit 0.
+``grace_s``, stop the kernel threads, exit 0. A reload in progress gets the same grace period
+(not one of its own); one still running when it ends is abandoned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Protocol, TextIO
@@ -60,6 +63,22 @@ def load_store(config: ServerConfig) -> TableStore:
 
 def _read(path: str) -> bytes:
     return Path(path).read_bytes()
+
+
+def _bind_problem(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be listened on, as the OS says it (grpc's error does not)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds
+            probe.bind(address)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return "the port is in use (by another server: another `ibpembed serve`?)"
+        return exc.strerror or str(exc)
+    return "grpc could not bind it (GRPC_VERBOSITY=debug says why)"
 
 
 class LookupServer:
@@ -137,6 +156,9 @@ class LookupServer:
                 # Let clients keep idle connections alive with pings (client keepalive).
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                # grpc sets SO_REUSEPORT by default: a second server on a busy port would start
+                # and the kernel would split the connections between the two.
+                ("grpc.so_reuseport", 0),
             ],
         )
         add_to_server(EmbeddingLookupServicer(self.engine, stream_window=cfg.stream_window), server)
@@ -147,10 +169,16 @@ class LookupServer:
             )
         address = f"{cfg.host}:{cfg.port}"
         credentials = self._credentials()
-        if credentials is None:
-            port = server.add_insecure_port(address)
-        else:
-            port = server.add_secure_port(address, credentials)
+        try:
+            if credentials is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, credentials)
+        except RuntimeError:  # grpc's says only "Failed to bind to address ..."
+            self.engine.close()
+            raise RuntimeError(
+                f"cannot listen on {address}: {_bind_problem(cfg.host, cfg.port)}"
+            ) from None
         await server.start()
         self._server, self.port = server, port
         self.state.accepting, self.state.reason = True, "serving"
@@ -167,31 +195,69 @@ class LookupServer:
             return
         task = asyncio.get_running_loop().create_task(self.reloader.reload("SIGHUP"))
         self._reloads.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._reloads.discard)
+        task.add_done_callback(self._reload_ended)
+
+    def _reload_ended(self, task: asyncio.Task) -> None:
+        self._reloads.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("reload on SIGHUP failed", exc_info=task.exception())
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Drain: refuse new RPCs, finish in-flight ones (up to the grace period), stop.
+        """Drain: refuse new RPCs, finish in-flight ones and a reload in progress (together, up
+        to the grace period), stop.
 
-        The gRPC server keeps running while in-flight RPCs finish, so that new RPCs get a clean
-        UNAVAILABLE from the interceptor (grpc's own shutdown answers CANCELLED to RPCs arriving
-        meanwhile, which clients must not retry).
+        The grace period starts at once: a reload still running when it ends is logged and
+        abandoned, not waited for (harmless: see :mod:`ibpembed.server.reload`). The gRPC server
+        keeps running while in-flight RPCs finish, so that new RPCs get a clean UNAVAILABLE from
+        the interceptor (grpc's own shutdown answers CANCELLED to RPCs arriving meanwhile, which
+        clients must not retry).
         """
         grace = self.config.grace_s if grace_s is None else grace_s
-        self.state.accepting, self.state.reason = False, "draining for shutdown"
-        await self.health.enter_graceful_shutdown()
-        if self.reloader is not None:
-            # A reload in progress finishes (its thread cannot be stopped); later ones are
-            # refused, so the SIGHUP tasks still queued return at once.
-            await self.reloader.stop()
-            await asyncio.gather(*self._reloads)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + grace
-        while self.state.active and loop.time() < give_up:
-            await asyncio.sleep(_DRAIN_POLL_S)
+        self.state.accepting, self.state.reason = False, "draining for shutdown"
+        await self.health.enter_graceful_shutdown()
+        drained = loop.create_task(self._drained())
+        reloads = loop.create_task(self._reloads_finished()) if self.reloader else None
+        waits = {drained} if reloads is None else {drained, reloads}
+        await asyncio.wait(waits, timeout=max(0.0, give_up - loop.time()))
+        drained.cancel()  # out of time: grpc's stop below cancels what is still in flight
+        if reloads is not None and not reloads.done():
+            assert self.reloader is not None
+            if self.reloader.reloading:
+                log.warning(
+                    "a table-set reload was still running when the %.1f s grace period ended:"
+                    " abandoned (nothing it loads will be served)",
+                    grace,
+                )
+            reloads.cancel()
+            await self._abandon_reloads()
+        await asyncio.wait(waits)  # cancelled ones end at once
         if self._server is not None:
             await self._server.stop(max(0.0, give_up - loop.time()))
         # Kernels of cancelled RPCs may still run; wait for them off the loop.
         await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+
+    async def _drained(self) -> None:
+        while self.state.active:
+            await asyncio.sleep(_DRAIN_POLL_S)
+
+    async def _reloads_finished(self) -> None:
+        """A reload in progress finishes; later ones are refused, so the SIGHUP tasks still
+        queued return at once (their failures are logged as they end)."""
+        assert self.reloader is not None
+        await self.reloader.stop()
+        if self._reloads:
+            await asyncio.wait(set(self._reloads))
+
+    async def _abandon_reloads(self) -> None:
+        assert self.reloader is not None
+        await self.reloader.abandon()
+        pending = set(self._reloads)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
 
 
 def example_query(host: str, port: int, feature: str, *, tls: bool, token: bool) -> str:
@@ -242,7 +308,12 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, server.request_reload)
-    port = await server.start()
+    try:
+        port = await server.start()
+    except BaseException:
+        if metrics is not None:
+            metrics.stop_http_server()
+        raise
     tables = server.engine.describe()
     first_feature = next((t.features[0] for t in tables if t.features), "cat_0")
     source = config.tables or f"embedded demo ({len(tables)} DLRM-DCNv2-profile tables)"

@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(serve(cfg))
     except (ValueError, OSError, RuntimeError) as exc:
-        # Tables that do not load, a port in use (grpc raises RuntimeError), unreadable certs.
+        # Tables that do not load, a port in use (LookupServer.start: RuntimeError), unreadable
+        # certs.
         print(f"ibpembed serve: {exc}", file=sys.stderr)
         return 1

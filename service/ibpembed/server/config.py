@@ -22,6 +22,8 @@ from ibpembed.engine import DEDUPE_MIN_IDS
 ENV_PREFIX = "IBPEMBED_"
 # gRPC takes message sizes as int32 bytes: 2047 MiB is the most it accepts.
 MAX_MESSAGE_MB = 2047
+# Names logging.basicConfig accepts (upper-cased); settings are spelt in lower case.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _setting(default: Any, help: str, **kw: Any) -> Any:
@@ -72,7 +74,9 @@ class ServerConfig:
         8, "Requests of one LookupStream processed concurrently (responses stay in order)."
     )
     grace_s: float = _setting(
-        20.0, "On SIGTERM/SIGINT: seconds in-flight RPCs get to finish before being cancelled."
+        20.0,
+        "On SIGTERM/SIGINT: seconds in-flight RPCs, and a table-set reload in progress, get to"
+        " finish; then RPCs are cancelled and the reload abandoned.",
     )
     dedupe_max_unique_fraction: float = _setting(
         0.5,
@@ -108,10 +112,18 @@ class ServerConfig:
         None, "File holding the bearer token clients must send (`authorization: Bearer ...`)."
     )
     reflection: bool = _setting(True, "Register gRPC server reflection (for grpcurl).")
-    log_level: str = _setting("info", "Python log level: debug, info, warning, error.")
+    log_level: str = _setting(
+        "info",
+        "Python log level: `debug`, `info`, `warning`, `error` or `critical`.",
+        choices=LOG_LEVELS,
+    )
 
     def validate(self) -> ServerConfig:
         """Raise ValueError for impossible combinations; returns self."""
+        for f in _fields():
+            choices, value = f.metadata.get("choices"), getattr(self, f.name)
+            if choices is not None and value not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
             raise ValueError("ports must be in [0, 65535]")
         for name in (
@@ -179,7 +191,28 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
-def _convert(f: dataclasses.Field, value: Any, source: str) -> Any:
+def _choice(text: str) -> str:
+    """Settings with choices are spelt in lower case; any case is accepted."""
+    return text.strip().lower()
+
+
+def _check_file_value(f: dataclasses.Field, value: Any, source: str) -> None:
+    """A config file's numbers must be TOML numbers of the setting's kind: ``int()`` would
+    truncate ``port = 52315.9`` to 52315 and turn ``workers = true`` into 1."""
+    kind = _kind(f)
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(
+            f"{source}: {f.name} must be an integer, got {value!r} ({type(value).__name__})"
+        )
+    if kind is float and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise ValueError(
+            f"{source}: {f.name} must be a number, got {value!r} ({type(value).__name__})"
+        )
+
+
+def _convert(f: dataclasses.Field, value: Any, source: str, *, from_file: bool = False) -> Any:
+    if from_file:
+        _check_file_value(f, value, source)
     kind = _kind(f)
     try:
         if kind is bool:
@@ -187,8 +220,12 @@ def _convert(f: dataclasses.Field, value: Any, source: str) -> Any:
         converted = kind(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{source}: {f.name}: {exc}") from None
-    if "choices" in f.metadata and converted not in f.metadata["choices"]:
-        raise ValueError(f"{source}: {f.name} must be one of {f.metadata['choices']}")
+    if "choices" in f.metadata:
+        converted = _choice(converted)
+        if converted not in f.metadata["choices"]:
+            raise ValueError(
+                f"{source}: {f.name} must be one of {f.metadata['choices']}, got {value!r}"
+            )
     return converted
 
 
@@ -206,7 +243,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             parser.add_argument(
                 flag,
-                type=_kind(f),
+                type=_choice if "choices" in f.metadata else _kind(f),
                 default=None,
                 help=f.metadata["help"],
                 choices=f.metadata.get("choices"),
@@ -241,7 +278,7 @@ def load(
         elif env_name in environ:
             values[f.name] = _convert(f, environ[env_name], env_name)
         elif f.name in from_file:
-            values[f.name] = _convert(f, from_file[f.name], str(config_path))
+            values[f.name] = _convert(f, from_file[f.name], str(config_path), from_file=True)
     return ServerConfig(**values).validate()
 
 

@@ -17,7 +17,14 @@ concurrent pack, no memory to pin a table) keep the previous version serving: th
 logged, counted (``ibpembed_table_set_reloads_total{result="error"}``) and raised as
 ``ibpembed_table_set_reload_failing`` until a reload succeeds. A set the loader rejects is tried
 again by the watcher only once its manifest changes (the same bytes would fail the same way);
-other failures (I/O, memory) are retried at the next poll; SIGHUP always tries.
+other failures (I/O, memory) are retried at the next poll; SIGHUP always tries. Nothing else
+ends the watcher either: an unexpected error in one of its checks is logged and it keeps watching.
+
+Stopping. A reload runs in a daemon thread, so a server that cannot wait for one (its shutdown
+grace period ran out) abandons it and exits without joining the thread. Abandoning is harmless:
+a reload only reads files, and ``TableStore.reload`` publishes the whole new set with one pointer
+swap or nothing, so a set is never half published; a set published after the server stopped is
+served by nothing.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -48,6 +56,33 @@ class ReloadObserver(Protocol):
 
     def reload_done(self, result: ReloadResult) -> None:
         """A reload ``ok`` (published), ``unchanged`` (nothing to publish) or ``error``."""
+
+
+def _in_daemon_thread(fn: Callable[[], ReloadOutcome]) -> asyncio.Future[ReloadOutcome]:
+    """``fn()`` in a new daemon thread: unlike ``asyncio.to_thread`` (the loop's executor, joined
+    by ``asyncio.run`` and at interpreter exit), a process may exit while it still runs."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[ReloadOutcome] = loop.create_future()
+
+    def settle(outcome: ReloadOutcome | None, error: BaseException | None) -> None:
+        if future.done():  # cancelled: the reload was abandoned
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(outcome)  # type: ignore[arg-type]
+
+    def run() -> None:
+        outcome, error = None, None
+        try:
+            outcome = fn()
+        except BaseException as exc:  # handed to the awaiting coroutine
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, outcome, error)
+
+    threading.Thread(target=run, name="ibpembed-reload", daemon=True).start()
+    return future
 
 
 class HotRowRefresher(Protocol):
@@ -97,6 +132,11 @@ class TableSetReloader:
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
 
+    @property
+    def reloading(self) -> bool:
+        """Whether a reload is in progress."""
+        return self._lock.locked()
+
     def _stamp(self) -> _Stamp:
         assert self.store.directory is not None
         try:
@@ -117,7 +157,8 @@ class TableSetReloader:
                 return None
             stamp = self._stamp()
             started = time.perf_counter()
-            outcome = await asyncio.to_thread(self._reload_blocking)
+            log.debug("reload of %s (%s) started", self.store.directory, reason)
+            outcome = await _in_daemon_thread(self._reload_blocking)
             if outcome.result != "error" or outcome.rejected:
                 self._tried = stamp
         seconds = time.perf_counter() - started
@@ -132,7 +173,10 @@ class TableSetReloader:
         )
         log.log(level, "reload of %s (%s, %.2f s): %s", self.store.directory, reason, seconds, what)
         if self.observer is not None:
-            self.observer.reload_done(outcome.result)
+            try:
+                self.observer.reload_done(outcome.result)
+            except Exception:  # a metrics bug must not stop reloads (nor the watcher)
+                log.exception("the reload metrics hook failed")
         return outcome
 
     def _reload_blocking(self) -> ReloadOutcome:
@@ -154,7 +198,8 @@ class TableSetReloader:
             version = after.version
             new = {name: table.block_base for name, table in after.tables.items()}
         changed = tuple(sorted(n for n in old.keys() | new.keys() if old.get(n) is not new.get(n)))
-        if self.hot_rows is not None and changed:
+        # A stopping server (this reload may be abandoned) serves no hot rows any more.
+        if self.hot_rows is not None and changed and not self._stopped:
             try:
                 self.hot_rows.refresh([n for n in changed if n in new])
             except Exception:  # the copies come back at the next periodic refresh
@@ -166,23 +211,53 @@ class TableSetReloader:
         """Start polling the manifest (on the running event loop); no-op when ``poll_s`` is 0."""
         if self.poll_s > 0 and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._watch())
+            self._task.add_done_callback(_watcher_ended)
 
     async def _watch(self) -> None:
         while True:
-            if self._stamp() != self._tried:
-                # The first check finds the set loaded at start-up unless a pack raced it.
-                first = self._tried == "never"
-                reason = "start-up check" if first else "manifest changed"
-                await self.reload(reason, log_unchanged=not first)
+            try:
+                await self._check()
+            except Exception:  # one failed check must not end the watching
+                log.exception(
+                    "check of %s for a new manifest failed; watching on", self.store.directory
+                )
             await asyncio.sleep(self.poll_s)
 
+    async def _check(self) -> None:
+        if self._stamp() != self._tried:
+            # The first check finds the set loaded at start-up unless a pack raced it.
+            first = self._tried == "never"
+            reason = "start-up check" if first else "manifest changed"
+            await self.reload(reason, log_unchanged=not first)
+
     async def stop(self) -> None:
-        """Stop polling and refuse later reloads; a reload in progress finishes first."""
+        """Stop polling and refuse later reloads; a reload in progress finishes first (cancel
+        this and call :meth:`abandon` not to wait for it). Never raises for a watcher that
+        failed: that was logged when it did."""
         self._stopped = True
         async with self._lock:  # waits for a reload in progress
-            if self._task is not None:
-                self._task.cancel()
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+            pass
+        await self._end_watcher()
+
+    async def abandon(self) -> None:
+        """Stop without waiting: refuse later reloads and cancel the watcher, with any reload it
+        awaits (that reload's thread runs on, see the module docstring)."""
+        self._stopped = True
+        await self._end_watcher()
+
+    async def _end_watcher(self) -> None:
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        # Unlike awaiting the task, raises only if *we* are cancelled (its own end is logged).
+        await asyncio.wait({task})
+
+
+def _watcher_ended(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error(
+            "the table-set watcher stopped: new manifests are no longer loaded (SIGHUP still"
+            " reloads)",
+            exc_info=task.exception(),
+        )

@@ -13,6 +13,7 @@ script) because torchrec users ship inference models with ``torch.jit.script``.
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from ibpembed._ops import DTYPE_CODES, ops
 from ibpembed.codec import CompressedTable, HotRows, compress
 from ibpembed.hot_rows import DEFAULT_BUDGET as DEFAULT_HOT_ROW_BUDGET
 from ibpembed.hot_rows import hot_row_ids
+from ibpembed.tables.format import TableFileError, _check_index
 from ibpembed.tables.manifest import load_table_set
 
 # Bumped whenever the meaning of the buffers changes, so an old state_dict is rejected with a
@@ -44,6 +46,8 @@ _TORCH_DTYPES: dict[DataType, torch.dtype] = {
 }
 _DATA_TYPES = {str(dtype).removeprefix("torch."): d for d, dtype in _TORCH_DTYPES.items()}
 _BUFFER_NAMES = ("payload", "block_base", "row_units", "bitmask", "mask", "bitval", "meta")
+# The dtype of each table buffer (format.h; the order of CompressedTable's tensors).
+_BUFFER_DTYPES = (torch.uint8, torch.int64, torch.uint8, torch.int32, torch.int64, torch.int64)
 # Buffers that stay in host memory when the module moves to a GPU (see _apply).
 _HOST_BUFFERS = ("payload", "hot_ids", "hot_dir", "hot_rows")
 # The compact row layout the payload is in (format.h); a payload in another layout must be repacked.
@@ -274,6 +278,10 @@ class CompressedEmbeddingBag(nn.Module):
                 f"this module expects {expected[0]}x{expected[1]} of dtype code {expected[2]}"
             )
             return
+        problem = _table_problem(present, chunk_bits, unit_bytes, num_rows, dim, self.dtype)
+        if problem is not None:
+            error_msgs.append(f"{prefix}{problem}")
+            return
         for name, tensor in present.items():
             self._buffers[name] = tensor.detach()
         self.chunk_bits = chunk_bits
@@ -283,6 +291,58 @@ class CompressedEmbeddingBag(nn.Module):
     def extra_repr(self) -> str:
         pooling = "sum" if self.pooling_code == 0 else "mean"
         return f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}, mode={pooling}"
+
+
+# The first word of the op's table checks (table_view in torch_bindings.cpp) names the buffer at
+# fault, or one of these ints, which meta holds.
+_META_INTS = ("chunk_bits", "unit_bytes", "row_bytes", "num_rows")
+
+
+def _table_problem(
+    buffers: dict[str, Tensor],
+    chunk_bits: int,
+    unit_bytes: int,
+    num_rows: int,
+    dim: int,
+    dtype: torch.dtype,
+) -> str | None:
+    """Why ``buffers`` (a state dict's, meta's ints) do not form a table the decoder can read,
+    starting with the name of the buffer at fault; None when they do.
+
+    The checks are the codec's: the op's own (dtypes, shapes, masks and codebooks, the index
+    against the payload) on the candidate tensors, then the loader's structural checks of the
+    index (``ibpembed.tables.format``), so a bad state dict fails here, not at the first forward.
+    """
+    for name, expected in zip(_BUFFER_NAMES[:-1], _BUFFER_DTYPES, strict=True):
+        tensor = buffers[name]
+        if tensor.dtype != expected or tensor.dim() != 1:
+            shape = list(tensor.shape)
+            return f"{name}: expected a 1-D {expected} tensor, got {tensor.dtype} of shape {shape}"
+    if chunk_bits not in (16, 32, 64):
+        return f"meta: chunk_bits must be 16, 32 or 64, got {chunk_bits}"
+    # The checks run on the host (the tensors of a GPU module's state dict are copied there,
+    # except the payload: only its size is checked, and a host payload is not read).
+    host = {name: buffers[name].cpu() for name in _BUFFER_NAMES[1:-1]}
+    payload = buffers["payload"]
+    if payload.device.type != "cpu":
+        if not payload.is_contiguous():
+            return "payload: must be contiguous"
+        payload = torch.empty(payload.numel(), dtype=torch.uint8)
+    table = CompressedTable(
+        payload=payload, chunk_bits=chunk_bits, num_rows=num_rows, dim=dim, dtype=dtype,
+        unit_bytes=unit_bytes, **host,
+    )  # fmt: skip
+    try:
+        table.gather(torch.empty(0, dtype=torch.int64))  # checks the table, reads no row
+        if num_rows > 0:
+            _check_index(Path("state dict"), table)
+    except TableFileError as exc:
+        return f"{exc.section}: {exc.problem}"
+    except (ValueError, RuntimeError) as exc:
+        message = str(exc).splitlines()[0]  # e.g. "row_units must have 1024 entries, got 128"
+        culprit = message.split(" ", 1)[0].split("[", 1)[0]
+        return f"meta: {message}" if culprit in _META_INTS else message
+    return None
 
 
 @dataclass(frozen=True)
@@ -467,6 +527,22 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 )
             )
         return cls(configs, is_weighted, {n: compressed[n] for n in names}, allow_unknown_keys)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, all or nothing: when a table's buffers are missing or
+        do not form a valid table (the error names the buffer), no table changes."""
+        saved = [
+            (bag, dict(bag._buffers), bag.chunk_bits, bag.unit_bytes)
+            for bag in self.embedding_bags.values()
+        ]
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except Exception:
+            for bag, buffers, chunk_bits, unit_bytes in saved:
+                bag._buffers.clear()
+                bag._buffers.update(buffers)
+                bag.chunk_bits, bag.unit_bytes = chunk_bits, unit_bytes
+            raise
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         """The table configs, as torchrec's ``EmbeddingBagCollection.embedding_bag_configs()``."""
@@ -657,7 +733,9 @@ def compress_model(
 
     Returns
     -------
-    Host bytes per table before and after, in module order (see :func:`format_table_bytes`).
+    Host bytes per table before and after, in module order (see :func:`format_table_bytes`); a
+    collection registered under several paths is replaced at each by one compressed module and
+    reported once, under its first path.
 
     Raises
     ------
@@ -672,20 +750,27 @@ def compress_model(
             "model is itself an EmbeddingBagCollection: use "
             "CompressedEmbeddingBagCollection.from_ebc(model)"
         )
-    # Collected first: swapping while named_modules() walks the tree would skip siblings.
+    # Collected first: swapping while named_modules() walks the tree would skip siblings. Every
+    # path: a collection registered under several (shared) is replaced at each, by one module.
     targets = [
-        (path, m) for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)
+        (path, m)
+        for path, m in model.named_modules(remove_duplicate=False)
+        if isinstance(m, EmbeddingBagCollection)
     ]
     if not targets:
         raise ValueError(f"{type(model).__name__} holds no torchrec EmbeddingBagCollection")
     report: list[TableBytes] = []
+    done: dict[int, CompressedEmbeddingBagCollection] = {}
     for path, ebc in targets:
-        compressed = CompressedEmbeddingBagCollection.from_ebc(
-            ebc, allow_unknown_keys=allow_unknown_keys, **compress_kwargs
-        )
+        compressed = done.get(id(ebc))
+        if compressed is None:
+            compressed = CompressedEmbeddingBagCollection.from_ebc(
+                ebc, allow_unknown_keys=allow_unknown_keys, **compress_kwargs
+            )
+            done[id(ebc)] = compressed
+            report.extend(compressed.table_bytes(path))  # once: its tables are stored once
         parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path), name, compressed)
-        report.extend(compressed.table_bytes(path))
     return report
 
 
