@@ -279,13 +279,22 @@ def render_markdown(r: dict[str, Any]) -> str:
         state: r["loads"][state]["torch.load"]["load_s"] / r["loads"][state]["ibpembed"]["load_s"]
         for state in ("cold", "warm")
     }
+    # Our load defers reading rows to the lookups: the first batch is part of what it costs.
+    with_first = {
+        state: sum(r["loads"][state]["torch.load"][k] for k in ("load_s", "first_lookup_s"))
+        / sum(r["loads"][state]["ibpembed"][k] for k in ("load_s", "first_lookup_s"))
+        for state in ("cold", "warm")
+    }
     load_met = min(speedups.values()) >= LOAD_TARGET
+    first_met = min(with_first.values()) >= LOAD_TARGET
     rss_met = rss_ratio <= PACK_RSS_TARGET
     lines += [
         "",
         f"Targets: load ≥ {LOAD_TARGET:g}× faster than `torch.load`: "
         f"{speedups['cold']:.1f}× cold, {speedups['warm']:.1f}× warm, "
-        f"{'met' if load_met else 'missed'}; pack peak RSS ≤ {PACK_RSS_TARGET:g}× the table "
+        f"{'met' if load_met else 'missed'}; counting the first lookup too: "
+        f"{with_first['cold']:.2f}× cold, {with_first['warm']:.1f}× warm, "
+        f"{'met' if first_met else 'missed'}; pack peak RSS ≤ {PACK_RSS_TARGET:g}× the table "
         f"bytes: {rss_ratio:.2f}×, {'met' if rss_met else 'missed'}.",
     ]
     return "\n".join(lines) + "\n"
