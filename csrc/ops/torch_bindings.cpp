@@ -171,6 +171,14 @@ void check_offsets(const at::Tensor& offsets, int64_t nnz) {
   }
 }
 
+// The optional per-sample weights of a pooled lookup over nnz indices, or null without them.
+const float* checked_weights(const std::optional<at::Tensor>& weights, int64_t nnz) {
+  if (!weights.has_value()) return nullptr;
+  check_cpu_contiguous(*weights, "per_sample_weights", at::kFloat);
+  check_weights_shape(*weights, nnz);
+  return weights->data_ptr<float>();
+}
+
 const RowKernels& active_kernels() { return row_kernels(active_cpu_path()); }
 
 // Runs a row-kernel call. Bytes that contradict the table's layout (codec.h CorruptTableError,
@@ -416,12 +424,7 @@ at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& blo
   const auto dt = static_cast<DType>(dtype);
   check_indices(indices, num_rows);
   check_offsets(offsets, indices.numel());
-  const float* weights = nullptr;
-  if (per_sample_weights.has_value()) {
-    check_cpu_contiguous(*per_sample_weights, "per_sample_weights", at::kFloat);
-    check_weights_shape(*per_sample_weights, indices.numel());
-    weights = per_sample_weights->data_ptr<float>();
-  }
+  const float* weights = checked_weights(per_sample_weights, indices.numel());
   const int64_t bags = offsets.numel() - 1;
   at::Tensor out = at::empty({bags, dim}, at::kFloat);
   read_rows([&] {
@@ -500,12 +503,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cpu(
   check_cpu_contiguous(indices, "indices", at::kLong);
   TORCH_CHECK_VALUE(indices.dim() == 1, "indices must be 1-D, got ", indices.dim(), "-D");
   check_offsets(offsets, indices.numel());
-  const float* weights = nullptr;
-  if (per_sample_weights.has_value()) {
-    check_cpu_contiguous(*per_sample_weights, "per_sample_weights", at::kFloat);
-    check_weights_shape(*per_sample_weights, indices.numel());
-    weights = per_sample_weights->data_ptr<float>();
-  }
+  const float* weights = checked_weights(per_sample_weights, indices.numel());
   const auto count = static_cast<size_t>(table_bags.size(0));
   const int64_t* calls = table_bags.data_ptr<int64_t>();
   const int64_t num_bags = offsets.numel() - 1;
