@@ -4,7 +4,7 @@
 // register from torch_bindings_cuda.cpp, compiled only in CUDA builds, so Python code calls
 // torch.ops.ibpembed.* on every build without branching.
 //
-// A compressed table travels as seven tensors plus four ints, in this order everywhere:
+// A compressed table travels as six tensors plus four ints, in this order everywhere:
 //   payload uint8 [bytes + pad], block_base int64 [blocks + 1], row_units uint8 [blocks * 32],
 //   bitmask int32 [ceil(N / 32)], mask int64 [V], bitval int64 [V * K] (uint64 bit patterns;
 //   the codebooks of format.h, K = 2^C - 1, so the code width C follows from the length),
@@ -79,7 +79,7 @@ int check_masks(const at::Tensor& mask, const at::Tensor& bitval, int64_t num_ch
   return code_bits;
 }
 
-// Validates the seven table tensors against the four ints and returns the decoder's view.
+// Validates the six table tensors against the four ints and returns the decoder's view.
 TableView table_view(const at::Tensor& payload, const at::Tensor& block_base,
                      const at::Tensor& row_units, const at::Tensor& bitmask,
                      const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
@@ -450,7 +450,7 @@ class TableSet : public torch::CustomClassHolder {
     std::vector<at::Tensor> owned;  // keeps every memory the view points into alive
   };
 
-  // Adds a table (the seven tensors and four ints of lookup_pooled, its dtype code and the
+  // Adds a table (the six tensors and four ints of lookup_pooled, its dtype code and the
   // optional hot-row overlay); returns its position in the set.
   int64_t add(const at::Tensor& payload, const at::Tensor& block_base,
               const at::Tensor& row_units, const at::Tensor& bitmask, const at::Tensor& mask,
@@ -568,10 +568,7 @@ TORCH_LIBRARY(ibpembed, m) {
       "Tensor mask, Tensor bitval, int chunk_bits, int row_bytes, int unit_bytes, int num_rows, "
       "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int dtype, int pooling, "
       "Tensor? hot_dir=None, Tensor? hot_rows=None) -> Tensor");
-  m.class_<TableSet>("TableSet")
-      .def(torch::init<>())
-      .def("add", &TableSet::add)
-      .def("__len__", &TableSet::size);
+  m.class_<TableSet>("TableSet").def(torch::init<>()).def("add", &TableSet::add);
   m.def(
       "lookup_pooled_tables(__torch__.torch.classes.ibpembed.TableSet tables, Tensor indices, "
       "Tensor offsets, Tensor table_bags, Tensor? per_sample_weights, int pooling) "

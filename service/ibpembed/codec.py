@@ -330,7 +330,7 @@ class CompressedTableSet:
     Parameters
     ----------
     tables : poolable CPU tables (float rows, or ``quant="int8_rowwise"``), with their hot-row
-        overlays; table ``k`` of a call is ``tables[table_ids[k]]``.
+        overlays; table ``k`` of a call is ``tables[table_bags[k, 0]]``.
     """
 
     def __init__(self, tables: Sequence[CompressedTable]) -> None:
@@ -364,6 +364,8 @@ class CompressedTableSet:
             not isinstance(weights, torch.Tensor) or weights.dtype != torch.float32
         ):
             raise TypeError("weights must be a float32 tensor")
+        if table_bags.dtype not in _INT_DTYPES:
+            raise TypeError(f"table_bags must be an integer tensor, got {table_bags.dtype}")
         if table_bags.dtype != torch.int64 or not table_bags.is_contiguous():
             table_bags = table_bags.to(torch.int64).contiguous()
         values, seconds = ops.lookup_pooled_tables(

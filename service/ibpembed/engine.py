@@ -345,10 +345,12 @@ class LookupEngine:
             calls: list[KernelCall] = []
             rest = plan.work
             if pooling != "none" and self.device.type == "cpu":
-                batched = [item for item in plan.work if not self._dedupes(item)]
+                batched: list[_TableWork] = []
+                rest = []
+                for item in plan.work:
+                    (rest if self._dedupes(item) else batched).append(item)
                 if batched:
                     self._run_tables(snap, plan, batched, pooling, calls, out)
-                    rest = [item for item in plan.work if self._dedupes(item)]
             for item in rest:
                 results = self._run_table(plan, item, pooling, calls)
                 for pos, values in zip(item.positions, results, strict=True):
@@ -400,8 +402,10 @@ class LookupEngine:
         return plan
 
     def _dedupes(self, item: _TableWork) -> bool:
-        """Whether a pooled lookup of this table takes the decode-once path (sort the ids,
-        decode each distinct row once, pool with ``embedding_bag``) instead of the fused kernel.
+        """Whether a pooled lookup of this table tries the decode-once path (sort the ids,
+        decode each distinct row once, pool with ``embedding_bag``; taken when the distinct ids
+        are few enough, else the fused kernel in a call of the table's own) instead of the fused
+        kernel with the request's other tables.
 
         Quantised rows need the codec's dequantising kernel; float rows may take the
         decode-once path when a table has many ids (Zipf traffic). Hot-row copies that serve

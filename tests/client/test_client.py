@@ -202,3 +202,10 @@ def test_threads_first_calls_share_one_channel():
         client = LookupClient("127.0.0.1:1")
         assert len({id(channel) for channel in _first_calls(client, 8)}) == 1
         client.close()
+
+
+def test_build_request_refuses_values_the_wire_types_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="lengths must fit int32"):
+        build_request({"f": FeatureBatch(np.arange(3), np.array([2**40], np.int64))})
+    with pytest.raises(ValueError, match="ids must fit int64"):
+        build_request({"f": FeatureBatch(np.array([2**64 - 1], np.uint64), np.array([1]))})

@@ -4,6 +4,8 @@ table's own lookup gives, with every argument checked before any table is read."
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -70,7 +72,9 @@ def test_one_call_equals_each_tables_own_lookup(path: str, call) -> None:
     before = cpu_path()
     try:
         _C.set_cpu_path(path)
-        table_bags = torch.tensor(list(zip(picks, first_bags, bag_counts, strict=True)))
+        table_bags = torch.tensor(
+            list(zip(picks, first_bags, bag_counts, strict=True)), dtype=torch.int64
+        )
         values, seconds = table_set.lookup(
             table_bags.view(-1, 3), ids_t, offsets_t, weights, pooling
         )
@@ -130,6 +134,8 @@ def test_bad_weights_and_pooling(table_set) -> None:
         table_set.lookup(*args, weights=torch.ones(3))
     with pytest.raises(ValueError, match="pooling"):
         table_set.lookup(*args, pooling="none")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="table_bags must be an integer tensor"):
+        table_set.lookup(_bags((0, 0, 3)).double(), IDS, OFFSETS)  # 1.9 bags is no count
 
 
 def test_only_poolable_tables_join_a_set() -> None:
@@ -138,9 +144,10 @@ def test_only_poolable_tables_join_a_set() -> None:
 
 
 def test_a_set_keeps_its_tables_memory_alive() -> None:
-    weight = torch.randn(50, 16)
+    weight = torch.randn(5000, 16)
     table_set = CompressedTableSet([compress(weight)])
-    want = weight[[3, 7]].sum(0, keepdim=True)
-    del weight
+    table_set.tables = ()  # the op's own references are all that is left of the table
+    gc.collect()
+    torch.randn(5000, 16)  # reuse freed memory, if the set had let it go
     got, _ = table_set.lookup(_bags((0, 0, 1)), torch.tensor([3, 7]), torch.tensor([0, 2]))
-    torch.testing.assert_close(got[0], want)
+    torch.testing.assert_close(got[0], weight[[3, 7]].sum(0, keepdim=True))

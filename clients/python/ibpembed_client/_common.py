@@ -122,6 +122,13 @@ def _int_bytes(array: np.ndarray, dtype: str, what: str) -> bytes:
     # numpy but holds nothing to truncate.
     if array.size and array.dtype.kind not in "iu":
         raise TypeError(f"{what} must be integers, got {array.dtype}")
+    # ... and a narrowing cast would wrap 2**40 to 0 (lengths are int32 on the wire).
+    limits = np.iinfo(np.dtype(dtype))
+    if array.size and (int(array.min()) < limits.min or int(array.max()) > limits.max):
+        raise ValueError(
+            f"{what} must fit {np.dtype(dtype).name}, got values in "
+            f"[{int(array.min())}, {int(array.max())}]"
+        )
     return _le_bytes(array, dtype)
 
 

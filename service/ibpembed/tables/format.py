@@ -791,7 +791,7 @@ def _check_gaps(path: Path, data: memoryview, sections: tuple[Section, ...]) -> 
         cursor = section.offset + section.length
 
 
-def _check_index(path: Path, table: CompressedTable) -> None:
+def check_index(path: Path, table: CompressedTable) -> None:
     """Structural checks the decoder relies on, beyond the checksums: a valid, compact layout
     whose every slot lies inside the payload."""
     lengths = _layout.block_bytes(table.row_units, table.unit_bytes)
@@ -891,7 +891,7 @@ def read_table(path: str | os.PathLike[str], *, verify: bool = False) -> TableFi
             unit_bytes=header.unit_bytes,
             quant=quant,
         )
-        _check_index(path, table)
+        check_index(path, table)
     finally:
         view.release()  # the tensors hold their own references to the mapping
     return TableFile(path=path, header=header, sections=sections, meta=meta, table=table)

@@ -271,7 +271,7 @@ def check_entry(
     """
     if f"{loaded.header.header_xxh3:016x}" != entry.header_xxh3 or loaded.name != name:
         raise TableSetError(
-            f"{loaded.path}: does not match the manifest entry for table '{name}' (header "
+            f"{manifest_path}: table '{name}': {loaded.path} does not match its entry (header "
             f"checksum or name differs: the file was replaced after the manifest was written)"
         )
     header, meta = loaded.header, loaded.meta

@@ -31,7 +31,7 @@ from ibpembed._ops import DTYPE_CODES, ops
 from ibpembed.codec import CompressedTable, HotRows, compress
 from ibpembed.hot_rows import DEFAULT_BUDGET as DEFAULT_HOT_ROW_BUDGET
 from ibpembed.hot_rows import hot_row_ids
-from ibpembed.tables.format import TableFileError, _check_index
+from ibpembed.tables.format import TableFileError, check_index
 from ibpembed.tables.manifest import load_table_set
 
 # Bumped whenever the meaning of the buffers changes, so an old state_dict is rejected with a
@@ -335,7 +335,7 @@ def _table_problem(
     try:
         table.gather(torch.empty(0, dtype=torch.int64))  # checks the table, reads no row
         if num_rows > 0:
-            _check_index(Path("state dict"), table)
+            check_index(Path("state dict"), table)
     except TableFileError as exc:
         return f"{exc.section}: {exc.problem}"
     except (ValueError, RuntimeError) as exc:
