@@ -107,6 +107,10 @@ class RunningServer:
 
     def stop(self) -> None:
         self.run(self.server.stop(0))
+        self.close_loop()
+
+    def close_loop(self) -> None:
+        """End the background loop (for tests that stopped the server themselves)."""
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=30)
         self.loop.close()

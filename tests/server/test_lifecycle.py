@@ -24,8 +24,9 @@ from ibpembed.server.reload import TableSetReloader
 from ibpembed.tables.manifest import MANIFEST
 from ibpembed.tables.store import TableStore
 from ibpembed_client import LookupClient
+from tests.metrics.helpers import free_port
 from tests.server.helpers import RecordingObserver, RunningServer, ServeProcess, make_store
-from tests.server.test_reload import pack, wait_until
+from tests.server.test_reload import block_reloads, pack, wait_until
 
 T = TypeVar("T")
 
@@ -35,18 +36,6 @@ def table_dir(tmp_path: Path) -> Path:
     directory = tmp_path / "set"
     pack(directory, 1)
     return directory
-
-
-def free_port() -> int:
-    """A port above 52400 that nothing listens on now."""
-    for port in range(52401, 53400):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free port above 52400")
 
 
 class BackgroundLoop:
@@ -64,13 +53,6 @@ class BackgroundLoop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=30)
         self.loop.close()
-
-
-def close_loop(srv: RunningServer) -> None:
-    """Tear down a RunningServer whose server the test already stopped."""
-    srv.loop.call_soon_threadsafe(srv.loop.stop)
-    srv.thread.join(timeout=30)
-    srv.loop.close()
 
 
 def refuses_connections(port: int) -> bool:
@@ -111,14 +93,7 @@ def test_stop_abandons_a_reload_still_running_when_the_grace_period_ends(
     table_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = TableStore.load(table_dir)
-    original, started, release = store.reload, threading.Event(), threading.Event()
-
-    def blocked_reload() -> bool:
-        started.set()
-        assert release.wait(60)
-        return original()
-
-    monkeypatch.setattr(store, "reload", blocked_reload)
+    started, release = block_reloads(store, monkeypatch)
     observer = RecordingObserver()
     srv = RunningServer(store, observer=observer, reload_poll_s=0)
     try:
@@ -140,7 +115,7 @@ def test_stop_abandons_a_reload_still_running_when_the_grace_period_ends(
         assert store.version == 2 and observer.reloads == []
     finally:
         release.set()
-        close_loop(srv)
+        srv.close_loop()
 
 
 def test_sigterm_during_a_reload_exits_zero_without_waiting_for_it(table_dir: Path) -> None:

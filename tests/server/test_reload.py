@@ -7,7 +7,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -27,6 +26,7 @@ from ibpembed.tables.importers import TableSet, TableSource
 from ibpembed.tables.manifest import MANIFEST, pack_table_set, read_manifest
 from ibpembed.tables.store import TableStore
 from ibpembed_client import LookupClient
+from tests.metrics.helpers import free_port
 from tests.server.helpers import RecordingObserver, RunningServer, ServeProcess
 from tests.tables.helpers import flip_bit, section_ranges
 
@@ -185,18 +185,27 @@ def test_a_reload_gives_replaced_tables_fresh_hot_row_copies(table_dir: Path) ->
         client.close()
 
 
-def test_stopping_finishes_a_reload_in_progress_and_refuses_later_ones(
-    table_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = TableStore.load(table_dir)
+def block_reloads(
+    store: TableStore, monkeypatch: pytest.MonkeyPatch
+) -> tuple[threading.Event, threading.Event]:
+    """Make ``store.reload`` wait: returns (started, release), set when a reload begins and to
+    let it go on."""
     original, started, release = store.reload, threading.Event(), threading.Event()
 
-    def slow_reload() -> bool:
+    def blocked_reload() -> bool:
         started.set()
         assert release.wait(60)
         return original()
 
-    monkeypatch.setattr(store, "reload", slow_reload)
+    monkeypatch.setattr(store, "reload", blocked_reload)
+    return started, release
+
+
+def test_stopping_finishes_a_reload_in_progress_and_refuses_later_ones(
+    table_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = TableStore.load(table_dir)
+    started, release = block_reloads(store, monkeypatch)
     observer = RecordingObserver()
     srv = RunningServer(store, observer=observer, reload_poll_s=0)
     pack(table_dir, 2)
@@ -208,9 +217,7 @@ def test_stopping_finishes_a_reload_in_progress_and_refuses_later_ones(
     wait_until(lambda: not srv.server.state.accepting)  # stop() is under way
     release.set()
     stopping.result(60)
-    srv.loop.call_soon_threadsafe(srv.loop.stop)
-    srv.thread.join(timeout=30)
-    srv.loop.close()
+    srv.close_loop()
     assert store.version == 2 and observer.reloads == ["ok"]  # finished, and nothing after it
 
 
@@ -271,14 +278,8 @@ def test_verify_payloads_refuses_a_set_whose_payload_is_corrupt(table_dir: Path)
         load_store(ServerConfig(tables=str(table_dir), verify_payloads=True))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_sighup_reloads_a_serving_process(table_dir: Path) -> None:
-    metrics_port = _free_port()
+    metrics_port = free_port()
     serve = ServeProcess(
         "--tables", str(table_dir), "--reload-poll-s", "0", "--metrics-port", str(metrics_port)
     )

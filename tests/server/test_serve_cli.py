@@ -7,7 +7,6 @@ import os
 import queue
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, build_request
+from tests.metrics.helpers import free_port
 from tests.server.helpers import IBPEMBED, ServeProcess
 
 
@@ -107,7 +107,7 @@ def test_an_unknown_log_level_is_a_configuration_error(argv, env):
 
 
 def test_a_busy_port_is_a_start_up_error():
-    port = next(p for p in range(52401, 53400) if _bindable(p))
+    port = free_port()
     first = ServeProcess("--port", str(port), "--metrics-port", "0")
     try:
         result = subprocess.run(
@@ -127,15 +127,6 @@ def test_a_busy_port_is_a_start_up_error():
         client.close()
     finally:
         first.close()
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def test_missing_table_set_fails_with_a_message(tmp_path: Path):
