@@ -667,7 +667,9 @@ def save_table_set(
 
     ``row_ranges`` gives the global rows of tables that are shards (default: whole tables).
     ``meta`` gives more fields for a table's meta section (the ``origin`` and ``layout`` of the
-    file it was loaded from); the fields this function writes itself take precedence.
+    file it was loaded from, as read): the fields the writers set themselves (name, quant,
+    source checksum, features, pooling) replace theirs, and a row range in it is dropped (a
+    shard's comes from ``row_ranges``).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -60,16 +60,6 @@ from ibpembed.tables.manifest import (
 SPILL_FRACTION = 8
 MIN_SPILL_BYTES = 1 << 16
 
-# Meta-section fields ``save`` writes itself; every other field of a loaded file's meta section
-# (origin, layout, the fit's parameters) is carried over to the file ``save`` writes.
-_SAVE_WRITES = frozenset(
-    {"name", "quant", "source_xxh3", "feature_names", "pooling", "row_start", "total_rows"}
-)
-
-
-def _kept_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in meta.items() if k not in _SAVE_WRITES}
-
 
 @dataclass(frozen=True)
 class TableBytes:
@@ -218,7 +208,7 @@ class TableStore:
         # What ``save`` writes back of each table beyond its rows, kept across row updates
         # (``_entries`` forgets an updated table): the model's pooling and the file's metadata.
         self._pooling = {n: e.pooling for n, e in self._entries.items()}
-        self._meta = {n: _kept_meta(m) for n, m in (metas or {}).items()}
+        self._meta = {n: dict(m) for n, m in (metas or {}).items()}
         self._verify = verify
         self._pin = pin
         self._spill: dict[str, _Spill] = {}
@@ -374,8 +364,7 @@ class TableStore:
             self._entries = dict(manifest.tables)
             self._pooling = {n: e.pooling for n, e in manifest.tables.items()}
             self._meta = {
-                n: _kept_meta(metas[n]) if n in metas else self._meta.get(n, {})
-                for n in manifest.tables
+                n: dict(metas[n]) if n in metas else self._meta.get(n, {}) for n in manifest.tables
             }
             return not unchanged
 
