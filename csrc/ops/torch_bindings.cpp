@@ -141,19 +141,28 @@ void attach_hot_rows(TableView& t, const std::optional<at::Tensor>& hot_dir,
   t.hot_rows = hot_rows->data_ptr<uint8_t>();
 }
 
+// ids[begin, end) all in [0, num_rows); `call_table` >= 0 names, in the error, the row of
+// lookup_pooled_tables' table_bags the ids are for (a number, not a string: this runs per table
+// per request and the message is built only on failure).
+void check_ids_in_range(const int64_t* ids, int64_t begin, int64_t end, int64_t num_rows,
+                        int64_t call_table = -1) {
+  // One branch-free pass; the exact culprit is searched for only on failure.
+  bool ok = true;
+  for (int64_t i = begin; i < end; ++i) {
+    ok &= static_cast<uint64_t>(ids[i]) < static_cast<uint64_t>(num_rows);
+  }
+  if (ok) return;
+  for (int64_t i = begin; i < end; ++i) {
+    TORCH_CHECK_INDEX(ids[i] >= 0 && ids[i] < num_rows, "index ", ids[i], " at position ", i,
+                      call_table >= 0 ? " (table_bags[" + std::to_string(call_table) + "])" : "",
+                      " is out of range for a table of ", num_rows, " rows");
+  }
+}
+
 void check_indices(const at::Tensor& indices, int64_t num_rows) {
   check_cpu_contiguous(indices, "indices", at::kLong);
   TORCH_CHECK_VALUE(indices.dim() == 1, "indices must be 1-D, got ", indices.dim(), "-D");
-  const int64_t* ids = indices.data_ptr<int64_t>();
-  const int64_t n = indices.numel();
-  // One branch-free pass; the exact culprit is searched for only on failure.
-  bool ok = true;
-  for (int64_t i = 0; i < n; ++i) ok &= static_cast<uint64_t>(ids[i]) < static_cast<uint64_t>(num_rows);
-  if (ok) return;
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK_INDEX(ids[i] >= 0 && ids[i] < num_rows, "index ", ids[i], " at position ", i,
-                      " is out of range for a table of ", num_rows, " rows");
-  }
+  check_ids_in_range(indices.data_ptr<int64_t>(), 0, indices.numel(), num_rows);
 }
 
 void check_offsets(const at::Tensor& offsets, int64_t nnz) {
@@ -516,12 +525,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cpu(
     const int64_t bags = calls[3 * k + 2];
     TORCH_CHECK_VALUE(first >= 0 && bags >= 0 && bags <= num_bags - first, "table_bags[", k,
                       "] reads bags [", first, ", ", first + bags, ") of a batch of ", num_bags);
-    const int64_t num_rows = entries[k]->view.num_rows;
-    for (int64_t i = o[first]; i < o[first + bags]; ++i) {
-      TORCH_CHECK_INDEX(ids[i] >= 0 && ids[i] < num_rows, "index ", ids[i], " at position ", i,
-                        " (table_bags[", k, "]) is out of range for a table of ", num_rows,
-                        " rows");
-    }
+    check_ids_in_range(ids, o[first], o[first + bags], entries[k]->view.num_rows,
+                       static_cast<int64_t>(k));
   }
   const RowKernels& kernels = active_kernels();
   std::vector<at::Tensor> out(count);
