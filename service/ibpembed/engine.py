@@ -74,6 +74,38 @@ class LookupObserver(Protocol):
         """
 
 
+class AdmissionSlot:
+    """One admitted request's share of the engine's capacity (``max_inflight``).
+
+    Held by every party that still has the request's memory: the worker running its kernels,
+    and a LookupStream until the response is written (HTTP/2 flow control can keep a computed
+    response waiting for as long as its client does not read). The capacity comes back when
+    the last holder lets go.
+    """
+
+    __slots__ = ("_engine", "_holders")
+
+    def __init__(self, engine: LookupEngine) -> None:
+        self._engine = engine
+        self._holders = 1
+
+    def hold(self) -> None:
+        """One more holder; each calls :meth:`release` once."""
+        with self._engine._lock:
+            if self._holders == 0:
+                raise RuntimeError("admission slot already released")
+            self._holders += 1
+
+    def release(self, _: object = None) -> None:
+        """Let go (the argument lets a future's done-callback call it)."""
+        with self._engine._lock:
+            if self._holders == 0:
+                raise RuntimeError("admission slot released more often than held")
+            self._holders -= 1
+            if self._holders == 0:
+                self._engine._inflight -= 1
+
+
 @dataclass(frozen=True)
 class FeatureQuery:
     """One feature of a request.
@@ -251,20 +283,20 @@ class LookupEngine:
     # -- admission -------------------------------------------------------------------------
     @property
     def inflight(self) -> int:
-        """Requests admitted and not yet finished (kernels still running count)."""
+        """Requests admitted and not yet finished: kernels still running, or a stream's
+        response not yet written, count."""
         return self._inflight
 
-    def _admit(self) -> None:
+    def admit(self) -> AdmissionSlot:
+        """Take one of ``max_inflight`` slots, held by the caller until it calls
+        ``release()``; :class:`Overloaded` when none is free."""
         with self._lock:
             if self._inflight >= self.max_inflight:
                 raise Overloaded(
                     f"server at capacity ({self.max_inflight} requests in flight); retry later"
                 )
             self._inflight += 1
-
-    def _release(self, _: object = None) -> None:
-        with self._lock:
-            self._inflight -= 1
+        return AdmissionSlot(self)
 
     # -- lookups ---------------------------------------------------------------------------
     async def lookup(
@@ -274,6 +306,7 @@ class LookupEngine:
         *,
         deadline: float | None = None,
         then: Callable[[LookupResult], T] | None = None,
+        slot: AdmissionSlot | None = None,
     ) -> LookupResult | T:
         """Look up a request off the event loop.
 
@@ -285,18 +318,21 @@ class LookupEngine:
         then : applied to the result on the worker thread, and its value returned instead (the
             server encodes responses there: copying a 27 MB response into a message would
             otherwise stall the event loop and every other RPC with it).
+        slot : the request's admission, taken by the caller with :meth:`admit` when it keeps
+            the result's memory past the return (it releases its own hold); None = admit here,
+            released when the kernels finish.
 
         Raises
         ------
-        Overloaded : ``max_inflight`` requests are already admitted.
+        Overloaded : ``max_inflight`` requests are already admitted (without ``slot``).
         NotFound : a feature has no table.
         InvalidArgument : malformed ids / lengths / weights, or an id out of range.
         DeadlineExceeded : the deadline passed before a worker thread picked the request up.
         """
-        future = self.submit(features, pooling, deadline=deadline, then=then)
+        future = self.submit(features, pooling, deadline=deadline, then=then, slot=slot)
         # If the caller is cancelled (client gone, deadline) the thread still finishes its
-        # kernel; the admission slot is released by the future's callback, not here, so the
-        # bound on in-flight work holds.
+        # kernel; the work's hold on the admission slot is released by the future's callback,
+        # not here, so the bound on in-flight work holds.
         return await asyncio.wrap_future(future)
 
     def submit(
@@ -306,9 +342,14 @@ class LookupEngine:
         *,
         deadline: float | None = None,
         then: Callable[[LookupResult], T] | None = None,
+        slot: AdmissionSlot | None = None,
     ) -> Future[LookupResult | T]:
-        """Admit a request and queue it on the worker threads (see :meth:`lookup`)."""
-        self._admit()
+        """Admit a request (unless ``slot`` is given) and queue it on the worker threads (see
+        :meth:`lookup`)."""
+        if slot is None:
+            slot = self.admit()  # the work's alone
+        else:
+            slot.hold()
 
         def work() -> LookupResult | T:
             result = self.run(features, pooling, deadline=deadline)
@@ -317,9 +358,9 @@ class LookupEngine:
         try:
             future = self._pool.submit(work)
         except BaseException:
-            self._release()
+            slot.release()
             raise
-        future.add_done_callback(self._release)
+        future.add_done_callback(slot.release)
         return future
 
     def run(

@@ -61,6 +61,36 @@ def test_admission_bound_and_release():
     assert engine.inflight == 0
 
 
+def test_a_slot_the_caller_holds_outlives_the_kernels():
+    """A slot taken with admit() and passed to submit() is freed only when both the work and
+    the caller have let go, in either order."""
+    engine = LookupEngine(make_store(), max_workers=1, max_inflight=1)
+    query = [FeatureQuery("user", np.array([1], np.int64), np.array([1], np.int32))]
+    slot = engine.admit()
+    engine.submit(query, "sum", slot=slot).result(timeout=30)
+    assert engine.inflight == 1  # the work is done; the caller still holds it
+    with pytest.raises(Overloaded):
+        engine.admit()
+    slot.release()
+    waited = time.monotonic() + 30  # the worker's own release may still be on its way
+    while engine.inflight and time.monotonic() < waited:
+        time.sleep(0.001)
+    assert engine.inflight == 0
+    with pytest.raises(RuntimeError, match="released"):
+        slot.release()
+
+    gate = GateObserver()
+    engine = LookupEngine(make_store(), max_workers=1, max_inflight=1, observer=gate)
+    slot = engine.admit()
+    future = engine.submit(query, "sum", slot=slot)
+    slot.release()  # the caller lets go first (a stream that ended): the kernel still counts
+    assert engine.inflight == 1
+    gate.open()
+    future.result(timeout=30)
+    engine.close()
+    assert engine.inflight == 0
+
+
 def test_expired_deadline_is_not_started():
     engine = LookupEngine(make_store(), max_workers=1)
     query = [FeatureQuery("user", np.array([1], np.int64), np.array([1], np.int32))]

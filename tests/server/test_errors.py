@@ -174,6 +174,32 @@ def test_a_stream_runs_at_most_stream_window_requests_at_once():
         client.close()
 
 
+def test_a_stream_response_its_client_does_not_read_stays_in_flight():
+    """A computed LookupStream response waiting on HTTP/2 flow control keeps its admission slot
+    (RELIABILITY.md, Defects): streams whose clients stop reading cannot pile up responses
+    outside max_inflight, and the overload is visible as RESOURCE_EXHAUSTED."""
+    big = [[i % 1000 for i in range(60_000)]]  # 3.8 MB of NONE rows: past the client's window
+    with RunningServer(make_store(), max_inflight=3, workers=2) as running:
+        channel = grpc.insecure_channel(
+            running.target, options=[("grpc.max_receive_message_length", 64 << 20)]
+        )
+        call = channel.stream_stream(
+            "/ibpembed.v1.EmbeddingLookup/LookupStream",
+            request_serializer=pb.LookupRequest.SerializeToString,
+            response_deserializer=pb.LookupResponse.FromString,
+        )
+        responses = call(iter([build_request({"user": big}, "none", f"s-{k}") for k in range(6)]))
+        waited = time.monotonic() + 30
+        while running.server.engine.inflight == 0 and time.monotonic() < waited:
+            time.sleep(0.01)
+        time.sleep(0.5)  # every kernel of the stream has long finished; nothing is read
+        assert running.server.engine.inflight >= 1
+        answered = [r.HasField("error") for r in responses]  # read: the writes complete
+        assert len(answered) == 6 and not all(answered)
+        running.run(_wait_idle(running))
+        channel.close()
+
+
 async def _wait_idle(running: RunningServer) -> None:
     import asyncio
 

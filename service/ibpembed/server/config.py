@@ -63,7 +63,9 @@ class ServerConfig:
         " (more threads per call oversubscribe the cores: torch.unique got 10x slower).",
     )
     max_inflight: int = _setting(
-        64, "Lookups admitted at once (running or waiting); more get RESOURCE_EXHAUSTED."
+        64,
+        "Lookups admitted at once (running, waiting for a worker, or a LookupStream response"
+        " waiting to be written); more get RESOURCE_EXHAUSTED.",
     )
     max_message_mb: int = _setting(
         64,
@@ -71,7 +73,9 @@ class ServerConfig:
         " is ~27 MB.",
     )
     stream_window: int = _setting(
-        8, "Requests of one LookupStream processed concurrently (responses stay in order)."
+        8,
+        "Requests of one LookupStream running or waiting to be written at once (responses"
+        " stay in order).",
     )
     grace_s: float = _setting(
         20.0,

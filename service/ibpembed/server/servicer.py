@@ -18,7 +18,14 @@ import grpc
 import numpy as np
 import torch
 
-from ibpembed.engine import FeatureQuery, LookupEngine, LookupResult, Pooling, TableDescription
+from ibpembed.engine import (
+    AdmissionSlot,
+    FeatureQuery,
+    LookupEngine,
+    LookupResult,
+    Pooling,
+    TableDescription,
+)
 from ibpembed.server.errors import (
     MAX_REQUEST_ID_CHARS,
     InvalidArgument,
@@ -123,8 +130,16 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     Parameters
     ----------
     engine : does the lookups.
-    stream_window : requests of one LookupStream in the engine at once; the stream stops reading
-        (gRPC flow control pushes back on the client) while the window is full.
+    stream_window : requests of one LookupStream in the engine or waiting to be written at
+        once; the stream stops reading (gRPC flow control pushes back on the client) while the
+        window is full.
+
+    A LookupStream request keeps its engine admission slot until its response is written, not
+    just until its kernels finish: a client that stops reading leaves computed responses waiting
+    on HTTP/2 flow control, and they count against ``max_inflight`` like running work, so the
+    memory such streams hold is bounded (``max_inflight`` responses in all) and the overload
+    shows as RESOURCE_EXHAUSTED and in the in-flight gauge. A unary response is handed to gRPC
+    on return and leaves admission then.
     """
 
     def __init__(self, engine: LookupEngine, *, stream_window: int = 8) -> None:
@@ -146,15 +161,15 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         deadline = deadline_of(context)
         # Reader task -> queue of per-request tasks -> this generator, which yields them in order.
         # A queue item is a task, None (client done) or the reader's exception. A request holds
-        # one of stream_window slots from when it is read until its response is written, so at
+        # one of stream_window places from when it is read until its response is written, so at
         # most stream_window requests are running or waiting to be written.
         queue: asyncio.Queue = asyncio.Queue()
-        slots = asyncio.Semaphore(self.stream_window)
+        window = asyncio.Semaphore(self.stream_window)
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
-                    await slots.acquire()
+                    await window.acquire()
                     await queue.put(asyncio.ensure_future(self._stream_one(request, deadline)))
             except Exception as exc:  # handed to the writer, which raises it as the stream status
                 await queue.put(exc)
@@ -166,35 +181,56 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             while (item := await queue.get()) is not None:
                 if isinstance(item, Exception):
                     raise item
-                response = await item
-                slots.release()
-                yield response
+                response, slot = await item
+                try:
+                    yield response  # resumes once gRPC has taken the message (flow control)
+                finally:
+                    if slot is not None:
+                        slot.release()
+                    window.release()
         finally:
             reader.cancel()
             while not queue.empty():
                 item = queue.get_nowait()
-                if isinstance(item, asyncio.Future):
-                    item.cancel()
+                if not isinstance(item, asyncio.Future):
+                    continue
+                if item.done() and not item.cancelled():
+                    _, slot = item.result()  # answered, never written
+                    if slot is not None:
+                        slot.release()
+                else:
+                    item.cancel()  # _stream_one releases what it holds
 
     async def _stream_one(
         self, request: pb.LookupRequest, deadline: float | None
-    ) -> bytes | pb.LookupResponse:
+    ) -> tuple[bytes | pb.LookupResponse, AdmissionSlot | None]:
+        """One stream request's response, and the admission slot the writer releases once the
+        response is written (None for an error reply, which holds nothing)."""
         ensure_request_id(request)
+        slot = None
         try:
             features, pooling = decode_request(request)
-            return await self.engine.lookup(
+            slot = self.engine.admit()
+            response = await self.engine.lookup(
                 features,
                 pooling,
                 deadline=deadline,
                 then=functools.partial(encode_response, request.request_id),
+                slot=slot,
             )
+            return response, slot
         except Exception as exc:
+            if slot is not None:
+                slot.release()
             code, message = status_for(exc, request.request_id)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("LookupStream request %s failed", request.request_id)
-            return pb.LookupResponse(
-                request_id=request.request_id, error=pb.Error(code=code.value[0], message=message)
-            )
+            error = pb.Error(code=code.value[0], message=message)
+            return pb.LookupResponse(request_id=request.request_id, error=error), None
+        except BaseException:  # cancelled: the stream ended before this response was written
+            if slot is not None:
+                slot.release()
+            raise
 
     async def ListTables(
         self, request: pb.ListTablesRequest, context: grpc.aio.ServicerContext
