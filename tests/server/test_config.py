@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,17 @@ def test_flag_beats_env_beats_file(tmp_path):
     cfg = config.load(_args(), environ={**env, "IBPEMBED_CONFIG": str(path)})
     assert (cfg.port, cfg.max_inflight) == (2222, 6)
     assert config.load(_args("--no-reflection"), environ={}).reflection is False
+
+
+def test_an_empty_environment_variable_counts_as_unset(tmp_path):
+    """Every setting alike: no empty token, no empty tables path, no int("") error; the file's
+    value shows through."""
+    path = tmp_path / "server.toml"
+    path.write_text("port = 1111\n")
+    env = {f"IBPEMBED_{f.name.upper()}": " " for f in dataclasses.fields(config.ServerConfig)}
+    cfg = config.load(_args("--config", str(path)), environ=env)
+    assert cfg == dataclasses.replace(config.load(_args(), environ={}), port=1111)
+    assert config.load(_args(), environ={"IBPEMBED_CONFIG": "", "IBPEMBED_PORT": "2"}).port == 2
 
 
 @pytest.mark.parametrize(

@@ -219,6 +219,27 @@ def test_unavailable_when_not_accepting(server, client):
     assert client.lookup({"user": [[1]]})["user"].shape == (1, 16)
 
 
+def test_a_stream_id_from_metadata_is_logged_cut_to_the_request_id_limit(server, caplog):
+    server.server.state.accepting = False  # fails the stream as a whole, under its own id
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            call = channel.stream_stream(
+                "/ibpembed.v1.EmbeddingLookup/LookupStream",
+                request_serializer=pb.LookupRequest.SerializeToString,
+                response_deserializer=pb.LookupResponse.FromString,
+            )
+            with (
+                caplog.at_level(logging.DEBUG, logger="ibpembed.server.interceptors"),
+                pytest.raises(grpc.RpcError) as info,
+            ):
+                list(call(iter([]), metadata=[("x-request-id", "x" * 5000)]))
+    finally:
+        server.server.state.accepting = True
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    logged = [r.getMessage() for r in caplog.records if "LookupStream request" in r.getMessage()]
+    assert logged and all("x" * 256 in m and "x" * 257 not in m for m in logged)
+
+
 def test_rpc_observer_sees_every_outcome():
     recorder = RecordingObserver()
     with RunningServer(make_store(), observer=recorder) as running:

@@ -3,8 +3,10 @@
 
 Precedence, highest first: command-line flag, environment variable, config file, default. Every
 setting has all three spellings: ``--max-inflight``, ``IBPEMBED_MAX_INFLIGHT``, ``max_inflight``
-in the file given by ``--config`` / ``IBPEMBED_CONFIG``. :func:`markdown_table` renders the table
-the README shows.
+in the file given by ``--config`` / ``IBPEMBED_CONFIG``. An environment variable set to the
+empty string (or blanks) counts as unset, for every setting alike: templated deployments (a
+Kubernetes ``env`` from an absent key, ``${VAR:-}``) produce them. :func:`markdown_table`
+renders the table the README shows.
 """
 
 from __future__ import annotations
@@ -270,7 +272,11 @@ def load(
     args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
 ) -> ServerConfig:
     """Merge flags (``args`` from :func:`add_arguments`), ``environ`` and the config file."""
-    environ = os.environ if environ is None else environ
+    environ = {
+        name: value
+        for name, value in (os.environ if environ is None else environ).items()
+        if name.startswith(ENV_PREFIX) and value.strip()
+    }
     flags = vars(args) if args is not None else {}
     config_path = flags.get("config") or environ.get(f"{ENV_PREFIX}CONFIG")
     from_file = _read_file(config_path) if config_path else {}

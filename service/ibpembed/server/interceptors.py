@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import grpc
 
 from ibpembed.server.errors import (
+    MAX_REQUEST_ID_CHARS,
     ServiceError,
     Unavailable,
     UndecodableRequest,
@@ -189,9 +190,11 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_stream(self, method: str, behavior: Callable) -> Callable:
         async def stream(request_iterator: AsyncIterator, context: grpc.aio.ServicerContext):
             # Per-request ids live in the messages; a stream-level failure is logged under the
-            # stream's own id (the client's x-request-id metadata, or a fresh one).
+            # stream's own id (the client's x-request-id metadata, or a fresh one), cut to the
+            # length a message's request_id may have: metadata may hold kilobytes.
             metadata = dict(context.invocation_metadata() or ())
-            stream_id = metadata.get("x-request-id") or uuid.uuid4().hex
+            stream_id = str(metadata.get("x-request-id") or uuid.uuid4().hex)
+            stream_id = stream_id[:MAX_REQUEST_ID_CHARS]
             # LookupStream requests timed one by one: the servicer answers each exactly once and
             # in order, so arrivals and answers pair up first in, first out.
             observer = self.observer if method == STREAM_METHOD else None
