@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from ibpembed_client import (
     decode_response,
 )
 from ibpembed_client.v1 import lookup_pb2 as pb
+from tests.metrics.helpers import free_port
 from tests.server.helpers import RunningServer, make_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,20 +111,22 @@ def test_decode_response_dtypes():
     assert failed.error.code == grpc.StatusCode.NOT_FOUND and failed.values == {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_retries_unavailable_only_within_the_deadline():
-    target = f"127.0.0.1:{_free_port()}"  # nothing listens here
+    target = f"127.0.0.1:{free_port()}"  # nothing listens here
     retry = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.02)
     with (
         LookupClient(target, timeout=30, retry=retry) as client,
         pytest.raises(LookupServiceError) as info,
     ):
         client.lookup({"f": [[1]]})
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE and info.value.attempts == 4
+
+    async def lookup_async() -> None:
+        async with AsyncLookupClient(target, timeout=30, retry=retry) as client:
+            await client.lookup({"f": [[1]]})
+
+    with pytest.raises(LookupServiceError) as info:
+        asyncio.run(lookup_async())
     assert info.value.code == grpc.StatusCode.UNAVAILABLE and info.value.attempts == 4
     with RunningServer(make_store()) as running, LookupClient(running.target, retry=retry) as c:
         with pytest.raises(LookupServiceError) as info:
@@ -141,7 +143,7 @@ def test_router_picks_the_server_per_request():
             return running.target
 
         # The default target has no server: only routed lookups can succeed.
-        bogus = f"127.0.0.1:{_free_port()}"
+        bogus = f"127.0.0.1:{free_port()}"
         keepalive = KeepAliveOptions(time_ms=10_000, timeout_ms=5_000)
         with LookupClient(bogus, timeout=30, router=route, keepalive=keepalive) as client:
             assert client.lookup({"user": [[1]]}, request_id="q1")["user"].shape == (1, 16)

@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 
 from ibpembed.server.errors import status_for
-from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, build_request
+from ibpembed_client import (
+    OVERLOADED_METADATA_KEY,
+    LookupClient,
+    LookupServiceError,
+    RetryPolicy,
+    build_request,
+)
 from ibpembed_client.v1 import lookup_pb2 as pb
 from tests.server.helpers import (
     FailingObserver,
@@ -133,6 +139,78 @@ def test_overload_is_resource_exhausted():
             t.join()
         assert client.lookup({"user": [[1]]})["user"].shape == (1, 16)
         client.close()
+
+
+def test_an_overload_refusal_is_marked_and_retried_until_a_slot_frees():
+    gate = GateObserver()
+    with RunningServer(make_store(), observer=gate, max_inflight=1, workers=2) as running:
+        holder = LookupClient(running.target, timeout=30)
+        held = threading.Thread(target=holder.lookup, args=({"user": [[1]]},))
+        held.start()
+        gate.wait_entered(1)  # the only slot is taken
+        with pytest.raises(grpc.RpcError) as info:  # the mark the client's retry policy reads
+            LookupClient(running.target, retry=RetryPolicy(max_attempts=1))._stub().Lookup(
+                _raw(), timeout=30
+            )
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (OVERLOADED_METADATA_KEY, "1") in info.value.trailing_metadata()
+        patient = LookupClient(
+            running.target,
+            timeout=30,
+            retry=RetryPolicy(max_attempts=1000, initial_backoff_s=0.01, budget_tokens=None),
+        )
+        result: list = []
+        retrying = threading.Thread(target=lambda: result.append(patient.lookup({"user": [[2]]})))
+        retrying.start()
+        waited = time.monotonic() + 30
+        while gate.rpcs.count(("Lookup", "RESOURCE_EXHAUSTED")) < 3 and time.monotonic() < waited:
+            time.sleep(0.01)
+        gate.open()
+        held.join(timeout=30)
+        retrying.join(timeout=30)
+        assert result and result[0]["user"].shape == (1, 16)
+        assert gate.rpcs.count(("Lookup", "RESOURCE_EXHAUSTED")) >= 3
+        assert gate.rpcs[-1] == ("Lookup", "OK")
+        holder.close()
+        patient.close()
+
+
+def test_an_oversize_message_is_not_retried():
+    """gRPC's own RESOURCE_EXHAUSTED (a message over the limit) has no overload mark."""
+    with RunningServer(make_store(), max_message_mb=1) as running:
+        client = LookupClient(running.target, timeout=30)
+        request = _raw(ids=np.ones(200_000, np.int64), lengths=(200_000,))  # 1.6 MB of ids
+        with pytest.raises(LookupServiceError) as info:
+            client.lookup_request(request)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.attempts == 1
+        client.close()
+
+
+def test_the_retry_budget_stops_retries_while_calls_keep_failing(server):
+    """gRFC A6 throttling: each retryable failure takes a token of 10, each answer gives back
+    0.1, and retries pause at 5 or fewer."""
+    client = LookupClient(server.target, timeout=30, retry=RetryPolicy(initial_backoff_s=0.001))
+    server.server.state.accepting = False
+    try:
+        attempts = []
+        for _ in range(3):
+            with pytest.raises(LookupServiceError) as info:
+                client.lookup({"user": [[1]]})
+            attempts.append(info.value.attempts)
+        assert attempts == [3, 2, 1]  # tokens 10 -> 7 -> 5 -> 4
+    finally:
+        server.server.state.accepting = True
+    for _ in range(25):  # 4 + 25 * 0.1 = 6.5 tokens: one retry (6.5 -> 5.5 -> 4.5) again
+        client.lookup({"user": [[1]]})
+    server.server.state.accepting = False
+    try:
+        with pytest.raises(LookupServiceError) as info:
+            client.lookup({"user": [[1]]})
+        assert info.value.attempts == 2
+    finally:
+        server.server.state.accepting = True
+    client.close()
 
 
 def test_deadline_exceeded_and_slot_released():

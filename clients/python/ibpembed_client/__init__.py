@@ -13,6 +13,7 @@ Needs only grpcio, protobuf and numpy. :mod:`ibpembed_client.aio` has the asynci
 
 from ibpembed_client._client import LookupClient
 from ibpembed_client._common import (
+    OVERLOADED_METADATA_KEY,
     FeatureBatch,
     KeepAliveOptions,
     LookupResult,
@@ -35,6 +36,7 @@ from ibpembed_client.shards import (
 )
 
 __all__ = [
+    "OVERLOADED_METADATA_KEY",
     "AsyncLookupClient",
     "AsyncShardedLookupClient",
     "FeatureBatch",

@@ -18,6 +18,7 @@ from ibpembed_client._common import (
     LookupResult,
     LookupServiceError,
     Pooling,
+    Retrier,
     RetryPolicy,
     Router,
     TableInfo,
@@ -47,7 +48,8 @@ class LookupClient:
     target : ``host:port`` for every call the router does not redirect.
     timeout : default overall deadline per call in seconds (retries included); None = no
         deadline. Each method also takes ``timeout``.
-    retry : retry policy (UNAVAILABLE only); ``RetryPolicy(max_attempts=1)`` disables retries.
+    retry : retry policy (UNAVAILABLE and overload refusals, within a retry budget);
+        ``RetryPolicy(max_attempts=1)`` disables retries.
     keepalive : HTTP/2 keepalive settings; None = gRPC defaults (no client pings).
     tls : TLS / mTLS settings; None = plaintext.
     token : bearer token sent as ``authorization: Bearer <token>``.
@@ -71,6 +73,7 @@ class LookupClient:
         self.target = target
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
+        self._retrier = Retrier(self.retry)
         self.router = router
         self._tls = tls
         self._token = token
@@ -118,7 +121,8 @@ class LookupClient:
     def _call(
         self, fn: Callable[[float | None], T], timeout: float | None, request_id: str = ""
     ) -> T:
-        """``fn(remaining_seconds)`` with retries on UNAVAILABLE inside one overall deadline."""
+        """``fn(remaining_seconds)``, retried as :class:`RetryPolicy` says, inside one overall
+        deadline."""
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 0
@@ -126,15 +130,15 @@ class LookupClient:
             attempt += 1
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                return fn(remaining)
+                result = fn(remaining)
             except grpc.RpcError as err:
-                code = err.code()
-                if not self.retry.retryable(code) or attempt >= self.retry.max_attempts:
-                    raise LookupServiceError.from_rpc_error(err, request_id, attempt) from None
-                pause = self.retry.backoff(attempt)
-                if deadline is not None and time.monotonic() + pause >= deadline:
+                pause = self._retrier.pause_before_retry(err, attempt, deadline)
+                if pause is None:
                     raise LookupServiceError.from_rpc_error(err, request_id, attempt) from None
                 time.sleep(pause)
+            else:
+                self._retrier.succeeded()
+                return result
 
     # -- RPCs ------------------------------------------------------------------------------
     def lookup(

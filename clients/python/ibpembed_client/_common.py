@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Union
@@ -26,6 +28,11 @@ DTYPES: dict[int, tuple[str, np.dtype]] = {
     pb.DTYPE_INT64: ("int64", np.dtype("<i8")),
 }
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Trailing metadata the server adds to a RESOURCE_EXHAUSTED that means "over the admission limit,
+# retry later", as opposed to one for an oversize message, which gRPC itself raises and no retry
+# can fix.
+OVERLOADED_METADATA_KEY = "ibpembed-overloaded"
 
 # A routing hook: picks the server ("host:port") for a whole lookup request (e.g. by table, or
 # one of several replicas); None sends everything to the client's target. Tables sharded by row
@@ -253,31 +260,90 @@ class TableInfo:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Retries with exponential backoff and full jitter, on UNAVAILABLE only.
+    """Retries with exponential backoff and full jitter, on calls that never ran, within a
+    client-wide retry budget.
 
-    UNAVAILABLE means the request never ran (server starting, draining, connection lost), so a
-    retry is safe; other codes are answers. Retries stay inside the call's overall timeout.
+    Retried: UNAVAILABLE (server starting, draining, connection lost) and, with
+    ``retry_overloaded``, a RESOURCE_EXHAUSTED the server marks as overload (its admission
+    limit: the request was refused before any work). Other codes are answers, and an oversize
+    message stays one however often it is sent. Retries stay inside the call's overall timeout.
+
+    The budget is gRPC's retry throttling (gRFC A6): a client holds ``budget_tokens`` tokens; a
+    call that fails with a retryable code takes one, any other outcome gives back
+    ``budget_token_ratio``, and retries pause while half or fewer are left. Under sustained
+    overload a client then stops multiplying its load (at most ``max_attempts`` times it) and
+    goes back to one try per call until calls succeed again.
 
     Parameters
     ----------
     max_attempts : total tries including the first (1 = no retry).
     initial_backoff_s, max_backoff_s, multiplier : backoff before try k is
         ``uniform(0, min(max_backoff_s, initial_backoff_s * multiplier**(k-1)))`` seconds.
+    retry_overloaded : also retry the server's overload refusals.
+    budget_tokens, budget_token_ratio : the retry budget; ``budget_tokens=None`` = no budget.
     """
 
     max_attempts: int = 3
     initial_backoff_s: float = 0.05
     max_backoff_s: float = 1.0
     multiplier: float = 2.0
+    retry_overloaded: bool = True
+    budget_tokens: float | None = 10.0
+    budget_token_ratio: float = 0.1
 
     def backoff(self, attempt: int) -> float:
         """Sleep before retry number ``attempt`` (1-based)."""
         cap = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (attempt - 1))
         return random.uniform(0.0, cap)
 
-    @staticmethod
-    def retryable(code: grpc.StatusCode) -> bool:
-        return code == grpc.StatusCode.UNAVAILABLE
+    def retryable(self, err: grpc.RpcError) -> bool:
+        """Whether ``err`` is a failure this policy retries."""
+        code = err.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return True
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED or not self.retry_overloaded:
+            return False
+        trailing = err.trailing_metadata() or ()
+        return any(key == OVERLOADED_METADATA_KEY for key, _ in trailing)
+
+
+class Retrier:
+    """A client's retry decisions: its :class:`RetryPolicy` and the budget it spends.
+    Thread-safe (the sync client's threads share one)."""
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+        self._lock = threading.Lock()
+        self._tokens = policy.budget_tokens
+
+    def succeeded(self) -> None:
+        """A call ended in an answer (any status a retry would not change)."""
+        if self._tokens is None:
+            return
+        with self._lock:
+            self._tokens = min(
+                self.policy.budget_tokens, self._tokens + self.policy.budget_token_ratio
+            )
+
+    def pause_before_retry(
+        self, err: grpc.RpcError, attempt: int, deadline: float | None
+    ) -> float | None:
+        """Seconds to wait before retrying after try ``attempt`` failed with ``err``, or None to
+        give up (not retryable, out of tries, out of budget, or past the deadline)."""
+        if not self.policy.retryable(err):
+            self.succeeded()
+            return None
+        within_budget = True
+        if self._tokens is not None:
+            with self._lock:
+                self._tokens = max(0.0, self._tokens - 1.0)
+                within_budget = self._tokens > self.policy.budget_tokens / 2
+        if not within_budget or attempt >= self.policy.max_attempts:
+            return None
+        pause = self.policy.backoff(attempt)
+        if deadline is not None and time.monotonic() + pause >= deadline:
+            return None
+        return pause
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from ibpembed_client._common import (
     LookupResult,
     LookupServiceError,
     Pooling,
+    Retrier,
     RetryPolicy,
     Router,
     TableInfo,
@@ -57,6 +58,7 @@ class AsyncLookupClient:
         self.target = target
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
+        self._retrier = Retrier(self.retry)
         self.router = router
         self._tls = tls
         self._token = token
@@ -96,7 +98,8 @@ class AsyncLookupClient:
         timeout: float | None,
         request_id: str = "",
     ) -> T:
-        """``await fn(remaining_seconds)`` with retries on UNAVAILABLE inside one deadline."""
+        """``await fn(remaining_seconds)``, retried as :class:`RetryPolicy` says, inside one
+        deadline."""
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 0
@@ -104,15 +107,15 @@ class AsyncLookupClient:
             attempt += 1
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                return await fn(remaining)
+                result = await fn(remaining)
             except grpc.RpcError as err:
-                code = err.code()
-                if not self.retry.retryable(code) or attempt >= self.retry.max_attempts:
-                    raise LookupServiceError.from_rpc_error(err, request_id, attempt) from None
-                pause = self.retry.backoff(attempt)
-                if deadline is not None and time.monotonic() + pause >= deadline:
+                pause = self._retrier.pause_before_retry(err, attempt, deadline)
+                if pause is None:
                     raise LookupServiceError.from_rpc_error(err, request_id, attempt) from None
                 await asyncio.sleep(pause)
+            else:
+                self._retrier.succeeded()
+                return result
 
     async def lookup(
         self,

@@ -25,6 +25,7 @@ import grpc
 
 from ibpembed.server.errors import (
     MAX_REQUEST_ID_CHARS,
+    Overloaded,
     ServiceError,
     Unavailable,
     UndecodableRequest,
@@ -32,6 +33,7 @@ from ibpembed.server.errors import (
     status_for,
     tolerant_deserializer,
 )
+from ibpembed_client import OVERLOADED_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +157,10 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         else:
             log.error("%s request %s failed", method, request_id, exc_info=exc)
         self._done(method, code)
-        await context.abort(code, message)
+        # Marks an admission refusal as retryable, unlike gRPC's own RESOURCE_EXHAUSTED for an
+        # oversize message (the client's RetryPolicy reads it).
+        trailing = ((OVERLOADED_METADATA_KEY, "1"),) if isinstance(exc, Overloaded) else ()
+        await context.abort(code, message, trailing_metadata=trailing)
 
     def _wrap_unary(self, method: str, behavior: Callable) -> Callable:
         observer = self.observer if method == LOOKUP_METHOD else None

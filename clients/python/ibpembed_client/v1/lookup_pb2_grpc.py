@@ -64,7 +64,10 @@ class EmbeddingLookupServicer:
     """
 
     def Lookup(self, request, context):
-        """One batch in, one batch out.
+        """One batch in, one batch out. Over the server's admission limit the call fails at once with
+        RESOURCE_EXHAUSTED and the trailing metadata `ibpembed-overloaded: 1`: refused before any
+        work, safe to retry after a backoff (a RESOURCE_EXHAUSTED without it is gRPC's own, for a
+        message over the size limit, which a retry cannot fix).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
