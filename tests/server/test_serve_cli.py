@@ -139,3 +139,28 @@ def test_missing_table_set_fails_with_a_message(tmp_path: Path):
     )
     assert result.returncode == 1 and str(missing) in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_tables_load_exits_zero_without_serving(sig):
+    # The full-size demo set takes seconds to build: the signal lands in the middle of it.
+    proc = subprocess.Popen(
+        [*IBPEMBED, "serve", "--port", "0", "--metrics-port", "0", "--log-level", "info"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "loading the embedded demo" in line:
+                break
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert f"{sig.name} while loading the tables" in err and "Traceback" not in err
+    assert "listening on" not in out

@@ -291,12 +291,44 @@ def _reload_line(config: ServerConfig) -> str:
     return f"table set reloads {when if config.reload_poll_s else ''}on SIGHUP\n"
 
 
+class _StopWhileLoading(BaseException):
+    """SIGTERM/SIGINT during the table load. A BaseException, like KeyboardInterrupt, so the
+    loader's error handling passes it through instead of reporting a broken table set."""
+
+
+class _EarlySignals:
+    """SIGTERM/SIGINT before the asyncio handlers exist. Loading a large table set takes
+    minutes, and the default actions would end it with exit status 143 (SIGTERM, which is how
+    Kubernetes deletes a pod) or a KeyboardInterrupt traceback. While ``loading`` a signal
+    abandons the load; after it the signal is only remembered, and drains the server once it
+    has started, as a later one would."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self.loading = True
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.received = signal.Signals(signum).name
+        if self.loading:
+            raise _StopWhileLoading
+
+
 async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
-    """Run until SIGTERM/SIGINT, then drain and return 0."""
+    """Run until SIGTERM/SIGINT, then drain and return 0 (also when the signal comes while the
+    tables load: nothing is in flight then)."""
     # Process-wide, hence here and not in LookupServer (see ServerConfig.torch_threads).
     torch.set_num_threads(config.torch_threads)
     keep_freed_memory(config.malloc_retain_mb)
-    store = load_store(config)
+    early = _EarlySignals()
+    log.info("loading %s", config.tables or "the embedded demo table set")
+    try:
+        store = load_store(config)
+    except _StopWhileLoading:
+        log.warning("%s while loading the tables: exiting without serving", early.received)
+        return 0
+    early.loading = False
     metrics = None
     if config.metrics_port:
         metrics = ServerMetrics(store, device=resolve_device(config.device).type)
@@ -307,6 +339,8 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if early.received is not None:
+        stop.set()
     loop.add_signal_handler(signal.SIGHUP, server.request_reload)
     try:
         port = await server.start()
