@@ -49,12 +49,14 @@ class ServingState:
 
     ``accepting`` is False until the tables are loaded and again once draining starts; ``active``
     counts ``ibpembed.v1`` RPCs that got past the gate and have not finished (the app drains
-    until it reaches 0).
+    until it reaches 0); ``refused`` those the gate turned away (the app's drain waits for it to
+    stop moving).
     """
 
     accepting: bool = False
     reason: str = "starting"
     active: int = 0
+    refused: int = 0
 
 
 class RpcObserver(Protocol):
@@ -142,6 +144,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
 
     def _check_state(self) -> None:
         if not self.state.accepting:
+            self.state.refused += 1
             raise Unavailable(f"server not accepting requests: {self.state.reason}")
 
     async def _fail(
