@@ -134,12 +134,12 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         once; the stream stops reading (gRPC flow control pushes back on the client) while the
         window is full.
 
-    A LookupStream request keeps its engine admission slot until its response is written, not
-    just until its kernels finish: a client that stops reading leaves computed responses waiting
-    on HTTP/2 flow control, and they count against ``max_inflight`` like running work, so the
-    memory such streams hold is bounded (``max_inflight`` responses in all) and the overload
-    shows as RESOURCE_EXHAUSTED and in the in-flight gauge. A unary response is handed to gRPC
-    on return and leaves admission then.
+    A request keeps its engine admission slot until its response is sent (a unary call's end;
+    a LookupStream response's write), not just until its kernels finish: a client that stops
+    reading leaves computed responses waiting on HTTP/2 flow control, and they count against
+    ``max_inflight`` like running work, so the memory such clients hold is bounded
+    (``max_inflight`` responses in all) and the overload shows as RESOURCE_EXHAUSTED and in the
+    in-flight gauge.
     """
 
     def __init__(self, engine: LookupEngine, *, stream_window: int = 8) -> None:
@@ -148,12 +148,25 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> bytes:
         features, pooling = decode_request(request)
-        return await self.engine.lookup(
-            features,
-            pooling,
-            deadline=deadline_of(context),
-            then=functools.partial(encode_response, request.request_id),
-        )
+        slot = self.engine.admit()
+        try:
+            response = await self.engine.lookup(
+                features,
+                pooling,
+                deadline=deadline_of(context),
+                then=functools.partial(encode_response, request.request_id),
+                slot=slot,
+            )
+        except BaseException:
+            slot.release()
+            raise
+        # gRPC sends the response after this returns, at the pace of the client's flow control:
+        # it holds the slot until the call ends (sent, failed or cancelled).
+        if context.done():
+            slot.release()
+        else:
+            context.add_done_callback(lambda _context: slot.release())
+        return response
 
     async def LookupStream(
         self, request_iterator: AsyncIterator[pb.LookupRequest], context: grpc.aio.ServicerContext
