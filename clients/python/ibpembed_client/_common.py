@@ -48,7 +48,7 @@ class LookupServiceError(Exception):
     code : the gRPC status code.
     details : the server's message (names the bad field for INVALID_ARGUMENT).
     request_id : the request's id, when known.
-    attempts : tries made (more than 1 after retries on UNAVAILABLE).
+    attempts : tries made (more than 1 after retries: see :class:`RetryPolicy`).
     """
 
     def __init__(
