@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -11,7 +12,9 @@ import grpc
 import numpy as np
 import pytest
 
+from ibpembed.engine import LookupEngine
 from ibpembed.server.errors import status_for
+from ibpembed.server.servicer import EmbeddingLookupServicer
 from ibpembed_client import (
     OVERLOADED_METADATA_KEY,
     LookupClient,
@@ -20,6 +23,7 @@ from ibpembed_client import (
     build_request,
 )
 from ibpembed_client.v1 import lookup_pb2 as pb
+from ibpembed_client.v1 import lookup_pb2_grpc
 from tests.server.helpers import (
     FailingObserver,
     GateObserver,
@@ -148,12 +152,22 @@ def test_an_overload_refusal_is_marked_and_retried_until_a_slot_frees():
         held = threading.Thread(target=holder.lookup, args=({"user": [[1]]},))
         held.start()
         gate.wait_entered(1)  # the only slot is taken
-        with pytest.raises(grpc.RpcError) as info:  # the mark the client's retry policy reads
-            LookupClient(running.target, retry=RetryPolicy(max_attempts=1))._stub().Lookup(
-                _raw(), timeout=30
-            )
+        # The mark the client's retry policy reads, as the sync and the asyncio stubs see it.
+        with grpc.insecure_channel(running.target) as channel, pytest.raises(grpc.RpcError) as info:
+            lookup_pb2_grpc.EmbeddingLookupStub(channel).Lookup(_raw(), timeout=30)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert (OVERLOADED_METADATA_KEY, "1") in info.value.trailing_metadata()
+        assert RetryPolicy().retryable(info.value)
+
+        async def lookup_async() -> None:
+            async with grpc.aio.insecure_channel(running.target) as channel:
+                await lookup_pb2_grpc.EmbeddingLookupStub(channel).Lookup(_raw(), timeout=30)
+
+        with pytest.raises(grpc.aio.AioRpcError) as aio_info:
+            asyncio.run(lookup_async())
+        assert aio_info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert RetryPolicy().retryable(aio_info.value)
+        assert not RetryPolicy(retry_overloaded=False).retryable(aio_info.value)
         patient = LookupClient(
             running.target,
             timeout=30,
@@ -257,7 +271,8 @@ def test_a_stream_response_its_client_does_not_read_stays_in_flight():
     (RELIABILITY.md, Defects): streams whose clients stop reading cannot pile up responses
     outside max_inflight, and the overload is visible as RESOURCE_EXHAUSTED."""
     big = [[i % 1000 for i in range(60_000)]]  # 3.8 MB of NONE rows: past the client's window
-    with RunningServer(make_store(), max_inflight=3, workers=2) as running:
+    recorder = RecordingObserver()
+    with RunningServer(make_store(), observer=recorder, max_inflight=3, workers=2) as running:
         channel = grpc.insecure_channel(
             running.target, options=[("grpc.max_receive_message_length", 64 << 20)]
         )
@@ -267,20 +282,63 @@ def test_a_stream_response_its_client_does_not_read_stays_in_flight():
             response_deserializer=pb.LookupResponse.FromString,
         )
         responses = call(iter([build_request({"user": big}, "none", f"s-{k}") for k in range(6)]))
-        waited = time.monotonic() + 30
-        while running.server.engine.inflight == 0 and time.monotonic() < waited:
+        # Until every admitted request's kernels are done (no new one for 0.5 s; its encoding
+        # takes milliseconds): from then on only unwritten responses can hold slots.
+        waited, kernels, still_since = time.monotonic() + 30, -1, time.monotonic()
+        while time.monotonic() < waited:
+            if len(recorder.kernels) != kernels:
+                kernels, still_since = len(recorder.kernels), time.monotonic()
+            elif kernels > 0 and time.monotonic() - still_since > 0.5:
+                break
             time.sleep(0.01)
-        time.sleep(0.5)  # every kernel of the stream has long finished; nothing is read
-        assert running.server.engine.inflight >= 1
+        assert kernels > 0 and running.server.engine.inflight >= 1
         answered = [r.HasField("error") for r in responses]  # read: the writes complete
         assert len(answered) == 6 and not all(answered)
         running.run(_wait_idle(running))
         channel.close()
 
 
-async def _wait_idle(running: RunningServer) -> None:
-    import asyncio
+def test_a_stream_cancelled_as_its_answer_arrives_releases_the_slot():
+    """The writer cancelled (client gone) in the loop turn in which a request's answer becomes
+    ready drops that answer at its await; its admission slot must still be released (a leak per
+    such race would end with every request refused). The race is forced in process: the
+    answer's task cancels the writer as it finishes, before the writer wakes up; the context
+    stands in for grpc's, whose cancellation timing a real server cannot pin."""
 
+    class Context:
+        def time_remaining(self) -> None:
+            return None
+
+    async def main() -> int:
+        engine = LookupEngine(make_store(), max_workers=1, max_inflight=4)
+        servicer = EmbeddingLookupServicer(engine)
+        stream_one = servicer._stream_one
+        writer: asyncio.Future | None = None
+
+        async def answer_then_cancel_the_writer(request, deadline):
+            assert writer is not None
+            asyncio.current_task().add_done_callback(lambda _task: writer.cancel())
+            return await stream_one(request, deadline)
+
+        servicer._stream_one = answer_then_cancel_the_writer
+
+        async def requests():
+            yield build_request({"user": [[1]]}, "sum", "r1")
+            await asyncio.sleep(3600)
+
+        responses = servicer.LookupStream(requests(), Context())
+        writer = asyncio.ensure_future(responses.__anext__())
+        with pytest.raises(asyncio.CancelledError):
+            await writer
+        await responses.aclose()
+        await asyncio.sleep(0)
+        engine.close()
+        return engine.inflight
+
+    assert asyncio.run(main()) == 0
+
+
+async def _wait_idle(running: RunningServer) -> None:
     while running.server.engine.inflight:
         await asyncio.sleep(0.01)
 

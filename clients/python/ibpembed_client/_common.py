@@ -269,7 +269,7 @@ class RetryPolicy:
     message stays one however often it is sent. Retries stay inside the call's overall timeout.
 
     The budget is gRPC's retry throttling (gRFC A6): a client holds ``budget_tokens`` tokens; a
-    call that fails with a retryable code takes one, any other outcome gives back
+    try that fails with a retryable code takes one, a call that succeeds gives back
     ``budget_token_ratio``, and retries pause while half or fewer are left. Under sustained
     overload a client then stops multiplying its load (at most ``max_attempts`` times it) and
     goes back to one try per call until calls succeed again.
@@ -317,7 +317,7 @@ class Retrier:
         self._tokens = policy.budget_tokens
 
     def succeeded(self) -> None:
-        """A call ended in an answer (any status a retry would not change)."""
+        """A call succeeded (OK; as in gRPC, other final codes give nothing back)."""
         if self._tokens is None:
             return
         with self._lock:
@@ -331,7 +331,6 @@ class Retrier:
         """Seconds to wait before retrying after try ``attempt`` failed with ``err``, or None to
         give up (not retryable, out of tries, out of budget, or past the deadline)."""
         if not self.policy.retryable(err):
-            self.succeeded()
             return None
         within_budget = True
         if self._tokens is not None:

@@ -45,8 +45,10 @@ log = logging.getLogger(__name__)
 
 # How often a draining server checks whether its in-flight RPCs are done.
 _DRAIN_POLL_S = 0.05
-# The drain ends once no RPC has been refused for this long (see LookupServer._drained).
+# The drain ends once no RPC has been refused for this long, or this long after the last
+# in-flight RPC finished while calls keep coming (see LookupServer._drained).
 _DRAIN_QUIET_S = 0.1
+_DRAIN_QUIET_MAX_S = 1.0
 SERVICE_NAME = lookup_pb2.DESCRIPTOR.services_by_name["EmbeddingLookup"].full_name
 
 
@@ -241,7 +243,8 @@ class LookupServer:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
 
     async def _drained(self) -> None:
-        """In-flight RPCs have finished, and no new one has been refused for _DRAIN_QUIET_S.
+        """In-flight RPCs have finished, and no new one has been refused for _DRAIN_QUIET_S (or
+        _DRAIN_QUIET_MAX_S have passed since the last finished).
 
         NOTE(server): grpc accepts a call before its handler runs, and on a busy event loop calls
         sent just before the signal can still be waiting for theirs when the last in-flight one
@@ -251,7 +254,8 @@ class LookupServer:
         """
         while self.state.active:
             await asyncio.sleep(_DRAIN_POLL_S)
-        while True:
+        # Bounded: a load balancer that keeps sending would hold it open for the whole grace.
+        for _ in range(round(_DRAIN_QUIET_MAX_S / _DRAIN_QUIET_S)):
             refused = self.state.refused
             await asyncio.sleep(_DRAIN_QUIET_S)
             if self.state.refused == refused and not self.state.active:
@@ -329,6 +333,7 @@ class _EarlySignals:
     def _handle(self, signum: int, _frame: object) -> None:
         self.received = signal.Signals(signum).name
         if self.loading:
+            self.loading = False  # once: a second signal must not interrupt the way out
             raise _StopWhileLoading
 
 
@@ -343,10 +348,10 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
         early.install()
         log.info("loading %s", config.tables or "the embedded demo table set")
         store = load_store(config)
+        early.loading = False
     except _StopWhileLoading:
         log.warning("%s while loading the tables: exiting without serving", early.received)
         return 0
-    early.loading = False
     metrics = None
     if config.metrics_port:
         metrics = ServerMetrics(store, device=resolve_device(config.device).type)

@@ -124,6 +124,29 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
+async def _answer(
+    item: asyncio.Future[tuple[bytes | pb.LookupResponse, AdmissionSlot | None]],
+) -> tuple[bytes | pb.LookupResponse, AdmissionSlot | None]:
+    """A LookupStream request's answer, awaited by the writer.
+
+    NOTE(server): a cancel of the writer (client gone, deadline) that lands in the loop turn in
+    which ``item`` finishes raises CancelledError here and drops its result: asyncio's Task
+    cancels on its next wakeup even when the future it awaited is done. The answer's slot is
+    then released here, or no one would (the item has left the queue): one leaked slot per such
+    race, until max_inflight of them refuse every request.
+    """
+    try:
+        return await item
+    except BaseException:
+        if item.done() and not item.cancelled() and item.exception() is None:
+            _, slot = item.result()
+            if slot is not None:
+                slot.release()
+        else:
+            item.cancel()  # _stream_one releases what it holds
+        raise
+
+
 class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     """``ibpembed.v1.EmbeddingLookup`` over a :class:`LookupEngine`.
 
@@ -161,11 +184,10 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             slot.release()
             raise
         # gRPC sends the response after this returns, at the pace of the client's flow control:
-        # it holds the slot until the call ends (sent, failed or cancelled).
-        if context.done():
-            slot.release()
-        else:
-            context.add_done_callback(lambda _context: slot.release())
+        # it holds the slot until the call ends (sent, failed or cancelled). grpc.aio runs a
+        # context's done callbacks when the task running this handler ends, so one added here
+        # always runs.
+        context.add_done_callback(lambda _context: slot.release())
         return response
 
     async def LookupStream(
@@ -194,7 +216,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             while (item := await queue.get()) is not None:
                 if isinstance(item, Exception):
                     raise item
-                response, slot = await item
+                response, slot = await _answer(item)
                 try:
                     yield response  # resumes once gRPC has taken the message (flow control)
                 finally:
