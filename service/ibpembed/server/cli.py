@@ -34,6 +34,9 @@ def run(args: argparse.Namespace) -> int:
     )
     # Imported here so `ibpembed --help` does not pay for torch and grpc.
     from ibpembed.server.app import serve
+    from ibpembed.server.logs import quiet_dead_call_replies
+
+    quiet_dead_call_replies()
 
     try:
         return asyncio.run(serve(cfg))

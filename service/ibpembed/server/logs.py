@@ -1,0 +1,32 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Log records of the serving process that need more than a level setting."""
+
+from __future__ import annotations
+
+import logging
+
+# grpc.aio logs this, at ERROR and with a traceback, when a servicer's reply (a message or the
+# status) meets a call that has already ended: the client cancelled it or its deadline passed
+# while the handler ran. grpc then drops the reply; the server is fine (RELIABILITY.md, Defects).
+_GRPC_LOGGER = "grpc._cython.cygrpc"
+_DEAD_CALL_REPLY = "ExecuteBatchError raised in core by servicer method"
+
+
+class DeadCallReplyFilter(logging.Filter):
+    """Demotes grpc's ExecuteBatchError record to one WARNING line without the traceback, so
+    error-log alerts do not fire on a routine client cancellation. Every other grpc record
+    passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and str(record.msg).startswith(_DEAD_CALL_REPLY):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg = f"{record.msg} (the call had already ended: reply dropped)"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def quiet_dead_call_replies() -> None:
+    """Install :class:`DeadCallReplyFilter` on grpc's logger (once per process)."""
+    logger = logging.getLogger(_GRPC_LOGGER)
+    if not any(isinstance(f, DeadCallReplyFilter) for f in logger.filters):
+        logger.addFilter(DeadCallReplyFilter())
