@@ -202,8 +202,8 @@ def test_an_oversize_message_is_not_retried():
 
 
 def test_the_retry_budget_stops_retries_while_calls_keep_failing(server):
-    """gRFC A6 throttling: each retryable failure takes a token of 10, each answer gives back
-    0.1, and retries pause at 5 or fewer."""
+    """gRFC A6 throttling: each retryable failure takes a token of 10, each successful call
+    gives back 0.1, and retries pause at 5 or fewer."""
     client = LookupClient(server.target, timeout=30, retry=RetryPolicy(initial_backoff_s=0.001))
     server.server.state.accepting = False
     try:
