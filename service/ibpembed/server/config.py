@@ -66,8 +66,8 @@ class ServerConfig:
     )
     max_inflight: int = _setting(
         64,
-        "Lookups admitted at once (running, waiting for a worker, or their response waiting to"
-        " be sent); more get RESOURCE_EXHAUSTED.",
+        "Lookups admitted at once (running, waiting for a worker, or a LookupStream response"
+        " waiting to be written); more get RESOURCE_EXHAUSTED.",
     )
     max_message_mb: int = _setting(
         64,

@@ -157,12 +157,14 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         once; the stream stops reading (gRPC flow control pushes back on the client) while the
         window is full.
 
-    A request keeps its engine admission slot until its response is sent (a unary call's end;
-    a LookupStream response's write), not just until its kernels finish: a client that stops
-    reading leaves computed responses waiting on HTTP/2 flow control, and they count against
-    ``max_inflight`` like running work, so the memory such clients hold is bounded
-    (``max_inflight`` responses in all) and the overload shows as RESOURCE_EXHAUSTED and in the
-    in-flight gauge.
+    A LookupStream request keeps its engine admission slot until its response is written, not
+    just until its kernels finish: a client that stops reading leaves computed responses waiting
+    in the stream on HTTP/2 flow control, and they count against ``max_inflight`` like running
+    work, so the memory such streams hold is bounded (``max_inflight`` responses in all) and the
+    overload shows as RESOURCE_EXHAUSTED and in the in-flight gauge. A unary response leaves
+    admission when its kernels finish and waits in gRPC's buffers, one per call a client keeps
+    open: holding the slot until the call's end cost 15 % of the answered requests of a
+    saturated server (RELIABILITY.md, *Defects* 31).
     """
 
     def __init__(self, engine: LookupEngine, *, stream_window: int = 8) -> None:
@@ -171,24 +173,12 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> bytes:
         features, pooling = decode_request(request)
-        slot = self.engine.admit()
-        try:
-            response = await self.engine.lookup(
-                features,
-                pooling,
-                deadline=deadline_of(context),
-                then=functools.partial(encode_response, request.request_id),
-                slot=slot,
-            )
-        except BaseException:
-            slot.release()
-            raise
-        # gRPC sends the response after this returns, at the pace of the client's flow control:
-        # it holds the slot until the call ends (sent, failed or cancelled). grpc.aio runs a
-        # context's done callbacks when the task running this handler ends, so one added here
-        # always runs.
-        context.add_done_callback(lambda _context: slot.release())
-        return response
+        return await self.engine.lookup(
+            features,
+            pooling,
+            deadline=deadline_of(context),
+            then=functools.partial(encode_response, request.request_id),
+        )
 
     async def LookupStream(
         self, request_iterator: AsyncIterator[pb.LookupRequest], context: grpc.aio.ServicerContext
