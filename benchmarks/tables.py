@@ -13,7 +13,9 @@ fresh process so nothing is shared between them:
   one-row source gives the interpreter's own baseline (torch and the extension imported).
 * **load**: ``torch.load`` of the state dict (read into memory: what serving raw tensors takes),
   ``torch.load(mmap=True)``, ``TableStore.load`` of the packed set (mmap; header, index and
-  metadata checksums) and ``TableStore.load(verify=True)`` (every payload byte hashed too). Each
+  metadata checksums), the same with ``prefetch=True`` (the payload's reads queued in the
+  background at load, what ``ibpembed serve`` does by default) and
+  ``TableStore.load(verify=True)`` (every payload byte hashed too). Each
   also times its first lookup (one B=512 pooled batch per table), which for the mmap loads is
   where pages come in. Two cache states: *warm* (files in the page cache) and *cold* (the files'
   pages dropped with ``posix_fadvise(DONTNEED)`` first; the VM's host may still cache the disk).
@@ -50,7 +52,7 @@ GIB = 1 << 30
 DIM = 128
 LOOKUP_BATCH = 512
 LOOKUP_POOLING = 20
-LOAD_KINDS = ("torch.load", "torch.load mmap", "ibpembed", "ibpembed verify")
+LOAD_KINDS = ("torch.load", "torch.load mmap", "ibpembed", "ibpembed prefetch", "ibpembed verify")
 LOAD_TARGET = 5.0
 PACK_RSS_TARGET = 1.5
 
@@ -78,7 +80,9 @@ if kind.startswith("torch.load"):
         ids = torch.randint(0, t.shape[0], (batch * pooling,), generator=gen)
         torch.nn.functional.embedding_bag(ids, t, offsets[:-1], mode="sum")
 else:
-    store = TableStore.load(path, verify=kind.endswith("verify"))
+    store = TableStore.load(
+        path, verify=kind.endswith("verify"), prefetch=kind.endswith("prefetch")
+    )
     loaded = time.perf_counter()
     with store.acquire() as snap:
         for t in snap.tables.values():
@@ -269,6 +273,7 @@ def render_markdown(r: dict[str, Any]) -> str:
                 "torch.load": "`torch.load(raw.pt)`",
                 "torch.load mmap": "`torch.load(raw.pt, mmap=True)`",
                 "ibpembed": "`TableStore.load(packed)`",
+                "ibpembed prefetch": "`TableStore.load(packed, prefetch=True)`",
                 "ibpembed verify": "`TableStore.load(packed, verify=True)`",
             }[kind]
             lines.append(

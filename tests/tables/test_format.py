@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 import shutil
 import struct
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -420,3 +424,49 @@ def test_slot_sizes_must_agree_with_the_compressed_bits(tmp_path: Path) -> None:
     with pytest.raises(tf.TableFileError, match="disagrees with its compressed bit") as e:
         tf.read_table(path, verify=True)
     assert e.value.section == "row_units"
+
+
+def _resident_fraction(path: Path, offset: int, length: int) -> float:
+    """The share of a file range's pages in the page cache (mincore over a fresh mapping)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = offset - offset % page
+    pages = (offset + length - start + page - 1) // page
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapping)) + start
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(pages * page), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        return sum(v & 1 for v in vec) / pages
+    finally:
+        del address
+        mapping.close()
+
+
+def _drop_from_page_cache(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def test_prefetch_reads_the_payload_into_the_page_cache(tmp_path: Path) -> None:
+    path = tmp_path / "big.ibpt"
+    # 64 MiB: far more than one fault's readahead (the kernel reads up to read_ahead_kb, 8 MiB on
+    # the development VM, around any page the loader touches).
+    weight = torch.randn(262144, 64) * 0.05
+    tf.pack_table(path, weight, name="big")
+    payload = next(s for s in tf.read_table(path).sections if s.kind is tf.SectionKind.PAYLOAD)
+    _drop_from_page_cache(path)
+    if _resident_fraction(path, payload.offset, payload.length) > 0.1:
+        pytest.skip("this filesystem keeps the file's pages cached (tmpfs, or no DONTNEED)")
+    loaded = tf.read_table(path)  # without prefetch: header, index, metadata (and readahead)
+    assert _resident_fraction(path, payload.offset, payload.length) < 0.5
+    del loaded
+    loaded = tf.read_table(path, prefetch=True)
+    waited = time.monotonic() + 10  # the kernel reads in the background
+    while _resident_fraction(path, payload.offset, payload.length) < 0.99:
+        assert time.monotonic() < waited, "the payload was not read in"
+        time.sleep(0.01)
+    assert same_bits(loaded.table.decompress(), weight)

@@ -61,7 +61,12 @@ def load_store(config: ServerConfig) -> TableStore:
     if config.tables is not None:
         # Page-locked payloads are what the zero-copy CUDA kernels read.
         pin = resolve_device(config.device).type == "cuda"
-        return TableStore.load(config.tables, verify=config.verify_payloads, pin=pin)
+        return TableStore.load(
+            config.tables,
+            verify=config.verify_payloads,
+            prefetch=config.prefetch_payloads,
+            pin=pin,
+        )
     return TableStore.from_tables(demo.build(config.demo_max_rows))
 
 

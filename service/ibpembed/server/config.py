@@ -48,6 +48,11 @@ class ServerConfig:
         " whole table set; without it header, index and metadata are checked, payloads by"
         " `ibpembed verify`).",
     )
+    prefetch_payloads: bool = _setting(
+        True,
+        "At load and at each reload, have the kernel read every payload into the page cache in"
+        " the background, so the first lookups after a start do not each wait on storage.",
+    )
     reload_poll_s: float = _setting(
         10.0,
         "Seconds between checks of the table set's manifest: a new one (`ibpembed pack` into"

@@ -329,10 +329,11 @@ def load_table_set_meta(
     directory: str | os.PathLike[str],
     *,
     verify: bool = False,
+    prefetch: bool = False,
     reuse: Callable[[str, ManifestEntry], CompressedTable | None] | None = None,
 ) -> tuple[Manifest, dict[str, CompressedTable], dict[str, Mapping[str, Any]]]:
     """``load_table_set``, and the meta section of every table it read from its file (tables
-    ``reuse`` returned are not read, so have none)."""
+    ``reuse`` returned are not read, so have none). ``prefetch``: see ``format.read_table``."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     tables: dict[str, CompressedTable] = {}
@@ -345,7 +346,7 @@ def load_table_set_meta(
         path = directory / entry.file
         if not path.is_file():
             raise TableSetError(f"{directory / MANIFEST}: table '{name}': file {path} is missing")
-        loaded = tf.read_table(path, verify=verify)
+        loaded = tf.read_table(path, verify=verify, prefetch=prefetch)
         check_entry(directory / MANIFEST, name, entry, loaded)
         tables[name] = loaded.table
         metas[name] = loaded.meta

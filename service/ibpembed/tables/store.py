@@ -197,6 +197,7 @@ class TableStore:
         entries: Mapping[str, ManifestEntry] | None = None,
         metas: Mapping[str, Mapping[str, Any]] | None = None,
         verify: bool = False,
+        prefetch: bool = False,
         pin: bool = False,
     ) -> None:
         _check_features(tables, features)
@@ -210,6 +211,7 @@ class TableStore:
         self._pooling = {n: e.pooling for n, e in self._entries.items()}
         self._meta = {n: dict(m) for n, m in (metas or {}).items()}
         self._verify = verify
+        self._prefetch = prefetch
         self._pin = pin
         self._spill: dict[str, _Spill] = {}
         self._current = TableSnapshot(
@@ -226,18 +228,26 @@ class TableStore:
 
     @classmethod
     def load(
-        cls, directory: str | os.PathLike[str], *, verify: bool = False, pin: bool = False
+        cls,
+        directory: str | os.PathLike[str],
+        *,
+        verify: bool = False,
+        prefetch: bool = False,
+        pin: bool = False,
     ) -> TableStore:
         """A store over a packed table set (manifest + ``.ibpt`` files), memory-mapped.
 
         Parameters
         ----------
         verify : also hash every payload at load (and at every reload).
+        prefetch : start reading every payload into the page cache in the background at load
+            (and at every reload), so the first lookups do not wait on storage (see
+            ``format.read_table``).
         pin : page-lock payloads for the CUDA kernels (see ``pin_payload``); ignored without
             CUDA. Buffers made by row updates are then allocated page-locked too.
         """
         directory = Path(directory)
-        manifest, tables, metas = load_table_set_meta(directory, verify=verify)
+        manifest, tables, metas = load_table_set_meta(directory, verify=verify, prefetch=prefetch)
         return cls(
             tables,
             manifest.features,
@@ -245,6 +255,7 @@ class TableStore:
             entries=manifest.tables,
             metas=metas,
             verify=verify,
+            prefetch=prefetch,
             pin=pin,
         )
 
@@ -345,7 +356,9 @@ class TableStore:
                 kept = target == self._directory and self._entries.get(name) == entry
                 return current.get(name) if kept and name not in self._spill else None
 
-            manifest, tables, metas = load_table_set_meta(target, verify=self._verify, reuse=reuse)
+            manifest, tables, metas = load_table_set_meta(
+                target, verify=self._verify, prefetch=self._prefetch, reuse=reuse
+            )
             fresh = {n: t for n, t in tables.items() if t is not current.get(n)}
             shards = _shards(manifest.tables)
             unchanged = (
