@@ -14,7 +14,8 @@ fresh process so nothing is shared between them:
 * **load**: ``torch.load`` of the state dict (read into memory: what serving raw tensors takes),
   ``torch.load(mmap=True)``, ``TableStore.load`` of the packed set (mmap; header, index and
   metadata checksums), the same with ``prefetch=True`` (the payload's reads queued in the
-  background at load, what ``ibpembed serve`` does by default) and
+  background at load, what ``ibpembed serve`` does by default; the calls block while the
+  device queue is full) and
   ``TableStore.load(verify=True)`` (every payload byte hashed too). Each
   also times its first lookup (one B=512 pooled batch per table), which for the mmap loads is
   where pages come in. Two cache states: *warm* (files in the page cache) and *cold* (the files'

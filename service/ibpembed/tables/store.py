@@ -240,9 +240,9 @@ class TableStore:
         Parameters
         ----------
         verify : also hash every payload at load (and at every reload).
-        prefetch : start reading every payload into the page cache in the background at load
-            (and at every reload), so the first lookups do not wait on storage (see
-            ``format.read_table``).
+        prefetch : read every payload into the page cache at load (and at every reload), so
+            the first lookups do not wait on storage; from a cold cache the load then takes
+            about as long as reading the payloads (see ``format.read_table``).
         pin : page-lock payloads for the CUDA kernels (see ``pin_payload``); ignored without
             CUDA. Buffers made by row updates are then allocated page-locked too.
         """
