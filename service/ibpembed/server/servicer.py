@@ -124,9 +124,11 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
-async def _answer(
-    item: asyncio.Future[tuple[bytes | pb.LookupResponse, AdmissionSlot | None]],
-) -> tuple[bytes | pb.LookupResponse, AdmissionSlot | None]:
+# A LookupStream request's task: its response, and the admission slot the writer releases.
+_Answer = asyncio.Future[tuple[bytes | pb.LookupResponse, AdmissionSlot | None]]
+
+
+async def _answer(item: _Answer) -> tuple[bytes | pb.LookupResponse, AdmissionSlot | None]:
     """A LookupStream request's answer, awaited by the writer.
 
     NOTE(server): a cancel of the writer (client gone, deadline) that lands in the loop turn in
@@ -138,13 +140,19 @@ async def _answer(
     try:
         return await item
     except BaseException:
-        if item.done() and not item.cancelled() and item.exception() is None:
-            _, slot = item.result()
-            if slot is not None:
-                slot.release()
-        else:
-            item.cancel()  # _stream_one releases what it holds
+        _drop(item)
         raise
+
+
+def _drop(item: _Answer) -> None:
+    """Discard a LookupStream answer that will never be written: release the slot it holds, or
+    cancel it if it is still running (``_stream_one`` then releases what it holds)."""
+    if not item.done():
+        item.cancel()
+    elif not item.cancelled() and item.exception() is None:
+        _, slot = item.result()
+        if slot is not None:
+            slot.release()
 
 
 class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
@@ -217,14 +225,8 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             reader.cancel()
             while not queue.empty():
                 item = queue.get_nowait()
-                if not isinstance(item, asyncio.Future):
-                    continue
-                if item.done() and not item.cancelled():
-                    _, slot = item.result()  # answered, never written
-                    if slot is not None:
-                        slot.release()
-                else:
-                    item.cancel()  # _stream_one releases what it holds
+                if isinstance(item, asyncio.Future):
+                    _drop(item)
 
     async def _stream_one(
         self, request: pb.LookupRequest, deadline: float | None
