@@ -318,7 +318,9 @@ class Retrier:
 
     def succeeded(self) -> None:
         """A call succeeded (OK; as in gRPC, other final codes give nothing back)."""
-        if self._tokens is None:
+        # Read without the lock first: the budget is full for almost every call of a healthy
+        # client, and this runs after each of them.
+        if self._tokens is None or self._tokens >= self.policy.budget_tokens:
             return
         with self._lock:
             self._tokens = min(
