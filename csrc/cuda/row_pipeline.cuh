@@ -4,19 +4,16 @@
 // payload into shared memory with 16-byte cp.async copies, decode it chunk-parallel. One warp owns
 // one row at a time and keeps the next row's copy in flight while it decodes the current one
 // (two staging buffers per warp), so PCIe latency overlaps decode even for a warp working through
-// a long bag on its own. Host-side launch planning (shared memory, grid) is at the bottom.
+// a long bag on its own. Device code only: host-side launch planning is in launch_plan.cuh.
+//
+// NOTE(cuda): this file and the kernel headers (gather_kernel.cuh, pooled_kernel.cuh) also compile
+// as plain C++ for the host SIMT emulator of tests/cuda/simt (IBPEMBED_SIMT defined): each thread
+// of a block runs as a host thread, and the emulator supplies the warp collectives, cp.async and
+// shared memory. The only spots that differ are the two guarded below.
 #pragma once
-
-#include <c10/cuda/CUDAException.h>
-#include <c10/util/Exception.h>
-#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <mutex>
-#include <string_view>
-#include <vector>
 
 #include "kernels.h"
 #include "warp_decode.cuh"
@@ -37,6 +34,7 @@ __device__ __forceinline__ void report(int32_t* error, int32_t bits, int lane) {
   if (lane == 0) atomicOr(error, bits);
 }
 
+#if !defined(IBPEMBED_SIMT)  // the emulator defines these three and the shared-memory macro
 // cp.async.cg: 16 bytes global -> shared, bypassing L1 (each payload byte is read once).
 // Works on the device alias of pinned host memory as on device memory: both are global space.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -53,6 +51,10 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+
+// The block's dynamic shared memory, as a byte array named `name`.
+#define IBP_DYNAMIC_SMEM(name) extern __shared__ __align__(16) uint8_t name[]
+#endif
 
 __device__ __forceinline__ int warp_inclusive_scan(int v, int lane) {
 #pragma unroll
@@ -201,91 +203,6 @@ __device__ __forceinline__ void store_chunk_to(uint8_t* dst, int64_t row_bytes, 
   }
   const int64_t n = std::min<int64_t>(S, row_bytes - static_cast<int64_t>(j) * S);
   for (int k = 0; k < n; ++k) p[k] = static_cast<uint8_t>(x >> (8 * k));
-}
-
-// ---------------------------------------------------------------------------------------------
-// Host side.
-
-// IBPEMBED_CUDA_STAGING=sync swaps cp.async for plain 16-byte loads and stores (the warp then
-// waits for each row before decoding the previous one): the A/B switch gpu_check.py uses to see
-// whether asynchronous staging pays, and a fallback for a platform whose cp.async cannot read
-// mapped host memory. Read at every launch, so a process can switch.
-inline Staging staging_for(const TableView& t) {
-  const char* mode = std::getenv("IBPEMBED_CUDA_STAGING");
-  const std::string_view m = mode != nullptr ? mode : "async";
-  TORCH_CHECK(m == "async" || m == "sync", "IBPEMBED_CUDA_STAGING must be 'async' or 'sync', got '",
-              m, "'");
-  return Staging{stage_buffer_bytes(t.row_bytes, t.unit_bytes), m == "async"};
-}
-
-// Block shape and residency of one kernel on one device for one shared-memory need per warp.
-struct LaunchPlan {
-  int warps_per_block;
-  size_t smem_bytes;
-  int64_t resident_blocks;  // blocks that fit on the whole device at once
-};
-
-// Most warps per block (up to kMaxWarpsPerBlock) whose shared memory fits the device, and how
-// many such blocks the device holds at the occupancy that leaves.
-template <class Kernel>
-LaunchPlan compute_plan(Kernel kernel, int device, int64_t smem_per_warp) {
-  int optin = 0, sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  TORCH_CHECK(smem_per_warp <= optin, "ibpembed CUDA: rows of this table need ", smem_per_warp,
-              " bytes of shared memory per warp, more than the ", optin,
-              " this GPU allows per block; use the CPU path for such wide rows");
-  int warps = kMaxWarpsPerBlock;
-  while (warps > 1 && warps * smem_per_warp > optin) warps /= 2;
-  const auto smem = static_cast<size_t>(warps * smem_per_warp);
-  // The opt-in maximum once for all tables: a launch still gets only the shared memory it asks
-  // for, so smaller tables keep their L1.
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
-  int per_sm = 0;
-  C10_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * kWarpSize, smem));
-  return LaunchPlan{warps, smem, static_cast<int64_t>(std::max(per_sm, 1)) * sms};
-}
-
-struct LaunchShape {
-  int warps_per_block;
-  int blocks;
-  size_t smem_bytes;
-};
-
-// The launch for `work_items` items (rows or bags): the kernel's plan on the current device, with
-// enough blocks to fill every SM but no more than the work needs (warps loop over items with a
-// grid stride). Plans are computed once per kernel, device and shared-memory need: the driver
-// queries behind them cost microseconds, a visible share of a small batch.
-template <class Kernel>
-LaunchShape plan_launch(Kernel kernel, int64_t smem_per_warp, int64_t work_items) {
-  struct Entry {
-    const void* kernel;
-    int device;
-    int64_t smem_per_warp;
-    LaunchPlan plan;
-  };
-  static std::mutex mutex;
-  static std::vector<Entry> plans;
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  const auto* id = reinterpret_cast<const void*>(kernel);
-  LaunchPlan plan{};
-  {
-    const std::lock_guard<std::mutex> lock(mutex);
-    const auto it = std::find_if(plans.begin(), plans.end(), [&](const Entry& e) {
-      return e.kernel == id && e.device == device && e.smem_per_warp == smem_per_warp;
-    });
-    if (it != plans.end()) {
-      plan = it->plan;
-    } else {
-      plan = compute_plan(kernel, device, smem_per_warp);
-      plans.push_back(Entry{id, device, smem_per_warp, plan});
-    }
-  }
-  const int64_t needed = (work_items + plan.warps_per_block - 1) / plan.warps_per_block;
-  const int64_t blocks = std::max<int64_t>(1, std::min(needed, plan.resident_blocks));
-  return LaunchShape{plan.warps_per_block, static_cast<int>(blocks), plan.smem_bytes};
 }
 
 }  // namespace ibpembed::gpu

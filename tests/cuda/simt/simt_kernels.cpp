@@ -1,0 +1,107 @@
+// SPDX-License-Identifier: Apache-2.0
+//
+// The CUDA gather and pooled kernels (csrc/cuda/*_kernel.cuh, the very device code nvcc builds)
+// run by the host SIMT emulator (simt.h, force-included), behind a C interface that
+// tests/cuda/test_simt_kernels.py calls through ctypes with CPU tensors. The caller does what the
+// CUDA op bindings do before a launch (sort the gather's ids; validate shapes), and picks the grid
+// so that tests reach grid strides, several warps per block and several blocks.
+//
+// Each entry point returns the kernel's error word (ErrorBits, >= 0), or -1 when the emulator
+// stopped the launch (divergent collectives, a deadlock, a cp.async out of bounds), with the
+// reason in `message`.
+#include <cstdio>
+#include <string>
+
+#include "../../../csrc/cuda/gather_kernel.cuh"
+#include "../../../csrc/cuda/pooled_kernel.cuh"
+
+namespace {
+
+using namespace ibpembed;
+using namespace ibpembed::gpu;
+
+DeviceTable table_of(const uint8_t* payload, int64_t payload_bytes, const int64_t* block_base,
+                     const uint8_t* row_units, const int32_t* bitmask, const uint64_t* mask,
+                     const uint64_t* bitval, int64_t bitval_len, int64_t num_rows,
+                     int64_t row_bytes, int64_t unit_bytes, int chunk_bits) {
+  const int v = chunks_per_row(row_bytes, chunk_bits);
+  return DeviceTable{TableView{payload, block_base, row_units, bitmask, mask, bitval, num_rows,
+                               row_bytes, unit_bytes, chunk_bits, v,
+                               code_bits_for(bitval_len, v)},
+                     payload_bytes};
+}
+
+int finish(const std::string& failure, const int32_t* error, char* message, int message_len) {
+  if (failure.empty()) return *error;
+  std::snprintf(message, static_cast<size_t>(message_len), "%s", failure.c_str());
+  return -1;
+}
+
+template <int W>
+std::string run_gather(const GatherArgs& a, const Staging& st, int blocks, int warps) {
+  const size_t smem = static_cast<size_t>(warps * gather_smem_per_warp(st.buffer_bytes));
+  const uint8_t* payload = a.table.view.payload;
+  return simt::launch(blocks, warps * kWarpSize, smem,
+                      {{payload, payload + a.table.payload_bytes}}, gather_kernel<W>, a, st);
+}
+
+template <int W>
+std::string run_pooled(const PooledArgs& a, const Staging& st, int blocks, int warps) {
+  const int64_t per_warp = pooled_smem_per_warp(a.table.view, st.buffer_bytes, a.dim);
+  const uint8_t* payload = a.table.view.payload;
+  return simt::launch(blocks, warps * kWarpSize, static_cast<size_t>(warps * per_warp),
+                      {{payload, payload + a.table.payload_bytes}}, pooled_kernel<W>, a, st);
+}
+
+}  // namespace
+
+extern "C" {
+
+// out[perm[i]] = row(ids[i]) for ascending ids (perm may be null: out[i]); ids null: row i.
+int simt_gather(const uint8_t* payload, int64_t payload_bytes, const int64_t* block_base,
+                const uint8_t* row_units, const int32_t* bitmask, const uint64_t* mask,
+                const uint64_t* bitval, int64_t bitval_len, int64_t num_rows, int64_t row_bytes,
+                int64_t unit_bytes, int chunk_bits, const int64_t* ids, const int64_t* perm,
+                int64_t n, uint8_t* out, int blocks, int warps, int async, char* message,
+                int message_len) {
+  int32_t error = 0;
+  const DeviceTable table = table_of(payload, payload_bytes, block_base, row_units, bitmask, mask,
+                                     bitval, bitval_len, num_rows, row_bytes, unit_bytes,
+                                     chunk_bits);
+  const GatherArgs a{table, ids, perm, n, out, &error};
+  const Staging st{stage_buffer_bytes(row_bytes, unit_bytes), async != 0};
+  std::string failure;
+  switch (chunk_bits) {
+    case 16: failure = run_gather<16>(a, st, blocks, warps); break;
+    case 32: failure = run_gather<32>(a, st, blocks, warps); break;
+    default: failure = run_gather<64>(a, st, blocks, warps); break;
+  }
+  return finish(failure, &error, message, message_len);
+}
+
+// The pooled lookup of lookup.h into out[num_bags, pooled_dim(dtype, row_bytes)].
+int simt_pooled(const uint8_t* payload, int64_t payload_bytes, const int64_t* block_base,
+                const uint8_t* row_units, const int32_t* bitmask, const uint64_t* mask,
+                const uint64_t* bitval, int64_t bitval_len, int64_t num_rows, int64_t row_bytes,
+                int64_t unit_bytes, int chunk_bits, int dtype, int pooling, const int64_t* ids,
+                const int64_t* offsets, int64_t num_bags, int64_t nnz, const float* weights,
+                float* out, int blocks, int warps, int async, char* message, int message_len) {
+  int32_t error = 0;
+  const DeviceTable table = table_of(payload, payload_bytes, block_base, row_units, bitmask, mask,
+                                     bitval, bitval_len, num_rows, row_bytes, unit_bytes,
+                                     chunk_bits);
+  const auto dt = static_cast<DType>(dtype);
+  const PooledArgs a{table,   dt,   pooled_dim(dt, row_bytes), ids,    offsets,
+                     num_bags, nnz, weights, static_cast<Pooling>(pooling), out,
+                     &error};
+  const Staging st{stage_buffer_bytes(row_bytes, unit_bytes), async != 0};
+  std::string failure;
+  switch (chunk_bits) {
+    case 16: failure = run_pooled<16>(a, st, blocks, warps); break;
+    case 32: failure = run_pooled<32>(a, st, blocks, warps); break;
+    default: failure = run_pooled<64>(a, st, blocks, warps); break;
+  }
+  return finish(failure, &error, message, message_len);
+}
+
+}  // extern "C"

@@ -1,0 +1,221 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The CUDA kernels' device code, executed on the CPU by a SIMT emulator, against the CPU ops.
+
+csrc/cuda/gather_kernel.cuh and pooled_kernel.cuh (the code nvcc compiles) are built with g++
+against tests/cuda/simt/simt.h, which runs every thread of a block as a host thread and supplies
+the warp collectives, cp.async and shared memory (see its header for what it checks: converged
+collectives, copies that land only when waited for, poisoned shared memory, in-bounds staging).
+The cases mirror test_cuda_ops.py at sizes the emulator runs in seconds; test_cuda_ops.py stays
+the check on a real GPU (timing, memory model, zero-copy over PCIe: nothing emulated shows them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ibpembed import CompressedTable, compress
+from ibpembed._ops import INT8_ROWWISE_CODE
+from tests.codec.tables import DTYPES, FLOAT_DTYPES, make_table, same_bits
+from tests.cuda.simt.harness import CXX, EmulatedKernels, EmulationError, Grid, build
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(CXX) is None, reason=f"no C++ compiler ({CXX}) to build the SIMT emulator"
+)
+
+POOLING = {"sum": 0, "mean": 1}
+# kernels.h ErrorBits
+ERR_INDEX, ERR_OFFSETS, ERR_TABLE = 1, 2, 4
+GRIDS = (Grid(1, 1), Grid(2, 2), Grid(3, 4, async_copies=False))
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> EmulatedKernels:
+    return EmulatedKernels(build(tmp_path_factory.mktemp("simt")))
+
+
+def _rows(c: CompressedTable, raw: torch.Tensor) -> torch.Tensor:
+    return raw.view(c.dtype).view(raw.shape[0], c.dim)
+
+
+def _ids(rng: np.random.Generator, num_rows: int, n: int) -> torch.Tensor:
+    """Unsorted ids with duplicates, one id repeated past a warp's run cap, and both ends."""
+    ids = rng.integers(0, num_rows, n)
+    ids[: min(n, 40)] = rng.integers(0, num_rows)
+    ids = np.concatenate([ids, [0, num_rows - 1, num_rows - 1]])
+    rng.shuffle(ids)
+    return torch.from_numpy(ids)
+
+
+def _cpu_rows(c: CompressedTable, ids: torch.Tensor) -> torch.Tensor:
+    return c.gather(ids).contiguous().view(torch.uint8).view(ids.numel(), c.row_bytes)
+
+
+# -- the emulator itself ------------------------------------------------------------------------
+
+
+def test_emulator_catches_what_it_claims(kernels: EmulatedKernels) -> None:
+    assert kernels.selftest(0) == (0, "")  # shuffles, ballot, reduction and scan give the sums
+    for case in (1, 2):  # lanes in different collectives; lanes gone while others shuffle
+        result, failure = kernels.selftest(case)
+        assert result == -1 and "divergent" in failure, failure
+    assert kernels.selftest(3) == (0xCD, "")  # read before the wait: shared memory's poison
+    assert kernels.selftest(4) == (84, "")  # after it: the copied byte
+    result, failure = kernels.selftest(5)
+    assert result == -1 and "outside every device buffer" in failure
+    result, failure = kernels.selftest(6)
+    assert result == -1 and "deadlock" in failure
+
+
+# -- gather and decompress ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk_bits", [16, 32, 64])
+@pytest.mark.parametrize("kind", ["random_bits", "edge_values", "trained_like"])
+def test_gather_is_bit_exact(kernels, dtype, chunk_bits, kind) -> None:
+    dim = {16: 33, 32: 3, 64: 129}[chunk_bits]  # tails of every width, D = 1..129 across dtypes
+    table = make_table(dtype, 120, dim, kind, seed=dim + chunk_bits)
+    c = compress(table, chunk_bits=chunk_bits, align=8)
+    ids = _ids(np.random.default_rng(chunk_bits), c.num_rows, 60)
+    rows, error = kernels.gather(c, ids, GRIDS[chunk_bits % 3])
+    assert error == 0
+    assert torch.equal(rows, _cpu_rows(c, ids))
+
+
+@pytest.mark.parametrize("code_bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+def test_every_code_width_and_grid(kernels, code_bits, grid) -> None:
+    table = make_table(torch.bfloat16, 200, 65, "trained_like", seed=code_bits)
+    c = compress(table, chunk_bits=32, code_bits=code_bits, align=1)
+    assert c.code_bits == code_bits
+    rows, error = kernels.gather(c, None, grid)  # decompress: ids = 0 .. N - 1, no perm
+    assert error == 0
+    assert same_bits(_rows(c, rows), table)
+
+
+@pytest.mark.parametrize("method", ["raw", "paper"])
+def test_raw_rows(kernels, method) -> None:
+    table = make_table(torch.float32, 100, 36, "trained_like", seed=3)
+    c = compress(table, method=method)
+    ids = torch.arange(99, -1, -1)
+    rows, error = kernels.gather(c, ids, Grid(2, 3))
+    assert error == 0
+    assert same_bits(_rows(c, rows), table.flip(0))
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    rows=st.integers(1, 70),
+    dim=st.integers(1, 80),
+    chunk_bits=st.sampled_from([16, 32, 64]),
+    code_bits=st.sampled_from([None, 1, 4]),
+    align=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_gather_property(kernels, dtype, rows, dim, chunk_bits, code_bits, align, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 256, (rows, dim * torch.empty(0, dtype=dtype).element_size()),
+                         dtype=torch.uint8, generator=g)  # fmt: skip
+    table = bits.view(dtype).view(rows, dim)
+    # Mostly shared high bytes, so the fit finds invariant bits and rows compress.
+    table.view(torch.uint8)[: rows // 2, -1] = 0x3F
+    c = compress(table, chunk_bits=chunk_bits, code_bits=code_bits, align=align)
+    ids = torch.randint(0, rows, (min(3 * rows, 90),), generator=g)
+    out, error = kernels.gather(c, ids, Grid(2, 2))
+    assert error == 0
+    assert torch.equal(out, _cpu_rows(c, ids))
+
+
+# -- pooled lookups -----------------------------------------------------------------------------
+
+
+def _bags(rng: np.random.Generator, num_rows: int, bags: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = rng.integers(0, 9, bags)
+    lengths[::5] = 0  # empty bags
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
+    return torch.from_numpy(rng.integers(0, num_rows, int(lengths.sum()))), offsets
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("dim", [1, 16, 129])
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pooled_equals_cpu_bit_for_bit(kernels, dtype, dim, pooling, weighted) -> None:
+    # The kernel rounds every multiply and add in the CPU's order: equal bit for bit.
+    table = make_table(dtype, 150, dim, "trained_like", seed=dim)
+    chunk_bits = {1: 16, 16: 32, 129: 64}[dim]
+    c = compress(table, chunk_bits=chunk_bits)
+    rng = np.random.default_rng(dim + weighted)
+    ids, offsets = _bags(rng, c.num_rows, 24)
+    weights = torch.from_numpy(rng.random(ids.numel()).astype(np.float32)) if weighted else None
+    got, error = kernels.pooled(
+        c, ids, offsets, weights, c._dtype_code(), POOLING[pooling], Grid(2, 2)
+    )
+    assert error == 0
+    want = c.lookup(ids, offsets, weights, pooling)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_pooled_int8_rowwise_and_edge_values(kernels) -> None:
+    rows = make_table(torch.uint8, 64, 68, "random_bits", seed=5)
+    rows[:, :4] = torch.tensor([0x00, 0x3C, 0x00, 0x00], dtype=torch.uint8)  # scale 1, bias 0
+    c = compress(rows, quant="int8_rowwise")
+    ids, offsets = torch.arange(64).flip(0), torch.tensor([0, 1, 30, 64])
+    got, error = kernels.pooled(c, ids, offsets, None, INT8_ROWWISE_CODE, POOLING["mean"])
+    assert error == 0
+    torch.testing.assert_close(got, c.lookup(ids, offsets, pooling="mean"), rtol=0, atol=0)
+
+    edge = compress(make_table(torch.float32, 64, 33, "edge_values", seed=1))
+    ids, offsets = torch.arange(64), torch.tensor([0, 32, 64])
+    got, error = kernels.pooled(edge, ids, offsets, None, 0, POOLING["sum"], Grid(1, 2))
+    assert error == 0
+    torch.testing.assert_close(got, edge.lookup(ids, offsets), rtol=0, atol=0, equal_nan=True)
+
+
+# -- bad input: reported in the error word, nothing read out of bounds --------------------------
+
+
+def test_bad_ids_and_offsets_set_error_bits(kernels) -> None:
+    c = compress(make_table(torch.float32, 50, 16, "trained_like", seed=0))
+    rows, error = kernels.gather(c, torch.tensor([0, 5, 50, -1]))
+    assert error == ERR_INDEX
+    assert torch.equal(rows[:2], _cpu_rows(c, torch.tensor([0, 5])))  # valid ids still served
+    _, error = kernels.pooled(c, torch.tensor([1, 99]), torch.tensor([0, 1, 2]), None, 0, 0)
+    assert error == ERR_INDEX
+    _, error = kernels.pooled(c, torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1, 3]), None, 0, 0)
+    assert error & ERR_OFFSETS
+
+
+def test_corrupt_index_is_reported_not_read(kernels) -> None:
+    c = compress(make_table(torch.float32, 64, 32, "trained_like", seed=4), chunk_bits=32)
+    # Block 1's slots moved past the payload's end: the warps must refuse to stage them (the
+    # emulator fails the launch on any cp.async outside the payload).
+    bad = c.block_base.clone()
+    bad[1] = c.payload.numel() + 4096
+    broken = dataclasses.replace(c, block_base=bad)
+    rows, error = kernels.gather(broken, torch.arange(64))
+    assert error & ERR_TABLE
+    assert torch.equal(rows[:32], _cpu_rows(c, torch.arange(32)))  # block 0 is intact
+    # A mask bit outside the chunk width: found by the table check of block 0's first warp.
+    mask = c.mask.clone()
+    mask[0] |= 1 << 40
+    bad_mask = dataclasses.replace(c, mask=mask)
+    _, error = kernels.pooled(bad_mask, torch.tensor([3]), torch.tensor([0, 1]), None, 0, 0)
+    assert error & ERR_TABLE
+
+
+def test_unsupported_grid_is_refused(kernels) -> None:
+    # A launch the emulator cannot run (no whole warp) is an error, never a half-run result.
+    c = compress(make_table(torch.float32, 8, 4, "trained_like", seed=0))
+    with pytest.raises(EmulationError, match="multiple of 32"):
+        kernels.gather(c, torch.arange(4), Grid(1, 0))
