@@ -17,6 +17,7 @@ import torch
 # the benchmark, not a missing optional dependency.
 from benchmarks import codec as codec_bench
 from benchmarks import data
+from ibpembed import compress
 
 TINY = dataclasses.replace(
     codec_bench.QUICK, gather_gib=1 / 1024, gather_batches=2, rounds=1, threads=(1,)
@@ -81,3 +82,21 @@ def test_quick_core_functions_render(tables: list, tmp_path: Path) -> None:
     text = doc.read_text()
     assert "old" not in text and "tiny_bf16" in text and text.endswith("end\n")
     codec_bench.plot_savings(results, tmp_path / "chart.png")
+
+
+def test_gather_footprint_counts_each_rows_granules() -> None:
+    table = compress(data.dlrm_table(200, 16, seed=3), align=1)  # 64-byte rows, packed densely
+    units, base = table.row_units.tolist(), table.block_base.tolist()
+    sectors = lines = 0
+    for r in range(table.num_rows):
+        offset = base[r // 32] + table.unit_bytes * sum(units[r - r % 32 : r])
+        size = table.unit_bytes * units[r]
+        sectors += (offset % 32 + size + 31) // 32
+        lines += (offset % 128 + size + 127) // 128
+    # A raw 64-byte row in place touches 2 sectors and 1 line.
+    footprint = codec_bench.gather_footprint(table)
+    assert footprint["sectors"] == pytest.approx(sectors / (2 * table.num_rows))
+    assert footprint["lines"] == pytest.approx(lines / table.num_rows)
+    assert footprint["lines"] > 1.0  # dense packing straddles lines that raw rows never do
+    raw = compress(data.dlrm_table(200, 16, seed=3), method="raw")
+    assert codec_bench.gather_footprint(raw) == {"sectors": 1.0, "lines": 1.0}
