@@ -70,6 +70,9 @@ EDGE_BITS = {
 }  # fmt: skip
 POOLING = {"sum": 0, "mean": 1}
 STAGING_ENV = "IBPEMBED_CUDA_STAGING"
+# A GPU reads zero-copy host memory in 32-byte sectors: the wire cost of a slot is the sectors
+# it touches, not its bytes (docs/cuda.md, *What compression saves on the wire*).
+SECTOR_BYTES = 32
 
 
 def log(msg: str) -> None:
@@ -599,6 +602,17 @@ def h2d_bandwidth(pinned: Pinned, gpu: bool) -> float | None:
     return GIB / seconds / 1e9
 
 
+def slot_sectors(big: BigTable, ids: torch.Tensor) -> int:
+    """32-byte sectors the compressed slots of rows ``ids`` touch (format.h's offsets)."""
+    _, block_base, row_units = big.comp_cpu[:3]
+    sizes = row_units.view(-1, 32)[ids // 32].to(torch.int64) * big.unit_bytes  # [k, 32]
+    before = torch.cumsum(sizes, 1) - sizes
+    pick = (ids % 32).unsqueeze(1)
+    offsets = block_base[ids // 32] + before.gather(1, pick).squeeze(1)
+    size = sizes.gather(1, pick).squeeze(1)
+    return int(((offsets % SECTOR_BYTES + size + SECTOR_BYTES - 1) // SECTOR_BYTES).sum())
+
+
 def time_table(
     ops, big: BigTable, dists: list[str], batches: tuple[int, ...], gpu: bool, rng
 ) -> list[dict[str, Any]]:
@@ -633,6 +647,9 @@ def time_table(
                     "unique_ids": unique.numel(),
                     "raw_wire_bytes": unique.numel() * r,
                     "ibp_wire_bytes": int(units[unique].sum(dtype=torch.int64)) * big.unit_bytes,
+                    # Raw rows lie at multiples of row_bytes, itself a multiple of 32.
+                    "raw_wire_sectors": unique.numel() * (r // SECTOR_BYTES),
+                    "ibp_wire_sectors": slot_sectors(big, unique),
                 }
             )
     return rows
@@ -680,6 +697,7 @@ def summarise(rows: list[dict[str, Any]], h2d: float | None) -> dict[str, Any]:
         row["ibp_wire_gbps"] = row["ibp_wire_bytes"] / t["ibp_none"] / 1e9
         byte_ratio = row["raw_wire_bytes"] / row["ibp_wire_bytes"]
         row["byte_ratio"] = byte_ratio
+        row["sector_ratio"] = row["raw_wire_sectors"] / row["ibp_wire_sectors"]
         row["ibp_vs_raw"] = t["raw_none"] / t["ibp_none"]
         row["ibp_sum_vs_cpu_h2d"] = t["cpu_h2d"] / t["ibp_sum"]
         key = f"R={row['row_bytes']} n={row['batch']} {row['ids']}"
@@ -696,7 +714,7 @@ def summarise(rows: list[dict[str, Any]], h2d: float | None) -> dict[str, Any]:
 def print_table(rows: list[dict[str, Any]], h2d: float | None) -> None:
     cols = ("ibp_none", "ibp_none_sync", "ibp_sum", "raw_none", "raw_sum", "uva", "cpu_h2d")
     head = f"{'R':>5} {'batch':>6} {'ids':>8} " + " ".join(f"{c:>9}" for c in cols)
-    head += f" {'wire':>7} {'bytes×':>7} {'ibp/raw':>7} {'sum/cpu':>7}"
+    head += f" {'wire':>7} {'bytes×':>7} {'sect×':>7} {'ibp/raw':>7} {'sum/cpu':>7}"
     log(f"\nGB/s of raw-equivalent bytes (pinned H2D copy ceiling: {h2d or float('nan'):.1f} GB/s)")
     log(head)
     for row in rows:
@@ -705,7 +723,8 @@ def print_table(rows: list[dict[str, Any]], h2d: float | None) -> None:
         extra = ""
         if "byte_ratio" in row:
             extra = (
-                f" {row['ibp_wire_gbps']:7.2f} {row['byte_ratio']:7.3f} {row['ibp_vs_raw']:7.3f}"
+                f" {row['ibp_wire_gbps']:7.2f} {row['byte_ratio']:7.3f}"
+                f" {row['sector_ratio']:7.3f} {row['ibp_vs_raw']:7.3f}"
                 f" {row['ibp_sum_vs_cpu_h2d']:7.2f}"
             )
         log(f"{row['row_bytes']:>5} {row['batch']:>6} {row['ids']:>8} {cells}{extra}")

@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
+import ibpembed
 from benchmarks import gpu_check
 
 
@@ -33,3 +36,19 @@ def test_dry_run_builds_checks_and_reports(tmp_path: Path) -> None:
     assert report["big_table_checks"] == {"passed": 2 * len(gpu_check.ROW_BYTES), "failures": []}
     assert {row["row_bytes"] for row in report["results"]} == set(gpu_check.ROW_BYTES)
     assert report["targets"] == {}  # nothing GPU-side was timed
+    for row in report["results"]:  # what a GPU run compares its timings with
+        assert row["raw_wire_sectors"] == row["unique_ids"] * row["row_bytes"] // 32
+        assert row["unique_ids"] <= row["ibp_wire_sectors"] <= row["raw_wire_sectors"] * 2
+
+
+def test_slot_sectors_counts_each_rows_sectors() -> None:
+    big = gpu_check.build_big(ibpembed, gpu_check.Pinned(False), 64, 1 << 20, "dlrm", False)
+    _, block_base, row_units = big.comp_cpu[:3]
+    ids = torch.tensor([0, 1, 31, 32, 33, 100, big.num_rows - 1])
+    want = 0
+    for r in ids.tolist():
+        start = r - r % 32
+        offset = int(block_base[r // 32]) + big.unit_bytes * int(row_units[start:r].sum())
+        size = big.unit_bytes * int(row_units[r])
+        want += (offset % 32 + size + 31) // 32
+    assert gpu_check.slot_sectors(big, ids) == want
