@@ -9,7 +9,8 @@
 // NOTE(cuda): this file and the kernel headers (gather_kernel.cuh, pooled_kernel.cuh) also compile
 // as plain C++ for the host SIMT emulator of tests/cuda/simt (IBPEMBED_SIMT defined): each thread
 // of a block runs as a host thread, and the emulator supplies the warp collectives, cp.async and
-// shared memory. The only spots that differ are the two guarded below.
+// shared memory: the guarded block below (cp.async and the shared-memory declaration) is the only
+// code that differs.
 #pragma once
 
 #include <algorithm>
