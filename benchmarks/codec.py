@@ -754,29 +754,20 @@ def render_markdown(results: dict[str, Any]) -> str:
         )
     aligns = [k for k in results["alignment"][0] if k != "name"] if results["alignment"] else []
     if aligns:
-        lines += [
-            "",
+        lines += _alignment_table(
+            results["alignment"],
+            aligns,
             "### Slot alignment vs savings (ours)",
-            "",
-            "| table | " + " | ".join(f"align {a} B" for a in aligns) + " |",
-            "|---|" + "---:|" * len(aligns),
-        ]
-        for r in results["alignment"]:
-            cells = [f"{_pct(r[a]['savings'])} (W={r[a]['chunk_bits']})" for a in aligns]
-            lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
-        lines += [
-            "",
-            "### What a GPU gather reads over PCIe vs raw rows (from the layout, not timed)",
-            "",
+            lambda r: f"{_pct(r['savings'])} (W={r['chunk_bits']})",
+        )
+        lines += _alignment_table(
+            results["alignment"],
+            aligns,
+            "### What a GPU gather reads over PCIe vs raw rows (from the layout, not timed)\n\n"
             "Per row, mean 32-byte sectors / 128-byte lines its slot touches, as a ratio to the "
             "same row stored raw in place; below 1.00 the compressed gather reads less.",
-            "",
-            "| table | " + " | ".join(f"align {a} B" for a in aligns) + " |",
-            "|---|" + "---:|" * len(aligns),
-        ]
-        for r in results["alignment"]:
-            cells = [f"{r[a]['sectors']:.2f} / {r[a]['lines']:.2f}" for a in aligns]
-            lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+            lambda r: f"{r['sectors']:.2f} / {r['lines']:.2f}",
+        )
     lines += [
         "",
         "### CPU paths: portable (ref) vs BMI2 vs AVX-512 (1 thread decode, GB/s)",
@@ -801,6 +792,17 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 _PROFILE_NAMES = {"fp32": "fp32", "bf16r": "bf16-rounded fp32"}
+
+
+def _alignment_table(
+    rows: list[dict], aligns: list[str], heading: str, cell: Callable[[dict], str]
+) -> list[str]:
+    """A table of the alignment sweep: one row per table, one cell(result) per alignment."""
+    lines = ["", heading, "", "| table | " + " | ".join(f"align {a} B" for a in aligns) + " |"]
+    lines.append("|---|" + "---:|" * len(aligns))
+    for r in rows:
+        lines.append(f"| {r['name']} | " + " | ".join(cell(r[a]) for a in aligns) + " |")
+    return lines
 
 
 def _gather_lines(g: dict[str, Any], rounds: int) -> list[str]:

@@ -15,7 +15,7 @@ import torch
 from ibpembed import CompressedTable, compress
 from ibpembed._ops import INT8_ROWWISE_CODE, ops
 from tests.codec.tables import DTYPES, FLOAT_DTYPES, make_table, same_bits
-from tests.cuda import cuda_kernels_missing
+from tests.cuda import cuda_kernels_missing, request_ids
 
 _REASON = cuda_kernels_missing()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
@@ -35,15 +35,6 @@ def device_args(c: CompressedTable, payload: str = "pinned") -> tuple:
     return (data, *(t.cuda() for t in small), c.chunk_bits, c.row_bytes, c.unit_bytes, c.num_rows)
 
 
-def _ids(rng: np.random.Generator, num_rows: int, n: int) -> torch.Tensor:
-    """Unsorted ids with duplicates, a hot id repeated past a warp's run cap, and both ends."""
-    ids = rng.integers(0, num_rows, n)
-    ids[: min(n, 70)] = rng.integers(0, num_rows)  # 70 copies of one id: several runs
-    ids = np.concatenate([ids, [0, num_rows - 1, num_rows - 1]])
-    rng.shuffle(ids)
-    return torch.from_numpy(ids)
-
-
 def _as_rows(c: CompressedTable, raw: torch.Tensor) -> torch.Tensor:
     return raw.view(c.dtype).view(raw.shape[0], c.dim)
 
@@ -58,7 +49,7 @@ def test_gather_and_decompress_are_bit_exact(dtype, dim, kind, chunk_bits) -> No
     for align in (1, 8, 32):
         c = compress(table, chunk_bits=chunk_bits, align=align)
         args = device_args(c)
-        ids = _ids(rng, c.num_rows, 500)
+        ids = request_ids(rng, c.num_rows, 500)
         got = ops.ibp_gather(*args, ids.cuda())
         want = ops.ibp_gather(*c._args(), ids)
         assert got.is_cuda
@@ -119,7 +110,7 @@ def test_every_code_width_is_bit_exact(code_bits, chunk_bits, dim) -> None:
     assert c.code_bits == code_bits
     args = device_args(c)
     rng = np.random.default_rng(dim * 5 + code_bits)
-    ids = _ids(rng, c.num_rows, 400)
+    ids = request_ids(rng, c.num_rows, 400)
     got = ops.ibp_gather(*args, ids.cuda())
     assert same_bits(_as_rows(c, got.cpu()), _as_rows(c, ops.ibp_gather(*c._args(), ids)))
     assert same_bits(_as_rows(c, ops.ibp_decompress(*args).cpu()), table)

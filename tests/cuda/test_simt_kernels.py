@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from ibpembed import CompressedTable, compress
 from ibpembed._ops import INT8_ROWWISE_CODE
 from tests.codec.tables import DTYPES, FLOAT_DTYPES, make_table, same_bits
+from tests.cuda import request_ids
 from tests.cuda.simt.harness import CXX, EmulatedKernels, EmulationError, Grid, build
 
 pytestmark = pytest.mark.skipif(
@@ -42,15 +43,6 @@ def kernels(tmp_path_factory: pytest.TempPathFactory) -> EmulatedKernels:
 
 def _rows(c: CompressedTable, raw: torch.Tensor) -> torch.Tensor:
     return raw.view(c.dtype).view(raw.shape[0], c.dim)
-
-
-def _ids(rng: np.random.Generator, num_rows: int, n: int) -> torch.Tensor:
-    """Unsorted ids with duplicates, one id repeated past a warp's run cap, and both ends."""
-    ids = rng.integers(0, num_rows, n)
-    ids[: min(n, 40)] = rng.integers(0, num_rows)
-    ids = np.concatenate([ids, [0, num_rows - 1, num_rows - 1]])
-    rng.shuffle(ids)
-    return torch.from_numpy(ids)
 
 
 def _cpu_rows(c: CompressedTable, ids: torch.Tensor) -> torch.Tensor:
@@ -83,7 +75,7 @@ def test_gather_is_bit_exact(kernels, dtype, chunk_bits, kind) -> None:
     dim = {16: 33, 32: 3, 64: 129}[chunk_bits]  # tails of every width, D = 1..129 across dtypes
     table = make_table(dtype, 120, dim, kind, seed=dim + chunk_bits)
     c = compress(table, chunk_bits=chunk_bits, align=8)
-    ids = _ids(np.random.default_rng(chunk_bits), c.num_rows, 60)
+    ids = request_ids(np.random.default_rng(chunk_bits), c.num_rows, 60, hot_copies=40)
     rows, error = kernels.gather(c, ids, GRIDS[chunk_bits % 3])
     assert error == 0
     assert torch.equal(rows, _cpu_rows(c, ids))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,8 +113,14 @@ class EmulatedKernels:
             c.chunk_bits,
         ]
 
-    @staticmethod
-    def _check(rc: int, message: ctypes.Array) -> int:
+    def _launch(
+        self, entry: Callable[..., int], c: CompressedTable, args: tuple, grid: Grid
+    ) -> int:
+        """Calls an entry point with the table, its own arguments and the grid; returns the
+        kernel's error word or raises EmulationError."""
+        message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+        launch = (grid.blocks, grid.warps, int(grid.async_copies), message, _MESSAGE_BYTES)
+        rc = entry(*self._table_args(c), *args, *launch)
         if rc < 0:
             raise EmulationError(message.value.decode())
         return rc
@@ -128,20 +135,8 @@ class EmulatedKernels:
             sorted_ids, perm = torch.sort(ids.to(torch.int64).contiguous())
             n = ids.numel()
         out = torch.zeros(n, c.row_bytes, dtype=torch.uint8)
-        message = ctypes.create_string_buffer(_MESSAGE_BYTES)
-        rc = self.lib.simt_gather(
-            *self._table_args(c),
-            _ptr(sorted_ids),
-            _ptr(perm),
-            n,
-            _ptr(out),
-            grid.blocks,
-            grid.warps,
-            int(grid.async_copies),
-            message,
-            _MESSAGE_BYTES,
-        )
-        return out, self._check(rc, message)
+        args = (_ptr(sorted_ids), _ptr(perm), n, _ptr(out))
+        return out, self._launch(self.lib.simt_gather, c, args, grid)
 
     def pooled(
         self,
@@ -160,9 +155,7 @@ class EmulatedKernels:
         # Row-wise int8 rows pool the codes after their 4-byte scale and bias.
         dim = c.row_bytes - 4 if dtype_code == INT8_ROWWISE_CODE else c.dim
         out = torch.full((bags, dim), float("nan"))  # every element must be written
-        message = ctypes.create_string_buffer(_MESSAGE_BYTES)
-        rc = self.lib.simt_pooled(
-            *self._table_args(c),
+        args = (
             dtype_code,
             pooling_code,
             _ptr(ids),
@@ -171,13 +164,8 @@ class EmulatedKernels:
             ids.numel(),
             _ptr(weights),
             _ptr(out),
-            grid.blocks,
-            grid.warps,
-            int(grid.async_copies),
-            message,
-            _MESSAGE_BYTES,
         )
-        return out, self._check(rc, message)
+        return out, self._launch(self.lib.simt_pooled, c, args, grid)
 
     def selftest(self, case: int) -> tuple[int, str]:
         """Runs one of simt_selftest.cpp's toy kernels: (its result, the emulator's failure)."""

@@ -11,6 +11,7 @@
 // reason in `message`.
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "../../../csrc/cuda/gather_kernel.cuh"
 #include "../../../csrc/cuda/pooled_kernel.cuh"
@@ -37,20 +38,20 @@ int finish(const std::string& failure, const int32_t* error, char* message, int 
   return -1;
 }
 
-template <int W>
-std::string run_gather(const GatherArgs& a, const Staging& st, int blocks, int warps) {
-  const size_t smem = static_cast<size_t>(warps * gather_smem_per_warp(st.buffer_bytes));
+// Runs kernel<W> for the table's chunk width W on `blocks` blocks of `warps` warps, with the
+// shared memory the launchers of csrc/cuda give it; cp.async may read the payload only.
+template <class Args, class SmemPerWarp, class Kernel16, class Kernel32, class Kernel64>
+std::string run(const Args& a, const Staging& st, int blocks, int warps, SmemPerWarp smem_per_warp,
+                Kernel16 k16, Kernel32 k32, Kernel64 k64) {
+  const auto smem = static_cast<size_t>(warps * smem_per_warp(a, st));
   const uint8_t* payload = a.table.view.payload;
-  return simt::launch(blocks, warps * kWarpSize, smem,
-                      {{payload, payload + a.table.payload_bytes}}, gather_kernel<W>, a, st);
-}
-
-template <int W>
-std::string run_pooled(const PooledArgs& a, const Staging& st, int blocks, int warps) {
-  const int64_t per_warp = pooled_smem_per_warp(a.table.view, st.buffer_bytes, a.dim);
-  const uint8_t* payload = a.table.view.payload;
-  return simt::launch(blocks, warps * kWarpSize, static_cast<size_t>(warps * per_warp),
-                      {{payload, payload + a.table.payload_bytes}}, pooled_kernel<W>, a, st);
+  const std::vector<simt::Region> readable{{payload, payload + a.table.payload_bytes}};
+  const int threads = warps * kWarpSize;
+  switch (a.table.view.chunk_bits) {
+    case 16: return simt::launch(blocks, threads, smem, readable, k16, a, st);
+    case 32: return simt::launch(blocks, threads, smem, readable, k32, a, st);
+    default: return simt::launch(blocks, threads, smem, readable, k64, a, st);
+  }
 }
 
 }  // namespace
@@ -70,12 +71,11 @@ int simt_gather(const uint8_t* payload, int64_t payload_bytes, const int64_t* bl
                                      chunk_bits);
   const GatherArgs a{table, ids, perm, n, out, &error};
   const Staging st{stage_buffer_bytes(row_bytes, unit_bytes), async != 0};
-  std::string failure;
-  switch (chunk_bits) {
-    case 16: failure = run_gather<16>(a, st, blocks, warps); break;
-    case 32: failure = run_gather<32>(a, st, blocks, warps); break;
-    default: failure = run_gather<64>(a, st, blocks, warps); break;
-  }
+  const auto smem = [](const GatherArgs&, const Staging& s) {
+    return gather_smem_per_warp(s.buffer_bytes);
+  };
+  const std::string failure = run(a, st, blocks, warps, smem, gather_kernel<16>,
+                                  gather_kernel<32>, gather_kernel<64>);
   return finish(failure, &error, message, message_len);
 }
 
@@ -95,12 +95,11 @@ int simt_pooled(const uint8_t* payload, int64_t payload_bytes, const int64_t* bl
                      num_bags, nnz, weights, static_cast<Pooling>(pooling), out,
                      &error};
   const Staging st{stage_buffer_bytes(row_bytes, unit_bytes), async != 0};
-  std::string failure;
-  switch (chunk_bits) {
-    case 16: failure = run_pooled<16>(a, st, blocks, warps); break;
-    case 32: failure = run_pooled<32>(a, st, blocks, warps); break;
-    default: failure = run_pooled<64>(a, st, blocks, warps); break;
-  }
+  const auto smem = [](const PooledArgs& p, const Staging& s) {
+    return pooled_smem_per_warp(p.table.view, s.buffer_bytes, p.dim);
+  };
+  const std::string failure = run(a, st, blocks, warps, smem, pooled_kernel<16>,
+                                  pooled_kernel<32>, pooled_kernel<64>);
   return finish(failure, &error, message, message_len);
 }
 
