@@ -62,6 +62,20 @@ RepeatCache* thread_repeat_cache(int64_t num_ids, int64_t row_bytes) {
   return &storage.cache;
 }
 
+// One thread's buffer for the rows a pooled call decodes in a round (decode_rows' `out` with a
+// sink), kept for its next calls: allocated per call, its zero-filling cost ~0.5 us per table
+// read, and a request reads up to 26 tables. Uninitialised: rows are decoded into it before the
+// sink reads them.
+uint8_t* thread_round_buffer(int64_t bytes) {
+  thread_local std::unique_ptr<uint8_t[]> buffer;
+  thread_local int64_t capacity = 0;
+  if (capacity < bytes) {
+    buffer.reset(new uint8_t[static_cast<size_t>(bytes)]);
+    capacity = bytes;
+  }
+  return buffer.get();
+}
+
 void pool_rows_portable(DType dtype, const uint8_t* const* rows, const float* weights,
                         int64_t count, int64_t dim, float* acc) {
   for (int64_t k = 0; k < count; ++k) {
@@ -123,8 +137,8 @@ void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
     const int64_t num_ids = offsets[bag_end] - first;
     BagPooler pooler{pool_rows, dtype, dim, offsets, per_sample_weights, out, first, bag_begin};
     const RowSink sink{&BagPooler::consume, &pooler, thread_repeat_cache(num_ids, t.row_bytes)};
-    std::vector<uint8_t> scratch(static_cast<size_t>(kDecodeStageRows * t.row_bytes));
-    k.decode_rows(t, indices + first, num_ids, scratch.data(), &sink);
+    uint8_t* round = thread_round_buffer(kDecodeStageRows * t.row_bytes);
+    k.decode_rows(t, indices + first, num_ids, round, &sink);
     if (pooling == Pooling::kMean) {
       for (int64_t b = bag_begin; b < bag_end; ++b) {
         const int64_t len = offsets[b + 1] - offsets[b];
