@@ -144,20 +144,23 @@ def test_ops_validate_raw_tensor_arguments(table) -> None:
 # AddressSanitizer).
 
 
-def _compressed_table(code_bits: int) -> tuple[CompressedTable, int]:
+def _compressed_table(code_bits: int, row: int = 31) -> tuple[CompressedTable, int]:
     """A table of wide fp16 rows (many chunks: a slot of all-escape codes claims far more bits
-    than it holds) and a row stored compressed, near the end of a block."""
+    than it holds) and a row stored compressed: by default near the end of a block, in the middle
+    of the payload (decoded in place); row 63 is the payload's last (decoded from a stage)."""
     weight = (torch.randn(64, 2048) * 0.02).to(torch.float16)
     table = compress(weight, chunk_bits=16, code_bits=code_bits)
-    row = 31
     assert bool(table.is_compressed(torch.tensor([row])))
     return table, row
 
 
 @pytest.mark.parametrize("path", available_cpu_paths())
 @pytest.mark.parametrize("code_bits", [1, 4])
-def test_a_zeroed_slot_is_refused_not_read_past(restore_path, path: str, code_bits: int) -> None:
-    table, row = _compressed_table(code_bits)
+@pytest.mark.parametrize("where", [31, 63])
+def test_a_zeroed_slot_is_refused_not_read_past(
+    restore_path, path: str, code_bits: int, where: int
+) -> None:
+    table, row = _compressed_table(code_bits, where)
     _C.set_cpu_path(path)
     payload = table.payload.clone()
     start = int(table.block_base[row // 32]) + table.unit_bytes * int(
