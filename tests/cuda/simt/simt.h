@@ -71,7 +71,7 @@ inline const char* op_name(Op op) {
   return "?";
 }
 
-// The state of one launch: the first failure, and the warps that may be waiting on it.
+// The state of one launch: its first failure, which every waiting lane polls for.
 class Launch {
  public:
   bool failed() const {
