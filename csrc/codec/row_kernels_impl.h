@@ -549,7 +549,6 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
   RepeatCache* repeats = sink != nullptr ? sink->repeats : nullptr;
   int64_t repeat_hits = 0;
   int64_t repeat_takes = 0;
-  const uint8_t* sequential_next = nullptr;  // end of the last slot located from the payload
   // Inlined: one call per row, and GCC outlines it once it grows past its inlining budget.
   const auto locate = [&](int64_t i) __attribute__((always_inline)) {
     const int64_t r = ids[i];
@@ -592,10 +591,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
       loc.decode_to = repeats->row_of(index);
     }
     loc.read_bytes = loc.compressed ? t.unit_bytes * units + kPayloadPad : t.row_bytes;
-    // A slot that starts where the last located one ended is part of a sequential walk
-    // (decompress, range gathers), which the hardware prefetcher already streams.
-    if (loc.src != sequential_next) prefetch_lines(loc.src, loc.read_bytes);
-    sequential_next = loc.src + t.unit_bytes * units;
+    prefetch_lines(loc.src, loc.read_bytes);
   };
   for (int64_t i = 0; i < 2 * S && i < n; ++i) prefetch_index(t, ids[i]);
   for (int64_t i = 0; i < S && i < n; ++i) locate(i);
