@@ -21,11 +21,12 @@ makes the exit status 1. One process: the emulator already runs a block's thread
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -117,6 +118,20 @@ def run_case(kernels: EmulatedKernels, seed: int, stats: Stats) -> list[str]:
     return problems
 
 
+def case_seeds(args: argparse.Namespace) -> Iterator[int]:
+    """The seeds of the cases to run: the one replayed, or one per case until --cases or
+    --seconds runs out."""
+    if args.case is not None:
+        yield args.case
+        return
+    deadline = time.perf_counter() + args.seconds
+    for index in itertools.count():
+        done = index >= args.cases if args.cases is not None else time.perf_counter() >= deadline
+        if done:
+            return
+        yield args.seed * 1_000_003 + index
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=600.0, help="run this long")
@@ -130,20 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kernels = EmulatedKernels(build(Path(build_dir)))
         build_s = time.perf_counter() - started
         stats = Stats()
-        seeds = [args.case] if args.case is not None else None
-        deadline = time.perf_counter() + args.seconds
-        index = 0
-        while True:
-            if seeds is not None:
-                if index == len(seeds):
-                    break
-                seed = seeds[index]
-            elif (args.cases is not None and index >= args.cases) or (
-                args.cases is None and time.perf_counter() >= deadline
-            ):
-                break
-            else:
-                seed = args.seed * 1_000_003 + index
+        for seed in case_seeds(args):
             try:
                 problems = run_case(kernels, seed, stats)
             except EmulationError as e:
@@ -151,7 +153,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             stats.failures += [{"seed": seed, "problem": m} for m in problems]
             for m in problems:
                 print(m, flush=True)
-            index += 1
         seconds = time.perf_counter() - started
     summary = {
         "command": " ".join(["python -m benchmarks.fuzz_cuda_kernels", *(argv or sys.argv[1:])]),
