@@ -38,12 +38,13 @@ int finish(const std::string& failure, const int32_t* error, char* message, int 
   return -1;
 }
 
-// Runs kernel<W> for the table's chunk width W on `blocks` blocks of `warps` warps, with the
-// shared memory the launchers of csrc/cuda give it; cp.async may read the payload only.
-template <class Args, class SmemPerWarp, class Kernel16, class Kernel32, class Kernel64>
-std::string run(const Args& a, const Staging& st, int blocks, int warps, SmemPerWarp smem_per_warp,
+// Runs the kernel of the table's chunk width (k16, k32 or k64) on `blocks` blocks of `warps`
+// warps, each warp with the shared memory the launchers of csrc/cuda give it; cp.async may read
+// the payload only.
+template <class Args, class Kernel16, class Kernel32, class Kernel64>
+std::string run(const Args& a, const Staging& st, int blocks, int warps, int64_t smem_per_warp,
                 Kernel16 k16, Kernel32 k32, Kernel64 k64) {
-  const auto smem = static_cast<size_t>(warps * smem_per_warp(a, st));
+  const auto smem = static_cast<size_t>(warps * smem_per_warp);
   const uint8_t* payload = a.table.view.payload;
   const std::vector<simt::Region> readable{{payload, payload + a.table.payload_bytes}};
   const int threads = warps * kWarpSize;
@@ -71,11 +72,8 @@ int simt_gather(const uint8_t* payload, int64_t payload_bytes, const int64_t* bl
                                      chunk_bits);
   const GatherArgs a{table, ids, perm, n, out, &error};
   const Staging st{stage_buffer_bytes(row_bytes, unit_bytes), async != 0};
-  const auto smem = [](const GatherArgs&, const Staging& s) {
-    return gather_smem_per_warp(s.buffer_bytes);
-  };
-  const std::string failure = run(a, st, blocks, warps, smem, gather_kernel<16>,
-                                  gather_kernel<32>, gather_kernel<64>);
+  const std::string failure = run(a, st, blocks, warps, gather_smem_per_warp(st.buffer_bytes),
+                                  gather_kernel<16>, gather_kernel<32>, gather_kernel<64>);
   return finish(failure, &error, message, message_len);
 }
 
@@ -95,11 +93,9 @@ int simt_pooled(const uint8_t* payload, int64_t payload_bytes, const int64_t* bl
                      num_bags, nnz, weights, static_cast<Pooling>(pooling), out,
                      &error};
   const Staging st{stage_buffer_bytes(row_bytes, unit_bytes), async != 0};
-  const auto smem = [](const PooledArgs& p, const Staging& s) {
-    return pooled_smem_per_warp(p.table.view, s.buffer_bytes, p.dim);
-  };
-  const std::string failure = run(a, st, blocks, warps, smem, pooled_kernel<16>,
-                                  pooled_kernel<32>, pooled_kernel<64>);
+  const int64_t smem = pooled_smem_per_warp(table.view, st.buffer_bytes, a.dim);
+  const std::string failure =
+      run(a, st, blocks, warps, smem, pooled_kernel<16>, pooled_kernel<32>, pooled_kernel<64>);
   return finish(failure, &error, message, message_len);
 }
 
