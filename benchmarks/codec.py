@@ -763,10 +763,10 @@ def render_markdown(results: dict[str, Any]) -> str:
         lines += _alignment_table(
             results["alignment"],
             aligns,
-            "### What a GPU gather reads over PCIe vs raw rows (from the layout, not timed)\n\n"
-            "Per row, mean 32-byte sectors / 128-byte lines its slot touches, as a ratio to the "
-            "same row stored raw in place; below 1.00 the compressed gather reads less.",
+            "### What a GPU gather reads over PCIe vs raw rows (from the layout, not timed)",
             lambda r: f"{r['sectors']:.2f} / {r['lines']:.2f}",
+            intro="Per row, mean 32-byte sectors / 128-byte lines its slot touches, as a ratio to "
+            "the same row stored raw in place; below 1.00 the compressed gather reads less.",
         )
     lines += [
         "",
@@ -795,10 +795,11 @@ _PROFILE_NAMES = {"fp32": "fp32", "bf16r": "bf16-rounded fp32"}
 
 
 def _alignment_table(
-    rows: list[dict], aligns: list[str], heading: str, cell: Callable[[dict], str]
+    rows: list[dict], aligns: list[str], heading: str, cell: Callable[[dict], str], intro: str = ""
 ) -> list[str]:
     """A table of the alignment sweep: one row per table, one cell(result) per alignment."""
-    lines = ["", heading, "", "| table | " + " | ".join(f"align {a} B" for a in aligns) + " |"]
+    lines = ["", heading, "", *([intro, ""] if intro else [])]
+    lines.append("| table | " + " | ".join(f"align {a} B" for a in aligns) + " |")
     lines.append("|---|" + "---:|" * len(aligns))
     for r in rows:
         lines.append(f"| {r['name']} | " + " | ".join(cell(r[a]) for a in aligns) + " |")
