@@ -42,6 +42,8 @@
 // is no longer sorted (the last entry is then the largest slot end). Never derive a block's size
 // from neighbouring bases.
 // The compressed bitmask has one bit per row (bit r % 32 of int32 word r / 32, set = compressed).
+// It is redundant with the slot sizes (files are checked for agreement): the GPU kernels read it
+// from device memory, the CPU decoders compare the slot size instead.
 // The payload carries kPayloadPad zero bytes past its end so decoders may read 8 bytes ahead.
 #pragma once
 
