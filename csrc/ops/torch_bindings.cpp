@@ -146,12 +146,17 @@ void attach_hot_rows(TableView& t, const std::optional<at::Tensor>& hot_dir,
 // per request and the message is built only on failure).
 void check_ids_in_range(const int64_t* ids, int64_t begin, int64_t end, int64_t num_rows,
                         int64_t call_table = -1) {
-  // One branch-free pass; the exact culprit is searched for only on failure.
-  bool ok = true;
+  // One branch-free pass; the exact culprit is searched for only on failure. An id is out of
+  // range iff id or (num_rows - 1 - id), as uint64, has its top bit set: ORs and subtractions
+  // that SSE2 vectorises, where an unsigned 64-bit compare (none in SSE2) kept the loop scalar
+  // at ~1.5 ns per id, 8 % of a pooled lookup of cached rows (development profile).
+  const auto last = static_cast<uint64_t>(num_rows - 1);
+  uint64_t out_of_range = 0;
   for (int64_t i = begin; i < end; ++i) {
-    ok &= static_cast<uint64_t>(ids[i]) < static_cast<uint64_t>(num_rows);
+    const auto id = static_cast<uint64_t>(ids[i]);
+    out_of_range |= id | (last - id);
   }
-  if (ok) return;
+  if ((out_of_range >> 63) == 0) return;
   for (int64_t i = begin; i < end; ++i) {
     TORCH_CHECK_INDEX(ids[i] >= 0 && ids[i] < num_rows, "index ", ids[i], " at position ", i,
                       call_table >= 0 ? " (table_bags[" + std::to_string(call_table) + "])" : "",

@@ -57,13 +57,23 @@ def test_quant_needs_uint8_rows() -> None:
         compress(torch.randn(10, 8), quant="int8_rowwise")
 
 
-@pytest.mark.parametrize("bad_id", [100, 10**12, -1, -(2**63)])
+@pytest.mark.parametrize("bad_id", [100, 10**12, 2**63 - 1, -1, -(2**63)])
 def test_out_of_range_ids_name_the_id_and_the_table_size(table, bad_id: int) -> None:
     ids = torch.tensor([0, 5, bad_id])
     with pytest.raises(IndexError, match=rf"index {bad_id} at position 2 .* 100 rows"):
         table.gather(ids)
     with pytest.raises(IndexError, match=rf"index {bad_id}"):
         table.lookup(ids, torch.tensor([0, 3]))
+
+
+@pytest.mark.parametrize("position", range(9))
+def test_an_out_of_range_id_is_caught_at_any_position(table, position: int) -> None:
+    # The range check runs two ids per vector step plus a scalar tail: every slot of both.
+    ids = torch.full((9,), 99)
+    assert torch.equal(table.gather(ids), table.gather(torch.tensor([99])).expand(9, -1))
+    ids[position] = 100
+    with pytest.raises(IndexError, match=rf"index 100 at position {position} "):
+        table.gather(ids)
 
 
 @pytest.mark.parametrize(
