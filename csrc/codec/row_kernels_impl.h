@@ -544,6 +544,11 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
   const int64_t payload_end = t.block_base[num_blocks(t.num_rows)];
   LocalVector<uint8_t> stage;  // allocated by the first staged row (most calls have none)
   LocatedRow ring[2 * S];  // row i at i % 2S: this round's rows and the next round's
+  // Staged rows among this round's and the next round's: a pooled call walks a round's rows
+  // before decoding them only when some need staging (most calls have none). Skipping the walk
+  // made pooled lookups faster by 4-10 % on cached raw rows, ~30 % on cached compressed rows and
+  // 8 % on Zipf ids over a 1 GiB compressed table (development A/B).
+  int staged_rows[2] = {0, 0};
   const uint8_t* rows[S];
   RepeatCache* repeats = sink != nullptr ? sink->repeats : nullptr;
   int64_t repeat_hits = 0;
@@ -583,6 +588,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
     }
     loc.src = t.payload + offset;
     loc.staged = loc.compressed && offset + stride > payload_end;
+    staged_rows[round & 1] += loc.staged;
     loc.decode_to = nullptr;
     if (loc.compressed && slot != nullptr && slot->round < round) {
       // No row of this round reads the slot: take it.
@@ -597,7 +603,8 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
   for (int64_t i = 0; i < S && i < n; ++i) locate(i);
   for (int64_t begin = 0; begin < n; begin += S) {
     const int64_t end = begin + S < n ? begin + S : n;
-    for (int64_t i = begin; i < end; ++i) {
+    const int64_t parity = (begin / S) & 1;
+    for (int64_t i = begin; i < end && (sink == nullptr || staged_rows[parity] != 0); ++i) {
       const LocatedRow& loc = ring[i % (2 * S)];
       if (loc.staged) {
         if (stage.empty()) stage.resize(static_cast<size_t>(S * stride));
@@ -607,6 +614,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
         std::memcpy(out + i * t.row_bytes, loc.src, static_cast<size_t>(t.row_bytes));
       }
     }
+    staged_rows[parity] = 0;  // its entries take the round after next
     for (int64_t i = begin; i < end; ++i) {
       const LocatedRow loc = ring[i % (2 * S)];
       if (i + 2 * S < n) prefetch_index(t, ids[i + 2 * S]);
