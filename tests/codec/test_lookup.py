@@ -243,3 +243,29 @@ def test_a_call_whose_repeat_cache_does_not_pay_drops_it_mid_call() -> None:
     offsets = np.arange(0, ids.size + 1, 8)
     args = (torch.from_numpy(ids), torch.from_numpy(offsets))
     assert torch.equal(compress(table).lookup(*args), compress(table, method="raw").lookup(*args))
+
+
+@pytest.mark.parametrize("path", available_cpu_paths())
+def test_rows_staged_near_the_payload_end_pool_in_any_round(path: str) -> None:
+    # The payload's last rows are decoded from a stage (their decoder may read past the
+    # payload), and a pooled call walks a round only when it holds such a row: rounds of 32 ids
+    # with the last row in some rounds (either parity, first or last position) and not others
+    # must all pool the rows their ids name.
+    rows = 300
+    table = make_table(torch.float32, rows, 64, "trained_like", 3)
+    compressed, raw = compress(table), compress(table, method="raw")
+    assert compressed.compressed_rows > rows // 2
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, rows - 8, 32 * 6)
+    for where in (32, 32 + 31, 3 * 32 + 5, 5 * 32 + 31):  # rounds 1, 1, 3, 5
+        ids[where] = rows - 1
+    offsets = np.arange(0, len(ids) + 1, 7)
+    offsets[-1] = len(ids)
+    args = (torch.from_numpy(ids), torch.from_numpy(offsets))
+    before = cpu_path()
+    try:
+        _C.set_cpu_path(path)
+        assert torch.equal(compressed.lookup(*args), raw.lookup(*args))
+        assert torch.equal(compressed.gather(args[0]), raw.gather(args[0]))
+    finally:
+        _C.set_cpu_path(before)
