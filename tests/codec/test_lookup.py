@@ -257,7 +257,7 @@ def test_rows_staged_near_the_payload_end_pool_in_any_round(path: str) -> None:
     assert compressed.compressed_rows > rows // 2
     rng = np.random.default_rng(3)
     ids = rng.integers(0, rows - 8, 32 * 6)
-    for where in (32, 32 + 31, 3 * 32 + 5, 5 * 32 + 31):  # rounds 1, 1, 3, 5
+    for where in (32, 2 * 32 + 31, 3 * 32 + 5, 5 * 32 + 31):  # rounds 1, 2, 3, 5
         ids[where] = rows - 1
     offsets = np.arange(0, len(ids) + 1, 7)
     offsets[-1] = len(ids)
