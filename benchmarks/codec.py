@@ -454,7 +454,7 @@ def _tbe(num_rows: int, dim: int, weight_type: str) -> Any:
     return tbe
 
 
-def _raw_rows_view(raw: codec.CompressedTable) -> torch.Tensor:
+def raw_rows_view(raw: codec.CompressedTable) -> torch.Tensor:
     """The raw-row table's payload as an fp32 [N, D] tensor (its rows are stored back to back)."""
     n, row_bytes = raw.num_rows, raw.row_bytes
     if int(raw.block_base[-1]) != n * row_bytes or row_bytes % raw.unit_bytes:
@@ -486,7 +486,7 @@ def gather_bench(cfg: Config, profile: str = "fp32", seed: int = 0) -> dict[str,
         buffer = tbe_fp32.split_embedding_weights()[0][0].view(torch.float32)
     source = data.tiled_table(block, n, out=buffer)
     raw = codec.compress(source, method="raw")
-    table = _raw_rows_view(raw)
+    table = raw_rows_view(raw)
     if tbe_fp32 is not None:
         tbe_fp32.weights_host = raw.payload[: n * row_bytes]
     del source, buffer
