@@ -219,6 +219,12 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _label(tree: Path) -> str:
+    """A csrc tree's name in the report: relative to this checkout when inside it."""
+    resolved = tree.resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(resolved)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=1.0, help="table size (default 1 GiB)")
@@ -245,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for k, tree in enumerate(trees):
             build = work / f"build{k}"
             build.mkdir()
-            binaries[str(tree)] = build_harness(tree.resolve(), build)
+            binaries[_label(tree)] = build_harness(tree.resolve(), build)
         table = write_inputs(work / "inputs", args.gib, args.profile, args.batches, args.seed)
         timings = run_rounds(binaries, work / "inputs", args.rounds, args.reps)
     report = {
