@@ -152,8 +152,11 @@ def write_inputs(directory: Path, gib: float, profile: str, batches: int, seed: 
     }
 
 
-def run_rounds(binaries: dict[str, Path], inputs: Path, rounds: int, reps: int) -> dict[str, list]:
-    """Each binary times one round at a time, the binaries alternating; exits on disagreement."""
+def run_rounds(
+    binaries: dict[str, Path], inputs: Path, rounds: int, reps: int
+) -> dict[str, list[dict]]:
+    """Each binary times one round at a time, the binaries alternating. Raises if a run fails or
+    its engine's pooled sums differ from the control's."""
     timings: dict[str, list[dict]] = {name: [] for name in binaries}
     for _ in range(rounds):
         for name, binary in binaries.items():
