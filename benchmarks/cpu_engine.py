@@ -59,6 +59,14 @@ ENGINE_SOURCES = (
 )
 
 
+def runs_here() -> bool:
+    """Whether this host can run the harness: x86-64 with AVX2 (the control loop's ISA)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    cpuinfo = Path("/proc/cpuinfo")
+    return not cpuinfo.is_file() or " avx2" in cpuinfo.read_text()
+
+
 def setup_flags() -> tuple[list[str], dict[str, list[str]]]:
     """setup.py's CXX_FLAGS and per-file ISA flags, read from its source (importing it would run
     the build), so the harness compiles the engine exactly as the extension does."""
@@ -244,8 +252,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    if platform.machine() not in ("x86_64", "AMD64"):
-        print("benchmarks.cpu_engine: x86-64 only (the control loop is AVX2 code)", file=sys.stderr)
+    if not runs_here():
+        print(
+            "benchmarks.cpu_engine: needs x86-64 with AVX2 (the control loop's ISA)",
+            file=sys.stderr,
+        )
         return 2
     trees = args.csrc or [ROOT / "csrc"]
     with tempfile.TemporaryDirectory(prefix="ibpembed-cpu-engine-") as tmp:
