@@ -462,6 +462,17 @@ def raw_rows_view(raw: codec.CompressedTable) -> torch.Tensor:
     return raw.payload[: n * row_bytes].view(raw.dtype).view(n, raw.dim)
 
 
+def gather_block(num_rows: int, dim: int, profile: str, seed: int) -> torch.Tensor:
+    """The rows a lookup benchmark's large table repeats (``data.tiled_table``): the DLRM profile
+    as trained ("fp32") or rounded to bf16 and stored as fp32 ("bf16r")."""
+    block = data.dlrm_table(min(num_rows, 1 << 18), dim, seed=seed)
+    if profile == "bf16r":
+        return data.bf16_rounded(block)
+    if profile != "fp32":
+        raise ValueError(f"unknown gather profile {profile!r}")
+    return block
+
+
 def gather_bench(cfg: Config, profile: str = "fp32", seed: int = 0) -> dict[str, Any]:
     """SUM-pooled lookups (Zipf 1.05, pooling 1..100, B=512) from one large fp32 D=128 table.
 
@@ -473,11 +484,7 @@ def gather_bench(cfg: Config, profile: str = "fp32", seed: int = 0) -> dict[str,
     """
     dim, row_bytes = 128, 512
     n = int(cfg.gather_gib * GIB) // row_bytes
-    block = data.dlrm_table(min(n, 1 << 18), dim, seed=seed)
-    if profile == "bf16r":
-        block = data.bf16_rounded(block)
-    elif profile != "fp32":
-        raise ValueError(f"unknown gather profile {profile!r}")
+    block = gather_block(n, dim, profile, seed)
     fbgemm = has_module("fbgemm_gpu")
     tbe_fp32 = _tbe(n, dim, "FP32") if fbgemm else None
     # Generate straight into fbgemm's own weight buffer: no second multi-GiB source tensor.

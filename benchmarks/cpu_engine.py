@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import data
-from benchmarks.codec import GIB, raw_rows_view, source_revision
+from benchmarks.codec import GIB, gather_block, raw_rows_view, source_revision
 from ibpembed import codec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,11 +133,7 @@ def _write_table(table: codec.CompressedTable, directory: Path) -> None:
 def write_inputs(directory: Path, gib: float, profile: str, batches: int, seed: int) -> dict:
     """The raw and compressed tables and the lookup stream, as the harness reads them."""
     rows = max(int(gib * GIB) // (DIM * 4), 1)
-    block = data.dlrm_table(min(rows, 1 << 18), DIM, seed=seed)
-    if profile == "bf16r":
-        block = data.bf16_rounded(block)
-    elif profile != "fp32":
-        raise ValueError(f"unknown profile {profile!r}")
+    block = gather_block(rows, DIM, profile, seed)
     raw = codec.compress(data.tiled_table(block, rows), method="raw")
     gc.collect()
     compressed = codec.compress(raw_rows_view(raw))
