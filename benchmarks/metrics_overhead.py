@@ -54,9 +54,9 @@ from pathlib import Path
 import grpc
 import torch
 
-from ibpembed.metrics import ServerMetrics
 from ibpembed.server import demo
 from ibpembed.server.interceptors import LOOKUP_METHOD
+from ibpembed.server.metrics import ServerMetrics
 from ibpembed.tables.manifest import save_table_set
 from ibpembed.tables.store import TableStore
 from ibpembed_client.loadgen import LoadConfig, run_load

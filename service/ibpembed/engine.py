@@ -20,7 +20,7 @@ of the request in one call of the fused kernel (``CompressedTableSet``; a table 
 ids deduplicates them first instead), otherwise one call per table. Calls run in a thread pool
 so the asyncio event loop never waits on them (torch ops run their C++ without holding the GIL,
 so the pool's threads decode in parallel). It holds a bounded number of requests: past
-``max_inflight`` new ones fail at once with :class:`~ibpembed.server.errors.Overloaded` instead
+``max_inflight`` new ones fail at once with :class:`~ibpembed.errors.Overloaded` instead
 of queueing.
 """
 
@@ -39,8 +39,8 @@ import torch
 
 from ibpembed._ops import INT8_ROWWISE_HEADER_BYTES
 from ibpembed.codec import CompressedTable
+from ibpembed.errors import DeadlineExceeded, InvalidArgument, NotFound, Overloaded
 from ibpembed.hot_rows import HotRowTracker
-from ibpembed.server.errors import DeadlineExceeded, InvalidArgument, NotFound, Overloaded
 from ibpembed.tables.manifest import RowRange
 from ibpembed.tables.store import TableSnapshot, TableStore
 

@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from ibpembed.cli import build_parser
-from ibpembed.metrics import ServerMetrics
 from ibpembed.server import config as server_config
 from ibpembed.server.app import SERVICE_NAME
+from ibpembed.server.metrics import ServerMetrics
 from ibpembed_client import LookupClient, ShardMap
 from tests.metrics.helpers import PROMTOOL, free_port, needs_promtool
 from tests.server.helpers import RunningServer, make_store

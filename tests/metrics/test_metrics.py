@@ -20,7 +20,7 @@ from prometheus_client import generate_latest
 
 import ibpembed
 from ibpembed.codec import compress
-from ibpembed.metrics import LATENCY_BUCKETS_S, STREAM_METHOD, ServerMetrics
+from ibpembed.server.metrics import LATENCY_BUCKETS_S, STREAM_METHOD, ServerMetrics
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, build_request
 from ibpembed_client.v1 import lookup_pb2 as pb
 from tests.metrics.helpers import PROMTOOL, fetch, needs_promtool, parse, value

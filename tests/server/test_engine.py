@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ibpembed.codec import compress
 from ibpembed.engine import DEDUPE_MIN_IDS, FeatureQuery, LookupEngine, resolve_device
-from ibpembed.server.errors import DeadlineExceeded, InvalidArgument, Overloaded
+from ibpembed.errors import DeadlineExceeded, InvalidArgument, Overloaded
 from ibpembed.tables.store import TableStore
 from tests.server.helpers import FEATURES, GateObserver, RecordingObserver, make_store, make_tables
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from ibpembed.engine import LookupEngine
-from ibpembed.server.errors import status_for
 from ibpembed.server.servicer import EmbeddingLookupServicer
+from ibpembed.server.status import status_for
 from ibpembed_client import (
     OVERLOADED_METADATA_KEY,
     LookupClient,

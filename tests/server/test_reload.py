@@ -18,9 +18,9 @@ import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ibpembed.metrics import ServerMetrics
 from ibpembed.server.app import load_store
 from ibpembed.server.config import ServerConfig
+from ibpembed.server.metrics import ServerMetrics
 from ibpembed.tables.format import TableFileError
 from ibpembed.tables.importers import TableSet, TableSource
 from ibpembed.tables.manifest import MANIFEST, pack_table_set, read_manifest

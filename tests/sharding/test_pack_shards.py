@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ibpembed.engine import FeatureQuery, LookupEngine
-from ibpembed.server.errors import InvalidArgument
+from ibpembed.errors import InvalidArgument
 from ibpembed.tables import format as tf
 from ibpembed.tables.manifest import (
     MANIFEST,

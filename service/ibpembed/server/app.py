@@ -26,7 +26,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ibpembed.engine import LookupEngine, LookupObserver, resolve_device
-from ibpembed.metrics import ServerMetrics
 from ibpembed.server import demo
 from ibpembed.server.config import ServerConfig
 from ibpembed.server.interceptors import (
@@ -36,6 +35,7 @@ from ibpembed.server.interceptors import (
     ServingState,
 )
 from ibpembed.server.memory import keep_freed_memory
+from ibpembed.server.metrics import ServerMetrics
 from ibpembed.server.reload import ReloadObserver, TableSetReloader
 from ibpembed.server.servicer import EmbeddingLookupServicer, add_to_server
 from ibpembed.tables.store import TableStore

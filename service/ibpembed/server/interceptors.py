@@ -3,7 +3,7 @@
 
 :class:`ServiceInterceptor` wraps every ``ibpembed.v1`` method: it gives requests without an id
 a fresh one, rejects work while the server is not ready or is draining (UNAVAILABLE), and maps
-whatever the servicer raises through :func:`~ibpembed.server.errors.status_for`. Failures that are
+whatever the servicer raises through :func:`~ibpembed.server.status.status_for`. Failures that are
 server bugs are logged with their request id and traceback; the client sees INTERNAL with that id.
 Health and reflection pass through untouched, so probes keep working while draining.
 """
@@ -23,11 +23,9 @@ from typing import Any, Protocol
 
 import grpc
 
-from ibpembed.server.errors import (
+from ibpembed.errors import Overloaded, ServiceError, Unavailable
+from ibpembed.server.status import (
     MAX_REQUEST_ID_CHARS,
-    Overloaded,
-    ServiceError,
-    Unavailable,
     UndecodableRequest,
     ensure_request_id,
     status_for,

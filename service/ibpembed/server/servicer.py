@@ -3,7 +3,7 @@
 
 Errors are raised, not returned: the interceptor maps them to statuses for unary RPCs, and
 LookupStream turns each failed request into an ``Error`` message through the same map
-(:func:`ibpembed.server.errors.status_for`).
+(:func:`ibpembed.server.status.status_for`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from ibpembed.engine import (
     Pooling,
     TableDescription,
 )
-from ibpembed.server.errors import (
+from ibpembed.errors import InvalidArgument
+from ibpembed.server.status import (
     MAX_REQUEST_ID_CHARS,
-    InvalidArgument,
     UndecodableRequest,
     ensure_request_id,
     status_for,

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Service errors and the one map from exceptions to gRPC status codes.
+"""The one map from :mod:`ibpembed.errors` to gRPC status codes, and request-id plumbing.
 
-The engine and the servicer raise these; :mod:`ibpembed.server.interceptors` turns them into
-statuses (unary RPCs) and the stream servicer into per-request ``Error`` messages, both through
-:func:`status_for`, so a code never depends on which RPC carried the request.
+The engine and the servicer raise the transport-neutral errors; :mod:`ibpembed.server.interceptors`
+turns them into statuses (unary RPCs) and the stream servicer into per-request ``Error``
+messages, both through :func:`status_for`, so a code never depends on which RPC carried it.
 """
 
 from __future__ import annotations
@@ -15,45 +15,36 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from ibpembed.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Overloaded,
+    PermissionDenied,
+    ServiceError,
+    Unavailable,
+    Unimplemented,
+)
 
-class ServiceError(Exception):
-    """Base of the errors a client can cause or see; ``code`` is the gRPC status."""
-
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
-
-
-class InvalidArgument(ServiceError):
-    """A malformed request. ``field`` names it the way the proto does (``features[2].ids``)."""
-
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
-        self.field = field
-
-
-class NotFound(ServiceError):
-    """An unknown feature or table."""
-
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class Overloaded(ServiceError):
-    """The server is at its in-flight limit; the client should back off and retry."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
+}
 
 
-class Unavailable(ServiceError):
-    """Not ready yet, or draining for shutdown."""
-
-    code = grpc.StatusCode.UNAVAILABLE
-
-
-class DeadlineExceeded(ServiceError):
-    """The request's deadline passed before its work started."""
-
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+def code_for(exc: ServiceError) -> grpc.StatusCode:
+    """The status of a service error (its nearest mapped base class; INTERNAL if none)."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS_CODES:
+            return STATUS_CODES[cls]
+    return grpc.StatusCode.INTERNAL
 
 
 class UndecodableRequest:
@@ -101,7 +92,7 @@ def status_for(exc: BaseException, request_id: str) -> tuple[grpc.StatusCode, st
     the request id (to find the logged traceback) and none of the exception's text.
     """
     if isinstance(exc, ServiceError):
-        code, message = exc.code, str(exc)
+        code, message = code_for(exc), str(exc)
     else:
         code, message = grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})"
     if len(message) > MAX_MESSAGE_CHARS:

@@ -1,0 +1,55 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The core stays free of the transport: codec, tables, engine, torchrec and errors import
+neither grpc nor the server package nor the client (which pulls in grpc)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+CORE_MODULES = [
+    "ibpembed.codec",
+    "ibpembed.errors",
+    "ibpembed.hot_rows",
+    "ibpembed.tables",
+    "ibpembed.tables.store",
+    "ibpembed.tables.manifest",
+    "ibpembed.tables.importers",
+    "ibpembed.engine",
+    "ibpembed.torchrec",
+]
+FORBIDDEN_PREFIXES = ("grpc", "ibpembed.server", "ibpembed_client")
+
+PROBE = """
+import sys, importlib
+importlib.import_module(sys.argv[1])
+prefixes = tuple(sys.argv[2:])
+print("\\n".join(sorted(m for m in sys.modules
+                        if any(m == p or m.startswith(p + ".") for p in prefixes))))
+"""
+
+
+@pytest.mark.parametrize("module", CORE_MODULES)
+def test_core_module_does_not_import_the_transport(module: str) -> None:
+    # A fresh interpreter: this test process has long imported grpc for other tests.
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, module, *FORBIDDEN_PREFIXES],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert result.stdout.split() == [], f"{module} imports {result.stdout.split()}"
+
+
+def test_the_probe_sees_a_transport_import() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, "ibpembed.server.status", *FORBIDDEN_PREFIXES],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "grpc" in result.stdout.split()
