@@ -45,7 +45,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import timeit
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +60,7 @@ from ibpembed.tables.manifest import save_table_set
 from ibpembed.tables.store import TableStore
 from ibpembed_client.loadgen import LoadConfig, run_load
 from ibpembed_client.v1 import lookup_pb2 as pb
+from tools.serve_process import ServerProcess
 
 DEFAULT_OUT = Path(__file__).resolve().parent / ".cache" / "results"
 
@@ -90,41 +90,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class Server:
-    """``ibpembed serve --tables DIR`` in a child process, metrics on a free port or off."""
-
-    def __init__(self, tables: Path, *, metrics: bool, workers: int) -> None:
-        self.metrics_port = _free_port() if metrics else 0
-        argv = [
-            *(sys.executable, "-m", "ibpembed.cli", "serve", "--port", "0"),
-            *("--tables", str(tables), "--workers", str(workers), "--device", "cpu"),
-            *("--max-inflight", "1024", "--log-level", "warning"),
-            *("--metrics-port", str(self.metrics_port)),
-            # Hot-row refreshes (~0.2 s of CPU every 30 s, at different moments in the two
-            # servers) would land in some rounds and not others: off in both arms, as the
-            # metrics code does not depend on them.
-            *("--hot-row-budget", "0"),
-        ]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("listening on "):
-                self.target = "127.0.0.1:" + line.split(":")[-1].split()[0]
-                break
-        else:
-            raise RuntimeError(f"server exited with {self.proc.wait()}")
-        # Keep draining stdout so the child never blocks on a full pipe.
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU time of the server process so far (all its threads)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        # utime and stime are fields 14 and 15 of stat(5); the split dropped fields 1-2.
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
+def serve(tables: Path, *, metrics: bool, workers: int) -> ServerProcess:
+    """``ibpembed serve --tables DIR``, metrics on a free port (``.metrics_port``) or off."""
+    metrics_port = _free_port() if metrics else 0
+    server = ServerProcess(
+        *("--tables", str(tables), "--workers", str(workers), "--device", "cpu"),
+        *("--max-inflight", "1024", "--log-level", "warning"),
+        *("--metrics-port", str(metrics_port)),
+        # Hot-row refreshes (~0.2 s of CPU every 30 s, at different moments in the two
+        # servers) would land in some rounds and not others: off in both arms, as the
+        # metrics code does not depend on them.
+        *("--hot-row-budget", "0"),
+    )
+    server.metrics_port = metrics_port
+    return server
 
 
 # The scraper runs in its own process, as Prometheus does: a thread in this process would take
@@ -158,7 +137,7 @@ class Scraper:
         return out.count("\n")
 
 
-def load(server: Server, batch: int, concurrency: int, seconds: float) -> dict:
+def load(server: ServerProcess, batch: int, concurrency: int, seconds: float) -> dict:
     """One closed-loop load generator run against ``server`` (no warm-up phase of its own)."""
     config = LoadConfig(
         target=server.target,
@@ -173,7 +152,7 @@ def load(server: Server, batch: int, concurrency: int, seconds: float) -> dict:
     return asyncio.run(run_load(config))
 
 
-def measure(server: Server, cfg: Config, batch: int, concurrency: int) -> dict:
+def measure(server: ServerProcess, cfg: Config, batch: int, concurrency: int) -> dict:
     """QPS and server CPU per request of one run; scraped while it runs when metrics are on."""
     scrape = server.metrics_port and cfg.scrape_interval_s > 0
     scraper = Scraper(server.metrics_port, cfg.scrape_interval_s) if scrape else None
@@ -214,10 +193,10 @@ def measure_pair(
     """One fresh pair of servers (metrics on, off), warmed, then measured in alternating rounds
     (on/off, then off/on, ...); pairs alternate which arm starts first too."""
     arms = ("on", "off") if pair % 2 == 0 else ("off", "on")
-    servers: dict[str, Server] = {}
+    servers: dict[str, ServerProcess] = {}
     try:
         for arm in arms:
-            servers[arm] = Server(tables, metrics=arm == "on", workers=workers)
+            servers[arm] = serve(tables, metrics=arm == "on", workers=workers)
         for server in servers.values():  # warm caches, threads and connections
             load(server, batch, concurrency, cfg.warmup_s)
         runs: dict[str, list[dict]] = {"on": [], "off": []}
@@ -227,7 +206,7 @@ def measure_pair(
         return runs
     finally:
         for server in servers.values():
-            server.close()
+            server.stop()
 
 
 def _median_ratio(on: list[dict], off: list[dict], key: str) -> float | None:

@@ -34,7 +34,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,7 +44,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.reliability import proc_cpu_seconds
 from ibpembed.codec import compress
 from ibpembed.engine import LookupEngine
 from ibpembed.hot_rows import DEFAULT_BUDGET, FIRST_REFRESH_S
@@ -55,6 +53,7 @@ from ibpembed.tables.manifest import save_table_set
 from ibpembed.tables.store import TableStore
 from ibpembed_client.loadgen import LoadConfig, run_load
 from ibpembed_client.workload import hotness_for, make_requests
+from tools.serve_process import ServerProcess, proc_cpu_seconds
 
 DEFAULT_OUT = Path(__file__).resolve().parent / ".cache" / "results"
 BATCHES = (1, 64, 512, 2048)
@@ -89,27 +88,12 @@ def pack_tables(directory: Path, max_rows: int) -> list[str]:
     return demo.feature_names()
 
 
-class ServerProcess:
-    """``ibpembed serve --tables DIR --port 0`` in a child process."""
-
-    def __init__(self, tables: Path, workers: int) -> None:
-        argv = [sys.executable, "-m", "ibpembed.cli", "serve", "--port", "0", "--tables",
-                str(tables), "--workers", str(workers), "--device", "cpu", "--max-inflight",
-                "1024", "--log-level", "warning"]  # fmt: skip
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("listening on "):
-                self.target = "127.0.0.1:" + line.split(":")[-1].split()[0]
-                break
-        else:
-            raise RuntimeError(f"server exited with {self.proc.wait()}")
-        # Keep draining stdout so the child never blocks on a full pipe.
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
+def serve(tables: Path, workers: int) -> ServerProcess:
+    """``ibpembed serve --tables DIR`` on a free port, CPU kernels, admission out of the way."""
+    return ServerProcess(
+        *("--tables", str(tables), "--workers", str(workers), "--device", "cpu"),
+        *("--max-inflight", "1024", "--log-level", "warning"),
+    )
 
 
 class CpuSampler:
@@ -205,7 +189,7 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
         # Both sides run the server's default hot-row policy (1 % of raw bytes per table).
         engine = LookupEngine(store, max_workers=1, hot_row_budget=DEFAULT_BUDGET)
         assert engine.hot_rows is not None
-        server = ServerProcess(Path(tmp), workers)
+        server = serve(Path(tmp), workers)
         try:
             with store.acquire() as snap:
                 rows = {f: snap.tables[f].num_rows for f in features}
@@ -242,7 +226,7 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
                         deadline_ms=60_000,
                         progress=False,
                     )
-                    server_cpu = CpuSampler(server.proc.pid)
+                    server_cpu = CpuSampler(server.pid)
                     remote = asyncio.run(run_load(load))
                     window_cpu_s = server_cpu.between(*remote["window_monotonic_s"])
                     server_cpu_ms = window_cpu_s * 1000.0 / max(1, remote["ok"])
@@ -265,7 +249,7 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
                     results.append(row)
                     print(json.dumps(row), flush=True)
         finally:
-            server.close()
+            server.stop()
             engine.close()
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

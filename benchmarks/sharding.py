@@ -27,10 +27,8 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
@@ -54,6 +52,7 @@ from ibpembed_client import (
 from ibpembed_client.shards import merge_results, split_request
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.workload import hotness_for, make_requests
+from tools.serve_process import ServerProcess
 
 DEFAULT_OUT = Path(__file__).resolve().parent / ".cache" / "results"
 SHARDS = 3
@@ -85,31 +84,14 @@ def demo_set(max_rows: int) -> TableSet:
     return TableSet(tuple(sources))
 
 
-class ServerProcess:
-    """``ibpembed serve --tables DIR --port 0`` in a child process."""
-
-    def __init__(self, tables: Path, workers: int) -> None:
-        argv = [sys.executable, "-m", "ibpembed.cli", "serve", "--port", "0", "--tables",
-                str(tables), "--workers", str(workers), "--torch-threads", "1", "--device",
-                "cpu", "--max-inflight", "1024", "--metrics-port", "0", "--log-level",
-                "warning"]  # fmt: skip
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-
-    def wait_listening(self) -> str:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("listening on "):
-                self.target = "127.0.0.1:" + line.split()[2].rsplit(":", 1)[1]
-                break
-        else:
-            raise RuntimeError(f"server exited with {self.proc.wait()}")
-        # Keep draining stdout so the child never blocks on a full pipe.
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
-        return self.target
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
+def serve(tables: Path, workers: int) -> ServerProcess:
+    """``ibpembed serve --tables DIR`` on a free port, started without waiting (all load at
+    once); one torch thread per server, as the servers share the cores."""
+    return ServerProcess(
+        *("--tables", str(tables), "--workers", str(workers), "--torch-threads", "1"),
+        *("--device", "cpu", "--max-inflight", "1024", "--log-level", "warning"),
+        wait=False,
+    )
 
 
 async def closed_loop(
@@ -229,9 +211,8 @@ def run(cfg: Config, out: Path, batch: int, concurrency: int, workers: int) -> d
         pack_table_set(root / "whole", table_set, sample_rows=65536)
         pack_shards(root / "sharded", table_set, SHARDS, sample_rows=65536)
         del table_set  # the servers map the files; the sources are not needed any more
-        processes = [ServerProcess(root / "whole", workers)] + [
-            ServerProcess(root / "sharded" / shard_directory(k, SHARDS), workers)
-            for k in range(SHARDS)
+        processes = [serve(root / "whole", workers)] + [
+            serve(root / "sharded" / shard_directory(k, SHARDS), workers) for k in range(SHARDS)
         ]
         try:
             single, *shards = [p.wait_listening() for p in processes]
@@ -252,7 +233,7 @@ def run(cfg: Config, out: Path, batch: int, concurrency: int, workers: int) -> d
                     print(f"round {r} {variant}: {len(lat) / cfg.seconds:.1f} QPS", flush=True)
         finally:
             for p in processes:
-                p.close()
+                p.stop()
     overhead = client_overhead(shard_map, requests)
     results = {v: summary(lat, err, cfg.seconds * cfg.rounds) for v, (lat, err) in runs.items()}
     single_r, sharded_r = results["single"], results["sharded"]

@@ -3,7 +3,7 @@
 // Host-side launch planning of the CUDA kernels: how rows are staged (IBPEMBED_CUDA_STAGING), how
 // many warps a block gets within the device's shared memory, and how many blocks fill the device.
 // Included by the .cu files that launch kernels, never by the kernel headers (which also compile
-// for the host SIMT emulator of tests/cuda/simt).
+// for the host SIMT emulator of tools/simt).
 #pragma once
 
 #include <c10/cuda/CUDAException.h>

@@ -7,7 +7,7 @@
 // a long bag on its own. Device code only: host-side launch planning is in launch_plan.cuh.
 //
 // NOTE(cuda): this file and the kernel headers (gather_kernel.cuh, pooled_kernel.cuh) also compile
-// as plain C++ for the host SIMT emulator of tests/cuda/simt (IBPEMBED_SIMT defined): each thread
+// as plain C++ for the host SIMT emulator of tools/simt (IBPEMBED_SIMT defined): each thread
 // of a block runs as a host thread, and the emulator supplies the warp collectives, cp.async and
 // shared memory: the guarded block below (cp.async and the shared-memory declaration) is the only
 // code that differs.

@@ -2,7 +2,7 @@
 """The CUDA kernels' device code, executed on the CPU by a SIMT emulator, against the CPU ops.
 
 csrc/cuda/gather_kernel.cuh and pooled_kernel.cuh (the code nvcc compiles) are built with g++
-against tests/cuda/simt/simt.h, which runs every thread of a block as a host thread and supplies
+against tools/simt/simt.h, which runs every thread of a block as a host thread and supplies
 the warp collectives, cp.async and shared memory (see its header for what it checks: converged
 collectives, copies that land only when waited for, poisoned shared memory, in-bounds staging).
 The cases mirror test_cuda_ops.py at sizes the emulator runs in seconds; test_cuda_ops.py stays
@@ -24,7 +24,7 @@ from ibpembed import CompressedTable, compress
 from ibpembed._ops import INT8_ROWWISE_CODE
 from tests.codec.tables import DTYPES, FLOAT_DTYPES, make_table, same_bits
 from tests.cuda import request_ids
-from tests.cuda.simt.harness import CXX, EmulatedKernels, EmulationError, Grid, build
+from tools.simt.harness import CXX, EmulatedKernels, EmulationError, Grid, build
 
 pytestmark = pytest.mark.skipif(
     shutil.which(CXX) is None, reason=f"no C++ compiler ({CXX}) to build the SIMT emulator"

@@ -22,7 +22,8 @@ import yaml
 
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy
 from tests.metrics.helpers import PROMETHEUS, fetch, free_port, needs_prometheus
-from tests.server.test_serve_cli import ServeProcess
+from tests.server.helpers import DEMO_300
+from tools.serve_process import ServerProcess
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml"
 # Bounds on the test's own traffic and waiting (it stops by itself whatever happens).
@@ -98,7 +99,7 @@ def prometheus_for(tmp_path):
 @needs_prometheus
 def test_prometheus_scrapes_serve_and_reads_a_rate(prometheus_for):
     metrics_port = free_port()
-    server = ServeProcess("--metrics-port", str(metrics_port))
+    server = ServerProcess(*DEMO_300, "--metrics-port", str(metrics_port))
     stop = threading.Event()
     sent = {"ok": 0, "not_found": 0}
 
@@ -121,7 +122,7 @@ def test_prometheus_scrapes_serve_and_reads_a_rate(prometheus_for):
     sender = threading.Thread(target=traffic, daemon=True)
     try:
         base = prometheus_for(metrics_port)
-        server.wait_for(server.stdout, f"metrics on http://127.0.0.1:{metrics_port}/metrics")
+        server.wait_for(f"metrics on http://127.0.0.1:{metrics_port}/metrics")
         sender.start()
         wait_until(lambda: ready(base), "prometheus ready")
 
@@ -151,7 +152,7 @@ def test_prometheus_scrapes_serve_and_reads_a_rate(prometheus_for):
         stop.set()
         if sender.is_alive():
             sender.join(timeout=60)
-        server.close()
+        server.kill()
     # Prometheus' last scraped count of OK lookups: some, and no more than the test sent.
     counted = query(base, 'max_over_time(ibpembed_requests_total{code="OK"}[1m])')
     assert 0 < float(counted[0]["value"][1]) <= sent["ok"]

@@ -5,10 +5,6 @@ process), and small test tables."""
 from __future__ import annotations
 
 import asyncio
-import os
-import queue
-import subprocess
-import sys
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -186,49 +182,5 @@ class FailingObserver(RecordingObserver):
         raise RuntimeError("observer exploded")
 
 
-IBPEMBED = [sys.executable, "-m", "ibpembed.cli"]
-
-
-class ServeProcess:
-    """``ibpembed serve --port 0`` (the small demo unless ``--tables``); stdout and stderr
-    collected by threads."""
-
-    def __init__(self, *flags: str) -> None:
-        self.proc = subprocess.Popen(
-            [*IBPEMBED, "serve", "--port", "0", "--demo-max-rows", "300", *flags],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.stdout: queue.Queue[str] = queue.Queue()
-        self.stderr: queue.Queue[str] = queue.Queue()
-        self.banner: list[str] = []
-        for stream, sink in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr)):
-            threading.Thread(target=self._pump, args=(stream, sink), daemon=True).start()
-        self.port = int(self.wait_for(self.stdout, "listening on ").split(":")[-1].split()[0])
-        self.target = f"127.0.0.1:{self.port}"
-
-    @staticmethod
-    def _pump(stream, sink: queue.Queue[str]) -> None:
-        for line in stream:
-            sink.put(line)
-
-    def wait_for(self, sink: queue.Queue[str], text: str, timeout: float = 120.0) -> str:
-        """Read lines until one contains ``text`` (keeps stdout lines in ``banner``)."""
-        while True:
-            try:
-                line = sink.get(timeout=timeout)
-            except queue.Empty:
-                raise AssertionError(
-                    f"no line with {text!r}; exit code {self.proc.poll()}"
-                ) from None
-            if sink is self.stdout:
-                self.banner.append(line)
-            if text in line:
-                return line
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
+# ``ibpembed serve`` flags for the small demo (300 rows a table): a server up in seconds.
+DEMO_300 = ("--demo-max-rows", "300")

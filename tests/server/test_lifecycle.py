@@ -25,8 +25,9 @@ from ibpembed.tables.manifest import MANIFEST
 from ibpembed.tables.store import TableStore
 from ibpembed_client import LookupClient
 from tests.metrics.helpers import free_port
-from tests.server.helpers import RecordingObserver, RunningServer, ServeProcess, make_store
+from tests.server.helpers import DEMO_300, RecordingObserver, RunningServer, make_store
 from tests.server.test_reload import block_reloads, pack, wait_until
+from tools.serve_process import ServerProcess
 
 T = TypeVar("T")
 
@@ -119,23 +120,23 @@ def test_stop_abandons_a_reload_still_running_when_the_grace_period_ends(
 
 
 def test_sigterm_during_a_reload_exits_zero_without_waiting_for_it(table_dir: Path) -> None:
-    serve = ServeProcess(
-        "--tables", str(table_dir), "--reload-poll-s", "0", "--metrics-port", "0",
+    serve = ServerProcess(
+        *DEMO_300, "--tables", str(table_dir), "--reload-poll-s", "0", "--metrics-port", "0",
         "--grace-s", "0.5", "--log-level", "debug",
     )  # fmt: skip
     try:
-        serve.wait_for(serve.stdout, "table set reloads on SIGHUP")
+        serve.wait_for("table set reloads on SIGHUP")
         # A manifest that is a FIFO: the reload blocks reading it, for as long as the test likes.
         fifo = table_dir / ".manifest.fifo"
         os.mkfifo(fifo)
         os.replace(fifo, table_dir / MANIFEST)
         serve.proc.send_signal(signal.SIGHUP)
-        serve.wait_for(serve.stderr, "(SIGHUP) started", timeout=60)
+        serve.wait_for("(SIGHUP) started", timeout=60)
         serve.proc.send_signal(signal.SIGTERM)
-        serve.wait_for(serve.stderr, "abandoned", timeout=60)
+        serve.wait_for("abandoned", timeout=60)
         assert serve.proc.wait(timeout=60) == 0
     finally:
-        serve.close()
+        serve.kill()
 
 
 # -- failing reload tasks --------------------------------------------------------------------------
@@ -218,6 +219,7 @@ async def _watch(self):
 
 TableSetReloader._watch = _watch
 from ibpembed.cli import main
+
 sys.exit(main(sys.argv[1:]))
 """
 

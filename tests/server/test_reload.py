@@ -27,8 +27,9 @@ from ibpembed.tables.manifest import MANIFEST, pack_table_set, read_manifest
 from ibpembed.tables.store import TableStore
 from ibpembed_client import LookupClient
 from tests.metrics.helpers import free_port
-from tests.server.helpers import RecordingObserver, RunningServer, ServeProcess
+from tests.server.helpers import DEMO_300, RecordingObserver, RunningServer
 from tests.tables.helpers import flip_bit, section_ranges
+from tools.serve_process import ServerProcess
 
 ROWS, DIM = 300, 16
 
@@ -280,18 +281,24 @@ def test_verify_payloads_refuses_a_set_whose_payload_is_corrupt(table_dir: Path)
 
 def test_sighup_reloads_a_serving_process(table_dir: Path) -> None:
     metrics_port = free_port()
-    serve = ServeProcess(
-        "--tables", str(table_dir), "--reload-poll-s", "0", "--metrics-port", str(metrics_port)
+    serve = ServerProcess(
+        *DEMO_300,
+        "--tables",
+        str(table_dir),
+        "--reload-poll-s",
+        "0",
+        "--metrics-port",
+        str(metrics_port),
     )
     try:
-        serve.wait_for(serve.stdout, "table set reloads on SIGHUP")
+        serve.wait_for("table set reloads on SIGHUP")
         client = LookupClient(serve.target, timeout=30)
         assert_serves(client, 1)
         pack(table_dir, 2)
         time.sleep(0.2)
         assert_serves(client, 1)  # no polling: nothing happens until the signal
         serve.proc.send_signal(signal.SIGHUP)
-        serve.wait_for(serve.stderr, "version 2 published, tables changed: emb")
+        serve.wait_for("version 2 published, tables changed: emb")
         assert_serves(client, 2)
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as r:
             sample = reload_samples(r.read().decode())
@@ -302,16 +309,16 @@ def test_sighup_reloads_a_serving_process(table_dir: Path) -> None:
         serve.proc.send_signal(signal.SIGTERM)
         assert serve.proc.wait(timeout=60) == 0
     finally:
-        serve.close()
+        serve.kill()
 
 
 def test_sighup_to_the_demo_server_is_harmless() -> None:
-    serve = ServeProcess()
+    serve = ServerProcess(*DEMO_300)
     try:
         serve.proc.send_signal(signal.SIGHUP)
-        serve.wait_for(serve.stderr, "nothing to reload")
+        serve.wait_for("nothing to reload")
         client = LookupClient(serve.target, timeout=30)
         assert client.lookup({"cat_0": [[1, 2]]})["cat_0"].shape == (1, 128)
         client.close()
     finally:
-        serve.close()
+        serve.kill()

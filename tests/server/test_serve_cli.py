@@ -19,19 +19,20 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, build_request
 from tests.metrics.helpers import free_port
-from tests.server.helpers import IBPEMBED, ServeProcess
+from tests.server.helpers import DEMO_300
+from tools.serve_process import IBPEMBED, ServerProcess
 
 
 @pytest.fixture
 def serve():
-    process = ServeProcess("--grace-s", "60")
+    process = ServerProcess(*DEMO_300, "--grace-s", "60")
     yield process
-    process.close()
+    process.kill()
 
 
 def test_banner_example_query_health_and_reflection(serve):
-    serve.wait_for(serve.stdout, "grpcurl -plaintext -d")
-    line = next(x for x in serve.banner if x.strip().startswith("python -c"))
+    serve.wait_for("grpcurl -plaintext -d")
+    line = next(x for x in serve.stdout_lines if x.strip().startswith("python -c"))
     argv = shlex.split(line.strip())
     argv[0] = sys.executable
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout
@@ -56,7 +57,7 @@ def test_sigterm_drains_in_flight_stream_then_exits_zero(serve):
     assert next(responses).request_id == "before"  # the stream is open and in flight
 
     serve.proc.send_signal(signal.SIGTERM)
-    serve.wait_for(serve.stderr, "draining")
+    serve.wait_for("draining")
     fresh = LookupClient(serve.target, timeout=30, retry=RetryPolicy(max_attempts=1))
     with pytest.raises(LookupServiceError) as info:
         fresh.lookup({"cat_0": [[1]]})
@@ -108,7 +109,7 @@ def test_an_unknown_log_level_is_a_configuration_error(argv, env):
 
 def test_a_busy_port_is_a_start_up_error():
     port = free_port()
-    first = ServeProcess("--port", str(port), "--metrics-port", "0")
+    first = ServerProcess(*DEMO_300, "--port", str(port), "--metrics-port", "0")
     try:
         result = subprocess.run(
             [*IBPEMBED, "serve", "--port", str(port), "--metrics-port", "0", "--demo-max-rows",
@@ -126,7 +127,7 @@ def test_a_busy_port_is_a_start_up_error():
         assert client.is_serving()  # the first one is untouched
         client.close()
     finally:
-        first.close()
+        first.kill()
 
 
 def test_missing_table_set_fails_with_a_message(tmp_path: Path):

@@ -11,7 +11,8 @@ import pytest
 
 from ibpembed.tables.importers import TableSet
 from ibpembed.tables.manifest import pack_shards, pack_table_set
-from tests.sharding.helpers import SHARDS, ServeProcess, make_table_set
+from tests.sharding.helpers import SHARDS, make_table_set
+from tools.serve_process import ServerProcess
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,14 @@ class Packed:
 class Servers:
     whole: str  # address of the server holding everything
     shards: list[str]  # address of shard k's server
-    spare: ServeProcess  # a second server of shard 1, for the test that kills it
+    spare: ServerProcess  # a second server of shard 1, for the test that kills it
+
+
+def serve(tables: Path) -> ServerProcess:
+    """One server of ``tables``, started without waiting so that all of them load at once."""
+    return ServerProcess(
+        "--tables", str(tables), "--workers", "1", "--torch-threads", "1", wait=False
+    )
 
 
 @pytest.fixture(scope="package")
@@ -40,9 +48,9 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Packed:
 @pytest.fixture(scope="package")
 def servers(packed: Packed) -> Iterator[Servers]:
     # Started together: each child spends seconds importing torch, in parallel.
-    whole = ServeProcess(packed.whole)
-    shards = [ServeProcess(packed.sharded / f"shard-{k}-of-{SHARDS}") for k in range(SHARDS)]
-    spare = ServeProcess(packed.sharded / f"shard-1-of-{SHARDS}")
+    whole = serve(packed.whole)
+    shards = [serve(packed.sharded / f"shard-{k}-of-{SHARDS}") for k in range(SHARDS)]
+    spare = serve(packed.sharded / f"shard-1-of-{SHARDS}")
     processes = [whole, *shards, spare]
     try:
         for process in processes:

@@ -3,13 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import queue
-import subprocess
-import sys
-import threading
-from pathlib import Path
-
 import numpy as np
 import torch
 
@@ -70,60 +63,3 @@ def values_of(source: TableSource) -> np.ndarray:
     rows = source.weight.contiguous().view(torch.uint8).numpy().reshape(source.weight.shape[0], -1)
     kind = source.quant or str(source.weight.dtype).removeprefix("torch.")
     return reference.row_values(rows, kind)
-
-
-class ServeProcess:
-    """``ibpembed serve --tables DIR --port 0`` in a child process; ``target`` once listening."""
-
-    def __init__(self, tables: Path) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ibpembed.cli",
-                "serve",
-                "--tables",
-                str(tables),
-                "--port",
-                "0",
-                "--metrics-port",
-                "0",
-                "--workers",
-                "1",
-                "--torch-threads",
-                "1",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.target = ""
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-
-    def wait_listening(self, timeout: float = 180.0) -> str:
-        """Block until the banner names the port; returns ``127.0.0.1:<port>``."""
-        seen = []
-        while True:
-            try:
-                line = self._lines.get(timeout=timeout)
-            except queue.Empty:
-                raise AssertionError(
-                    f"server did not start (exit code {self.proc.poll()}): {''.join(seen)}"
-                ) from None
-            seen.append(line)
-            if line.startswith("listening on "):
-                port = int(line.split()[2].rsplit(":", 1)[1])
-                self.target = f"127.0.0.1:{port}"
-                return self.target
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Security checks against a real ``ibpembed serve`` with TLS and a bearer token.
 
-    python -m benchmarks.security [--json PATH]
+    python -m reliability.security [--json PATH]
 
 The server runs with ``--tls-cert/--tls-key`` and ``--auth-token-file`` at log level debug (the
 most it ever writes). Checked:
@@ -35,10 +35,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from benchmarks.reliability import IBPEMBED, REPO, ServerProcess, make_pki
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, TlsOptions, loadgen
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
+from reliability.common import make_pki
+from tools.serve_process import IBPEMBED, REPO, ServerProcess
 
 TOKEN = "s3cret-Token-6f1d2c"  # what must never be printed
 WRONG_AUTHORIZATION = {
@@ -238,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if shutil.which("openssl") is None:
         print("needs the openssl CLI", file=sys.stderr)
         return 2
-    report: dict = {"command": "python -m benchmarks.security"}
+    report: dict = {"command": "python -m reliability.security"}
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="ibpembed-security-") as tmp:
         work = Path(tmp)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One short trial of each process-level check (benchmarks.faults, benchmarks.soak).
+"""One short trial of each process-level check (reliability.faults, reliability.soak).
 
 Timing-free: these assert outcomes (status codes, exit codes, descriptors), never durations;
 the scripts' own time-based criteria (drain time, p99 ratio) are for the full runs.
@@ -11,8 +11,8 @@ import argparse
 import random
 from pathlib import Path
 
-from benchmarks import faults, soak
-from benchmarks.reliability import ServerProcess
+from reliability import faults, soak
+from tools.serve_process import ServerProcess
 
 
 def test_kill_during_live_reload_keeps_every_lookup_on_one_version(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Fault-injection findings (benchmarks.faults), pinned as fast in-process tests."""
+"""Fault-injection findings (reliability.faults), pinned as fast in-process tests."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A short run of the emulated CUDA kernel fuzz (benchmarks.fuzz_cuda_kernels): same cases."""
+"""A short run of the emulated CUDA kernel fuzz (reliability.fuzz_cuda_kernels): same cases."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import fuzz_cuda_kernels as fk
-from tests.cuda.simt.harness import CXX, EmulatedKernels, build
+from reliability import fuzz_cuda_kernels as fk
+from tools.simt.harness import CXX, EmulatedKernels, build
 
 pytestmark = pytest.mark.skipif(
     shutil.which(CXX) is None, reason=f"no C++ compiler ({CXX}) to build the SIMT emulator"

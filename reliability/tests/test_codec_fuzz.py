@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A small run of the codec fuzz (benchmarks.fuzz_codec): same batches, same checks."""
+"""A small run of the codec fuzz (reliability.fuzz_codec): same batches, same checks."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks import fuzz_codec as fc
 from ibpembed._ops import ops
+from reliability import fuzz_codec as fc
 
 
 @given(index=st.integers(0, 2**31 - 1))

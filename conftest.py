@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Test-wide settings: hypothesis profiles (``HYPOTHESIS_PROFILE=thorough`` for long runs)."""
+"""Settings for every test folder (tests/, benchmarks/tests/, reliability/tests/): the
+hypothesis profiles (``HYPOTHESIS_PROFILE=thorough`` for long runs)."""
 
 import os
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Soak: saturating load on a real server for a minute; errors, memory, descriptors, latency.
 
-    python -m benchmarks.soak [--duration 60] [--window 10] [--concurrency 8] [--json PATH]
+    python -m reliability.soak [--duration 60] [--window 10] [--concurrency 8] [--json PATH]
 
 ``ibpembed serve`` (the embedded DLRM-DCNv2-profile demo set, ``--max-inflight`` below the load
 generator's concurrency) is driven by ``ibpembed-loadgen``'s closed loop in back-to-back windows
@@ -28,8 +28,9 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.reliability import ServerProcess, settle
 from ibpembed_client.loadgen import LoadConfig, run_load
+from reliability.common import settle
+from tools.serve_process import ServerProcess
 
 RSS_GROWTH_LIMIT = 0.05
 P99_RATIO_LIMIT = 1.5
@@ -182,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = soak(server, args)
         result["verdict"]["server_exit_code_on_sigterm"] = server.stop()
     result = {
-        "command": "python -m benchmarks.soak " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m reliability.soak " + " ".join(sys.argv[1:] if argv is None else argv),
         "seconds": round(time.perf_counter() - started, 1),
         "settings": vars(args),
         **result,

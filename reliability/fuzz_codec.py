@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Codec fuzz: millions of small tables round-tripped bit for bit through the C++ codec.
 
-    python -m benchmarks.fuzz_codec --cases 1000000 [--jobs 2] [--seed 0] [--json PATH]
+    python -m reliability.fuzz_codec --cases 1000000 [--jobs 2] [--seed 0] [--json PATH]
 
 A *case* is one small table (1 to ~130 rows) of fp32, fp16, bf16 or uint8 rows whose bits follow
 one edge-case distribution: NaNs with payloads, signed zeros, infinities, subnormals, rows that
@@ -619,7 +619,7 @@ def run_batch(plan: JobPlan, index: int, stats: Stats, path: str) -> None:
 
 def _record(plan: JobPlan, index: int, batch: Batch, problems: list[str], path: str) -> dict:
     replay = (
-        f"IBPEMBED_CPU_PATH={path} python -m benchmarks.fuzz_codec --seed {plan.seed} "
+        f"IBPEMBED_CPU_PATH={path} python -m reliability.fuzz_codec --seed {plan.seed} "
         f"--batch {index}"
     )
     entry = {
@@ -688,7 +688,7 @@ def run(
 def report(stats: Stats, seconds: float, args: argparse.Namespace) -> dict:
     """The JSON summary (what RELIABILITY.md quotes)."""
     return {
-        "command": "python -m benchmarks.fuzz_codec " + " ".join(sys.argv[1:]),
+        "command": "python -m reliability.fuzz_codec " + " ".join(sys.argv[1:]),
         "seed": args.seed,
         "jobs": args.jobs,
         "seconds": round(seconds, 1),

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Security checks of benchmarks.security not covered by tests/server/test_security.py."""
+"""Security checks of reliability.security not covered by tests/server/test_security.py."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from benchmarks.security import TOKEN, WRONG_AUTHORIZATION, _code, _methods
 from ibpembed_client.v1 import lookup_pb2_grpc
+from reliability.security import TOKEN, WRONG_AUTHORIZATION, _code, _methods
 from tests.server.helpers import RunningServer, make_store
 
 

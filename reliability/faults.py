@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Fault injection: kills, signals, vanishing clients and a full disk, against real processes.
 
-    python -m benchmarks.faults [--trials 10] [--rows 200000] [--json PATH] [--only NAME ...]
+    python -m reliability.faults [--trials 10] [--rows 200000] [--json PATH] [--only NAME ...]
 
 * ``kill_pack``: ``ibpembed pack`` of version n+1 over version n, SIGKILLed at a random moment
   of its run. The directory must then hold version n or version n+1, complete (every table
@@ -48,12 +48,13 @@ import grpc
 import numpy as np
 import torch
 
-from benchmarks.reliability import IBPEMBED, REPO, ServerProcess, settle
 from ibpembed.tables.importers import TableSet, TableSource
 from ibpembed.tables.manifest import MANIFEST, pack_table_set, read_manifest
 from ibpembed.tables.store import TableStore
 from ibpembed_client import AsyncLookupClient, LookupServiceError, bf16_to_float32, build_request
 from ibpembed_client.v1 import lookup_pb2_grpc
+from reliability.common import settle
+from tools.serve_process import IBPEMBED, REPO, ServerProcess
 
 
 # -- table versions ------------------------------------------------------------------------------
@@ -609,7 +610,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     report: dict = {
-        "command": "python -m benchmarks.faults " + " ".join(sys.argv[1:] if argv is None else argv)
+        "command": "python -m reliability.faults "
+        + " ".join(sys.argv[1:] if argv is None else argv)
     }
     with tempfile.TemporaryDirectory(prefix="ibpembed-faults-") as tmp:
         for name in args.only or FAULTS:

@@ -22,7 +22,7 @@ from ibpembed import CompressedTable
 from ibpembed._ops import INT8_ROWWISE_CODE
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+ROOT = HERE.parents[1]
 CXX = os.environ.get("CXX", "g++")
 SOURCES = ("simt_kernels.cpp", "simt_selftest.cpp")
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A small run of the RPC fuzz (benchmarks.fuzz_rpc) and the defects it found, pinned."""
+"""A small run of the RPC fuzz (reliability.fuzz_rpc) and the defects it found, pinned."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from benchmarks import fuzz_rpc
-from benchmarks.reliability import fuzz_tables
 from ibpembed.codec import compress
 from ibpembed.tables.store import TableStore
 from ibpembed_client.v1 import lookup_pb2 as pb
+from reliability import fuzz_rpc
+from reliability.common import fuzz_tables
 from tests.server.helpers import RunningServer
 
 LOOKUP = fuzz_rpc.SERVICE + "Lookup"

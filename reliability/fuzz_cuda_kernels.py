@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Fuzz of the CUDA kernels' device code, run on the CPU by the SIMT emulator of tests/cuda/simt.
+"""Fuzz of the CUDA kernels' device code, run on the CPU by the SIMT emulator of tools/simt.
 
-    python -m benchmarks.fuzz_cuda_kernels --seconds 600 --seed 1 --json out.json
+    python -m reliability.fuzz_cuda_kernels --seconds 600 --seed 1 --json out.json
 
-Each case draws a small table from the codec fuzz's generators (benchmarks.fuzz_codec: dtype,
+Each case draws a small table from the codec fuzz's generators (reliability.fuzz_codec: dtype,
 value distribution, row count and width), compresses it with a random chunk width, code width and
 slot alignment, and runs through the emulated kernels on a random grid (1-3 blocks of 1-4 warps,
 asynchronous or synchronous staging):
@@ -33,10 +33,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks import fuzz_codec as fc
 from ibpembed import compress
 from ibpembed._ops import INT8_ROWWISE_CODE
-from tests.cuda.simt.harness import EmulatedKernels, EmulationError, Grid, build
+from reliability import fuzz_codec as fc
+from tools.simt.harness import EmulatedKernels, EmulationError, Grid, build
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 # The codec fuzz's widths up to 513 elements: wider rows only cost emulation time here.
@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(m, flush=True)
         seconds = time.perf_counter() - started
     summary = {
-        "command": " ".join(["python -m benchmarks.fuzz_cuda_kernels", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python -m reliability.fuzz_cuda_kernels", *(argv or sys.argv[1:])]),
         "emulator_build_s": round(build_s, 1),
         "seconds": round(seconds, 1),
         **asdict(stats),

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """RPC fuzz: hostile traffic against a real ``ibpembed serve`` process.
 
-    python -m benchmarks.fuzz_rpc --cases 20000 [--seed 0] [--concurrency 16] [--json PATH]
+    python -m reliability.fuzz_rpc --cases 20000 [--seed 0] [--concurrency 16] [--json PATH]
 
 Each case is one call (or one stream) drawn from a category: random bytes as a request,
 mutated (bit-flipped, truncated) valid requests, valid requests with random field values (the
@@ -39,8 +39,9 @@ import numpy as np
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from benchmarks.reliability import FuzzTable, ServerProcess, fuzz_tables, pack_fuzz_set, settle
 from ibpembed_client.v1 import lookup_pb2 as pb
+from reliability.common import FuzzTable, fuzz_tables, pack_fuzz_set, settle
+from tools.serve_process import ServerProcess
 
 C = grpc.StatusCode
 SERVICE = "/ibpembed.v1.EmbeddingLookup/"
@@ -589,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             exit_code = server.stop()
     result |= {"server_exit_code_on_sigterm": exit_code}
     report = {
-        "command": "python -m benchmarks.fuzz_rpc "
+        "command": "python -m reliability.fuzz_rpc "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "seed": args.seed,
         "cases": findings.cases,

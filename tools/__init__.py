@@ -1,0 +1,2 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What tests, benchmarks and reliability campaigns share: the SIMT emulator, a server process."""
