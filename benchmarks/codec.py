@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Codec benchmark: savings, decode speed, fit time and pooled-lookup throughput, side by side.
 
-    python -m benchmarks.codec [--quick] [--out DIR] [--markdown FILE] [--chart PNG]
+    python -m benchmarks.codec [--quick] [--out DIR] [--chart PNG]
 
 Everything is measured in one run on one machine, so the ratios (ours vs the paper's method,
 vs zstd/lz4, vs memcpy, vs torchrec and fbgemm) hold even on a shared, noisy host where the
-absolute numbers drift. Results go to DIR/results.json and DIR/results.md; a full run also
-replaces the results section of BENCHMARKS.md and writes docs/img/codec_savings.png (a quick
-run writes only under DIR).
+absolute numbers drift. Results go to DIR/codec.json and DIR/codec.md (the BENCHMARKS.md
+section ``python -m benchmarks`` renders); a full run also writes docs/img/codec_savings.png (a
+quick run writes only under DIR).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import contextlib
 import datetime
 import gc
 import importlib.util
-import json
 import math
 import os
 import platform
@@ -30,17 +29,16 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from benchmarks import data
+from benchmarks._harness import RESULTS, write_results
 from ibpembed import _C, codec
 from ibpembed.hot_rows import DEFAULT_BUDGET, hot_row_ids
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "benchmarks" / ".cache" / "results"
-DEFAULT_MARKDOWN = REPO / "BENCHMARKS.md"
+DEFAULT_OUT = RESULTS
 DEFAULT_CHART = REPO / "docs" / "img" / "codec_savings.png"
-RESULTS_BEGIN = "<!-- benchmarks.codec results: begin -->"
-RESULTS_END = "<!-- benchmarks.codec results: end -->"
 GIB = 1 << 30
 # The gather benchmark's hot-row engine: the server's default budget, ranked on
 # this many earlier batches (~200k ids, about the engine's window of recent ids).
@@ -516,6 +514,14 @@ def gather_bench(cfg: Config, profile: str = "fp32", seed: int = 0) -> dict[str,
         Engine("ibpembed compressed", lambda b: ours.lookup(b.ids, b.offsets), batches),
         Engine(HOT_ENGINE, lambda b: hot.lookup(b.ids, b.offsets), batches),
         Engine("ibpembed raw rows", lambda b: raw.lookup(b.ids, b.offsets), batches),
+        # What a plain PyTorch model runs: nn.EmbeddingBag's functional form on the same rows.
+        Engine(
+            "F.embedding_bag",
+            lambda b: F.embedding_bag(
+                b.ids, table, b.offsets, mode="sum", include_last_offset=True
+            ),
+            batches,
+        ),
     ]
     if has_module("torchrec"):
         engines.append(_torchrec_engine(table, batches))
@@ -955,25 +961,10 @@ def run(cfg: Config, command: str) -> dict[str, Any]:
     return results
 
 
-def splice_markdown(path: Path, markdown: str) -> None:
-    """Replace the text between the results markers of ``path`` (e.g. BENCHMARKS.md)."""
-    text = path.read_text()
-    begin, end = text.find(RESULTS_BEGIN), text.find(RESULTS_END)
-    if begin < 0 or end < begin:
-        raise ValueError(f"{path} has no {RESULTS_BEGIN} ... {RESULTS_END} section")
-    path.write_text(text[: begin + len(RESULTS_BEGIN)] + "\n" + markdown + text[end:])
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test, < 2 min)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
-    parser.add_argument(
-        "--markdown",
-        type=Path,
-        default=None,
-        help=f"file whose results section is replaced (full runs: {DEFAULT_MARKDOWN.name})",
-    )
     parser.add_argument(
         "--chart", type=Path, default=None, help="savings chart (full runs: docs/img/...)"
     )
@@ -981,16 +972,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = QUICK if args.quick else FULL
     command = "python -m benchmarks.codec" + (" --quick" if args.quick else "")
     results = run(cfg, command)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
     markdown = render_markdown(results)
-    (args.out / "results.md").write_text(markdown)
+    write_results(args.out, "codec", results, markdown)
     # Quick runs are smoke tests: they never overwrite the published results.
     chart = args.chart or (args.out / "codec_savings.png" if args.quick else DEFAULT_CHART)
     plot_savings(results, chart)
-    doc = args.markdown or (None if args.quick else DEFAULT_MARKDOWN)
-    if doc is not None:
-        splice_markdown(doc, markdown)
     print(markdown)
     return 0
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import ast
 import concurrent.futures
-import datetime
 import gc
 import json
 import os
@@ -39,7 +38,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import data
-from benchmarks.codec import GIB, gather_block, raw_rows_view, source_revision
+from benchmarks._harness import run_metadata, write_results
+from benchmarks.codec import GIB, gather_block, raw_rows_view
 from ibpembed import codec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -265,10 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table = write_inputs(work / "inputs", args.gib, args.profile, args.batches, args.seed)
         timings = run_rounds(binaries, work / "inputs", args.rounds, args.reps)
     report = {
-        "command": "python -m benchmarks.cpu_engine " + " ".join(argv or sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": source_revision(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        **run_metadata("python -m benchmarks.cpu_engine " + " ".join(argv or sys.argv[1:])),
         "cpu_path": codec.cpu_path(),
         "profile": args.profile,
         "rounds": args.rounds,
@@ -276,10 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "table": table,
         "results": summarize(timings),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cpu_engine.json").write_text(json.dumps(report, indent=2) + "\n")
     text = markdown(report)
-    (args.out / "cpu_engine.md").write_text(text)
+    write_results(args.out, "cpu_engine", report, text)
     print(text)
     return 0
 

@@ -26,10 +26,7 @@ Results: DIR/engine_paths.json and DIR/engine_paths.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +35,7 @@ import numpy as np
 import torch
 
 from benchmarks import data
+from benchmarks._harness import run_metadata, write_results
 from ibpembed import reference
 from ibpembed.codec import compress
 from ibpembed.engine import DEDUPE_MIN_IDS, FeatureQuery, LookupEngine
@@ -197,17 +195,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.append(demo_case(batch, 2_000 if args.quick else 100_000, passes))
         print(json.dumps(results[-1]), flush=True)
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "load_average": os.getloadavg()[0],
-        "torch": torch.__version__,
-        "command": "python -m benchmarks.engine_paths" + (" --quick" if args.quick else ""),
+        **run_metadata("python -m benchmarks.engine_paths" + (" --quick" if args.quick else "")),
         "passes": passes,
         "results": results,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "engine_paths.json").write_text(json.dumps(report, indent=2))
-    (args.out / "engine_paths.md").write_text(markdown(report))
+    write_results(args.out, "engine_paths", report, markdown(report))
     print(markdown(report))
     if not all(all(r["agree"].values()) for r in results):
         print(f"some variant's results differ from the {REFERENCE_VARIANT!r} variant's")

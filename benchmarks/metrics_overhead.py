@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -51,8 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import torch
 
+from benchmarks._harness import run_metadata, write_results
 from ibpembed.server import demo
 from ibpembed.server.interceptors import LOOKUP_METHOD
 from ibpembed.server.metrics import ServerMetrics
@@ -251,19 +249,12 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
             results.append(row)
             print(json.dumps(row), flush=True)
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "load_average": os.getloadavg()[0],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        **run_metadata(" ".join(["python -m benchmarks.metrics_overhead", *sys.argv[1:]])),
         "config": cfg.__dict__ | {"workers": workers, "concurrency": concurrency},
-        "command": " ".join(["python -m benchmarks.metrics_overhead", *sys.argv[1:]]),
         "hook_costs": costs,
         "results": results,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics_overhead.json").write_text(json.dumps(report, indent=2))
-    (out / "metrics_overhead.md").write_text(markdown(report))
+    write_results(out, "metrics_overhead", report, markdown(report))
     return report
 
 

@@ -23,10 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import datetime
-import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -35,8 +31,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from benchmarks._harness import run_metadata, write_results
 from ibpembed.hot_rows import FIRST_REFRESH_S
 from ibpembed.server import demo
 from ibpembed.tables.importers import TableSet, TableSource
@@ -238,14 +234,9 @@ def run(cfg: Config, out: Path, batch: int, concurrency: int, workers: int) -> d
     results = {v: summary(lat, err, cfg.seconds * cfg.rounds) for v, (lat, err) in runs.items()}
     single_r, sharded_r = results["single"], results["sharded"]
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "load_average": os.getloadavg()[0],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        **run_metadata(" ".join(["python -m benchmarks.sharding", *sys.argv[1:]])),
         "config": asdict(cfg)
         | {"batch": batch, "concurrency": concurrency, "workers": workers, "shards": SHARDS},
-        "command": " ".join(sys.argv),
         "results": results,
         "client_overhead": overhead,
         "qps_ratio": sharded_r["qps"] / single_r["qps"] if single_r["qps"] else None,
@@ -255,9 +246,7 @@ def run(cfg: Config, out: Path, batch: int, concurrency: int, workers: int) -> d
             else None
         ),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sharding.json").write_text(json.dumps(report, indent=2))
-    (out / "sharding.md").write_text(markdown(report))
+    write_results(out, "sharding", report, markdown(report))
     return report
 
 

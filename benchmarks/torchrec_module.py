@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Forward time, host bytes and accuracy: compressed EBC vs torchrec's EBC vs its INT8 EBC.
 
-    python benchmarks/torchrec_module.py                 # both models, writes a Markdown section
-    python benchmarks/torchrec_module.py --quick         # small tables, few batches (smoke run)
+    python -m benchmarks.torchrec_module [--quick] [--out DIR]   # both models
+
+Results go to DIR/torchrec_module.json and DIR/torchrec_module.md (``--quick``: small tables,
+few batches, a smoke run).
 
 Two models, each run on the same Zipf batches (B=512, alpha 1.0, hot ids permuted):
 
@@ -24,6 +26,7 @@ import importlib.util
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,6 +37,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
 
 import ibpembed
+from benchmarks._harness import RESULTS, run_metadata, write_results
 from ibpembed.torchrec import CompressedEmbeddingBagCollection, pooled_error_bound
 
 BATCH = 512
@@ -280,7 +284,7 @@ def markdown(ml: list[dict[str, object]], syn: list[dict[str, object]], args) ->
     out = [
         "## torchrec integration: compressed EBC vs torchrec EBC vs torchrec INT8 EBC",
         "",
-        f"`python benchmarks/torchrec_module.py{' --quick' if args.quick else ''}"
+        f"`python -m benchmarks.torchrec_module{' --quick' if args.quick else ''}"
         f"{f' --threads {args.threads}' if args.threads != 1 else ''}` "
         f"({time.strftime('%Y-%m-%d')}; {cpu}, {os.cpu_count()} cores, "
         f"torch threads: {torch.get_num_threads()}; torch {torch.__version__}; "
@@ -325,7 +329,7 @@ def markdown(ml: list[dict[str, object]], syn: list[dict[str, object]], args) ->
     return "\n".join(out)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small tables, few batches")
     parser.add_argument("--rows", type=int, default=100_000, help="rows per synthetic table")
@@ -336,8 +340,8 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch intra-op threads (1: stable on shared CPUs)"
     )
     parser.add_argument("--alpha", type=float, default=1.0, help="Zipf exponent")
-    parser.add_argument("--out", type=Path, help="also write the Markdown section here")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.batches, args.warmup = 5_000, 4, 1
     # NOTE: with several threads on CPUs shared with other jobs, a parallel_for waits for its
@@ -356,9 +360,13 @@ def main() -> None:
         del ebc
     text = markdown(ml, syn, args)
     print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    command = "python -m benchmarks.torchrec_module " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    result = {**run_metadata(command.strip()), "movielens": ml, "synthetic": syn}
+    write_results(args.out, "torchrec_module", result, text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -74,13 +74,9 @@ def test_quick_core_functions_render(tables: list, tmp_path: Path) -> None:
         assert row["target"] in ("met", "missed", "n/a")
     rates = results["gather"][1]["mlookups_per_s"]["1"]
     assert rates["ibpembed compressed"] > 0 and rates["ibpembed raw rows"] > 0
+    assert rates["F.embedding_bag"] > 0
     markdown = codec_bench.render_markdown(results)
     assert "tiny_bf16" in markdown and "ibpembed raw rows" in markdown and "| target |" in markdown
-    doc = tmp_path / "BENCHMARKS.md"
-    doc.write_text(f"intro\n{codec_bench.RESULTS_BEGIN}\nold\n{codec_bench.RESULTS_END}\nend\n")
-    codec_bench.splice_markdown(doc, markdown)
-    text = doc.read_text()
-    assert "old" not in text and "tiny_bf16" in text and text.endswith("end\n")
     codec_bench.plot_savings(results, tmp_path / "chart.png")
 
 

@@ -1,0 +1,388 @@
+# SPDX-License-Identifier: Apache-2.0
+"""BENCHMARKS.md, rendered from the results directory alone.
+
+The report is one setup block (machine, date, commit, command, and per section the run that
+produced it), a headline table of ratios against the peers doing the same work, then one
+section per question: the question, the benchmark's own tables, and a few sentences on what the
+figures mean. The sentences here carry no numbers; every number comes from a results file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Results = dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str  # benchmarks.<name> writes <name>.json and <name>.md
+    title: str
+    question: str
+    meaning: str
+    args: tuple[str, ...] | None  # full run; None: measured on another machine
+    quick_args: tuple[str, ...] = ("--quick",)
+
+
+SECTIONS = (
+    Section(
+        "codec",
+        "Codec: savings, decode, pooled lookups",
+        "How much host memory does IBP save on realistic tables, against the paper's fit, "
+        "general-purpose compressors and the entropy bound, and what does a CPU lookup of "
+        "compressed rows cost against raw rows, torchrec, `F.embedding_bag` and fbgemm?",
+        "Savings on dense fp32 tables sit close to the exponent-entropy bound: fp32 mantissas are "
+        "noise, so only sign and exponent bits compress, and bf16 or bf16-rounded tables save "
+        "far more. On a CPU a compressed fp32 lookup cannot beat raw rows: a compressed slot "
+        "spans about as many 64-byte lines as the raw row, so the lookup reads no fewer lines "
+        "and decodes on top ([why](docs/notes/2026-11-30-cpu-lookup-bound.md)); hot-row copies "
+        "close part of the gap. The PCIe table is where compression pays: a GPU gather reads "
+        "32-byte sectors, and fewer of them.",
+        (),
+    ),
+    Section(
+        "cpu_engine",
+        "The lookup engine against an fbgemm-style loop",
+        "Without torch and Python in the way, how close is the lookup engine to the loop "
+        "torchrec's CPU forward runs, on raw and on compressed rows?",
+        "The three loops run in one process on the same huge-page rows and ids, round by round, "
+        "and must agree bit for bit. The raw-row gap to the control is the block index (one "
+        "slot-size read and the address arithmetic before the row), not the row work.",
+        ("--profile", "fp32"),
+        ("--gib", "0.05", "--rounds", "1", "--reps", "1", "--batches", "2"),
+    ),
+    Section(
+        "engine_paths",
+        "Engine paths: decode-once vs fused, with and without hot-row copies",
+        "Which kernel path should a request take, and does the engine's rule pick the faster?",
+        "The engine decodes repeated ids once only where a request repeats enough of them; "
+        "otherwise the fused gather-and-pool kernel wins. Hot-row copies help when the hot set "
+        "is read often enough to stay in cache.",
+        (),
+    ),
+    Section(
+        "tables",
+        "Table files: pack and load",
+        "How long do tables take to pack and to load, against `torch.load` of the same weights?",
+        "A table file is mapped, not read: loading costs a header check and an index, and the "
+        "first lookup pays the page faults that `torch.load` pays up front.",
+        (),
+        ("--gib", "0.01", "--tables", "2", "--repeats", "1"),
+    ),
+    Section(
+        "service",
+        "Service: gRPC against the engine in-process",
+        "What does the gRPC serving layer cost against calling the engine in the same process, "
+        "on compressed and raw tables?",
+        "At small batches the fixed per-request cost of the Python gRPC stack dominates; at "
+        "large batches the response's bytes do (grpc copies and sends every pooled float).",
+        (),
+    ),
+    Section(
+        "sharding",
+        "Sharding: row shards against one server",
+        "What does splitting each table's rows over several servers cost a client?",
+        "On one shared machine shards compete for the same cores, so this measures the "
+        "client's split and merge and the extra round trips, not what separate hosts would add.",
+        (),
+    ),
+    Section(
+        "metrics_overhead",
+        "Metrics overhead",
+        "What do Prometheus metrics cost a serving process?",
+        "Servers with metrics on and off alternate in rounds on the same load; the hook "
+        "estimate is the metrics code's own cost per request, timed in process.",
+        (),
+    ),
+    Section(
+        "torchrec_module",
+        "torchrec: the compressed EBC against torchrec's EBCs",
+        "Swapped into a torchrec model, how fast and how exact is the compressed "
+        "`EmbeddingBagCollection` against torchrec's fp32 and INT8 EBCs?",
+        "The compressed EBC is lossless (rows bit-exact, sums within fp32 rounding of the "
+        "same order), INT8 is not; its forward is slower than torchrec's fp32 EBC on a CPU for "
+        "the reason the codec section gives.",
+        (),
+    ),
+    Section(
+        "gpu_check",
+        "GPU: zero-copy gather over PCIe",
+        "On a GPU, how fast is the zero-copy gather of compressed rows against raw rows, "
+        "`index_select` + copy and the pinned H2D bandwidth?",
+        "Measured only by `python -m benchmarks.gpu_check` on a GPU machine (docs/cuda.md); "
+        "its results file is rendered here when one is present.",
+        None,
+    ),
+)
+
+
+def load(out: Path) -> tuple[Results, dict[str, str]]:
+    """Every section's JSON and Markdown found in ``out``."""
+    results: Results = {}
+    markdown: dict[str, str] = {}
+    for section in SECTIONS:
+        data, text = out / f"{section.name}.json", out / f"{section.name}.md"
+        if data.is_file():
+            results[section.name] = json.loads(data.read_text())
+        if text.is_file():
+            markdown[section.name] = text.read_text()
+    return results, markdown
+
+
+# -- the headline table -------------------------------------------------------------------------
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}×" if b else "—"
+
+
+def _codec_table(results: Results, name: str) -> dict[str, Any] | None:
+    tables = results.get("codec", {}).get("tables", [])
+    return next((t for t in tables if t["name"] == name), None)
+
+
+def _savings_rows(results: Results) -> list[list[str]]:
+    rows = []
+    for name in ("dlrm_d128_fp32", "dlrm_d128_bf16", "dlrm_d128_bf16r", "minilm_fp32"):
+        t = _codec_table(results, name)
+        if t is None:
+            continue
+        peers = f"paper's fit {_pct(t['paper'])}, zstd-3 {_pct(t['zstd3'])}, lz4 {_pct(t['lz4'])}"
+        bound = f"{_pct(t['bound'])} bound" if t.get("bound") is not None else "no bound"
+        rows.append(
+            [
+                f"host bytes saved, {name} ({t['dtype']}, {t['source']})",
+                _pct(t["ours"]),
+                f"{peers}; {bound}",
+                _ratio(t["ours"], t["paper"]) + " the paper's" if t["paper"] > 0 else "—",
+                "codec",
+            ]
+        )
+    return rows
+
+
+def _lookup_rows(results: Results) -> list[list[str]]:
+    rows = []
+    for g in results.get("codec", {}).get("gather", []):
+        rates = g["mlookups_per_s"].get("1")
+        if not rates:
+            continue
+        ours = rates["ibpembed compressed"]
+        where = f"pooled SUM, {g['profile']} table of {g['table_gib']:.2f} GiB, 1 thread"
+        for peer in (
+            "ibpembed raw rows",
+            "torchrec EBC",
+            "F.embedding_bag",
+            "fbgemm TBE FP32",
+        ):
+            if peer in rates:
+                rows.append(
+                    [
+                        f"lookups/s, compressed vs {peer} ({where})",
+                        f"{ours:.1f} M/s",
+                        f"{rates[peer]:.1f} M/s",
+                        _ratio(ours, rates[peer]),
+                        "codec",
+                    ]
+                )
+        hot = rates.get("ibpembed compressed + hot rows")
+        if hot is not None:
+            raw = rates["ibpembed raw rows"]
+            rows.append(
+                [
+                    f"lookups/s, compressed + hot-row copies vs raw rows ({where})",
+                    f"{hot:.1f} M/s",
+                    f"{raw:.1f} M/s",
+                    _ratio(hot, raw),
+                    "codec",
+                ]
+            )
+    return rows
+
+
+def _service_rows(results: Results) -> list[list[str]]:
+    rows = []
+    for r in results.get("service", {}).get("results", []):
+        if r.get("tables") != "compressed" or r.get("batch") not in (1, 512):
+            continue
+        rows.append(
+            [
+                f"QPS, gRPC vs in-process engine (B={r['batch']} x 26 features, compressed)",
+                f"{r['grpc_qps']:.0f}",
+                f"{r['inproc_qps']:.0f}",
+                f"{r['ratio']:.2f}×",
+                "service",
+            ]
+        )
+    return rows
+
+
+def _other_rows(results: Results) -> list[list[str]]:
+    rows = []
+    sharding = results.get("sharding")
+    if sharding:
+        rows.append(
+            [
+                "QPS, 3 row shards vs one server (same host)",
+                f"{sharding['results']['sharded']['qps']:.0f}",
+                f"{sharding['results']['single']['qps']:.0f}",
+                f"{sharding['qps_ratio']:.2f}×",
+                "sharding",
+            ]
+        )
+    tables = results.get("tables")
+    if tables:
+        cold = tables["loads"]["cold"]
+        ours, peer = cold["ibpembed"]["load_s"], cold["torch.load"]["load_s"]
+        rows.append(
+            [
+                "table-set load call, cold cache, vs `torch.load`",
+                f"{ours:.3f} s",
+                f"{peer:.3f} s",
+                f"{peer / ours:.1f}× faster",
+                "tables",
+            ]
+        )
+    metrics = results.get("metrics_overhead")
+    if metrics:
+        for r in metrics["results"]:
+            rows.append(
+                [
+                    f"QPS cost of metrics (B={r['batch']})",
+                    f"{r['qps_on']:.0f}",
+                    f"{r['qps_off']:.0f} off",
+                    f"{r['qps_on'] / r['qps_off']:.3f}×",
+                    "metrics_overhead",
+                ]
+            )
+    torchrec = results.get("torchrec_module")
+    if torchrec:
+        syn = torchrec["synthetic"]
+        for model in dict.fromkeys(r["model"] for r in syn):
+            by = {r["module"]: r for r in syn if r["model"] == model}
+            ours, peer = by.get("ibpembed compressed"), by.get("torchrec EBC fp32")
+            if ours and peer:
+                rows.append(
+                    [
+                        f"EBC forward, compressed vs torchrec fp32 ({model}, host bytes "
+                        f"{ours['bytes'] / peer['bytes']:.0%})",
+                        f"{ours['ms']:.2f} ms",
+                        f"{peer['ms']:.2f} ms",
+                        f"{peer['ms'] / ours['ms']:.2f}× the speed",
+                        "torchrec_module",
+                    ]
+                )
+    return rows
+
+
+HEADLINES: tuple[Callable[[Results], list[list[str]]], ...] = (
+    _savings_rows,
+    _lookup_rows,
+    _service_rows,
+    _other_rows,
+)
+
+
+def _headline(results: Results) -> list[str]:
+    lines = [
+        "| measure | ibpembed | peer | ratio | section |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for make in HEADLINES:
+        for row in make(results):
+            *cells, section = row
+            lines.append("| " + " | ".join([*cells, f"[{section}](#{section})"]) + " |")
+    if "gpu_check" not in results:
+        lines.append(
+            "| zero-copy GPU gather, compressed vs raw rows | not measured | | | "
+            "[gpu_check](#gpu_check) |"
+        )
+    return lines
+
+
+# -- sections -----------------------------------------------------------------------------------
+def _body(markdown: str) -> str:
+    """A benchmark's own Markdown, its headings nested under the section's."""
+    lines = []
+    for line in markdown.strip().splitlines():
+        if line.startswith("## "):
+            continue
+        if line.startswith("#"):
+            line = "#" + line
+        lines.append(line)
+    body = "\n".join(lines).strip()
+    first, _, rest = body.partition("\n\n")
+    if first.startswith("Machine:"):  # said once, in the setup block
+        body = rest.strip()
+    return body
+
+
+def _setup(log: dict[str, Any], results: Results) -> list[str]:
+    run = log.get("_run", {})
+    lines = [
+        f"- **Machine**: {run.get('machine', 'unknown')}; Python {run.get('python', '?')}, "
+        f"torch {run.get('torch', '?')}.",
+        f"- **Date**: {run.get('date', 'unknown')}; **commit** `{run.get('commit', '?')}`; "
+        f"**command** `{run.get('command', 'python -m benchmarks')}`.",
+        "- Ratios are measured side by side in one process or one run: absolute numbers on a "
+        "shared machine drift between runs, ratios much less.",
+        "",
+        "| section | command | ran | load average | seconds |",
+        "|---|---|---|---:|---:|",
+    ]
+    for section in SECTIONS:
+        data = results.get(section.name)
+        if data is None:
+            continue
+        entry = log.get(section.name, {})
+        command = data.get("command", f"python -m benchmarks.{section.name}")
+        when = data.get("date", "?")
+        load = data.get("load_average")
+        if isinstance(load, list):
+            load = max(load)
+        load_text = f"{load:.1f}" if isinstance(load, (int, float)) else "—"
+        quick = " (quick: not results)" if entry.get("quick") else ""
+        lines.append(
+            f"| [{section.name}](#{section.name}) | `{command}`{quick} | {when} | {load_text} | "
+            f"{entry.get('seconds', '—')} |"
+        )
+    return lines
+
+
+def render(out: Path, log: dict[str, Any]) -> str:
+    results, markdown = load(out)
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `python -m benchmarks` from the results it wrote "
+        "(benchmarks/.cache/results); do not edit by hand. How each benchmark works and what it "
+        "prints: [benchmarks/README.md](benchmarks/README.md). Known misses and limits: "
+        "[docs/known-issues.md](docs/known-issues.md).",
+        "",
+        "## Setup",
+        "",
+        *_setup(log, results),
+        "",
+        "## Headline",
+        "",
+        *_headline(results),
+        "",
+    ]
+    for section in SECTIONS:
+        lines += [f'<a id="{section.name}"></a>', "", f"## {section.title}", ""]
+        lines += [f"*{section.question}*", ""]
+        if section.name in markdown:
+            lines += [_body(markdown[section.name]), ""]
+        else:
+            run = "`python -m benchmarks.gpu_check` on a GPU" if section.args is None else (
+                f"`python -m benchmarks --only {section.name}`"
+            )  # fmt: skip
+            lines += [f"Not measured in this run ({run} produces it).", ""]
+        lines += [section.meaning, ""]
+    return "\n".join(lines).rstrip() + "\n"
