@@ -11,6 +11,8 @@ Needs only grpcio, protobuf and numpy. :mod:`ibpembed_client.aio` has the asynci
 :mod:`ibpembed_client.v1` the generated stubs (shared with the server).
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from ibpembed_client._client import LookupClient
 from ibpembed_client._common import (
     OVERLOADED_METADATA_KEY,
@@ -56,4 +58,7 @@ __all__ = [
     "build_request",
     "decode_response",
 ]
-__version__ = "0.1.0"
+try:  # one source: clients/python/VERSION, read by both packages' builds
+    __version__ = version("ibpembed-client")
+except PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "unknown"
