@@ -1,46 +1,67 @@
 # SPDX-License-Identifier: Apache-2.0
-# Two commands do everything on a fresh machine: `make setup`, then `make test`.
+# Two commands on a fresh machine: `make serve` (the embedded demo) and `make test`. Both set
+# the venv up on first use and rebuild the extension when csrc/ changed.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip --disable-pip-version-check -q
+DEPS_STAMP := $(VENV)/.deps-installed
+BUILD_STAMP := $(VENV)/.extension-built
+REQUIREMENTS := $(wildcard requirements/*.txt) pyproject.toml clients/python/pyproject.toml
+CSRC := $(shell find csrc -type f) setup.py
 
-.PHONY: setup build test lint cuda-check arm-check bench-codec bench-service proto
+.PHONY: help setup build serve test lint bench bench-quick reliability cuda-check arm-check proto
 
-# Creates the venv, installs every pinned dependency, builds the native extension.
-setup:
+help:  ## this list
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+$(DEPS_STAMP): $(REQUIREMENTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -r requirements/dev.txt
 	$(PIP) install --no-deps -r requirements/torchrec.txt
 	$(PIP) install --no-deps -e clients/python
-	$(MAKE) build
+	touch $@
 
-# Rebuilds ibpembed._C in place (incremental; ~1 min from scratch on 2 cores).
-build:
+$(BUILD_STAMP): $(DEPS_STAMP) $(CSRC)
 	$(PIP) install --no-build-isolation --no-deps -e .
+	touch $@
 
-lint:
+setup: $(BUILD_STAMP)  ## venv in .venv, pinned deps, ibpembed._C built in place (minutes, once)
+
+build:  ## rebuild ibpembed._C now (incremental)
+	$(PIP) install --no-build-isolation --no-deps -e .
+	touch $(BUILD_STAMP)
+
+serve: $(BUILD_STAMP)  ## serve the embedded demo table set on 127.0.0.1:50051
+	$(VENV)/bin/ibpembed serve
+
+lint: $(DEPS_STAMP)  ## ruff check + ruff format --check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+test: $(BUILD_STAMP) lint  ## lint, then every test (tests/, benchmarks/tests/, reliability/tests/)
 	$(PY) -m pytest -q
 
-bench-codec:
+bench: $(BUILD_STAMP)  ## every benchmark at full size, then BENCHMARKS.md (about 45 min)
 	$(PIP) install --no-deps -r requirements/data.txt
-	$(PY) -m benchmarks.codec
+	$(PY) -m benchmarks
 
-bench-service:
-	$(PY) -m benchmarks.service
+bench-quick: $(BUILD_STAMP)  ## every benchmark at smoke size (minutes; not results)
+	$(PY) -m benchmarks --quick --out benchmarks/.cache/quick --report benchmarks/.cache/quick/BENCHMARKS.md
 
-# Regenerates the gRPC stubs in clients/python from proto/ (a test checks they are fresh).
-proto:
+reliability: $(BUILD_STAMP)  ## the campaigns at their documented sizes (reliability/README.md)
+	$(PY) -m reliability.fuzz_codec --cases 100000 --jobs 2
+	$(PY) -m reliability.fuzz_cuda_kernels --seconds 300
+	$(PY) -m reliability.fuzz_rpc --cases 20000
+	$(PY) -m reliability.soak
+	$(PY) -m reliability.faults
+	$(PY) -m reliability.security
+
+proto: $(DEPS_STAMP)  ## regenerate the gRPC stubs in clients/python from proto/
 	$(PY) proto/generate.py
 
-# nvcc compile check of the CUDA kernels (sm_80 + sm_90, -Xptxas -v; no link, no GPU needed).
-cuda-check:
+cuda-check: $(DEPS_STAMP)  ## nvcc compile check of the CUDA kernels (sm_80 + sm_90; no GPU)
 	PYTHON=$(PY) scripts/check_cuda_compile.sh
 
-# aarch64 cross-compile check of the portable CPU build (Graviton, Grace); no link, no run.
-arm-check:
+arm-check: $(DEPS_STAMP)  ## aarch64 cross-compile check of the portable CPU build
 	PYTHON=$(PY) scripts/check_aarch64_compile.sh

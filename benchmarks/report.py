@@ -39,7 +39,7 @@ SECTIONS = (
         "noise, so only sign and exponent bits compress, and bf16 or bf16-rounded tables save "
         "far more. On a CPU a compressed fp32 lookup cannot beat raw rows: a compressed slot "
         "spans about as many 64-byte lines as the raw row, so the lookup reads no fewer lines "
-        "and decodes on top ([why](docs/notes/2026-11-30-cpu-lookup-bound.md)); hot-row copies "
+        "and decodes on top ([why](docs/notes/2026-11-30-compressed-fp32-vs-raw-rows.md)); hot-row copies "
         "close part of the gap. The PCIe table is where compression pays: a GPU gather reads "
         "32-byte sectors, and fewer of them.",
         (),
@@ -79,7 +79,8 @@ SECTIONS = (
         "What does the gRPC serving layer cost against calling the engine in the same process, "
         "on compressed and raw tables?",
         "At small batches the fixed per-request cost of the Python gRPC stack dominates; at "
-        "large batches the response's bytes do (grpc copies and sends every pooled float).",
+        "large batches the response's bytes do: grpc copies and sends every pooled float "
+        "([where a server's CPU goes](docs/notes/2026-11-30-grpc-server-cpu.md)).",
         (),
     ),
     Section(
