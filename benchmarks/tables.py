@@ -21,7 +21,7 @@ fresh process so nothing is shared between them:
   where pages come in. Two cache states: *warm* (files in the page cache) and *cold* (the files'
   pages dropped with ``posix_fadvise(DONTNEED)`` first; the VM's host may still cache the disk).
 
-Targets (issue 3): loading a packed set ≥ 5× faster than ``torch.load`` of the raw tensors; pack
+Targets: loading a packed set ≥ 5× faster than ``torch.load`` of the raw tensors; pack
 peak RSS ≤ 1.5× the table size. Results: DIR/tables.json and DIR/tables.md.
 """
 

@@ -472,8 +472,8 @@ def sigterm_under_load(work: Path, trials: int, rows: int, rng: random.Random) -
         allowed_before = {"OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE (draining)"}
         if code != 0 or set(before) - allowed_before:
             failures.append(f"trial {trial}: {runs[-1]}")
-        # Known and left (RELIABILITY.md): a call arriving while grpc shuts the server down may
-        # get CANCELLED instead of UNAVAILABLE.
+        # Known and left (docs/known-issues.md): a call arriving while grpc shuts the server
+        # down may get CANCELLED instead of UNAVAILABLE.
         late_cancelled += after.get("CANCELLED", 0)
     return {
         "trials": len(runs),

@@ -686,7 +686,7 @@ def run(
 
 
 def report(stats: Stats, seconds: float, args: argparse.Namespace) -> dict:
-    """The JSON summary (what RELIABILITY.md quotes)."""
+    """The JSON summary (what reliability/README.md quotes)."""
     return {
         "command": "python -m reliability.fuzz_codec " + " ".join(sys.argv[1:]),
         "seed": args.seed,

@@ -509,7 +509,8 @@ def _warm_rss(samples: Sequence[dict]) -> float:
 
     NOTE(fuzz): RSS climbs ~10 MiB over the first few thousand cases (allocator arenas, grpc's
     and Python's caches meeting new message shapes) and then wanders within a few MiB; one
-    sample at 2,000 cases made a flat 50,000-case run read +5.5 % (seed 4, RELIABILITY.md).
+    sample at 2,000 cases made a flat 50,000-case run read +5.5 % (seed 4; see
+    docs/notes/2026-11-30-rss-under-glibc-retention.md).
     """
     if len(samples) < 10:
         return samples[min(1, len(samples) - 1)]["rss"]
@@ -566,7 +567,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cpu",
             # RSS is the leak check: without this, glibc keeps freed response buffers for reuse
             # in every thread's arena (the server's default, up to 256 MiB), and RSS drifts up
-            # by that policy, not by leaks (RELIABILITY.md, RPC fuzz). The soak runs the default.
+            # by that policy, not by leaks (reliability/README.md, RPC fuzz). The soak runs the
+            # default.
             "--malloc-retain-mb",
             "0",
         ]

@@ -8,7 +8,7 @@ generator's concurrency) is driven by ``ibpembed-loadgen``'s closed loop in back
 of ``--window`` seconds, each on a fresh connection (so connection churn is part of the soak).
 The server's RSS and open file descriptors are sampled every second from ``/proc``.
 
-Pass criteria (issue 7): no error other than RESOURCE_EXHAUSTED (the in-flight limit, by
+Pass criteria: no error other than RESOURCE_EXHAUSTED (the in-flight limit, by
 design); the median RSS of the last window within 5 % of the second window's (the first is
 warm-up); no more open descriptors once idle than before the load; p99 of the last window within
 1.5x the first window's.

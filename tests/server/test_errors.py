@@ -268,7 +268,7 @@ def test_a_stream_runs_at_most_stream_window_requests_at_once():
 
 def test_a_stream_response_its_client_does_not_read_stays_in_flight():
     """A computed LookupStream response waiting on HTTP/2 flow control keeps its admission slot
-    (RELIABILITY.md, Defects): streams whose clients stop reading cannot pile up responses
+    (CHANGELOG.md): streams whose clients stop reading cannot pile up responses
     outside max_inflight, and the overload is visible as RESOURCE_EXHAUSTED."""
     big = [[i % 1000 for i in range(60_000)]]  # 3.8 MB of NONE rows: past the client's window
     recorder = RecordingObserver()

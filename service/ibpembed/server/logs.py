@@ -7,7 +7,7 @@ import logging
 
 # grpc.aio logs this, at ERROR and with a traceback, when a servicer's reply (a message or the
 # status) meets a call that has already ended: the client cancelled it or its deadline passed
-# while the handler ran. grpc then drops the reply; the server is fine (RELIABILITY.md, Defects).
+# while the handler ran. grpc then drops the reply; the server is fine.
 _GRPC_LOGGER = "grpc._cython.cygrpc"
 _DEAD_CALL_REPLY = "ExecuteBatchError raised in core by servicer method"
 
