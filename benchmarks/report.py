@@ -40,8 +40,8 @@ SECTIONS = (
         "far more. On a CPU a compressed fp32 lookup cannot beat raw rows: a compressed slot "
         "spans about as many 64-byte lines as the raw row, so the lookup reads no fewer lines "
         "and decodes on top ([why](docs/notes/2026-11-30-compressed-fp32-vs-raw-rows.md)); "
-        "hot-row copies close part of the gap. The PCIe table is where compression pays: a GPU gather reads "
-        "32-byte sectors, and fewer of them.",
+        "hot-row copies close part of the gap. The PCIe table is where compression pays: a GPU "
+        "gather reads 32-byte sectors, and fewer of them.",
         (),
     ),
     Section(
