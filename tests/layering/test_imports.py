@@ -1,11 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The core stays free of the transport: codec, tables, engine, torchrec and errors import
-neither grpc nor the server package nor the client (which pulls in grpc)."""
+"""Layering rules: the core (codec, tables, engine, torchrec, errors) imports neither grpc nor
+the server package nor the client (which pulls in grpc), and tests/ never imports the benchmarks
+or the reliability campaigns."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +56,22 @@ def test_the_probe_sees_a_transport_import() -> None:
         check=True,
     )
     assert "grpc" in result.stdout.split()
+
+
+REPO = Path(__file__).resolve().parents[2]
+IMPORT = re.compile(r"^\s*(?:from|import)\s+(benchmarks|reliability)\b", re.MULTILINE)
+
+
+def test_product_tests_import_neither_benchmarks_nor_campaigns() -> None:
+    # tests/ checks the package; what benchmarks and campaigns share with it lives in tools/.
+    offenders = [
+        str(path.relative_to(REPO))
+        for path in (REPO / "tests").rglob("*.py")
+        if IMPORT.search(path.read_text())
+    ]
+    assert offenders == []
+
+
+def test_the_import_scan_sees_an_import() -> None:
+    assert IMPORT.search("import os\nfrom benchmarks import codec\n")
+    assert not IMPORT.search('"""see benchmarks.codec"""\n')
