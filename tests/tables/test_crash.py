@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ibpembed.tables import atomic
 from ibpembed.tables import format as tf
+from ibpembed.tables import writer as tw
 from ibpembed.tables.importers import TableSet, TableSource
 from ibpembed.tables.manifest import MANIFEST, pack_table_set, read_manifest
 from ibpembed.tables.store import TableStore
@@ -24,12 +26,12 @@ REPO = Path(__file__).resolve().parents[2]
 _CHILD = r"""
 import os, sys, time
 import torch
-from ibpembed.tables import format as tf
+from ibpembed.tables import writer as tw
 from ibpembed.tables.importers import TableSet, TableSource
 from ibpembed.tables.manifest import pack_table_set
 
 target, point = sys.argv[1], sys.argv[2]
-tf.PACK_STEP_BYTES = 4096  # many steps: the kill lands mid-payload
+tw.PACK_STEP_BYTES = 4096  # many steps: the kill lands mid-payload
 
 
 def hang():
@@ -61,7 +63,7 @@ def replace(src, dst):
 os.replace = replace
 tables = (TableSource("a", torch.full((2000, 8), 2.0)), TableSource("b", torch.full((900, 4), 2.0)))
 if point == "single_file":
-    tf.pack_table(target, tables[0].weight, name="a", progress=lambda rows: hang())
+    tw.pack_table(target, tables[0].weight, name="a", progress=lambda rows: hang())
 else:
     pack_table_set(target, TableSet(tables), progress=progress, on_table=on_table)
 """
@@ -119,10 +121,10 @@ def test_kill_during_pack_keeps_the_previous_set(tmp_path: Path, point: str) -> 
 
 def test_kill_during_single_file_pack_keeps_the_previous_file(tmp_path: Path) -> None:
     path = tmp_path / "a.ibpt"
-    tf.pack_table(path, torch.full((100, 8), 1.0), name="a")
+    tw.pack_table(path, torch.full((100, 8), 1.0), name="a")
     before = path.read_bytes()
     kill_child_at(path, "single_file")
     assert path.read_bytes() == before
     tf.verify_file(path)
     leftovers = [p.name for p in tmp_path.iterdir() if p != path]
-    assert leftovers and all(n.startswith(".") and tf.TEMP_MARKER in n for n in leftovers)
+    assert leftovers and all(n.startswith(".") and atomic.TEMP_MARKER in n for n in leftovers)

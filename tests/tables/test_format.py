@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from ibpembed import compress
 from ibpembed.tables import format as tf
+from ibpembed.tables import writer as tw
 from tests.codec.tables import DIMS, DTYPES, KINDS, make_table
 from tests.tables.helpers import (
     flip_bit,
@@ -37,7 +38,7 @@ SECTIONS = ("header", "section table", *(k.label for k in tf.SectionKind))
 def packed(tmp_path: Path) -> tuple[Path, torch.Tensor]:
     weight = trained_like(300, 24)
     path = tmp_path / "t.ibpt"
-    tf.pack_table(path, weight, name="t")
+    tw.pack_table(path, weight, name="t")
     return path, weight
 
 
@@ -59,12 +60,12 @@ def test_pack_read_roundtrip_is_bit_exact(
     weight = make_table(dtype, rows, dim, kind, seed)
     path = tmp_path_factory.mktemp("rt") / "t.ibpt"
     # Small steps exercise the streaming writer's block stitching.
-    original = tf.PACK_STEP_BYTES
-    tf.PACK_STEP_BYTES = step_rows * weight.shape[1] * dtype.itemsize
+    original = tw.PACK_STEP_BYTES
+    tw.PACK_STEP_BYTES = step_rows * weight.shape[1] * dtype.itemsize
     try:
-        info = tf.pack_table(path, weight, name="t")
+        info = tw.pack_table(path, weight, name="t")
     finally:
-        tf.PACK_STEP_BYTES = original
+        tw.PACK_STEP_BYTES = original
     loaded = tf.read_table(path, verify=True)
     assert same_bits(loaded.table.decompress(), weight)
     # The streamed file holds exactly what the in-memory codec produces.
@@ -90,7 +91,7 @@ def test_payload_is_zero_copy_over_the_mapping(packed) -> None:
 def test_int8_rowwise_quant_survives_the_file(tmp_path: Path) -> None:
     rows = torch.randint(0, 256, (100, 12), dtype=torch.uint8)
     rows[:, :4] = torch.tensor([0.01, 0.5], dtype=torch.float16).view(torch.uint8)
-    tf.pack_table(tmp_path / "q.ibpt", rows, name="q", quant="int8_rowwise")
+    tw.pack_table(tmp_path / "q.ibpt", rows, name="q", quant="int8_rowwise")
     table = tf.read_table(tmp_path / "q.ibpt").table
     assert table.quant == "int8_rowwise"
     expected = compress(rows, quant="int8_rowwise")
@@ -103,20 +104,20 @@ def test_int8_rowwise_quant_survives_the_file(tmp_path: Path) -> None:
 
 def test_write_table_of_a_compressed_table_matches_pack(tmp_path: Path) -> None:
     weight = trained_like(257, 16, torch.bfloat16)
-    tf.pack_table(tmp_path / "a.ibpt", weight, name="t", sample_rows=None)
+    tw.pack_table(tmp_path / "a.ibpt", weight, name="t", sample_rows=None)
     meta = {
         k: v
         for k, v in tf.read_table(tmp_path / "a.ibpt").meta.items()
         if k not in ("name", "quant", "source_xxh3")
     }
-    tf.write_table(tmp_path / "b.ibpt", compress(weight, sample_rows=None), name="t", meta=meta)
+    tw.write_table(tmp_path / "b.ibpt", compress(weight, sample_rows=None), name="t", meta=meta)
     assert (tmp_path / "a.ibpt").read_bytes() == (tmp_path / "b.ibpt").read_bytes()
 
 
 def test_writer_replaces_atomically_and_leaves_no_temporaries(packed) -> None:
     path, _ = packed
     new = trained_like(40, 8, seed=3)
-    tf.pack_table(path, new, name="t")
+    tw.pack_table(path, new, name="t")
     assert same_bits(tf.read_table(path).table.decompress(), new)
     assert [p.name for p in path.parent.iterdir()] == [path.name]
 
@@ -124,7 +125,7 @@ def test_writer_replaces_atomically_and_leaves_no_temporaries(packed) -> None:
 def test_failed_write_keeps_the_old_file(packed) -> None:
     path, weight = packed
     with pytest.raises(TypeError):
-        tf.pack_table(path, torch.zeros(4, 4, dtype=torch.float64), name="t")
+        tw.pack_table(path, torch.zeros(4, 4, dtype=torch.float64), name="t")
     assert same_bits(tf.read_table(path, verify=True).table.decompress(), weight)
     assert [p.name for p in path.parent.iterdir()] == [path.name]
 
@@ -243,8 +244,8 @@ GOLDEN_READABLE_OLDER = (GOLDEN_DIR / "golden_layout2.ibpt",)
 
 def write_golden() -> None:
     """Pack the golden tables with this build (run once per new layout version)."""
-    tf.pack_table(GOLDEN, golden_weight(), name="golden", sample_rows=None)
-    tf.pack_table(
+    tw.pack_table(GOLDEN, golden_weight(), name="golden", sample_rows=None)
+    tw.pack_table(
         GOLDEN_CODED, golden_weight(), name="golden", sample_rows=None, chunk_bits=32, code_bits=3
     )
 
@@ -285,7 +286,7 @@ def test_writer_reproduces_the_golden_bytes(path: Path, tmp_path: Path) -> None:
     # here is a format change, which needs a new version and a new golden file.
     loaded = tf.read_table(path)
     extra = {k: v for k, v in loaded.meta.items() if k not in ("name", "quant", "source_xxh3")}
-    tf.write_table(tmp_path / "g.ibpt", loaded.table, name="golden", meta=extra)
+    tw.write_table(tmp_path / "g.ibpt", loaded.table, name="golden", meta=extra)
     assert (tmp_path / "g.ibpt").read_bytes() == path.read_bytes()
 
 
@@ -348,7 +349,7 @@ def test_payload_flip_is_caught_by_verify_only(packed) -> None:
 def test_random_truncation_is_always_an_error(tmp_path_factory, data) -> None:
     directory = tmp_path_factory.mktemp("trunc")
     path = directory / "t.ibpt"
-    tf.pack_table(path, trained_like(90, 6), name="t")
+    tw.pack_table(path, trained_like(90, 6), name="t")
     full = path.read_bytes()
     cut = data.draw(st.integers(0, len(full) - 1))
     path.write_bytes(full[:cut])
@@ -361,7 +362,7 @@ def test_random_truncation_is_always_an_error(tmp_path_factory, data) -> None:
 def test_random_byte_corruption_is_always_an_error(tmp_path_factory, data) -> None:
     directory = tmp_path_factory.mktemp("fuzz")
     path = directory / "t.ibpt"
-    tf.pack_table(path, trained_like(90, 6), name="t")
+    tw.pack_table(path, trained_like(90, 6), name="t")
     full = bytearray(path.read_bytes())
     offsets = data.draw(
         st.lists(st.integers(0, len(full) - 1), min_size=1, max_size=4, unique=True)
@@ -385,7 +386,7 @@ def test_pack_matches_compress_beyond_the_width_probe(tmp_path: Path) -> None:
     # Large enough that the codec chooses the chunk width on a sub-sample: pack must draw the
     # very same samples as compress.
     weight = trained_like(70_000, 8)
-    tf.pack_table(tmp_path / "big.ibpt", weight, name="big")
+    tw.pack_table(tmp_path / "big.ibpt", weight, name="big")
     loaded = tf.read_table(tmp_path / "big.ibpt").table
     reference = compress(weight)
     assert loaded.chunk_bits == reference.chunk_bits
@@ -417,7 +418,7 @@ def test_slot_sizes_must_agree_with_the_compressed_bits(tmp_path: Path) -> None:
     # A well-sealed file (every checksum right) whose rows are marked raw while their slots keep
     # the compressed size: lookups would copy raw rows past their slots and off the mapping.
     path = tmp_path / "lie.ibpt"
-    tf.pack_table(path, trained_like(64, 64), name="lie")
+    tw.pack_table(path, trained_like(64, 64), name="lie")
     bitmask = tf.read_table(path).table.bitmask
     assert bool(bitmask.ne(0).any())
     reseal_section(path, tf.SectionKind.BITMASK, bytes(bitmask.numel() * 4))  # every row "raw"
@@ -456,7 +457,7 @@ def test_prefetch_reads_the_payload_into_the_page_cache(tmp_path: Path) -> None:
     # 64 MiB: far more than one fault's readahead (the kernel reads up to read_ahead_kb, 8 MiB on
     # the development VM, around any page the loader touches).
     weight = torch.randn(262144, 64) * 0.05
-    tf.pack_table(path, weight, name="big")
+    tw.pack_table(path, weight, name="big")
     payload = next(s for s in tf.read_table(path).sections if s.kind is tf.SectionKind.PAYLOAD)
     _drop_from_page_cache(path)
     if _resident_fraction(path, payload.offset, payload.length) > 0.1:

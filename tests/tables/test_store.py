@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from ibpembed import compress
 from ibpembed.tables import format as tf
+from ibpembed.tables import writer as tw
 from ibpembed.tables.importers import TableSet, TableSource
 from ibpembed.tables.manifest import MANIFEST, TableSetError, pack_table_set, read_manifest
 from ibpembed.tables.store import MIN_SPILL_BYTES, TableBytes, TableSnapshot, TableStore
@@ -177,7 +178,7 @@ def _feature_to_missing_table(directory: Path) -> None:
 
 def _replaced_table_file(directory: Path) -> None:
     path = next(directory.glob("user.*.ibpt"))
-    tf.pack_table(path, trained_like(10, 8), name="user")  # valid file, not the manifest's
+    tw.pack_table(path, trained_like(10, 8), name="user")  # valid file, not the manifest's
 
 
 @pytest.mark.parametrize(

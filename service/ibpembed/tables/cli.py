@@ -19,6 +19,7 @@ from tqdm import tqdm
 from ibpembed import codec
 from ibpembed.tables import format as tf
 from ibpembed.tables import importers, manifest
+from ibpembed.tables import writer as tw
 
 EXIT_OK = 0
 EXIT_FAULT = 1
@@ -163,7 +164,7 @@ def _progress_factory(enabled: bool) -> Callable[[importers.TableSource], Callab
     return make
 
 
-def _report_row(p: tf.PackedTable) -> dict[str, Any]:
+def _report_row(p: tw.PackedTable) -> dict[str, Any]:
     return {
         "table": p.name,
         "rows": p.num_rows,

@@ -1,15 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Read and write ``.ibpt`` table files (csrc/include/ibpembed/table_file.h, docs/format.md).
+"""The ``.ibpt`` table file: its layout (csrc/include/ibpembed/table_file.h, docs/format.md), and
+reading and verifying it.
 
->>> info = pack_table("user.ibpt", weight, name="user")    # compress + write, streaming
 >>> loaded = read_table("user.ibpt")                        # mmap, header + index verified
 >>> loaded.table.gather(torch.tensor([7, 3]))               # zero-copy CompressedTable
 >>> verify_file("user.ibpt")                                # every checksum + full decode
 
-Writers are atomic: they write a temporary file next to the target, fsync it, rename it over the
-target and fsync the directory, so a crash at any moment leaves either the old file or the new
-one under the final name, never a mix. Readers map the file copy-on-write (private): tensors are
-zero-copy views of the mapping and a stray write can never reach the file.
+Readers map the file copy-on-write (private): tensors are zero-copy views of the mapping and a
+stray write can never reach the file. Writing is :mod:`ibpembed.tables.writer`.
 """
 
 from __future__ import annotations
@@ -19,21 +17,19 @@ import json
 import mmap
 import os
 import re
-import secrets
 import struct
 import sys
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import torch
 import xxhash
 
 from ibpembed import _C, codec
-from ibpembed._ops import DTYPE_CODES, INT8_ROWWISE_CODE, codebook_entries, ops
+from ibpembed._ops import DTYPE_CODES, INT8_ROWWISE_CODE, codebook_entries
 from ibpembed.codec import CompressedTable
 from ibpembed.tables import _layout
 
@@ -48,16 +44,12 @@ READABLE_LAYOUTS = (2, LAYOUT_VERSION)
 SECTION_ALIGN = 64
 PAYLOAD_ALIGN = 4096
 SUFFIX = ".ibpt"
-TEMP_MARKER = ".tmp-"  # temporary files are ".<table stem>.tmp-<pid>-<random>"
 
 # Must match FileHeader / SectionEntry in table_file.h (a test compiles the header to check).
 HEADER = struct.Struct("<8sIIIIQqqqqiiIIQI28sQ")
 SECTION = struct.Struct("<IIQQQ")
-_HEADER_HASHED = HEADER.size - 8  # the header checksum covers everything before itself
+HEADER_HASHED = HEADER.size - 8  # the header checksum covers everything before itself
 
-# Bytes of source rows compressed per step while packing: bounds pack memory to the source
-# plus about this much, whatever the table size.
-PACK_STEP_BYTES = 64 << 20
 # Bytes of rows decoded per step by verify.
 VERIFY_STEP_BYTES = 64 << 20
 
@@ -146,44 +138,14 @@ class TableFile:
         return str(self.meta["name"])
 
 
-@dataclass(frozen=True)
-class PackedTable:
-    """What a writer produced: one row of the ``ibpembed pack`` report."""
-
-    name: str
-    path: Path
-    num_rows: int
-    dim: int
-    dtype: str
-    quant: str | None
-    chunk_bits: int
-    code_bits: int
-    unit_bytes: int
-    raw_bytes: int
-    payload_bytes: int
-    index_bytes: int
-    metadata_bytes: int
-    file_bytes: int
-    header_xxh3: int
-    seconds: float
-
-    @property
-    def stored_bytes(self) -> int:
-        return self.payload_bytes + self.index_bytes + self.metadata_bytes
-
-    @property
-    def savings(self) -> float:
-        return 1.0 - self.stored_bytes / self.raw_bytes
-
-
 # -- small helpers ---------------------------------------------------------------------------
 
 
-def _align(offset: int, alignment: int) -> int:
+def align(offset: int, alignment: int) -> int:
     return -(-offset // alignment) * alignment
 
 
-def _hex(value: int) -> str:
+def hex64(value: int) -> str:
     return f"{value:016x}"
 
 
@@ -195,7 +157,7 @@ def dtype_code(dtype: torch.dtype, quant: str | None) -> int:
     return INT8_ROWWISE_CODE if quant == "int8_rowwise" else DTYPE_CODES[dtype]
 
 
-def _as_bytes(tensor: torch.Tensor) -> memoryview:
+def as_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
     flat = tensor.contiguous().view(-1).view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")
@@ -206,60 +168,23 @@ def file_stem(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".") or "table"
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def row_steps(num_rows: int, row_bytes: int, step_bytes: int) -> Iterator[tuple[int, int]]:
+    """[begin, end) row ranges of about step_bytes, each starting on a 32-row block."""
+    step = max(_layout.ROWS_PER_BLOCK, step_bytes // max(row_bytes, 1))
+    step -= step % _layout.ROWS_PER_BLOCK
+    for begin in range(0, num_rows, step):
+        yield begin, min(begin + step, num_rows)
 
 
-class AtomicWriter:
-    """A temporary file in the target's directory that becomes the target only on ``commit``.
-
-    Used as a context manager: leaving the block without ``commit`` (an exception) removes the
-    temporary file. ``commit`` fsyncs the data, renames it into place and fsyncs the directory, so
-    the rename itself survives a power cut.
-    """
-
-    def __init__(self, directory: str | os.PathLike[str], stem: str) -> None:
-        self.directory = Path(directory)
-        nonce = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self.temp_path = self.directory / f".{stem}{TEMP_MARKER}{nonce}"
-        self.file: BinaryIO = open(self.temp_path, "xb")  # noqa: SIM115  (closed in commit/exit)
-        self._committed = False
-
-    def __enter__(self) -> AtomicWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self._committed:
-            self.file.close()
-            self.temp_path.unlink(missing_ok=True)
-
-    def commit(self, final_path: str | os.PathLike[str]) -> Path:
-        final_path = Path(final_path)
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        os.replace(self.temp_path, final_path)
-        self._committed = True
-        _fsync_dir(final_path.parent)
-        return final_path
+def decoded_xxh3(table: CompressedTable, step_bytes: int = VERIFY_STEP_BYTES) -> int:
+    """XXH3-64 of the decoded table bytes, decoding a bounded number of rows at a time."""
+    digest = xxhash.xxh3_64()
+    for begin, end in row_steps(table.num_rows, table.row_bytes, step_bytes):
+        digest.update(as_bytes(table.gather(torch.arange(begin, end))))
+    return digest.intdigest()
 
 
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write a small file (a manifest) atomically."""
-    path = Path(path)
-    with AtomicWriter(path.parent, path.name) as writer:
-        writer.file.write(data)
-        return writer.commit(path)
-
-
-# -- writing ---------------------------------------------------------------------------------
-
-
-class _SectionPlan:
+class SectionPlan:
     """File offsets of the sections; all but the meta section are known from the shape alone."""
 
     def __init__(self, num_rows: int, num_chunks: int, code_bits: int) -> None:
@@ -274,352 +199,18 @@ class _SectionPlan:
         self.offsets: dict[SectionKind, int] = {}
         cursor = HEADER.size + SECTION.size * len(SectionKind)
         for kind, length in self.lengths.items():
-            cursor = _align(cursor, SECTION_ALIGN)
+            cursor = align(cursor, SECTION_ALIGN)
             self.offsets[kind] = cursor
             cursor += length
-        self.offsets[SectionKind.PAYLOAD] = _align(cursor, PAYLOAD_ALIGN)
+        self.offsets[SectionKind.PAYLOAD] = align(cursor, PAYLOAD_ALIGN)
 
     def place_tail(self, payload_bytes: int, meta_bytes: int) -> int:
         """Place payload and meta; returns the file size."""
         self.lengths[SectionKind.PAYLOAD] = payload_bytes
-        meta_offset = _align(self.offsets[SectionKind.PAYLOAD] + payload_bytes, SECTION_ALIGN)
+        meta_offset = align(self.offsets[SectionKind.PAYLOAD] + payload_bytes, SECTION_ALIGN)
         self.offsets[SectionKind.META] = meta_offset
         self.lengths[SectionKind.META] = meta_bytes
         return meta_offset + meta_bytes
-
-
-class _TableFileWriter:
-    """Writes one table file into an open binary file: payload streamed first, index last."""
-
-    def __init__(self, file: BinaryIO, num_rows: int, num_chunks: int, code_bits: int) -> None:
-        self.file = file
-        self.code_bits = code_bits
-        self.plan = _SectionPlan(num_rows, num_chunks, code_bits)
-        self.payload_hash = xxhash.xxh3_64()
-        self.payload_bytes = 0
-        file.seek(self.plan.offsets[SectionKind.PAYLOAD])
-
-    def write_payload(self, data: memoryview) -> None:
-        self.payload_hash.update(data)
-        self.file.write(data)
-        self.payload_bytes += len(data)
-
-    def finish(
-        self,
-        table_shape: tuple[int, int, int, int, int, int],
-        index: Mapping[SectionKind, torch.Tensor],
-        meta: Mapping[str, Any],
-    ) -> tuple[int, int]:
-        """Write the small sections, the section table and the header; returns
-        (header_xxh3, file_bytes). ``table_shape`` is (num_rows, dim, row_bytes, unit_bytes,
-        dtype_code, chunk_bits)."""
-        self.write_payload(memoryview(bytes(_layout.PAYLOAD_PAD)))
-        meta_bytes = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
-        file_bytes = self.plan.place_tail(self.payload_bytes, len(meta_bytes))
-        hashes = {SectionKind.PAYLOAD: self.payload_hash.intdigest()}
-        blobs: dict[SectionKind, memoryview] = {k: _as_bytes(t) for k, t in index.items()}
-        blobs[SectionKind.META] = memoryview(meta_bytes)
-        for kind, blob in blobs.items():
-            if len(blob) != self.plan.lengths[kind]:
-                raise AssertionError(
-                    f"section {kind.label}: {len(blob)} bytes, planned {self.plan.lengths[kind]}"
-                )
-            self.file.seek(self.plan.offsets[kind])
-            self.file.write(blob)
-            hashes[kind] = xxhash.xxh3_64_intdigest(blob)
-        self.file.truncate(file_bytes)  # zero-fills up to the end; also drops any longer tail
-        table = b"".join(
-            SECTION.pack(kind, 0, self.plan.offsets[kind], self.plan.lengths[kind], hashes[kind])
-            for kind in SectionKind
-        )
-        num_rows, dim, row_bytes, unit_bytes, code, chunk_bits = table_shape
-        num_chunks = index[SectionKind.MASK].numel()
-        head = HEADER.pack(
-            MAGIC,
-            VERSION,
-            HEADER.size,
-            len(SectionKind),
-            SECTION.size,
-            file_bytes,
-            num_rows,
-            dim,
-            row_bytes,
-            unit_bytes,
-            code,
-            chunk_bits,
-            num_chunks,
-            LAYOUT_VERSION,
-            xxhash.xxh3_64_intdigest(table),
-            self.code_bits,
-            bytes(28),
-            0,
-        )
-        header_xxh3 = xxhash.xxh3_64_intdigest(head[:_HEADER_HASHED])
-        self.file.seek(0)
-        self.file.write(head[:_HEADER_HASHED] + struct.pack("<Q", header_xxh3) + table)
-        return header_xxh3, file_bytes
-
-
-def _meta(name: str, quant: str | None, source_xxh3: int, extra: Mapping[str, Any] | None) -> dict:
-    meta: dict[str, Any] = dict(extra or {})
-    meta.update(name=name, quant=quant, source_xxh3=_hex(source_xxh3))
-    return meta
-
-
-def _row_steps(num_rows: int, row_bytes: int, step_bytes: int) -> Iterator[tuple[int, int]]:
-    """[begin, end) row ranges of about step_bytes, each starting on a 32-row block."""
-    step = max(_layout.ROWS_PER_BLOCK, step_bytes // max(row_bytes, 1))
-    step -= step % _layout.ROWS_PER_BLOCK
-    for begin in range(0, num_rows, step):
-        yield begin, min(begin + step, num_rows)
-
-
-def _pack_into(
-    file: BinaryIO,
-    weight: torch.Tensor,
-    *,
-    name: str,
-    quant: str | None,
-    method: codec.Method,
-    sample_rows: int | None,
-    seed: int,
-    align: int | None,
-    chunk_bits: int | None,
-    code_bits: int | None,
-    meta: Mapping[str, Any] | None,
-    progress: Callable[[int], None] | None,
-) -> _Written:
-    """Fit on a sample, then compress and write step by step."""
-    # The same sample and fit as codec.compress, so the file holds exactly its bytes.
-    fitted = codec.fit_table(
-        weight,
-        method=method,
-        sample_rows=sample_rows,
-        seed=seed,
-        align=align,
-        chunk_bits=chunk_bits,
-        code_bits=code_bits,
-        quant=quant,
-    )
-    num_rows, dim = weight.shape
-    rows = weight.view(torch.uint8).view(num_rows, -1)
-    row_bytes = rows.shape[1]
-    bits, mask, bitval, unit = fitted.chunk_bits, fitted.mask, fitted.bitval, fitted.unit_bytes
-    blocks = _layout.num_blocks(num_rows)
-    block_base = torch.empty(blocks + 1, dtype=torch.int64)
-    row_units = torch.zeros(blocks * _layout.ROWS_PER_BLOCK, dtype=torch.uint8)
-    bitmask = torch.zeros(-(-num_rows // 32), dtype=torch.int32)
-    writer = _TableFileWriter(file, num_rows, mask.numel(), fitted.code_bits)
-    source_hash = xxhash.xxh3_64()
-    for begin, end in _row_steps(num_rows, row_bytes, PACK_STEP_BYTES):
-        step = rows[begin:end]
-        source_hash.update(_as_bytes(step))
-        payload, base, units, compressed = ops.ibp_compress(step, bits, mask, bitval, unit)
-        b0, nb = begin // _layout.ROWS_PER_BLOCK, base.numel() - 1
-        block_base[b0 : b0 + nb] = base[:-1] + writer.payload_bytes
-        row_units[begin : begin + units.numel()] = units
-        bitmask[b0 : b0 + compressed.numel()] = compressed
-        writer.write_payload(_as_bytes(payload[: int(base[-1])]))
-        if progress is not None:
-            progress(end - begin)
-    block_base[-1] = writer.payload_bytes
-    index = {
-        SectionKind.MASK: mask,
-        SectionKind.BITVAL: bitval,
-        SectionKind.BLOCK_BASE: block_base,
-        SectionKind.ROW_UNITS: row_units,
-        SectionKind.BITMASK: bitmask,
-    }
-    fit_meta = {"method": method, "align": align, "sample_rows": sample_rows, "seed": seed}
-    header_xxh3, file_bytes = writer.finish(
-        (num_rows, dim, row_bytes, unit, dtype_code(weight.dtype, quant), bits),
-        index,
-        _meta(name, quant, source_hash.intdigest(), {**fit_meta, **(meta or {})}),
-    )
-    return _Written(
-        num_rows,
-        dim,
-        weight.dtype,
-        quant,
-        bits,
-        unit,
-        mask.numel(),
-        fitted.code_bits,
-        writer.payload_bytes,
-        header_xxh3,
-        file_bytes,
-    )
-
-
-@dataclass(frozen=True)
-class _Written:
-    """What a writer put in a file, before it has a final name."""
-
-    num_rows: int
-    dim: int
-    dtype: torch.dtype
-    quant: str | None
-    chunk_bits: int
-    unit_bytes: int
-    num_chunks: int
-    code_bits: int
-    payload_bytes: int  # pad included, like CompressedTable.payload_bytes
-    header_xxh3: int
-    file_bytes: int
-
-    def summary(self, name: str, path: Path, seconds: float) -> PackedTable:
-        blocks = _layout.num_blocks(self.num_rows)
-        return PackedTable(
-            name=name,
-            path=path,
-            num_rows=self.num_rows,
-            dim=self.dim,
-            dtype=dtype_name(self.dtype),
-            quant=self.quant,
-            chunk_bits=self.chunk_bits,
-            code_bits=self.code_bits,
-            unit_bytes=self.unit_bytes,
-            raw_bytes=self.num_rows * self.dim * self.dtype.itemsize,
-            payload_bytes=self.payload_bytes,
-            index_bytes=8 * (blocks + 1) + blocks * _layout.ROWS_PER_BLOCK,
-            metadata_bytes=4 * (-(-self.num_rows // 32))
-            + 8 * (self.num_chunks + codebook_entries(self.num_chunks, self.code_bits)),
-            file_bytes=self.file_bytes,
-            header_xxh3=self.header_xxh3,
-            seconds=seconds,
-        )
-
-
-def _destination(
-    path: str | os.PathLike[str], name: str, content_named: bool
-) -> tuple[Path, Callable[[int], Path]]:
-    """(directory of the temporary file, final path as a function of the header checksum)."""
-    path = Path(path)
-    if content_named:
-        return path, lambda digest: path / f"{file_stem(name)}.{digest:016x}{SUFFIX}"
-    return path.parent, lambda _digest: path
-
-
-def pack_table(
-    path: str | os.PathLike[str],
-    weight: torch.Tensor,
-    *,
-    name: str,
-    content_named: bool = False,
-    quant: str | None = None,
-    method: codec.Method = "ibpembed",
-    sample_rows: int | None = codec.DEFAULT_SAMPLE_ROWS,
-    seed: int = 0,
-    align: int | None = codec.DEFAULT_ALIGN,
-    chunk_bits: int | None = None,
-    code_bits: int | None = None,
-    meta: Mapping[str, Any] | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> PackedTable:
-    """Compress ``weight`` and write it as one table file, atomically, in bounded memory.
-
-    The fit sees a random row sample; rows are then compressed ``PACK_STEP_BYTES`` at a time and
-    streamed to disk, so memory stays near the source size plus one step (the bytes equal those
-    of ``codec.compress`` with the same arguments).
-
-    Parameters
-    ----------
-    path : the target file; with ``content_named``, the directory to write
-        ``<name>.<header checksum>.ibpt`` into (the files of a table set).
-    weight : [N, D] contiguous CPU tensor (fp32/fp16/bf16/int8/uint8).
-    name : table name recorded in the file.
-    quant, method, sample_rows, seed, align, chunk_bits, code_bits : as for ``codec.compress``.
-    meta : extra JSON-serialisable fields for the meta section (features, pooling, origin).
-    progress : called with the number of rows done after each step.
-
-    Returns
-    -------
-    PackedTable: sizes, checksum and wall time.
-    """
-    start = time.perf_counter()
-    directory, final_path = _destination(path, name, content_named)
-    with AtomicWriter(directory, file_stem(name)) as writer:
-        written = _pack_into(
-            writer.file,
-            weight,
-            name=name,
-            quant=quant,
-            method=method,
-            sample_rows=sample_rows,
-            seed=seed,
-            align=align,
-            chunk_bits=chunk_bits,
-            code_bits=code_bits,
-            meta=meta,
-            progress=progress,
-        )
-        final = writer.commit(final_path(written.header_xxh3))
-    return written.summary(name, final, time.perf_counter() - start)
-
-
-def decoded_xxh3(table: CompressedTable, step_bytes: int = VERIFY_STEP_BYTES) -> int:
-    """XXH3-64 of the decoded table bytes, decoding a bounded number of rows at a time."""
-    digest = xxhash.xxh3_64()
-    for begin, end in _row_steps(table.num_rows, table.row_bytes, step_bytes):
-        digest.update(_as_bytes(table.gather(torch.arange(begin, end))))
-    return digest.intdigest()
-
-
-def write_table(
-    path: str | os.PathLike[str],
-    table: CompressedTable,
-    *,
-    name: str,
-    content_named: bool = False,
-    meta: Mapping[str, Any] | None = None,
-) -> PackedTable:
-    """Write an already compressed table (e.g. one with row updates) as a file, atomically.
-
-    The source hash is recomputed by decoding the table step by step, so the file verifies
-    exactly like a packed one. A table whose payload has spilled blocks is compacted first.
-    ``path`` and ``content_named`` are as for ``pack_table``.
-    """
-    start = time.perf_counter()
-    if not _layout.is_compact(table):
-        table, _ = _layout.compact(table)
-    source = decoded_xxh3(table)
-    directory, final_path = _destination(path, name, content_named)
-    with AtomicWriter(directory, file_stem(name)) as writer:
-        out = _TableFileWriter(writer.file, table.num_rows, table.mask.numel(), table.code_bits)
-        out.write_payload(_as_bytes(table.payload[: _layout.payload_end(table)]))
-        header_xxh3, file_bytes = out.finish(
-            (
-                table.num_rows,
-                table.dim,
-                table.row_bytes,
-                table.unit_bytes,
-                dtype_code(table.dtype, table.quant),
-                table.chunk_bits,
-            ),
-            {
-                SectionKind.MASK: table.mask,
-                SectionKind.BITVAL: table.bitval,
-                SectionKind.BLOCK_BASE: table.block_base,
-                SectionKind.ROW_UNITS: table.row_units,
-                SectionKind.BITMASK: table.bitmask,
-            },
-            _meta(name, table.quant, source, meta),
-        )
-        final = writer.commit(final_path(header_xxh3))
-    written = _Written(
-        table.num_rows,
-        table.dim,
-        table.dtype,
-        table.quant,
-        table.chunk_bits,
-        table.unit_bytes,
-        table.mask.numel(),
-        table.code_bits,
-        table.payload_bytes,
-        header_xxh3,
-        file_bytes,
-    )
-    return written.summary(name, final, time.perf_counter() - start)
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -666,12 +257,12 @@ def read_header(
             f"unknown file version {version} (this reader "
             f"knows versions {READABLE_VERSIONS}); repack with this ibpembed",
         )
-    computed = xxhash.xxh3_64_intdigest(bytes(data[:_HEADER_HASHED]))
+    computed = xxhash.xxh3_64_intdigest(bytes(data[:HEADER_HASHED]))
     if computed != header_xxh3:
         raise TableFileError(
             path,
             "header",
-            f"checksum mismatch (stored {_hex(header_xxh3)}, computed {_hex(computed)})",
+            f"checksum mismatch (stored {hex64(header_xxh3)}, computed {hex64(computed)})",
         )
     if (header_bytes, section_count, entry_bytes) != (HEADER.size, len(SectionKind), SECTION.size):
         raise TableFileError(path, "header", "unexpected header/section table sizes")
@@ -741,9 +332,9 @@ def read_sections(
         raise TableFileError(
             path,
             "section table",
-            f"checksum mismatch (stored {_hex(header.sections_xxh3)}, computed {_hex(computed)})",
+            f"checksum mismatch (stored {hex64(header.sections_xxh3)}, computed {hex64(computed)})",
         )
-    plan = _SectionPlan(header.num_rows, header.num_chunks, header.code_bits)
+    plan = SectionPlan(header.num_rows, header.num_chunks, header.code_bits)
     sections = []
     previous_end = begin + len(raw)
     for i, kind in enumerate(SectionKind):
@@ -777,7 +368,7 @@ def _check_section(path: Path, data: memoryview, section: Section) -> None:
         raise TableFileError(
             path,
             section.kind.label,
-            f"checksum mismatch (stored {_hex(section.xxh3)}, computed {_hex(computed)})",
+            f"checksum mismatch (stored {hex64(section.xxh3)}, computed {hex64(computed)})",
         )
 
 
@@ -931,7 +522,7 @@ def verify_file(path: str | os.PathLike[str]) -> TableFile:
     loaded = read_table(path, verify=True)
     expected = loaded.meta.get("source_xxh3")
     try:
-        computed = _hex(decoded_xxh3(loaded.table))
+        computed = hex64(decoded_xxh3(loaded.table))
     except (RuntimeError, ValueError) as exc:  # the codec rejects what it cannot decode
         raise TableFileError(path, "payload", f"decode failed: {exc}") from None
     if computed != expected:

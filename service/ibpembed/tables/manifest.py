@@ -40,7 +40,9 @@ from typing import Any
 
 from ibpembed import codec
 from ibpembed.codec import CompressedTable
+from ibpembed.tables import atomic
 from ibpembed.tables import format as tf
+from ibpembed.tables import writer as tw
 from ibpembed.tables.importers import TableSet, TableSource
 
 MANIFEST = "manifest.json"
@@ -365,7 +367,7 @@ def _pack_lock(directory: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _unpublished_removed_on_error(directory: Path, written: list[tf.PackedTable]) -> Iterator[None]:
+def _unpublished_removed_on_error(directory: Path, written: list[tw.PackedTable]) -> Iterator[None]:
     """On a failure (a full disk, an interrupt), delete the table files this pack wrote.
 
     They are complete but no manifest names them; left behind they would only be swept by the
@@ -388,17 +390,17 @@ def _unpublished_removed_on_error(directory: Path, written: list[tf.PackedTable]
 
 def _publish(directory: Path, manifest: Manifest) -> None:
     """Replace the manifest, then remove files no manifest refers to any more."""
-    tf.write_bytes_atomic(directory / MANIFEST, manifest.to_json())
+    atomic.write_bytes_atomic(directory / MANIFEST, manifest.to_json())
     live = {e.file for e in manifest.tables.values()}
     for path in directory.iterdir():
         stale_table = path.suffix == tf.SUFFIX and path.name not in live
-        stale_temp = path.name.startswith(".") and tf.TEMP_MARKER in path.name
+        stale_temp = path.name.startswith(".") and atomic.TEMP_MARKER in path.name
         if stale_table or stale_temp:
             path.unlink(missing_ok=True)
 
 
 def _entry(
-    packed: tf.PackedTable,
+    packed: tw.PackedTable,
     pooling: str | None,
     features: tuple[str, ...],
     rows: RowRange | None = None,
@@ -442,13 +444,13 @@ def pack_table_set(
     chunk_bits: int | None = None,
     code_bits: int | None = None,
     progress: Callable[[TableSource], Callable[[int], None] | None] | None = None,
-    on_table: Callable[[tf.PackedTable], None] | None = None,
+    on_table: Callable[[tw.PackedTable], None] | None = None,
     shard: tuple[int, int] | None = None,
     merge: bool = False,
-) -> list[tf.PackedTable]:
+) -> list[tw.PackedTable]:
     """Pack every table of a set into ``directory`` and publish its manifest.
 
-    Tables are packed one after another, each in bounded memory (``format.pack_table``). The
+    Tables are packed one after another, each in bounded memory (``writer.pack_table``). The
     previous manifest and its files stay valid until the new manifest replaces it.
 
     Parameters
@@ -484,7 +486,7 @@ def pack_table_set(
                 continue
             # A row slice of a contiguous tensor is itself contiguous: no copy.
             part = dataclasses.replace(source, weight=source.weight[rows.start : rows.end])
-            packed = tf.pack_table(
+            packed = tw.pack_table(
                 directory,
                 part.weight,
                 name=source.name,
@@ -538,7 +540,7 @@ class ShardReport:
 
     index: int
     directory: Path
-    tables: list[tf.PackedTable]
+    tables: list[tw.PackedTable]
 
 
 def pack_shards(
@@ -589,7 +591,7 @@ def pack_shards(
         body["features"] = {**kept_features, **body["features"]}
         if address_template is None:  # the addresses the set was deployed with
             body["shards"] = previous["shards"]
-    tf.write_bytes_atomic(
+    atomic.write_bytes_atomic(
         directory / SHARD_MAP, json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
     )
     return reports
@@ -663,7 +665,7 @@ def save_table_set(
     pooling: Mapping[str, str | None] | None = None,
     row_ranges: Mapping[str, RowRange] | None = None,
     meta: Mapping[str, Mapping[str, Any]] | None = None,
-) -> list[tf.PackedTable]:
+) -> list[tw.PackedTable]:
     """Write already compressed tables (e.g. a store snapshot with row updates) as a table set.
 
     ``row_ranges`` gives the global rows of tables that are shards (default: whole tables).
@@ -695,7 +697,7 @@ def save_table_set(
             }
             if not rows.is_whole:
                 file_meta["row_start"], file_meta["total_rows"] = rows.start, rows.total
-            packed = tf.write_table(directory, table, name=name, meta=file_meta, content_named=True)
+            packed = tw.write_table(directory, table, name=name, meta=file_meta, content_named=True)
             entries[name] = _entry(packed, pooling.get(name), tuple(by_table[name]), rows)
             reports.append(packed)
         _publish(directory, Manifest(tables=entries, features=dict(features)))

@@ -47,7 +47,7 @@ import torch
 from ibpembed._ops import ops
 from ibpembed.codec import CompressedTable, CompressedTableSet, HotRows
 from ibpembed.tables import _layout
-from ibpembed.tables import format as tf
+from ibpembed.tables import writer as tw
 from ibpembed.tables.manifest import (
     ManifestEntry,
     RowRange,
@@ -531,7 +531,7 @@ class TableStore:
         )
         return table, buffer
 
-    def save(self, directory: str | os.PathLike[str]) -> list[tf.PackedTable]:
+    def save(self, directory: str | os.PathLike[str]) -> list[tw.PackedTable]:
         """Write the current version (row updates included) as a table set: each table with its
         features, row range, pooling and the metadata of the file it was loaded from."""
         with contextlib.ExitStack() as held:
