@@ -30,7 +30,9 @@ RUN_LOG = "run.json"
 
 def run_one(name: str, args: Sequence[str], out: Path) -> dict:
     """``python -m benchmarks.<name> ... --out OUT``; its exit code and wall time."""
-    argv = [sys.executable, "-m", f"benchmarks.{name}", *args, "--out", str(out)]
+    # The default results directory goes unsaid, so each section's command reads as typed.
+    where = [] if out.resolve() == RESULTS.resolve() else ["--out", str(out)]
+    argv = [sys.executable, "-m", f"benchmarks.{name}", *args, *where]
     print(f"== {' '.join(argv[1:])}", flush=True)
     start = time.monotonic()
     code = subprocess.run(argv, cwd=REPO, check=False).returncode

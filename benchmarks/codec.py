@@ -37,7 +37,6 @@ from ibpembed import _C, codec
 from ibpembed.hot_rows import DEFAULT_BUDGET, hot_row_ids
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = RESULTS
 DEFAULT_CHART = REPO / "docs" / "img" / "codec_savings.png"
 GIB = 1 << 30
 # The gather benchmark's hot-row engine: the server's default budget, ranked on
@@ -964,7 +963,7 @@ def run(cfg: Config, command: str) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test, < 2 min)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     parser.add_argument(
         "--chart", type=Path, default=None, help="savings chart (full runs: docs/img/...)"
     )

@@ -38,13 +38,12 @@ from pathlib import Path
 import torch
 
 from benchmarks import data
-from benchmarks._harness import run_metadata, write_results
+from benchmarks._harness import RESULTS, run_metadata, write_results
 from benchmarks.codec import GIB, gather_block, raw_rows_view
 from ibpembed import codec
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS_DIR = Path(__file__).resolve().parent / "cpu"
-DEFAULT_OUT = Path(__file__).resolve().parent / ".cache" / "results"
 DIM = 128
 BATCH_SIZE = 512
 # The engine's sources; the harness provides main() and the serial at::parallel_for.
@@ -246,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a csrc/ tree to build (repeatable; default: this checkout's)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if not runs_here():
         print(

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from benchmarks import data
-from benchmarks._harness import run_metadata, write_results
+from benchmarks._harness import RESULTS, run_metadata, write_results
 from ibpembed import reference
 from ibpembed.codec import compress
 from ibpembed.engine import DEDUPE_MIN_IDS, FeatureQuery, LookupEngine
@@ -45,7 +45,6 @@ from ibpembed.server.servicer import decode_request
 from ibpembed.tables.store import TableStore
 from ibpembed_client.workload import hotness_for, make_requests
 
-DEFAULT_OUT = Path(__file__).resolve().parent / ".cache" / "results"
 WARMUP_REQUESTS = 8
 VARIANTS = {  # name: (dedupe_max_unique_fraction, dedupe_min_ids, hot_row_budget)
     "dedupe (from 64 ids)": (0.5, 64, 0.0),
@@ -186,7 +185,7 @@ def markdown(report: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small tables, few passes")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     passes = 2 if args.quick else 6

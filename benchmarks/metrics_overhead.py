@@ -50,7 +50,7 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks._harness import run_metadata, write_results
+from benchmarks._harness import RESULTS, run_metadata, write_results
 from ibpembed.server import demo
 from ibpembed.server.interceptors import LOOKUP_METHOD
 from ibpembed.server.metrics import ServerMetrics
@@ -59,8 +59,6 @@ from ibpembed.tables.store import TableStore
 from ibpembed_client.loadgen import LoadConfig, run_load
 from ibpembed_client.v1 import lookup_pb2 as pb
 from tools.serve_process import ServerProcess
-
-DEFAULT_OUT = Path(__file__).resolve().parent / ".cache" / "results"
 
 
 @dataclass(frozen=True)
@@ -301,7 +299,7 @@ def _percent(value: float | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small tables, B=1, short rounds")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds per B")
     parser.add_argument("--pairs", type=int, default=None, help="server pairs per B")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes B")

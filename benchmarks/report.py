@@ -52,7 +52,7 @@ SECTIONS = (
         "The three loops run in one process on the same huge-page rows and ids, round by round, "
         "and must agree bit for bit. The raw-row gap to the control is the block index (one "
         "slot-size read and the address arithmetic before the row), not the row work.",
-        ("--profile", "fp32"),
+        (),
         ("--gib", "0.05", "--rounds", "1", "--reps", "1", "--batches", "2"),
     ),
     Section(

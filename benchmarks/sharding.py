@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._harness import run_metadata, write_results
+from benchmarks._harness import RESULTS, run_metadata, write_results
 from ibpembed.hot_rows import FIRST_REFRESH_S
 from ibpembed.server import demo
 from ibpembed.tables.importers import TableSet, TableSource
@@ -50,7 +50,6 @@ from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.workload import hotness_for, make_requests
 from tools.serve_process import ServerProcess
 
-DEFAULT_OUT = Path(__file__).resolve().parent / ".cache" / "results"
 SHARDS = 3
 
 
@@ -290,7 +289,7 @@ def _ratio(value: float | None) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small tables, 1 s per round")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--workers", type=int, default=1, help="kernel threads per server")

@@ -28,10 +28,8 @@ peak RSS ≤ 1.5× the table size. Results: DIR/tables.json and DIR/tables.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -44,10 +42,10 @@ from typing import Any
 import torch
 
 from benchmarks import data
+from benchmarks._harness import RESULTS, run_metadata, write_results
 from ibpembed import cpu_path
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "benchmarks" / ".cache" / "results"
 IBPEMBED = [sys.executable, "-m", "ibpembed.cli"]
 GIB = 1 << 30
 DIM = 128
@@ -185,7 +183,7 @@ def write_state_dict(path: Path, num_tables: int, rows: int) -> int:
     return sum(t.numel() * t.element_size() for t in tables.values())
 
 
-def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def measure(args: argparse.Namespace, work: Path, command: str) -> dict[str, Any]:
     rows = int(args.gib * GIB) // (args.tables * DIM * 4)
     source, packed = work / "raw.pt", work / "packed"
     raw_bytes = write_state_dict(source, args.tables, rows)
@@ -206,17 +204,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     run_load(kind, path, cold=False)  # brings the pages in; timed next
                 loads[state][kind].append(run_load(kind, path, cold=state == "cold"))
     return {
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cpu_path": cpu_path(),
-        },
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%MZ"),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip(),
+        **run_metadata(command),
+        "cpu_path": cpu_path(),
         "tables": args.tables,
         "rows_per_table": rows,
         "dim": DIM,
@@ -242,12 +231,11 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def render_markdown(r: dict[str, Any]) -> str:
     gib = r["raw_bytes"] / GIB
     pack, base = r["pack"], r["pack_baseline"]
-    m = r["machine"]
     rss_ratio = pack["peak_rss_bytes"] / r["raw_bytes"]
     above_baseline = (pack["peak_rss_bytes"] - base["peak_rss_bytes"]) / r["raw_bytes"]
     lines = [
-        f"`python -m benchmarks.tables` ({r['date']}, commit {r['commit']}, {m['cpu']}, "
-        f"{m['cpus']} CPUs, Python {m['python']}, torch {m['torch']}, CPU path {m['cpu_path']}): "
+        f"`{r['command']}` ({r['date']}, commit {r['commit']}, {r['machine']}, "
+        f"Python {r['python']}, torch {r['torch']}, CPU path {r['cpu_path']}): "
         f"{r['tables']} DLRM-profile fp32 tables of {r['rows_per_table']:,} × {r['dim']} "
         f"({gib:.2f} GiB raw; `torch.save` file {r['source_file_bytes'] / GIB:.2f} GiB; packed "
         f"set {r['packed_bytes'] / GIB:.2f} GiB). Loads in fresh processes, median of "
@@ -311,15 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gib", type=float, default=2.0, help="raw table bytes, GiB")
     p.add_argument("--tables", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3, help="loads per kind and cache state")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temp)")
     args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    given = sys.argv[1:] if argv is None else argv
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
-        results = measure(args, Path(tmp))
-    (args.out / "tables.json").write_text(json.dumps(results, indent=1))
+        results = measure(args, Path(tmp), " ".join(["python -m benchmarks.tables", *given]))
     markdown = render_markdown(results)
-    (args.out / "tables.md").write_text(markdown)
+    write_results(args.out, "tables", results, markdown)
     print(markdown)
     return 0
 
