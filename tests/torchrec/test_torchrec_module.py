@@ -26,7 +26,7 @@ from torchrec import (
 )
 from torchrec.fx import symbolic_trace
 
-import ibpembed.torchrec.module as module_impl
+import ibpembed.torchrec.bag as bag_impl
 from ibpembed.tables.importers import TableSet, TableSource, from_torchrec
 from ibpembed.tables.manifest import pack_table_set
 from ibpembed.torchrec import (
@@ -271,7 +271,7 @@ def no_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             calls.append("lookup_pooled")
             raise AssertionError("a kernel ran before the batch was validated")
 
-    monkeypatch.setattr(module_impl, "ops", Recorder())
+    monkeypatch.setattr(bag_impl, "ops", Recorder())
     return calls
 
 
