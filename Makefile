@@ -2,6 +2,8 @@
 # Two commands do everything on a fresh machine: `make setup`, then `make test`.
 PYTHON ?= python3
 VENV ?= .venv
+# tritonclient's gRPC client needs protobuf<7 (the service pins 7): a venv of its own.
+TRITON_GRPC_VENV ?= .venv-triton-grpc
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip --disable-pip-version-check -q
 
@@ -13,6 +15,9 @@ setup:
 	$(PIP) install -r requirements/dev.txt
 	$(PIP) install --no-deps -r requirements/torchrec.txt
 	$(PIP) install --no-deps -e clients/python
+	$(PIP) install --no-deps -r requirements/triton.txt
+	$(PYTHON) -m venv $(TRITON_GRPC_VENV)
+	$(TRITON_GRPC_VENV)/bin/pip --disable-pip-version-check -q install --no-deps -r requirements/triton-grpc.txt
 	$(MAKE) build
 
 # Rebuilds ibpembed._C in place (incremental; ~1 min from scratch on 2 cores).
