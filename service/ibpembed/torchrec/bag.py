@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torchrec.modules.embedding_configs import DataType, PoolingType
 
 from ibpembed import _C
-from ibpembed._ops import DTYPE_CODES, ops
+from ibpembed._ops import DTYPE_CODES, ops, pooled_dim
 from ibpembed.codec import CompressedTable, HotRows
 from ibpembed.tables.format import TableFileError, check_index
 
@@ -327,3 +327,158 @@ def _table_problem(
         culprit = message.split(" ", 1)[0].split("[", 1)[0]
         return f"meta: {message}" if culprit in _META_INTS else message
     return None
+
+
+# -- one op for a whole collection's forward --------------------------------------------------
+#
+# Every check that reads the ids or lengths, and the per-key slicing their values decide, lives
+# inside this op, so a graph of the collection (torch.export, torch.compile(fullgraph=True),
+# torch.fx) holds one opaque node whose fake kernel states the output shape, instead of
+# data-dependent control flow no single graph can hold. Defined in Python (the checks raise the
+# collection's Python errors), it dispatches like any op: TorchScript and exported programs call
+# it once ``ibpembed.torchrec`` is imported.
+torch.library.define(
+    "ibpembed::pooled_collection",
+    "(Tensor[] payload, Tensor[] block_base, Tensor[] row_units, Tensor[] bitmask, "
+    "Tensor[] mask, Tensor[] bitval, Tensor[] hot_dir, Tensor[] hot_rows, int[] chunk_bits, "
+    "int[] row_bytes, int[] unit_bytes, int[] num_rows, int[] dtype, int[] pooling, "
+    "Tensor values, Tensor lengths, Tensor? weights, SymInt stride, int num_keys, "
+    "int[] output_key, int[] output_table, str[] feature_names, str[] table_names) -> Tensor",
+)
+
+_NO_LIMIT = 9223372036854775807  # ids of keys no table reads are never out of range
+
+
+def _pooled_collection(
+    payload: list[Tensor],
+    block_base: list[Tensor],
+    row_units: list[Tensor],
+    bitmask: list[Tensor],
+    mask: list[Tensor],
+    bitval: list[Tensor],
+    hot_dir: list[Tensor],
+    hot_rows: list[Tensor],
+    chunk_bits: list[int],
+    row_bytes: list[int],
+    unit_bytes: list[int],
+    num_rows: list[int],
+    dtype: list[int],
+    pooling: list[int],
+    values: Tensor,
+    lengths: Tensor,
+    weights: Tensor | None,
+    stride: int,
+    num_keys: int,
+    output_key: list[int],
+    output_table: list[int],
+    feature_names: list[str],
+    table_names: list[str],
+) -> Tensor:
+    """Pooled [stride, sum of dims] fp32: output j pools KJT key ``output_key[j]`` with table
+    ``output_table[j]``. The whole batch is checked before any kernel runs."""
+    if lengths.dim() != 1 or lengths.numel() != num_keys * stride:
+        raise ValueError(
+            f"KJT lengths has {lengths.numel()} entries, expected {num_keys} keys x "
+            f"batch {stride} = {num_keys * stride}"
+        )
+    if lengths.numel() > 0 and int(lengths.min()) < 0:
+        raise ValueError(f"KJT lengths must be non-negative, got {int(lengths.min())}")
+    total = int(lengths.sum()) if lengths.numel() > 0 else 0
+    if total != values.numel():
+        raise ValueError(f"KJT lengths sum to {total} but there are {values.numel()} values")
+    if weights is not None and weights.numel() != values.numel():
+        raise ValueError(f"KJT has {weights.numel()} weights for {values.numel()} values")
+    per_key = [0] * num_keys
+    if stride > 0:
+        per_key = lengths.view(num_keys, stride).sum(1).tolist()
+    offsets = [0]
+    for n in per_key:
+        offsets.append(offsets[-1] + n)
+    if values.numel() > 0:
+        # One pass over all ids against each key's limit; the loop only names the culprit.
+        limits = [_NO_LIMIT] * num_keys
+        for k, t in zip(output_key, output_table, strict=True):
+            limits[k] = min(limits[k], num_rows[t])
+        per_id_limit = torch.repeat_interleave(
+            torch.tensor(limits, dtype=torch.int64, device=values.device),
+            torch.tensor(per_key, dtype=torch.int64, device=values.device),
+        )
+        if bool(((values < 0) | (values >= per_id_limit)).any()):
+            for j, (k, t) in enumerate(zip(output_key, output_table, strict=True)):
+                ids = values[offsets[k] : offsets[k + 1]]
+                bad = (ids < 0) | (ids >= num_rows[t])
+                if ids.numel() > 0 and bool(bad.any()):
+                    pos = int(torch.nonzero(bad)[0, 0])
+                    raise IndexError(
+                        f"feature '{feature_names[j]}' (table '{table_names[t]}'): id "
+                        f"{int(ids[pos])} at position {pos} is out of range for a table of "
+                        f"{num_rows[t]} rows"
+                    )
+    # Every key's bag offsets at once ([keys, B + 1]): the per-feature tensor ops of a batch
+    # cost more than its lookups on small tables.
+    per_bag = lengths.reshape(num_keys, stride)
+    bag_offsets = torch.cat([per_bag.new_zeros(num_keys, 1), per_bag.cumsum(1)], dim=1)
+    pooled = []
+    for k, t in zip(output_key, output_table, strict=True):
+        start, end = offsets[k], offsets[k + 1]
+        bag_weights = None if weights is None else weights[start:end]
+        hot = hot_dir[t].numel() > 0
+        pooled.append(
+            ops.lookup_pooled(
+                payload[t],
+                block_base[t],
+                row_units[t],
+                bitmask[t],
+                mask[t],
+                bitval[t],
+                chunk_bits[t],
+                row_bytes[t],
+                unit_bytes[t],
+                num_rows[t],
+                values[start:end],
+                bag_offsets[k],
+                bag_weights,
+                dtype[t],
+                pooling[t],
+                hot_dir[t] if hot else None,
+                hot_rows[t] if hot else None,
+            )
+        )
+    if not pooled:
+        return values.new_empty((stride, 0), dtype=torch.float32)
+    return torch.cat(pooled, dim=1)
+
+
+for _device in ("cpu", "cuda"):
+    torch.library.impl("ibpembed::pooled_collection", _device)(_pooled_collection)
+
+
+@torch.library.register_fake("ibpembed::pooled_collection")
+def _pooled_collection_fake(
+    payload,
+    block_base,
+    row_units,
+    bitmask,
+    mask,
+    bitval,
+    hot_dir,
+    hot_rows,
+    chunk_bits,
+    row_bytes,
+    unit_bytes,
+    num_rows,
+    dtype,
+    pooling,
+    values,
+    lengths,
+    weights,
+    stride,
+    num_keys,
+    output_key,
+    output_table,
+    feature_names,
+    table_names,
+) -> Tensor:
+    torch._check(lengths.shape[0] == num_keys * stride)
+    width = sum(pooled_dim(dtype[t], row_bytes[t]) for t in output_table)
+    return block_base[0].new_empty((stride, width), dtype=torch.float32)

@@ -24,6 +24,7 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from ibpembed._ops import DTYPE_CODES
 from ibpembed.codec import CompressedTable, compress
 from ibpembed.hot_rows import DEFAULT_BUDGET as DEFAULT_HOT_ROW_BUDGET
 from ibpembed.hot_rows import hot_row_ids
@@ -95,15 +96,12 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         ]
         self._table_names: list[str] = [c.name for c in configs]
         self._num_embeddings: list[int] = [c.num_embeddings for c in configs]
-        self._known_features: dict[str, int] = {
-            f: i for i, names in enumerate(self._feature_names) for f in names
-        }
-        # Ids a feature may hold: the rows of the smallest table reading it.
-        self._feature_rows: dict[str, int] = {}
-        for i, names in enumerate(self._feature_names):
-            for f in names:
-                rows = self._num_embeddings[i]
-                self._feature_rows[f] = min(self._feature_rows.get(f, rows), rows)
+        self._known_feature_list: list[str] = sorted({f for c in configs for f in c.feature_names})
+        # Output j pools feature _output_features[j] with table _output_tables[j].
+        self._output_features: list[str] = [f for c in configs for f in c.feature_names]
+        self._output_tables: list[int] = [i for i, c in enumerate(configs) for _ in c.feature_names]
+        self._dtype_codes: list[int] = [DTYPE_CODES[TORCH_DTYPES[c.data_type]] for c in configs]
+        self._pooling_codes: list[int] = [POOLING_CODES[c.pooling] for c in configs]
 
     @classmethod
     def from_ebc(
@@ -257,6 +255,10 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool every feature with its table; see the class docstring for the checks.
 
+        One ``torch.ops.ibpembed.pooled_collection`` call does the whole batch: the checks that
+        read ids and lengths run inside it, so graph captures (torch.export,
+        ``torch.compile(fullgraph=True)``, torchrec's FX tracer) see one op with a fake kernel.
+
         Parameters
         ----------
         features : KJT with keys F, int32/int64 values [nnz], lengths [F * B] and, for a weighted
@@ -266,101 +268,115 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         -------
         KeyedTensor with values [B, sum of dims] float32, keys as torchrec's module would give.
         """
-        offsets_per_key = self._validate(features)
-        values = features.values().to(torch.int64).contiguous()
-        weights = features.weights_or_none() if self._is_weighted else None
-        if weights is not None:
-            weights = weights.to(torch.float32).contiguous()
-        keys = features.keys()
-        stride = features.stride()
-        # Every key's bag offsets at once ([keys, B + 1], one row per key): the per-feature tensor
-        # ops of a batch cost more than its lookups on small tables.
-        lengths = features.lengths().to(torch.int64).reshape(len(keys), stride)
-        bag_offsets = torch.cat([lengths.new_zeros(len(keys), 1), lengths.cumsum(1)], dim=1)
-        key_index: dict[str, int] = {k: i for i, k in enumerate(keys)}
-        pooled: list[Tensor] = []
-        for i, bag in enumerate(self.embedding_bags.values()):
-            for feature in self._feature_names[i]:
-                k = key_index[feature]
-                start, end = offsets_per_key[k], offsets_per_key[k + 1]
-                bag_weights: Tensor | None = None
-                if weights is not None:
-                    bag_weights = weights[start:end]
-                pooled.append(bag(values[start:end], bag_offsets[k], bag_weights))
+        parts = _kjt_parts(
+            features,
+            self._output_features,
+            self._known_feature_list,
+            self._allow_unknown_keys,
+            self._is_weighted,
+        )
+        payload: list[Tensor] = []
+        block_base: list[Tensor] = []
+        row_units: list[Tensor] = []
+        bitmask: list[Tensor] = []
+        mask: list[Tensor] = []
+        bitval: list[Tensor] = []
+        hot_dir: list[Tensor] = []
+        hot_rows: list[Tensor] = []
+        chunk_bits: list[int] = []
+        row_bytes: list[int] = []
+        unit_bytes: list[int] = []
+        for bag in self.embedding_bags.values():
+            if bag.chunk_bits == 0:
+                raise RuntimeError(
+                    "CompressedEmbeddingBag has no table: build it with a CompressedTable or "
+                    "load_state_dict into it"
+                )
+            payload.append(bag.payload)
+            block_base.append(bag.block_base)
+            row_units.append(bag.row_units)
+            bitmask.append(bag.bitmask)
+            mask.append(bag.mask)
+            bitval.append(bag.bitval)
+            hot_dir.append(bag.hot_dir)
+            hot_rows.append(bag.hot_rows)
+            chunk_bits.append(bag.chunk_bits)
+            row_bytes.append(bag.row_bytes)
+            unit_bytes.append(bag.unit_bytes)
+        values = torch.ops.ibpembed.pooled_collection(
+            payload,
+            block_base,
+            row_units,
+            bitmask,
+            mask,
+            bitval,
+            hot_dir,
+            hot_rows,
+            chunk_bits,
+            row_bytes,
+            unit_bytes,
+            self._num_embeddings,
+            self._dtype_codes,
+            self._pooling_codes,
+            parts[0],
+            parts[1],
+            parts[2],
+            parts[3],
+            parts[4],
+            parts[5],
+            self._output_tables,
+            self._output_features,
+            self._table_names,
+        )
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
-            values=torch.cat(pooled, dim=1),
+            values=values,
         )
 
-    def _validate(self, features: KeyedJaggedTensor) -> list[int]:
-        """Check the whole batch before any lookup; returns the per-key value offsets [F + 1]."""
-        keys = features.keys()
-        if not self._allow_unknown_keys:
-            for key in keys:
-                if key not in self._known_features:
-                    known = sorted(self._known_features.keys())
-                    raise KeyError(f"KJT key '{key}' is not read by any table; known: {known}")
-        present: dict[str, int] = {k: i for i, k in enumerate(keys)}
-        for feature in self._known_features:
-            if feature not in present:
-                raise KeyError(f"feature '{feature}' is missing from the KJT (keys: {keys})")
-        if features.variable_stride_per_key():
-            raise NotImplementedError("variable-batch (VBE) KeyedJaggedTensors are not supported")
-        values = features.values()
-        lengths = features.lengths()
-        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-            raise TypeError(f"KJT values must be integer ids, got {values.dtype}")
-        stride = features.stride()
-        if lengths.dim() != 1 or lengths.numel() != len(keys) * stride:
-            raise ValueError(
-                f"KJT lengths has {lengths.numel()} entries, expected {len(keys)} keys x "
-                f"batch {stride} = {len(keys) * stride}"
-            )
-        if lengths.numel() > 0 and int(lengths.min()) < 0:
-            raise ValueError(f"KJT lengths must be non-negative, got {int(lengths.min())}")
-        total = int(lengths.sum()) if lengths.numel() > 0 else 0
-        if total != values.numel():
-            raise ValueError(f"KJT lengths sum to {total} but there are {values.numel()} values")
-        if self._is_weighted:
-            weights = features.weights_or_none()
-            if weights is None:
-                raise ValueError("this collection is weighted: the KJT must carry weights")
-            if weights.numel() != values.numel():
-                raise ValueError(f"KJT has {weights.numel()} weights for {values.numel()} values")
-        per_key: list[int] = [0] * len(keys)
-        if stride > 0:
-            per_key = torch.jit.annotate(list[int], lengths.view(len(keys), stride).sum(1).tolist())
-        offsets: list[int] = [0]
-        for n in per_key:
-            offsets.append(offsets[-1] + n)
-        if values.numel() == 0:
-            return offsets
-        # One pass over all ids against each key's limit; the loop below only names the culprit.
-        # Keys no table reads (allow_unknown_keys) get int64's max: never out of range.
-        limits = [self._feature_rows.get(key, 9223372036854775807) for key in keys]
-        per_id_limit = torch.repeat_interleave(
-            torch.tensor(limits, dtype=torch.int64, device=values.device),
-            torch.tensor(per_key, dtype=torch.int64, device=values.device),
-        )
-        if not bool(((values < 0) | (values >= per_id_limit)).any()):
-            return offsets
-        for i, names in enumerate(self._feature_names):
-            num_rows = self._num_embeddings[i]
-            for feature in names:
-                k = present[feature]
-                ids = values[offsets[k] : offsets[k + 1]]
-                if ids.numel() == 0:
-                    continue
-                bad = (ids < 0) | (ids >= num_rows)
-                if bool(bad.any()):
-                    pos = int(torch.nonzero(bad)[0, 0])
-                    raise IndexError(
-                        f"feature '{feature}' (table '{self._table_names[i]}'): id "
-                        f"{int(ids[pos])} at position {pos} is out of range for a table of "
-                        f"{num_rows} rows"
-                    )
-        return offsets
+
+# NOTE: torch.fx.wrap keeps this out of symbolic tracing (the key checks iterate the KJT's keys,
+# which FX cannot do on a proxy): traces record one call, and TorchScript scripts it as usual.
+@torch.fx.wrap
+def _kjt_parts(
+    features: KeyedJaggedTensor,
+    output_features: list[str],
+    known: list[str],
+    allow_unknown_keys: bool,
+    is_weighted: bool,
+) -> tuple[Tensor, Tensor, Tensor | None, int, int, list[int]]:
+    """The KJT's checks that need no id or length value (keys, VBE, dtypes, weights present),
+    then (values int64, lengths int64, weights fp32 or None, batch size, number of keys, the
+    KJT position of each output's feature)."""
+    keys = features.keys()
+    if not allow_unknown_keys:
+        for key in keys:
+            if key not in known:
+                raise KeyError(f"KJT key '{key}' is not read by any table; known: {sorted(known)}")
+    present: dict[str, int] = {k: i for i, k in enumerate(keys)}
+    for feature in known:
+        if feature not in present:
+            raise KeyError(f"feature '{feature}' is missing from the KJT (keys: {keys})")
+    if features.variable_stride_per_key():
+        raise NotImplementedError("variable-batch (VBE) KeyedJaggedTensors are not supported")
+    values = features.values()
+    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+        raise TypeError(f"KJT values must be integer ids, got {values.dtype}")
+    weights: Tensor | None = None
+    if is_weighted:
+        given = features.weights_or_none()
+        if given is None:
+            raise ValueError("this collection is weighted: the KJT must carry weights")
+        weights = given.to(torch.float32).contiguous()
+    output_key = [present[f] for f in output_features]
+    return (
+        values.to(torch.int64).contiguous(),
+        features.lengths().to(torch.int64).contiguous(),
+        weights,
+        features.stride(),
+        len(keys),
+        output_key,
+    )
 
 
 def _checked_config(config: EmbeddingBagConfig) -> EmbeddingBagConfig:
