@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,9 +68,16 @@ class TritonProcess:
     repository : the model repository.
     flags : extra ``tritonserver`` flags (``--model-control-mode=explicit``, ...).
     wait : block until ``/v2/health/ready`` answers 200.
+    env : extra environment variables (``OMP_NUM_THREADS`` for the models' torch, ...).
     """
 
-    def __init__(self, repository: str | os.PathLike[str], *flags: str, wait: bool = True) -> None:
+    def __init__(
+        self,
+        repository: str | os.PathLike[str],
+        *flags: str,
+        wait: bool = True,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         root = tritonserver_root()
         if root is None:
             raise RuntimeError(
@@ -101,6 +109,7 @@ class TritonProcess:
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
             "PYTHONPATH": python_path,
             "PYTHONUNBUFFERED": "1",
+            **(env or {}),
         }
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env

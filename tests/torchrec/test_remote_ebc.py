@@ -374,3 +374,19 @@ def test_a_dead_server(packed: Path) -> None:
     module.close()
     with pytest.raises(ConnectionError, match=rf"ibpembed server {target}: cannot list its tables"):
         RemoteEmbeddingBagCollection.from_server(target, timeout=2.0)
+
+
+def test_traced_as_a_leaf_in_a_model(server) -> None:
+    from torchrec.fx import symbolic_trace
+
+    # torchrec's tracer cannot enter the remote module (its forward turns the KJT's tensors
+    # into a request: numpy on an FX proxy fails); as a leaf the traced model calls it.
+    with RemoteEmbeddingBagCollection.from_server(server.target, pooling=POOLING) as module:
+        model = TinyModel(module)
+        model.dense = nn.Linear(module(random_kjt(1, 1, 0)).values().shape[1], 1)
+        traced = symbolic_trace(model, leaf_modules=["RemoteEmbeddingBagCollection"])
+        kjt = random_kjt(6, 4, seed=9)
+        with torch.no_grad():
+            assert torch.equal(traced(kjt), model(kjt))
+            with pytest.raises(Exception, match=r"numpy|Proxy|iterate"):
+                symbolic_trace(model)
