@@ -309,6 +309,21 @@ def test_metrics_on_tritons_endpoint(setup, client) -> None:
     )
     stored = [line for line in lines if line.startswith("ibpembed_table_stored_bytes{")]
     assert {line.split('table="')[1].split('"')[0] for line in stored} >= {"emb_f32", "emb_q8"}
+    counts = [
+        line
+        for line in lines
+        if line.startswith("ibpembed_lookup_duration_seconds_count{") and 'pooling="sum"' in line
+    ]
+    assert counts and float(counts[0].rsplit(" ", 1)[1]) >= 1
+    # The server's buckets, so dashboards read both alike.
+    assert any('le="2.5e-05"' in line for line in lines)
+
+
+def test_latency_buckets_are_the_servers() -> None:
+    from ibpembed.server.metrics import LATENCY_BUCKETS_S as SERVER_BUCKETS
+    from ibpembed.triton.model import LATENCY_BUCKETS_S
+
+    assert LATENCY_BUCKETS_S == SERVER_BUCKETS
 
 
 # -- bad input: Triton error responses naming the input ------------------------------------------

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,22 @@ class InputError(Exception):
     def __init__(self, message: str, code: str = "INVALID_ARG") -> None:
         super().__init__(message)
         self.code = code
+
+
+# The server's latency buckets (ibpembed.server.metrics.LATENCY_BUCKETS_S, not imported: that
+# module pulls in grpc, which the Triton model does not need; a test keeps the two equal).
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3,
+    250e-3, 500e-3, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request's outputs by name and the pooling that made them."""
+
+    outputs: dict[str, torch.Tensor]
+    pooling: str
 
 
 class TritonLookup:
@@ -78,8 +96,8 @@ class TritonLookup:
         inputs: Mapping[str, np.ndarray],
         requested: Sequence[str] = (),
         pooling: str | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Outputs by name for one request's inputs (numpy arrays by input name).
+    ) -> Answer:
+        """The outputs for one request's inputs (numpy arrays by input name).
 
         Parameters
         ----------
@@ -130,7 +148,7 @@ class TritonLookup:
             name = sent[query.name].output(pooling)
             if name in wanted:
                 out[name] = feature_result.values
-        return out
+        return Answer(out, pooling)
 
     def _pooling_for(self, requested: str | None) -> str:
         if requested is None or requested == self.pooling:
@@ -188,6 +206,12 @@ class _Metrics:
             kind=family.GAUGE,
         )
         self._gauges = (raw, stored)
+        self._latency = family(
+            name="ibpembed_lookup_duration_seconds",
+            description="Lookup latency inside the model (inputs read to outputs ready)",
+            kind=family.HISTOGRAM,
+        )
+        self._by_pooling: dict[str, Any] = {}
         for table, acct in lookup.store.accounting().items():
             raw.Metric(labels={**labels, "table": table}).set(acct.raw)
             stored.Metric(labels={**labels, "table": table}).set(acct.stored)
@@ -198,6 +222,15 @@ class _Metrics:
             metric = self._requests.Metric(labels={**self._labels, "code": code})
             self._by_code[code] = metric
         metric.increment(1)
+
+    def lookup_done(self, pooling: str, seconds: float) -> None:
+        metric = self._by_pooling.get(pooling)
+        if metric is None:
+            metric = self._latency.Metric(
+                labels={**self._labels, "pooling": pooling}, buckets=list(LATENCY_BUCKETS_S)
+            )
+            self._by_pooling[pooling] = metric
+        metric.observe(seconds)
 
     def kernels_done(self, pooling: str, calls: Sequence[KernelCall]) -> None:
         for table, nnz, _unique, _seconds in calls:
@@ -255,16 +288,21 @@ class TritonPythonModel:
 
     def _answer(self, request: Any) -> Any:
         pb = self._pb
+        start = time.perf_counter()
         try:
             inputs = {t.name(): _as_numpy(t) for t in request.inputs()}
             params = json.loads(request.parameters() or "{}")
             pooling = params.get("pooling")
             if pooling is not None and not isinstance(pooling, str):
                 raise InputError(f"parameter 'pooling' must be a string, got {pooling!r}")
-            outputs = self.lookup.lookup(inputs, request.requested_output_names(), pooling)
-            tensors = [pb.Tensor.from_dlpack(n, _dlpackable(v)) for n, v in outputs.items()]
+            answer = self.lookup.lookup(inputs, request.requested_output_names(), pooling)
+            tensors = [pb.Tensor.from_dlpack(n, _dlpackable(v)) for n, v in answer.outputs.items()]
+            # No response parameters: the 2.51 backend's InferenceResponse has none. Triton's own
+            # model_version names the version directory, hence the table set, that answered.
             response = pb.InferenceResponse(output_tensors=tensors)
             code = "OK"
+            if self.metrics is not None:
+                self.metrics.lookup_done(answer.pooling, time.perf_counter() - start)
         except InputError as err:
             code = err.code
             response = pb.InferenceResponse(error=pb.TritonError(str(err), _code(pb, code)))
