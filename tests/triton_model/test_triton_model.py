@@ -24,6 +24,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
+# NOTE: this folder has no __init__.py, and is not named "triton": pytest puts tests/ on
+# sys.path, where a tests/triton directory would be imported as OpenAI's triton by torch.compile.
 from triton_requests import run_requests  # this folder is on sys.path (no __init__.py)
 
 from ibpembed.codec import compress
