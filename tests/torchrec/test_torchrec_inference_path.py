@@ -177,3 +177,22 @@ def test_torch_compile_fullgraph_of_a_dlrm() -> None:
         for b, seed in ((5, 0), (7, 1), (3, 2)):
             dense, kjt = batch(b, seed)
             torch.testing.assert_close(compiled(dense, kjt), model(dense, kjt), rtol=0, atol=0)
+
+
+def test_opcheck_of_the_collection_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Schema, fake kernel (shape, dtype, device against the real op), dispatcher registration
+    # and the dynamic-shape AOT path, on the arguments a real forward passes.
+    model = dlrm_model()
+    op = torch.ops.ibpembed.pooled_collection.default
+    captured: list[tuple] = []
+
+    def capture(*args):
+        captured.append(args)
+        return op(*args)
+
+    monkeypatch.setattr(torch.ops.ibpembed, "pooled_collection", capture)
+    with torch.no_grad():
+        model(*batch(6, 4))
+    monkeypatch.undo()
+    (args,) = captured
+    torch.library.opcheck(op, args)

@@ -12,6 +12,7 @@ when ``RemoteEmbeddingBagCollection`` is first used, so the in-process modules s
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -339,7 +340,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             result = self._client.lookup_request(request)
         except LookupServiceError as err:
             raise self._error(err) from err
-        return self._keyed(result, stride, lengths)
+        return self._keyed(result, stride, lengths, features.values().device)
 
     def lookup_stream(self, batches: Iterable[KeyedJaggedTensor]) -> Iterator[KeyedTensor]:
         """``forward`` for many batches, pipelined on one ``LookupStream`` (results in order).
@@ -352,20 +353,24 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             for kjt in batches:
                 yield self.forward(kjt)
             return
-        pending: list[tuple[int, dict[str, torch.Tensor]]] = []
+        # Filled by gRPC's thread as it sends each request, emptied here in the same order (the
+        # stream answers in request order).
+        pending: collections.deque[tuple[int, dict[str, torch.Tensor], torch.device]] = (
+            collections.deque()
+        )
 
         def requests() -> Iterator[Any]:
             for kjt in batches:
                 request, stride, lengths = self._request(kjt)
-                pending.append((stride, lengths))
+                pending.append((stride, lengths, kjt.values().device))
                 yield request
 
         try:
             for result in self._client.lookup_stream(requests()):
-                stride, lengths = pending.pop(0)
+                stride, lengths, device = pending.popleft()
                 if result.error is not None:
                     raise self._error(result.error)
-                yield self._keyed(result, stride, lengths)
+                yield self._keyed(result, stride, lengths, device)
         except LookupServiceError as err:
             raise self._error(err) from err
 
@@ -394,7 +399,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 f"KJT lengths has {lengths.numel()} entries, expected {len(keys)} keys x "
                 f"batch {stride} = {len(keys) * stride}"
             )
-        lengths_2d = lengths.to(torch.int64).reshape(len(keys), stride)
+        lengths_2d = lengths.to(torch.int64).cpu().reshape(len(keys), stride)
         per_key = lengths_2d.sum(1).tolist()
         if sum(per_key) != values.numel():
             raise ValueError(
@@ -406,8 +411,9 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             raise ValueError(
                 f"this collection is weighted: the KJT has {got} for {values.numel()} values"
             )
-        ids = values.to(torch.int64).numpy()
-        w = None if weights is None else weights.to(torch.float32).numpy()
+        # The request is host bytes: a KJT on a GPU is read back once.
+        ids = values.to(torch.int64).cpu().numpy()
+        w = None if weights is None else weights.to(torch.float32).cpu().numpy()
         starts = np.concatenate([[0], np.cumsum(per_key)])
         index = {k: i for i, k in enumerate(keys)}
         batches: dict[str, FeatureBatch] = {}
@@ -427,7 +433,11 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         return request, stride, per_feature_lengths
 
     def _keyed(
-        self, result: LookupResult, stride: int, lengths: dict[str, torch.Tensor]
+        self,
+        result: LookupResult,
+        stride: int,
+        lengths: dict[str, torch.Tensor],
+        device: torch.device,
     ) -> KeyedTensor:
         out = torch.empty(stride, sum(self._dims), dtype=torch.float32)
         view = out.numpy()
@@ -448,7 +458,9 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 n = lengths[feature].to(torch.float32).clamp(min=1.0)
                 out[:, col : col + dim] *= (1.0 / n).unsqueeze(1)
             col += dim
-        return KeyedTensor(keys=self._embedding_names, length_per_key=self._dims, values=out)
+        return KeyedTensor(
+            keys=self._embedding_names, length_per_key=self._dims, values=out.to(device)
+        )
 
     def _error(self, err: LookupServiceError) -> RemoteLookupError:
         if err.code in _UNREACHABLE:
