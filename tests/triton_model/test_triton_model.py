@@ -44,6 +44,7 @@ if tritonserver_root() is None or importlib.util.find_spec("tritonclient.http") 
     )
 
 import tritonclient.http as http
+from tritonclient.utils import InferenceServerException
 
 HERE = Path(__file__).resolve().parent
 GRPC_PYTHON = Path(
@@ -237,7 +238,9 @@ def test_version_directories_are_table_set_versions(setup, client) -> None:
     assert not np.array_equal(
         result.as_numpy("user__pooled"), serve_lookup(setup.serve_v1, fb, "sum")["user"]
     )
-    with pytest.raises(Exception, match=r"ibpembed.*version 1|version 1.*ibpembed|unavailable"):
+    with pytest.raises(
+        InferenceServerException, match=r"ibpembed.*version 1|version 1.*ibpembed|unavailable"
+    ):
         infer_http(client, triton_inputs(fb), model_version="1")
 
 
@@ -393,8 +396,6 @@ def bad_cases() -> list[tuple[str, dict[str, np.ndarray], dict[str, Any], str]]:
 
 @pytest.mark.parametrize(("case", "inputs", "kwargs", "message"), bad_cases(), ids=lambda x: x)
 def test_bad_input_http(setup, client, case, inputs, kwargs, message) -> None:
-    from tritonclient.utils import InferenceServerException
-
     with pytest.raises(InferenceServerException, match=message):
         infer_http(client, inputs, **kwargs)
     # The stub is still there: the next request is answered.
@@ -403,8 +404,6 @@ def test_bad_input_http(setup, client, case, inputs, kwargs, message) -> None:
 
 
 def test_weights_on_the_rows_model(client) -> None:
-    from tritonclient.utils import InferenceServerException
-
     fb = GOOD["user"]
     inputs = {"user__ids": fb.ids, "user__lengths": fb.lengths, "user__weights": np.ones(3, "f4")}
     with pytest.raises(
@@ -432,8 +431,6 @@ def test_bad_input_grpc(setup, tmp_path) -> None:
 
 def test_a_bad_feature_fails_the_whole_request(setup, client) -> None:
     # A request mixing a good and a bad feature fails as a whole: no tensor for the good one.
-    from tritonclient.utils import InferenceServerException
-
     inputs = {**triton_inputs(GOOD), "ctx__ids": np.array([999]), "ctx__lengths": np.ones(1, "i4")}
     with pytest.raises(InferenceServerException, match="ctx__ids"):
         infer_http(client, inputs)
