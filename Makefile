@@ -3,6 +3,8 @@
 # the venv up on first use and rebuild the extension when csrc/ changed.
 PYTHON ?= python3
 VENV ?= .venv
+# tritonclient's gRPC client needs protobuf<7 (the service pins 7): a venv of its own.
+TRITON_GRPC_VENV ?= .venv-triton-grpc
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip --disable-pip-version-check -q
 DEPS_STAMP := $(VENV)/.deps-installed
@@ -20,6 +22,9 @@ $(DEPS_STAMP): $(REQUIREMENTS)
 	$(PIP) install -r requirements/dev.txt
 	$(PIP) install --no-deps -r requirements/torchrec.txt
 	$(PIP) install --no-deps -e clients/python
+	$(PIP) install --no-deps -r requirements/triton.txt
+	$(PYTHON) -m venv $(TRITON_GRPC_VENV)
+	$(TRITON_GRPC_VENV)/bin/pip --disable-pip-version-check -q install --no-deps -r requirements/triton-grpc.txt
 	touch $@
 
 $(BUILD_STAMP): $(DEPS_STAMP) $(CSRC)

@@ -9,7 +9,11 @@ import sys
 from collections.abc import Sequence
 
 # Modules exposing ``register(subparsers)``; each subcommand sets ``func(args) -> int``.
-COMMAND_MODULES: tuple[str, ...] = ("ibpembed.server.cli", "ibpembed.tables.cli")
+COMMAND_MODULES: tuple[str, ...] = (
+    "ibpembed.server.cli",
+    "ibpembed.tables.cli",
+    "ibpembed.triton.cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

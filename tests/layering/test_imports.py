@@ -22,6 +22,9 @@ CORE_MODULES = [
     "ibpembed.tables.importers",
     "ibpembed.engine",
     "ibpembed.torchrec",
+    "ibpembed.torchrec.convert",
+    "ibpembed.triton.repo",
+    "ibpembed.triton.model",
 ]
 FORBIDDEN_PREFIXES = ("grpc", "ibpembed.server", "ibpembed_client")
 

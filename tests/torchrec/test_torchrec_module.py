@@ -16,7 +16,6 @@ import pytest
 pytest.importorskip("torchrec.modules.embedding_modules", reason="torchrec is not installed")
 
 import torch
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torchrec import (
     DataType,
     EmbeddingBagCollection,
@@ -26,7 +25,7 @@ from torchrec import (
 )
 from torchrec.fx import symbolic_trace
 
-import ibpembed.torchrec.module as module_impl
+import ibpembed.torchrec.bag as bag_impl
 from ibpembed.tables.importers import TableSet, TableSource, from_torchrec
 from ibpembed.tables.manifest import pack_table_set
 from ibpembed.torchrec import (
@@ -271,7 +270,7 @@ def no_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             calls.append("lookup_pooled")
             raise AssertionError("a kernel ran before the batch was validated")
 
-    monkeypatch.setattr(module_impl, "ops", Recorder())
+    monkeypatch.setattr(bag_impl, "ops", Recorder())
     return calls
 
 
@@ -632,8 +631,9 @@ def test_torch_jit_script(mixed) -> None:
     buffer.seek(0)
     loaded = torch.jit.load(buffer)
     torch.testing.assert_close(loaded(kjt).values(), ours(kjt).values(), rtol=0, atol=0)
-    # The checks survive scripting; TorchScript re-raises them as torch.jit.Error.
-    with pytest.raises(torch.jit.Error, match=r"IndexError: feature 'f_c' \(table 't_one'\)"):
+    # The checks survive scripting; they run inside the collection's op, whose Python error
+    # TorchScript re-raises as a RuntimeError naming the original exception.
+    with pytest.raises(RuntimeError, match=r"IndexError: feature 'f_c' \(table 't_one'\)"):
         scripted(batch_with(f_c=[3]))
 
 
@@ -649,20 +649,23 @@ class Head(torch.nn.Module):
         return self.linear(self.sparse(features).values())
 
 
-def test_fx_trace_as_a_leaf_module_then_script(mixed) -> None:
+def test_fx_trace_into_the_collection_then_script(mixed) -> None:
     ebc, ours = mixed
     model = Head(ours)
     kjt = random_kjt(ebc, 8, 4, seed=5)
     with torch.no_grad():
         expected = model(kjt)
-        # The input checks branch on the ids, which FX cannot trace through...
-        with pytest.raises(torch.fx.proxy.TraceError, match="cannot be iterated"):
-            symbolic_trace(model)
-        # ...so the collection is traced as a leaf, as torchrec does for its own sharded modules.
-        traced = symbolic_trace(model, leaf_modules=["CompressedEmbeddingBagCollection"])
+        # torchrec's tracer enters the collection: the key checks are one wrapped call and the
+        # lookups one op, so nothing branches on a proxy.
+        traced = symbolic_trace(model)
+        targets = [str(n.target) for n in traced.graph.nodes if n.op == "call_function"]
+        assert "ibpembed.pooled_collection" in targets
         torch.testing.assert_close(traced(kjt), expected, rtol=0, atol=0)
         scripted = torch.jit.script(traced)
         torch.testing.assert_close(scripted(kjt), expected, rtol=0, atol=0)
+        # Tracing it as a leaf, as torchrec does for sharded modules, works as well.
+        leaf = symbolic_trace(model, leaf_modules=["CompressedEmbeddingBagCollection"])
+        torch.testing.assert_close(torch.jit.script(leaf)(kjt), expected, rtol=0, atol=0)
 
 
 def test_torch_compile_with_graph_breaks(mixed) -> None:
@@ -677,16 +680,20 @@ def test_torch_compile_with_graph_breaks(mixed) -> None:
             compiled(batch_with(f_c=[3]))
 
 
-def test_torch_compile_fullgraph_and_export_are_not_supported(mixed) -> None:
-    _, ours = mixed
+def test_torch_compile_fullgraph_and_export(mixed) -> None:
+    ebc, ours = mixed
     torch._dynamo.reset()
-    compiled = torch.compile(ours, backend="eager", fullgraph=True)
-    # The up-front checks read the ids (data-dependent control flow), which one graph cannot hold.
-    with pytest.raises(torch._dynamo.exc.UserError, match="data-dependent"):
-        compiled(batch_with())
-    torch._dynamo.reset()
-    with pytest.raises(GuardOnDataDependentSymNode, match="data-dependent"):
-        torch.export.export(ours, (batch_with(),))
+    kjt = random_kjt(ebc, 8, 4, seed=6)
+    with torch.no_grad():
+        expected = ours(kjt).values()
+        # One graph: the data-dependent checks run inside the op, its fake kernel gives the shape.
+        compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(compiled(kjt).values(), expected, rtol=0, atol=0)
+        with pytest.raises(IndexError, match="table 't_one'"):
+            compiled(batch_with(f_c=[3]))
+        torch._dynamo.reset()
+        exported = torch.export.export(ours, (kjt,), strict=False)
+        torch.testing.assert_close(exported.module()(kjt).values(), expected, rtol=0, atol=0)
 
 
 def test_hot_rows_keep_outputs_and_stay_out_of_the_state_dict() -> None:

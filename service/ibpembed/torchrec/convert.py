@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Swapping a model's torchrec ``EmbeddingBagCollection``s for compressed or remote ones."""
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from ibpembed.torchrec.collection import CompressedEmbeddingBagCollection
+from ibpembed.torchrec.report import TableReport
+
+
+def compress_model(
+    model: nn.Module,
+    allow_unknown_keys: bool = False,
+    *,
+    remote: str | Sequence[str] | None = None,
+    client_options: dict[str, Any] | None = None,
+    **compress_kwargs: Any,
+) -> list[TableReport]:
+    """Replace every torchrec ``EmbeddingBagCollection`` inside ``model``, in place.
+
+    Parameters
+    ----------
+    model : any module holding float ``EmbeddingBagCollection`` submodules (quantized and sharded
+        collections are different classes and are left alone).
+    allow_unknown_keys : passed to each new collection; set it when one KJT carrying features
+        for several collections is fed to each of them.
+    remote : None compresses the tables into the model (``CompressedEmbeddingBagCollection``).
+        A server address (or every shard's address) makes each collection a
+        ``RemoteEmbeddingBagCollection`` on that server instead, with the collection's own
+        configs, checked against what the server serves (pack the model's tables with
+        ``ibpembed pack`` first); all collections share one connection.
+    client_options : for ``remote``: :class:`~ibpembed_client.LookupClient` options.
+    **compress_kwargs : passed to :func:`ibpembed.compress` (in-process only).
+
+    Returns
+    -------
+    Bytes per table before and after, in module order (see :func:`format_table_bytes`); for
+    ``remote``, as the server reports them. A collection registered under several paths is
+    replaced at each by one new module and reported once, under its first path.
+
+    Raises
+    ------
+    TypeError
+        If ``model`` is itself an ``EmbeddingBagCollection`` (there is no parent to swap it in:
+        use ``CompressedEmbeddingBagCollection.from_ebc``).
+    ValueError
+        If ``model`` holds no ``EmbeddingBagCollection``; for ``remote``, a table whose dim or
+        rows differ from the server's (naming the feature).
+    KeyError
+        For ``remote``, a feature the server does not serve.
+    """
+    if isinstance(model, EmbeddingBagCollection):
+        raise TypeError(
+            "model is itself an EmbeddingBagCollection: use "
+            "CompressedEmbeddingBagCollection.from_ebc(model)"
+        )
+    if remote is not None and compress_kwargs:
+        raise TypeError(f"compression options {sorted(compress_kwargs)} do not apply to remote")
+    # Collected first: swapping while named_modules() walks the tree would skip siblings. Every
+    # path: a collection registered under several (shared) is replaced at each, by one module.
+    targets = [
+        (path, m)
+        for path, m in model.named_modules(remove_duplicate=False)
+        if isinstance(m, EmbeddingBagCollection)
+    ]
+    if not targets:
+        raise ValueError(f"{type(model).__name__} holds no torchrec EmbeddingBagCollection")
+    make = _remote_maker(remote, allow_unknown_keys, client_options or {}) if remote else None
+    report: list[TableReport] = []
+    done: dict[int, nn.Module] = {}
+    for path, ebc in targets:
+        swapped = done.get(id(ebc))
+        if swapped is None:
+            if make is None:
+                swapped = CompressedEmbeddingBagCollection.from_ebc(
+                    ebc, allow_unknown_keys=allow_unknown_keys, **compress_kwargs
+                )
+                report.extend(swapped.table_bytes(path))  # once: its tables are stored once
+            else:
+                swapped = make(ebc)
+                report.extend(swapped.table_report(path))
+            done[id(ebc)] = swapped
+        parent_path, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), name, swapped)
+    return report
+
+
+def _remote_maker(
+    remote: str | Sequence[str], allow_unknown_keys: bool, client_options: dict[str, Any]
+) -> Any:
+    """A function building each collection's remote twin over one shared connection."""
+    # Imported here: the remote module pulls in grpc, which in-process users never need.
+    from ibpembed.torchrec.remote import RemoteEmbeddingBagCollection, connect
+
+    client, name, served = connect(remote, **client_options)
+
+    def make(ebc: EmbeddingBagCollection) -> RemoteEmbeddingBagCollection:
+        return RemoteEmbeddingBagCollection(
+            ebc.embedding_bag_configs(),
+            client,
+            name,
+            served,
+            is_weighted=ebc.is_weighted(),
+            allow_unknown_keys=allow_unknown_keys,
+        )
+
+    return make

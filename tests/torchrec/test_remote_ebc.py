@@ -1,0 +1,392 @@
+# SPDX-License-Identifier: Apache-2.0
+"""RemoteEmbeddingBagCollection against a real ``ibpembed`` gRPC server on loopback.
+
+The server and the in-process ``CompressedEmbeddingBagCollection`` read the same packed table
+files and pool with the same kernel, so a whole-table server must match the in-process module
+bit for bit. Row-sharded servers add partial sums in another order: they are held to the fp32
+bound against torchrec's own module.
+"""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchrec.modules.embedding_modules", reason="torchrec is not installed")
+
+import torch
+from torch import nn
+from torchrec import (
+    DataType,
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    PoolingType,
+)
+
+from ibpembed.tables.importers import from_torchrec
+from ibpembed.tables.manifest import pack_shards, pack_table_set
+from ibpembed.tables.store import TableStore
+from ibpembed.torchrec import (
+    CompressedEmbeddingBagCollection,
+    RemoteEmbeddingBagCollection,
+    compress_model,
+    pooled_error_bound,
+)
+from ibpembed.torchrec.remote import RemoteLookupError
+from tests.server.helpers import RunningServer
+
+# Awkward dims (1, 3, 129), SUM and MEAN mixed, a table read by two features, an FP16 table.
+TABLES = [
+    EmbeddingBagConfig(name="t_small", embedding_dim=3, num_embeddings=7, feature_names=["f_a"]),
+    EmbeddingBagConfig(
+        name="t_wide",
+        embedding_dim=129,
+        num_embeddings=300,
+        feature_names=["f_b", "f_b2"],
+        pooling=PoolingType.MEAN,
+    ),
+    EmbeddingBagConfig(name="t_one", embedding_dim=1, num_embeddings=1, feature_names=["f_c"]),
+    EmbeddingBagConfig(
+        name="t_half",
+        embedding_dim=16,
+        num_embeddings=1000,
+        feature_names=["f_d"],
+        data_type=DataType.FP16,
+    ),
+]
+FEATURES = ["f_a", "f_b", "f_b2", "f_c", "f_d"]
+ROWS = {"f_a": 7, "f_b": 300, "f_b2": 300, "f_c": 1, "f_d": 1000}
+POOLING = {"t_wide": PoolingType.MEAN}
+
+
+def make_ebc(is_weighted: bool = False) -> EmbeddingBagCollection:
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=TABLES, is_weighted=is_weighted)
+    with torch.no_grad():
+        for bag in ebc.embedding_bags.values():
+            w = bag.weight
+            w.copy_((torch.randn(w.shape) * torch.logspace(-3, 0, w.shape[1])).to(w.dtype))
+            w[0] = 0
+    return ebc
+
+
+def random_kjt(batch: int, max_len: int, seed: int, weighted: bool = False) -> KeyedJaggedTensor:
+    """Empty bags (the first of every batch), duplicate ids and each table's last row."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = list(reversed(FEATURES))  # the KJT's key order must not matter
+    lengths = torch.randint(0, max_len + 1, (len(keys) * batch,), generator=gen)
+    if batch:
+        lengths[::batch] = 0
+    values = []
+    for k, key in enumerate(keys):
+        n = int(lengths[k * batch : (k + 1) * batch].sum())
+        ids = torch.randint(0, ROWS[key], (n,), generator=gen)
+        if n:
+            ids[-1] = ROWS[key] - 1
+        values.append(ids)
+    flat = torch.cat(values)
+    weights = torch.rand(flat.numel(), generator=gen) * 4 - 2 if weighted else None
+    return KeyedJaggedTensor(keys=keys, values=flat, lengths=lengths, weights=weights)
+
+
+@pytest.fixture(scope="module")
+def ebc() -> EmbeddingBagCollection:
+    return make_ebc()
+
+
+@pytest.fixture(scope="module")
+def packed(ebc, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("remote_ebc")
+    pack_table_set(root / "whole", from_torchrec(ebc), sample_rows=None)
+    pack_shards(root / "sharded", from_torchrec(ebc), 2, sample_rows=None)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(packed: Path) -> Iterator[RunningServer]:
+    with RunningServer(TableStore.load(packed / "whole")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def local(packed: Path, remote) -> CompressedEmbeddingBagCollection:
+    # In the server's table order, which from_server keeps.
+    names = [c.name for c in remote.embedding_bag_configs()]
+    return CompressedEmbeddingBagCollection.from_table_set(packed / "whole", tables=names)
+
+
+@pytest.fixture(scope="module")
+def local_weighted(packed: Path, remote) -> CompressedEmbeddingBagCollection:
+    names = [c.name for c in remote.embedding_bag_configs()]
+    return CompressedEmbeddingBagCollection.from_table_set(
+        packed / "whole", tables=names, is_weighted=True
+    )
+
+
+@pytest.fixture(scope="module")
+def remote(server: RunningServer) -> Iterator[RemoteEmbeddingBagCollection]:
+    module = RemoteEmbeddingBagCollection.from_server(server.target, pooling=POOLING)
+    yield module
+    module.close()
+
+
+def assert_bit_exact(got, expected) -> None:
+    assert got.keys() == expected.keys()
+    assert got.length_per_key() == expected.length_per_key()
+    assert got.values().dtype == torch.float32
+    assert got.values().shape == expected.values().shape
+    # Bit patterns, so that -0.0 and NaN payloads count too.
+    assert torch.equal(got.values().view(torch.int32), expected.values().view(torch.int32))
+
+
+def test_configs_come_from_list_tables(remote: RemoteEmbeddingBagCollection) -> None:
+    configs = {c.name: c for c in remote.embedding_bag_configs()}
+    assert sorted(configs) == sorted(c.name for c in TABLES)
+    for config in TABLES:
+        got = configs[config.name]
+        assert (got.embedding_dim, got.num_embeddings) == (
+            config.embedding_dim,
+            config.num_embeddings,
+        )
+        assert got.feature_names == config.feature_names
+        assert got.pooling == POOLING.get(config.name, PoolingType.SUM)
+    assert not remote.is_weighted()
+
+
+@pytest.mark.parametrize("batch", [0, 1, 5, 64])
+@pytest.mark.parametrize("max_len", [0, 1, 9])
+def test_equals_the_in_process_collection(remote, local, batch: int, max_len: int) -> None:
+    for seed in range(2):
+        kjt = random_kjt(batch, max_len, seed)
+        assert_bit_exact(remote(kjt), local(kjt))
+
+
+def test_batches_of_different_sizes_one_after_another(remote, local) -> None:
+    for seed, batch in enumerate([3, 1, 17, 0, 2]):
+        kjt = random_kjt(batch, 5, seed)
+        assert_bit_exact(remote(kjt), local(kjt))
+
+
+def test_weighted(server, local_weighted) -> None:
+    with RemoteEmbeddingBagCollection.from_server(
+        server.target, pooling=POOLING, is_weighted=True
+    ) as module:
+        assert module.is_weighted()
+        for batch in (1, 8, 33):
+            kjt = random_kjt(batch, 6, seed=batch, weighted=True)
+            assert_bit_exact(module(kjt), local_weighted(kjt))
+
+
+def test_all_mean_tables_ask_the_server_for_mean(server, local) -> None:
+    # Every table MEAN: the server pools MEAN itself; t_wide's bits must not change.
+    all_mean = {c.name: PoolingType.MEAN for c in TABLES}
+    with RemoteEmbeddingBagCollection.from_server(
+        server.target, ["f_b", "f_b2"], pooling=all_mean
+    ) as module:
+        kjt = random_kjt(9, 7, seed=3)
+        wide = KeyedJaggedTensor.from_jt_dict({k: kjt[k] for k in ("f_b", "f_b2")})
+        got = module(wide)
+        expected = local(kjt)
+        assert got.keys() == ["f_b", "f_b2"]
+        for key in ("f_b", "f_b2"):
+            assert torch.equal(got[key], expected[key])
+
+
+def test_features_select_a_subset(server) -> None:
+    with RemoteEmbeddingBagCollection.from_server(
+        server.target, ["f_d", "f_b2"], allow_unknown_keys=True
+    ) as module:
+        configs = module.embedding_bag_configs()
+        # In the order asked for; each table reads only the listed features.
+        assert [(c.name, c.feature_names) for c in configs] == [
+            ("t_half", ["f_d"]),
+            ("t_wide", ["f_b2"]),
+        ]
+        assert module(random_kjt(2, 3, 0)).keys() == ["f_d", "f_b2"]
+
+
+def test_lookup_stream_equals_forward(remote, local) -> None:
+    batches = [random_kjt(b, 4, seed) for seed, b in enumerate([4, 1, 0, 12, 7])]
+    results = list(remote.lookup_stream(iter(batches)))
+    assert len(results) == len(batches)
+    for kjt, got in zip(batches, results, strict=True):
+        assert_bit_exact(got, local(kjt))
+
+
+def test_lookup_stream_names_the_bad_batch(remote) -> None:
+    bad = KeyedJaggedTensor(
+        keys=FEATURES,
+        values=torch.tensor([0, 0, 0, 0, 1000]),
+        lengths=torch.ones(5, dtype=torch.int64),
+    )
+    stream = remote.lookup_stream(iter([random_kjt(2, 2, 0), bad]))
+    next(stream)
+    with pytest.raises(RemoteLookupError, match=r"feature 'f_d'.*1000"):
+        next(stream)
+
+
+class TinyModel(nn.Module):
+    """A DLRM's shape in miniature: sparse arch, then a dense layer over the pooled features."""
+
+    def __init__(self, ebc: EmbeddingBagCollection) -> None:
+        super().__init__()
+        self.sparse = ebc
+        self.dense = nn.Linear(sum(c.embedding_dim * len(c.feature_names) for c in TABLES), 1)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.dense(self.sparse(kjt).values())
+
+
+def test_compress_model_remote_swaps_in_the_server(server) -> None:
+    torch.manual_seed(1)
+    in_process, remote_model = TinyModel(make_ebc()), TinyModel(make_ebc())
+    remote_model.load_state_dict(in_process.state_dict())
+    compress_model(in_process, sample_rows=None)
+    report = compress_model(remote_model, remote=server.target)
+    assert isinstance(remote_model.sparse, RemoteEmbeddingBagCollection)
+    assert [r.table for r in report] == [c.name for c in TABLES]
+    assert all(r.stored_bytes > 0 and r.raw_bytes > 0 for r in report)
+    with torch.no_grad():
+        for seed in range(3):
+            kjt = random_kjt(16, 5, seed)
+            assert torch.equal(remote_model(kjt), in_process(kjt))
+
+
+def test_row_sharded_servers(packed: Path, ebc) -> None:
+    shards = [
+        RunningServer(TableStore.load(packed / "sharded" / f"shard-{k}-of-2")) for k in range(2)
+    ]
+    try:
+        with RemoteEmbeddingBagCollection.from_server(
+            [s.target for s in shards], FEATURES, pooling=POOLING
+        ) as module:
+            assert [c.num_embeddings for c in module.embedding_bag_configs()] == [
+                c.num_embeddings for c in TABLES
+            ]
+            for seed, batch in enumerate([1, 16]):
+                kjt = random_kjt(batch, 8, seed)
+                got, expected = module(kjt), ebc(kjt)
+                assert got.keys() == expected.keys()
+                diff = (got.values().double() - expected.values().detach().double()).abs()
+                assert bool((diff <= pooled_error_bound(ebc, kjt)).all())
+    finally:
+        for s in shards:
+            s.stop()
+
+
+# -- bad input and failures: clear errors naming the feature -------------------------------------
+
+
+def test_a_feature_the_server_lacks(server) -> None:
+    with pytest.raises(KeyError, match=r"feature 'f_zz' is not served by 127.0.0.1"):
+        RemoteEmbeddingBagCollection.from_server(server.target, ["f_a", "f_zz"])
+    other = [
+        *TABLES,
+        EmbeddingBagConfig(name="t_x", embedding_dim=4, num_embeddings=5, feature_names=["f_zz"]),
+    ]
+    model = TinyModel(EmbeddingBagCollection(tables=other, device=torch.device("meta")))
+    with pytest.raises(KeyError, match=r"feature 'f_zz' \(table 't_x'\) is not served"):
+        compress_model(model, remote=server.target)
+
+
+def test_a_dim_that_differs_from_the_config(server) -> None:
+    wrong = [
+        EmbeddingBagConfig(
+            name="t_wide", embedding_dim=128, num_embeddings=300, feature_names=["f_b"]
+        )
+    ]
+    model = TinyModel(EmbeddingBagCollection(tables=wrong, device=torch.device("meta")))
+    with pytest.raises(
+        ValueError, match=r"feature 'f_b' \(table 't_wide'\): the config says dim 128.*129"
+    ):
+        compress_model(model, remote=server.target)
+
+
+def test_rows_that_differ_from_the_config(server) -> None:
+    wrong = [EmbeddingBagConfig(name="t", embedding_dim=3, num_embeddings=8, feature_names=["f_a"])]
+    model = TinyModel(EmbeddingBagCollection(tables=wrong, device=torch.device("meta")))
+    with pytest.raises(ValueError, match=r"feature 'f_a'.*8 rows.*7 rows"):
+        compress_model(model, remote=server.target)
+
+
+def test_a_feature_read_by_two_tables_is_refused(server) -> None:
+    shared = [
+        EmbeddingBagConfig(
+            name="t_small", embedding_dim=3, num_embeddings=7, feature_names=["f_a"]
+        ),
+        EmbeddingBagConfig(
+            name="t_other", embedding_dim=3, num_embeddings=7, feature_names=["f_a"]
+        ),
+    ]
+    model = TinyModel(EmbeddingBagCollection(tables=shared, device=torch.device("meta")))
+    with pytest.raises(ValueError, match="feature 'f_a' is read by tables 't_small' and 't_other'"):
+        compress_model(model, remote=server.target)
+
+
+def test_an_out_of_range_id_names_the_feature(remote) -> None:
+    kjt = KeyedJaggedTensor(
+        keys=FEATURES,
+        values=torch.tensor([0, 0, 0, 5, 0]),
+        lengths=torch.ones(5, dtype=torch.int64),
+    )
+    with pytest.raises(RemoteLookupError, match=r"INVALID_ARGUMENT.*feature 'f_c'"):
+        remote(kjt)
+
+
+def test_a_kjt_missing_a_feature(remote) -> None:
+    kjt = KeyedJaggedTensor(keys=["f_a"], values=torch.tensor([0]), lengths=torch.tensor([1]))
+    with pytest.raises(KeyError, match=r"feature 'f_\w+' is missing from the KJT"):
+        remote(kjt)
+
+
+def test_an_unknown_kjt_key(remote) -> None:
+    kjt = random_kjt(1, 1, 0)
+    extra = KeyedJaggedTensor.from_jt_dict(
+        {
+            **kjt.to_dict(),
+            "f_new": KeyedJaggedTensor(
+                keys=["f_new"], values=torch.tensor([1]), lengths=torch.tensor([1])
+            )["f_new"],
+        }
+    )
+    with pytest.raises(KeyError, match="KJT key 'f_new' is not read by any table"):
+        remote(extra)
+
+
+def test_a_weighted_collection_without_weights(server) -> None:
+    with (
+        RemoteEmbeddingBagCollection.from_server(server.target, is_weighted=True) as module,
+        pytest.raises(ValueError, match="weighted: the KJT has no weights"),
+    ):
+        module(random_kjt(2, 2, 0))
+
+
+def test_a_dead_server(packed: Path) -> None:
+    running = RunningServer(TableStore.load(packed / "whole"))
+    target = running.target
+    module = RemoteEmbeddingBagCollection.from_server(target, timeout=5.0)
+    running.stop()
+    with pytest.raises(
+        RemoteLookupError, match=rf"cannot reach ibpembed server {target} \(features \[.*'f_a'"
+    ):
+        module(random_kjt(2, 2, 0))
+    module.close()
+    with pytest.raises(ConnectionError, match=rf"ibpembed server {target}: cannot list its tables"):
+        RemoteEmbeddingBagCollection.from_server(target, timeout=2.0)
+
+
+def test_traced_as_a_leaf_in_a_model(server) -> None:
+    from torchrec.fx import symbolic_trace
+
+    # torchrec's tracer cannot enter the remote module (its forward turns the KJT's tensors
+    # into a request: numpy on an FX proxy fails); as a leaf the traced model calls it.
+    with RemoteEmbeddingBagCollection.from_server(server.target, pooling=POOLING) as module:
+        model = TinyModel(module)
+        model.dense = nn.Linear(module(random_kjt(1, 1, 0)).values().shape[1], 1)
+        traced = symbolic_trace(model, leaf_modules=["RemoteEmbeddingBagCollection"])
+        kjt = random_kjt(6, 4, seed=9)
+        with torch.no_grad():
+            assert torch.equal(traced(kjt), model(kjt))
+            with pytest.raises(Exception, match=r"numpy|Proxy|iterate"):
+                symbolic_trace(model)
