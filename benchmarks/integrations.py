@@ -24,10 +24,7 @@ servers run one worker and one torch thread, as does this process. No hot-row co
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -38,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks._harness import RESULTS, run_metadata, write_results
 from ibpembed.codec import compress
 from ibpembed.engine import LookupEngine
 from ibpembed.server import demo
@@ -50,7 +48,6 @@ from ibpembed_client.workload import hotness_for, make_requests
 from tools.serve_process import ServerProcess
 from tools.triton_process import TritonProcess
 
-DEFAULT_OUT = Path(__file__).resolve().parent / ".cache" / "results"
 LOOKUP_BATCHES = (1, 64, 512)
 MODULE_BATCHES = (64, 512)
 
@@ -131,7 +128,7 @@ def to_kjt(features: list):
     )
 
 
-def run(cfg: Config, out: Path) -> dict:
+def run(cfg: Config, out: Path, command: str) -> dict:
     torch.set_num_threads(1)
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
@@ -234,18 +231,12 @@ def run(cfg: Config, out: Path) -> dict:
             triton.stop()
             engine.close()
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        **run_metadata(command),
         "config": cfg.__dict__,
-        "command": " ".join(sys.argv),
         "lookups": lookups,
         "modules": modules,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "integrations.json").write_text(json.dumps(report, indent=2))
-    (out / "integrations.md").write_text(markdown(report))
+    write_results(out, "integrations", report, markdown(report))
     return report
 
 
@@ -278,13 +269,14 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small tables, short points")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--seconds", type=float, default=None, help="measured seconds per point")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     if args.seconds is not None:
         cfg = Config(cfg.max_rows, args.seconds, cfg.warmup_s, cfg.requests)
-    report = run(cfg, args.out)
+    given = sys.argv[1:] if argv is None else argv
+    report = run(cfg, args.out, " ".join(["python -m benchmarks.integrations", *given]))
     print(markdown(report))
     return 0
 

@@ -110,6 +110,18 @@ SECTIONS = (
         (),
     ),
     Section(
+        "integrations",
+        "Triton and a remote torchrec EBC",
+        "Served through Triton's Python backend, or looked up from a torchrec model through "
+        "`RemoteEmbeddingBagCollection`, what does a lookup cost against `ibpembed serve` and "
+        "against the same tables in process?",
+        "Every path answers the same requests with the same bits before it is timed, one "
+        "request at a time. Triton adds its HTTP front end and a process hop to the Python "
+        "backend stub (the ensemble trap: embeddings moving between processes); the remote EBC "
+        "adds one gRPC round trip per forward to the in-process module.",
+        (),
+    ),
+    Section(
         "gpu_check",
         "GPU: zero-copy gather over PCIe",
         "On a GPU, how fast is the zero-copy gather of compressed rows against raw rows, "
@@ -282,10 +294,58 @@ def _other_rows(results: Results) -> list[list[str]]:
     return rows
 
 
+def _integration_rows(results: Results) -> list[list[str]]:
+    data = results.get("integrations")
+    if not data:
+        return []
+    rows = []
+    lookups = {(r["batch"], r["path"]): r for r in data["lookups"]}
+    for batch in sorted({b for b, _ in lookups}):
+        triton = lookups.get((batch, "Triton (HTTP)"))
+        served = lookups.get((batch, "ibpembed serve (gRPC)"))
+        inproc = lookups.get((batch, "in-process engine"))
+        if triton and served:
+            rows.append(
+                [
+                    f"QPS one at a time, Triton Python backend vs `ibpembed serve` (B={batch})",
+                    f"{triton['qps']:.0f}",
+                    f"{served['qps']:.0f}",
+                    _ratio(triton["qps"], served["qps"]),
+                    "integrations",
+                ]
+            )
+        if served and inproc and batch == max(b for b, _ in lookups):
+            rows.append(
+                [
+                    f"QPS one at a time, `ibpembed serve` vs in-process engine (B={batch})",
+                    f"{served['qps']:.0f}",
+                    f"{inproc['qps']:.0f}",
+                    _ratio(served["qps"], inproc["qps"]),
+                    "integrations",
+                ]
+            )
+    modules = {(r["batch"], r["module"]): r for r in data["modules"]}
+    for batch in sorted({b for b, _ in modules}):
+        remote = modules.get((batch, "RemoteEmbeddingBagCollection"))
+        local = modules.get((batch, "CompressedEmbeddingBagCollection"))
+        if remote and local:
+            rows.append(
+                [
+                    f"EBC forwards/s, remote (gRPC) vs in-process compressed EBC (B={batch})",
+                    f"{remote['qps']:.0f}",
+                    f"{local['qps']:.0f}",
+                    _ratio(remote["qps"], local["qps"]),
+                    "integrations",
+                ]
+            )
+    return rows
+
+
 HEADLINES: tuple[Callable[[Results], list[list[str]]], ...] = (
     _savings_rows,
     _lookup_rows,
     _service_rows,
+    _integration_rows,
     _other_rows,
 )
 
