@@ -56,7 +56,7 @@ import torch
 from ibpembed.server import demo
 from ibpembed.server.interceptors import LOOKUP_METHOD
 from ibpembed.server.metrics import ServerMetrics
-from ibpembed.tables.manifest import save_table_set
+from ibpembed.tables.pack import save_table_set
 from ibpembed.tables.store import TableStore
 from ibpembed_client.loadgen import LoadConfig, run_load
 from ibpembed_client.v1 import lookup_pb2 as pb

@@ -16,6 +16,8 @@ CORE_MODULES = [
     "ibpembed.tables",
     "ibpembed.tables.store",
     "ibpembed.tables.manifest",
+    "ibpembed.tables.pack",
+    "ibpembed.tables.shards",
     "ibpembed.tables.importers",
     "ibpembed.engine",
     "ibpembed.torchrec",

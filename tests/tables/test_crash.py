@@ -14,7 +14,8 @@ import torch
 
 from ibpembed.tables import format as tf
 from ibpembed.tables.importers import TableSet, TableSource
-from ibpembed.tables.manifest import MANIFEST, pack_table_set, read_manifest
+from ibpembed.tables.manifest import MANIFEST, read_manifest
+from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.store import TableStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +27,7 @@ import os, sys, time
 import torch
 from ibpembed.tables import format as tf
 from ibpembed.tables.importers import TableSet, TableSource
-from ibpembed.tables.manifest import pack_table_set
+from ibpembed.tables.pack import pack_table_set
 
 target, point = sys.argv[1], sys.argv[2]
 tf.PACK_STEP_BYTES = 4096  # many steps: the kill lands mid-payload

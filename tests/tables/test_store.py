@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from ibpembed import compress
 from ibpembed.tables import format as tf
 from ibpembed.tables.importers import TableSet, TableSource
-from ibpembed.tables.manifest import MANIFEST, TableSetError, pack_table_set, read_manifest
+from ibpembed.tables.manifest import MANIFEST, TableSetError, read_manifest
+from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.store import MIN_SPILL_BYTES, TableBytes, TableSnapshot, TableStore
 from tests.codec.tables import make_table
 from tests.tables.helpers import (

@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from ibpembed import codec
 from ibpembed.tables import format as tf
-from ibpembed.tables import importers, manifest
+from ibpembed.tables import importers, manifest, pack
+from ibpembed.tables.shards import pack_shards
 
 EXIT_OK = 0
 EXIT_FAULT = 1
@@ -207,11 +208,11 @@ def _pack(args: argparse.Namespace) -> int:
         if args.shards is None:
             if args.shard_address is not None:
                 raise ValueError("--shard-address needs --shards")
-            shards = [(None, manifest.pack_table_set(args.output, table_set, **pack_args))]
+            shards = [(None, pack.pack_table_set(args.output, table_set, **pack_args))]
         else:
             if args.shards < 1:
                 raise ValueError(f"--shards must be >= 1, got {args.shards}")
-            written = manifest.pack_shards(
+            written = pack_shards(
                 args.output,
                 table_set,
                 args.shards,
