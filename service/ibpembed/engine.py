@@ -307,6 +307,7 @@ class LookupEngine:
         deadline: float | None = None,
         then: Callable[[LookupResult], T] | None = None,
         slot: AdmissionSlot | None = None,
+        table_version: int = 0,
     ) -> LookupResult | T:
         """Look up a request off the event loop.
 
@@ -321,6 +322,7 @@ class LookupEngine:
         slot : the request's admission, taken by the caller with :meth:`admit` when it keeps
             the result's memory past the return (it releases its own hold); None = admit here,
             released when the kernels finish.
+        table_version : the table-set version to read (one the store keeps); 0 = the newest.
 
         Raises
         ------
@@ -328,8 +330,11 @@ class LookupEngine:
         NotFound : a feature has no table.
         InvalidArgument : malformed ids / lengths / weights, or an id out of range.
         DeadlineExceeded : the deadline passed before a worker thread picked the request up.
+        VersionNotHeld : ``table_version`` is not one the store keeps.
         """
-        future = self.submit(features, pooling, deadline=deadline, then=then, slot=slot)
+        future = self.submit(
+            features, pooling, deadline=deadline, then=then, slot=slot, table_version=table_version
+        )
         # If the caller is cancelled (client gone, deadline) the thread still finishes its
         # kernel; the work's hold on the admission slot is released by the future's callback,
         # not here, so the bound on in-flight work holds.
@@ -343,6 +348,7 @@ class LookupEngine:
         deadline: float | None = None,
         then: Callable[[LookupResult], T] | None = None,
         slot: AdmissionSlot | None = None,
+        table_version: int = 0,
     ) -> Future[LookupResult | T]:
         """Admit a request (unless ``slot`` is given) and queue it on the worker threads (see
         :meth:`lookup`)."""
@@ -352,7 +358,7 @@ class LookupEngine:
             slot.hold()
 
         def work() -> LookupResult | T:
-            result = self.run(features, pooling, deadline=deadline)
+            result = self.run(features, pooling, deadline=deadline, table_version=table_version)
             return result if then is None else then(result)
 
         try:
@@ -369,13 +375,14 @@ class LookupEngine:
         pooling: Pooling,
         *,
         deadline: float | None = None,
+        table_version: int = 0,
     ) -> LookupResult:
         """Look up a request on the calling thread (no admission control): the in-process path."""
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExceeded("deadline passed while the request waited for a worker")
         if pooling not in POOLINGS:
             raise InvalidArgument("pooling", f"must be one of {POOLINGS}, got {pooling!r}")
-        with self.store.acquire() as snap:
+        with self.store.acquire(table_version) as snap:
             plan = self._plan(snap, features, pooling)
             if self.hot_rows is not None:
                 self.hot_rows.record(

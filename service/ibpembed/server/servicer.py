@@ -186,6 +186,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             pooling,
             deadline=deadline_of(context),
             then=functools.partial(encode_response, request.request_id),
+            table_version=request.table_version,
         )
 
     async def LookupStream(
@@ -244,6 +245,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 deadline=deadline,
                 then=functools.partial(encode_response, request.request_id),
                 slot=slot,
+                table_version=request.table_version,
             )
             return response, slot
         except Exception as exc:
@@ -263,8 +265,8 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self, request: pb.ListTablesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListTablesResponse:
         tables = [table_info(d) for d in self.engine.describe()]
-        version = tables[0].version if tables else 0
-        return pb.ListTablesResponse(tables=tables, table_version=version)
+        held = self.engine.store.versions_held()
+        return pb.ListTablesResponse(tables=tables, table_version=held[-1], versions_held=held)
 
     async def DescribeTable(
         self, request: pb.DescribeTableRequest, context: grpc.aio.ServicerContext
