@@ -8,12 +8,20 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+import ibpembed
+
+DESCRIPTION = (
+    "ibpembed: lossless compressed (Invariant Bit Packing) embedding tables and the gRPC service"
+    " that looks them up. `ibpembed COMMAND --help` describes each command."
+)
+
 # Modules exposing ``register(subparsers)``; each subcommand sets ``func(args) -> int``.
 COMMAND_MODULES: tuple[str, ...] = ("ibpembed.server.cli", "ibpembed.tables.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ibpembed", description=__doc__)
+    parser = argparse.ArgumentParser(prog="ibpembed", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"ibpembed {ibpembed.__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)

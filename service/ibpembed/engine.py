@@ -191,16 +191,24 @@ class _RequestPlan:
     weights: np.ndarray | None  # float32 [ids]; ones for features sent without weights
 
 
-def resolve_device(device: str) -> torch.device:
-    """``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when a GPU and the CUDA kernels are present)."""
-    if device not in ("cpu", "cuda", "auto"):
-        raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
-    has_cuda_kernels = (
+def cuda_kernels_present() -> bool:
+    """A GPU the CUDA kernels run on, and a build that has them."""
+    return (
         torch.cuda.is_available()
         and torch._C._dispatch_has_kernel_for_dispatch_key("ibpembed::ibp_gather", "CUDA")
         # The kernels use sm_80 instructions (cp.async, __reduce_add_sync).
         and torch.cuda.get_device_capability() >= MIN_CUDA_CAPABILITY
     )
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when a GPU and the CUDA kernels are present).
+
+    A server decides with :func:`ibpembed.selftest.choose_device`, which also runs the CUDA
+    kernels once on its tables before trusting them."""
+    if device not in ("cpu", "cuda", "auto"):
+        raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
+    has_cuda_kernels = cuda_kernels_present()
     if device == "cuda" and not has_cuda_kernels:
         raise ValueError(
             "--device cuda needs an ibpembed build with CUDA kernels and a GPU of compute "

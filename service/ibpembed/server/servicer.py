@@ -160,7 +160,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
 
     Parameters
     ----------
-    engine : does the lookups.
+    engine : does the lookups (None until the tables are loaded).
     stream_window : requests of one LookupStream in the engine or waiting to be written at
         once; the stream stops reading (gRPC flow control pushes back on the client) while the
         window is full.
@@ -175,7 +175,9 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     saturated server (RELIABILITY.md, *Defects* 31).
     """
 
-    def __init__(self, engine: LookupEngine, *, stream_window: int = 8) -> None:
+    def __init__(self, engine: LookupEngine | None, *, stream_window: int = 8) -> None:
+        # None while the server loads its tables: the interceptor's gate answers every RPC
+        # UNAVAILABLE until the server sets it.
         self.engine = engine
         self.stream_window = stream_window
 

@@ -344,17 +344,24 @@ def load_table_set_meta(
     verify: bool = False,
     prefetch: bool = False,
     reuse: Callable[[str, ManifestEntry], CompressedTable | None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Manifest, dict[str, CompressedTable], dict[str, Mapping[str, Any]]]:
     """``load_table_set``, and the meta section of every table it read from its file (tables
-    ``reuse`` returned are not read, so have none). ``prefetch``: see ``format.read_table``."""
+    ``reuse`` returned are not read, so have none). ``prefetch``: see ``format.read_table``.
+    ``progress(done, total)``: called before the first table and after each (in tables)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     tables: dict[str, CompressedTable] = {}
     metas: dict[str, Mapping[str, Any]] = {}
-    for name, entry in manifest.tables.items():
+    total = len(manifest.tables)
+    if progress is not None:
+        progress(0, total)
+    for done, (name, entry) in enumerate(manifest.tables.items(), 1):
         previous = reuse(name, entry) if reuse is not None else None
         if previous is not None:
             tables[name] = previous
+            if progress is not None:
+                progress(done, total)
             continue
         path = directory / entry.file
         if not path.is_file():
@@ -363,4 +370,6 @@ def load_table_set_meta(
         check_entry(directory / MANIFEST, name, entry, loaded)
         tables[name] = loaded.table
         metas[name] = loaded.meta
+        if progress is not None:
+            progress(done, total)
     return manifest, tables, metas

@@ -47,7 +47,7 @@ import functools
 import os
 import threading
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,6 +249,7 @@ class TableStore:
         prefetch: bool = False,
         pin: bool = False,
         keep_versions: int = 1,
+        progress: Callable[[int, int], None] | None = None,
     ) -> TableStore:
         """A store over a packed table set (manifest + ``.ibpt`` files), memory-mapped.
 
@@ -261,9 +262,12 @@ class TableStore:
         pin : page-lock payloads for the CUDA kernels (see ``pin_payload``); ignored without
             CUDA. Buffers made by row updates are then allocated page-locked too.
         keep_versions : published versions kept for pinned lookups (``acquire(version)``).
+        progress : ``progress(tables loaded, tables)`` as the load goes (for a loading gauge).
         """
         directory = Path(directory)
-        manifest, tables, metas = load_table_set_meta(directory, verify=verify, prefetch=prefetch)
+        manifest, tables, metas = load_table_set_meta(
+            directory, verify=verify, prefetch=prefetch, progress=progress
+        )
         return cls(
             tables,
             manifest.features,
