@@ -52,7 +52,11 @@ class LookupServiceError(Exception):
     code : the gRPC status code.
     details : the server's message (names the bad field for INVALID_ARGUMENT).
     request_id : the request's id, when known.
-    attempts : tries made (more than 1 after retries: see :class:`RetryPolicy`).
+    attempts : tries made by this client's own retries (overload refusals: see
+        :class:`RetryPolicy`; gRPC's retries of UNAVAILABLE happen below and are not counted).
+    versions_held : for FAILED_PRECONDITION on a pinned table-set version, the versions the
+        server holds (from its trailing metadata); None otherwise.
+    shard : for the sharded clients, the shard that failed; None otherwise.
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class LookupServiceError(Exception):
         self.request_id = request_id
         self.attempts = attempts
         self.versions_held: tuple[int, ...] | None = None
+        self.shard: int | None = None
 
     @classmethod
     def from_rpc_error(

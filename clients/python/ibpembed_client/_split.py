@@ -95,7 +95,11 @@ def split_request(shard_map: ShardMap, request: pb.LookupRequest) -> SplitPlan:
     def shard_request(shard: int) -> pb.LookupRequest:
         if shard not in requests:
             # One id for every part, so the shards' logs of one request can be joined.
-            requests[shard] = pb.LookupRequest(request_id=request_id, pooling=shard_pooling)
+            requests[shard] = pb.LookupRequest(
+                request_id=request_id,
+                pooling=shard_pooling,
+                table_version=request.table_version,
+            )
             feature_index[shard] = []
         return requests[shard]
 
@@ -177,13 +181,20 @@ def split_request(shard_map: ShardMap, request: pb.LookupRequest) -> SplitPlan:
 def merge_results(plan: SplitPlan, results: Mapping[int, LookupResult]) -> LookupResult:
     """Put the shards' answers (``results[shard]``) back together in request order.
 
-    ``table_version`` is the smallest version among the shards that answered (0 when no shard
-    was asked): versions count each server's own reloads, so they are not comparable across
-    servers beyond that.
+    Every shard must have answered from one table-set version (the merged result's
+    ``table_version``; 0 when no shard was asked): embeddings of two versions in one result
+    would drift from the dense model silently, so answers that disagree raise
+    FAILED_PRECONDITION instead (pin the request's ``table_version`` to avoid them).
     """
-    merged = LookupResult(
-        plan.request_id, min((r.table_version for r in results.values()), default=0)
-    )
+    versions = {shard: r.table_version for shard, r in results.items()}
+    if len(set(versions.values())) > 1:
+        raise LookupServiceError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"the shards answered from different table-set versions {versions}: pin the "
+            "request's table_version (the sharded clients do)",
+            plan.request_id,
+        )
+    merged = LookupResult(plan.request_id, next(iter(versions.values()), 0))
     none = plan.pooling == pb.POOLING_NONE
     for feature in plan.features:
         table = feature.table
@@ -232,4 +243,6 @@ def shard_error(
         return f"features[{callers[j]}]" if j < len(callers) else match[0]
 
     details = _FEATURE_FIELD.sub(renumber, err.details)
-    return LookupServiceError(err.code, f"{where}: {details}", err.request_id, err.attempts)
+    error = LookupServiceError(err.code, f"{where}: {details}", err.request_id, err.attempts)
+    error.versions_held, error.shard = err.versions_held, shard
+    return error

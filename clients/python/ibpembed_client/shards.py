@@ -24,6 +24,20 @@ subtracts the range start itself. For one request the client
    asks every server for SUM and divides the total by the sample's full number of ids, as one
    server would (weights scale rows, they do not change the divisor).
 
+Versions. Every part of one request is pinned (``LookupRequest.table_version``) to the newest
+table-set version all the shards hold, as their ListTables answers said when last asked (every
+``version_refresh_s``), so a result never mixes the rows of two versions while the shards reload
+one after another (servers keep ``--keep-versions`` of them). A shard that answers
+FAILED_PRECONDITION with the versions it holds (a replica behind the shard's address that has not
+reloaded yet, or has dropped the version) narrows what the client believes that shard holds, and
+the whole request is tried again at the newest version still common, up to ``VERSION_ATTEMPTS``
+times. A request the caller pinned itself is sent as it is.
+
+Replicas. Each address may name a group of replicas (``dns:///ibpembed-shard-0:50051``, a headless
+Service; or ``ipv4:10.0.0.1:50051,10.0.0.2:50051``); with ``channel_options=[("grpc.lb_policy_name",
+"round_robin")]`` gRPC spreads calls over them and retries an UNAVAILABLE attempt (a replica that
+died mid-call) on another one (the retry policy's service config).
+
 A SUM/MEAN merge adds fp32 partial sums, so it equals a single server's result within fp32
 rounding (``ibpembed.reference.pooled_tolerance``), not bit for bit. Any failed shard fails the
 whole request with that shard's status, its message naming the shard, its address and the rows
@@ -34,6 +48,8 @@ in the shard's message is renumbered to the feature's position in the caller's r
 from __future__ import annotations
 
 import asyncio
+import math
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -45,6 +61,7 @@ import grpc
 from ibpembed_client._client import LookupClient
 from ibpembed_client._common import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    ChannelOptions,
     FeatureInput,
     KeepAliveOptions,
     LookupResult,
@@ -54,7 +71,7 @@ from ibpembed_client._common import (
     TlsOptions,
     build_request,
 )
-from ibpembed_client._split import merge_results, shard_error, split_request
+from ibpembed_client._split import SplitPlan, merge_results, shard_error, split_request
 from ibpembed_client.aio import AsyncLookupClient
 from ibpembed_client.shard_map import ShardedTable, ShardMap, ShardRange
 from ibpembed_client.v1 import lookup_pb2 as pb
@@ -71,10 +88,61 @@ __all__ = [
 
 # Fan-out threads per shard for ShardedLookupClient: several callers' parts run at once.
 DEFAULT_WORKERS_PER_SHARD = 4
+# Seconds between asking every shard which table-set versions it holds.
+DEFAULT_VERSION_REFRESH_S = 10.0
+# Tries of one request at successively re-pinned versions (see the module's *Versions*).
+VERSION_ATTEMPTS = 3
 
 
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class _VersionPin:
+    """The table-set versions each shard holds, as last seen, and the newest they share."""
+
+    def __init__(self, shard_map: ShardMap, refresh_s: float) -> None:
+        self.shard_map = shard_map
+        self.refresh_s = refresh_s
+        self.held: list[frozenset[int]] = []
+        self._checked = -math.inf
+
+    @property
+    def stale(self) -> bool:
+        return time.monotonic() - self._checked >= self.refresh_s
+
+    def update(self, held: Sequence[Sequence[int]]) -> None:
+        self.held = [frozenset(h) for h in held]
+        self._checked = time.monotonic()
+
+    def narrow(self, shard: int, versions: Sequence[int]) -> None:
+        """Shard ``shard`` (one of its replicas) said it holds ``versions``."""
+        said = frozenset(versions)
+        self.held[shard] = (self.held[shard] & said) or said
+
+    def version(self, request_id: str) -> int:
+        common = frozenset.intersection(*self.held) if self.held else frozenset()
+        if not common:
+            held = "; ".join(
+                f"shard {k} at {self.shard_map.addresses[k]} holds {sorted(h)}"
+                for k, h in enumerate(self.held)
+            )
+            raise LookupServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the shards hold no table-set version in common ({held}): a rolling reload "
+                "went further than the servers' --keep-versions, or a shard serves another set",
+                request_id,
+            )
+        return max(common)
+
+
+def _repinnable(err: LookupServiceError) -> bool:
+    """A shard refused the pinned version and said what it holds."""
+    return (
+        err.code == grpc.StatusCode.FAILED_PRECONDITION
+        and err.versions_held is not None
+        and err.shard is not None
+    )
 
 
 # -- clients ---------------------------------------------------------------------------------
@@ -88,6 +156,7 @@ class _ClientArgs:
     tls: TlsOptions | None
     token: str | None
     max_message_bytes: int
+    channel_options: ChannelOptions
 
     def kwargs(self) -> dict[str, Any]:
         return {
@@ -97,6 +166,7 @@ class _ClientArgs:
             "tls": self.tls,
             "token": self.token,
             "max_message_bytes": self.max_message_bytes,
+            "channel_options": self.channel_options,
         }
 
 
@@ -106,19 +176,23 @@ class ShardedLookupClient:
     >>> with ShardedLookupClient(ShardMap.load("tables/", addresses)) as client:
     ...     rows = client.lookup({"cat_0": [[7, 123_456]]}, pooling="none")["cat_0"]
 
-    Thread-safe. One :class:`LookupClient` (one connection) per shard; a request's parts run
+    Thread-safe. One :class:`LookupClient` (one channel) per shard; a request's parts run
     concurrently on a thread pool shared by every calling thread (grpc releases the GIL while
     waiting).
 
     Parameters
     ----------
     shard_map : which server holds which rows.
-    timeout, retry, keepalive, tls, token, max_message_bytes : as for :class:`LookupClient`,
-        applied to every shard. The timeout is one deadline for the whole request: each shard
-        call gets the time left when it starts, and a lookup still unanswered at the deadline
-        fails with DEADLINE_EXCEEDED, time spent queued for a pool thread included.
+    timeout, retry, keepalive, tls, token, max_message_bytes, channel_options : as for
+        :class:`LookupClient`, applied to every shard (``channel_options`` with
+        ``("grpc.lb_policy_name", "round_robin")`` spreads each shard's calls over its
+        replicas). The timeout is one deadline for the whole request: each shard call gets the
+        time left when it starts, and a lookup still unanswered at the deadline fails with
+        DEADLINE_EXCEEDED, time spent queued for a pool thread included.
     max_workers : threads sending shard calls (default ``DEFAULT_WORKERS_PER_SHARD`` per
         shard); with more calling threads than this allows, their parts queue.
+    version_refresh_s : seconds between asking the shards which versions they hold (the pin
+        moves to a newer version at most this long after every shard has it).
     """
 
     def __init__(
@@ -131,20 +205,27 @@ class ShardedLookupClient:
         tls: TlsOptions | None = None,
         token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        channel_options: ChannelOptions = (),
         max_workers: int | None = None,
+        version_refresh_s: float = DEFAULT_VERSION_REFRESH_S,
     ) -> None:
         self.shard_map = shard_map
         self.timeout = timeout
-        args = _ClientArgs(timeout, retry, keepalive, tls, token, max_message_bytes)
+        args = _ClientArgs(
+            timeout, retry, keepalive, tls, token, max_message_bytes, channel_options
+        )
         self._clients = [LookupClient(a, **args.kwargs()) for a in shard_map.addresses]
         if max_workers is None:
             max_workers = max(1, DEFAULT_WORKERS_PER_SHARD * len(self._clients))
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="ibpembed-shard")
+        self._pin = _VersionPin(shard_map, version_refresh_s)
+        self._pin_lock = threading.Lock()
 
     @classmethod
     def discover(cls, addresses: Sequence[str], **client_args: Any) -> ShardedLookupClient:
         """A client over the map the servers report (:meth:`ShardMap.discover`)."""
-        discover_args = {k: v for k, v in client_args.items() if k in ("tls", "token")}
+        keys = ("tls", "token", "channel_options")
+        discover_args = {k: v for k, v in client_args.items() if k in keys}
         return cls(ShardMap.discover(addresses, **discover_args), **client_args)
 
     def close(self) -> None:
@@ -159,6 +240,18 @@ class ShardedLookupClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def versions_held(self, *, timeout: float | None = None) -> list[tuple[int, ...]]:
+        """Each shard's table-set versions, as one of its servers reports them now."""
+        return [client.versions_held(timeout=timeout) for client in self._clients]
+
+    def pinned_version(self, *, timeout: float | None = None) -> int:
+        """The version unpinned lookups are sent at: the newest every shard holds (asking the
+        shards again when ``version_refresh_s`` has passed)."""
+        with self._pin_lock:
+            if self._pin.stale:
+                self._pin.update(self.versions_held(timeout=timeout))
+            return self._pin.version("")
+
     def lookup(
         self,
         features: Mapping[str, FeatureInput],
@@ -166,15 +259,22 @@ class ShardedLookupClient:
         *,
         timeout: float | None = None,
         request_id: str = "",
+        table_version: int = 0,
     ) -> LookupResult:
         """Look up one batch (see :meth:`LookupClient.lookup`); ids are global row numbers.
+
+        ``table_version`` 0 pins the request to the newest version every shard holds (see the
+        module's *Versions*); the result's ``table_version`` is the one that served every part.
 
         Raises
         ------
         LookupServiceError : the first failed shard's status (in shard order), naming it;
-            DEADLINE_EXCEEDED when the shards have not all answered within ``timeout``.
+            DEADLINE_EXCEEDED when the shards have not all answered within ``timeout``;
+            FAILED_PRECONDITION when the shards hold no version in common (naming what each
+            holds) or do not hold the one asked for.
         """
-        return self.lookup_request(build_request(features, pooling, request_id), timeout=timeout)
+        request = build_request(features, pooling, request_id, table_version)
+        return self.lookup_request(request, timeout=timeout)
 
     def lookup_request(
         self, request: pb.LookupRequest, *, timeout: float | None = None
@@ -183,6 +283,28 @@ class ShardedLookupClient:
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         plan = split_request(self.shard_map, request)
+        if request.table_version:  # the caller's pin
+            return self._lookup_at(plan, request.table_version, deadline, timeout)
+        for attempt in range(1, VERSION_ATTEMPTS + 1):
+            with self._pin_lock:
+                # Re-asked on the first try only: a later one goes by what the refusal said.
+                if attempt == 1 and self._pin.stale:
+                    self._pin.update(self.versions_held(timeout=_remaining(deadline)))
+                version = self._pin.version(plan.request_id)
+            try:
+                return self._lookup_at(plan, version, deadline, timeout)
+            except LookupServiceError as err:
+                if not _repinnable(err) or attempt == VERSION_ATTEMPTS:
+                    raise
+                with self._pin_lock:
+                    self._pin.narrow(err.shard, err.versions_held)  # type: ignore[arg-type]
+        raise AssertionError("unreachable")
+
+    def _lookup_at(
+        self, plan: SplitPlan, version: int, deadline: float | None, timeout: float | None
+    ) -> LookupResult:
+        for part in plan.requests.values():
+            part.table_version = version
         futures = {
             shard: self._pool.submit(self._send, shard, part, deadline)
             for shard, part in plan.requests.items()
@@ -242,10 +364,16 @@ class AsyncShardedLookupClient:
         tls: TlsOptions | None = None,
         token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        channel_options: ChannelOptions = (),
+        version_refresh_s: float = DEFAULT_VERSION_REFRESH_S,
     ) -> None:
         self.shard_map = shard_map
-        args = _ClientArgs(timeout, retry, keepalive, tls, token, max_message_bytes)
+        args = _ClientArgs(
+            timeout, retry, keepalive, tls, token, max_message_bytes, channel_options
+        )
         self._clients = [AsyncLookupClient(a, **args.kwargs()) for a in shard_map.addresses]
+        self._pin = _VersionPin(shard_map, version_refresh_s)
+        self._pin_lock = asyncio.Lock()
 
     async def close(self) -> None:
         """Close every shard's channel."""
@@ -258,6 +386,12 @@ class AsyncShardedLookupClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def versions_held(self, *, timeout: float | None = None) -> list[tuple[int, ...]]:
+        """Each shard's table-set versions, as one of its servers reports them now."""
+        return list(
+            await asyncio.gather(*(c.versions_held(timeout=timeout) for c in self._clients))
+        )
+
     async def lookup(
         self,
         features: Mapping[str, FeatureInput],
@@ -265,17 +399,38 @@ class AsyncShardedLookupClient:
         *,
         timeout: float | None = None,
         request_id: str = "",
+        table_version: int = 0,
     ) -> LookupResult:
         """Look up one batch (see :meth:`ShardedLookupClient.lookup`)."""
-        request = build_request(features, pooling, request_id)
+        request = build_request(features, pooling, request_id, table_version)
         return await self.lookup_request(request, timeout=timeout)
 
     async def lookup_request(
         self, request: pb.LookupRequest, *, timeout: float | None = None
     ) -> LookupResult:
-        """Send a prebuilt request, split across the shards."""
+        """Send a prebuilt request, split across the shards (pinned as the sync client does)."""
         plan = split_request(self.shard_map, request)
+        if request.table_version:
+            return await self._lookup_at(plan, request.table_version, timeout)
+        for attempt in range(1, VERSION_ATTEMPTS + 1):
+            async with self._pin_lock:
+                if attempt == 1 and self._pin.stale:
+                    self._pin.update(await self.versions_held(timeout=timeout))
+                version = self._pin.version(plan.request_id)
+            try:
+                return await self._lookup_at(plan, version, timeout)
+            except LookupServiceError as err:
+                if not _repinnable(err) or attempt == VERSION_ATTEMPTS:
+                    raise
+                self._pin.narrow(err.shard, err.versions_held)  # type: ignore[arg-type]
+        raise AssertionError("unreachable")
+
+    async def _lookup_at(
+        self, plan: SplitPlan, version: int, timeout: float | None
+    ) -> LookupResult:
         shards = sorted(plan.requests)
+        for shard in shards:
+            plan.requests[shard].table_version = version
         answers = await asyncio.gather(
             *(self._clients[s].lookup_request(plan.requests[s], timeout=timeout) for s in shards),
             return_exceptions=True,
