@@ -73,6 +73,10 @@ class LookupObserver(Protocol):
         each in a loaded server (0.6 us alone) and +9 % server CPU per B=1 request.
         """
 
+    def queue_waited(self, seconds: float) -> None:
+        """A request admitted by :meth:`LookupEngine.submit` waited ``seconds`` for a worker
+        thread (the queue-time half of a request's latency; the kernels are the other)."""
+
 
 class AdmissionSlot:
     """One admitted request's share of the engine's capacity (``max_inflight``).
@@ -365,7 +369,11 @@ class LookupEngine:
         else:
             slot.hold()
 
+        queued = time.perf_counter()
+
         def work() -> LookupResult | T:
+            if self.observer is not None:
+                self.observer.queue_waited(time.perf_counter() - queued)
             result = self.run(features, pooling, deadline=deadline, table_version=table_version)
             return result if then is None else then(result)
 

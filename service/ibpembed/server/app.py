@@ -445,6 +445,8 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
         metrics.attach(store, device=device)
     await server.serve_tables(store, device)
     assert server.engine is not None
+    if metrics is not None and server.engine.hot_rows is not None:
+        metrics.watch_hot_rows(server.engine.hot_rows)
     tables = server.engine.describe()
     first_feature = next((t.features[0] for t in tables if t.features), "cat_0")
     source = config.tables or f"embedded demo ({len(tables)} DLRM-DCNv2-profile tables)"

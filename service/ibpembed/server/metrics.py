@@ -35,6 +35,9 @@ metric                                                 type       labels
 ``ibpembed_table_set_reload_failing``                  gauge      —
 ``ibpembed_table_set_versions_held``                   gauge      —
 ``ibpembed_table_set_older_versions_bytes``            gauge      —
+``ibpembed_queue_wait_seconds``                        histogram  —
+``ibpembed_hot_row_hits_total``                        counter    table
+``ibpembed_hot_row_misses_total``                      counter    table
 ``ibpembed_loading``                                   gauge      —
 ``ibpembed_loading_progress_ratio``                    gauge      —
 =====================================================  =========  ==================================
@@ -72,6 +75,7 @@ from prometheus_client.utils import floatToGoString
 
 import ibpembed
 from ibpembed.engine import KernelCall
+from ibpembed.hot_rows import HotRowTracker
 from ibpembed.server.interceptors import STREAM_METHOD
 from ibpembed.server.reload import RELOAD_RESULTS, ReloadResult
 from ibpembed.tables.store import TableStore
@@ -380,6 +384,30 @@ class _TableCollector(Collector):
         yield reloads
 
 
+class _HotRowCollector(Collector):
+    """Hits and misses of the decoded hot-row copies, as the tracker counts them."""
+
+    def __init__(self, tracker: HotRowTracker) -> None:
+        self.tracker = tracker
+
+    def collect(self) -> Iterator[Metric]:
+        doc = (
+            "Looked-up ids {} the table's decoded hot-row copies (--hot-row-budget), counted at"
+            " each hot-row refresh over the ids the tracker's window saw since the last one."
+        )
+        hits = CounterMetricFamily(
+            f"{NAMESPACE}_hot_row_hits", doc.format("found in"), labels=["table"]
+        )
+        misses = CounterMetricFamily(
+            f"{NAMESPACE}_hot_row_misses", doc.format("not found in"), labels=["table"]
+        )
+        for name in sorted(set(self.tracker.hits) | set(self.tracker.misses)):
+            hits.add_metric([name], self.tracker.hits[name])
+            misses.add_metric([name], self.tracker.misses[name])
+        yield hits
+        yield misses
+
+
 class _VersionCollector(Collector):
     """The table-set versions the store keeps, and the memory only older ones hold."""
 
@@ -476,6 +504,14 @@ class ServerMetrics:
         )
         self._kernel = _KernelTally(LATENCY_BUCKETS_S)
         reg.register(self._kernel)
+        self._queue = _Histograms(
+            f"{NAMESPACE}_queue_wait_seconds",
+            "Time admitted lookup requests waited for a kernel thread (--workers) before their"
+            " kernels started: the queue part of ibpembed_lookup_duration_seconds.",
+            [],
+            LATENCY_BUCKETS_S,
+        )
+        reg.register(_Families(self._queue))
         # Touched on the event loop only (lookup_started/done), so a plain int read at scrape
         # will do.
         self._inflight = 0
@@ -547,6 +583,14 @@ class ServerMetrics:
         assert self._tables is not None  # no lookup runs before the store is attached
         self._tables.sync()
         self._kernel.add(pooling, calls, self._tables.row_bytes)
+
+    def queue_waited(self, seconds: float) -> None:
+        """A request's wait for a kernel thread (engine worker thread)."""
+        self._queue.observe((), seconds)
+
+    def watch_hot_rows(self, tracker: HotRowTracker) -> None:
+        """Export the hot-row tracker's hit and miss counts (the engine's, once it runs)."""
+        self.registry.register(_HotRowCollector(tracker))
 
     def reload_done(self, result: ReloadResult) -> None:
         """One reload attempt of the table set (event loop)."""
