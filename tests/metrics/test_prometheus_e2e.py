@@ -122,7 +122,8 @@ def test_prometheus_scrapes_serve_and_reads_a_rate(prometheus_for):
     sender = threading.Thread(target=traffic, daemon=True)
     try:
         base = prometheus_for(metrics_port)
-        server.wait_for(f"metrics on http://127.0.0.1:{metrics_port}/metrics")
+        # Bound before the tables loaded, so printed before the banner the process waited for.
+        assert f"metrics on http://127.0.0.1:{metrics_port}/metrics" in server.log()
         sender.start()
         wait_until(lambda: ready(base), "prometheus ready")
 
