@@ -32,10 +32,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "pack",
         help="compress tables into a table set directory",
         description="Compress embedding tables (.pt/.pth state dicts or tensors, .safetensors, "
-        ".npy, or directories of them) into DIR: one .ibpt file per table and manifest.json.",
+        ".npy, or directories of them) into DIR: one .ibpt file per table and manifest.json. "
+        "Each pack publishes the next table-set version of DIR (servers keep the last few and "
+        "serve them on request).",
     )
-    pack.add_argument("sources", nargs="+", metavar="SRC", type=Path)
-    pack.add_argument("-o", "--output", required=True, type=Path, metavar="DIR")
+    pack.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SRC",
+        type=Path,
+        help="checkpoint, tensor, .safetensors or .npy file, or a directory of them",
+    )
+    pack.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="table-set directory to publish into (created if missing)",
+    )
     pack.add_argument("--method", choices=("ibpembed", "paper", "raw"), default="ibpembed")
     pack.add_argument(
         "--align",
@@ -64,7 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=codec.DEFAULT_SAMPLE_ROWS,
         help="rows sampled to fit the masks; 0 = all rows",
     )
-    pack.add_argument("--seed", type=int, default=0)
+    pack.add_argument(
+        "--seed", type=int, default=0, help="seed of the random row sample the fit measures on"
+    )
     pack.add_argument(
         "--table",
         action="append",
