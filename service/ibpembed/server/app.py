@@ -214,9 +214,13 @@ class LookupServer:
         await server.start()
         self._server, self.port = server, port
         if self._store is not None:
-            with self._store.acquire() as snap:
-                device = choose_device(cfg.device, snap.tables).type
-            await self.serve_tables(self._store, device)
+            try:
+                with self._store.acquire() as snap:
+                    device = choose_device(cfg.device, snap.tables).type
+                await self.serve_tables(self._store, device)
+            except BaseException:  # e.g. --device cuda without a GPU: close the port again
+                await server.stop(0)
+                raise
         return port
 
     async def serve_tables(self, store: TableStore, device: str) -> None:

@@ -324,15 +324,17 @@ class TableStore:
         the current version does not share (each counted once)."""
         with self._lock:
             kept = list(self._kept)
-        current = {id(t.payload.untyped_storage()) for t in self._current.tables.values()}
+        # Tables are told apart by the address of the buffer under their payload (a storage
+        # object is a fresh wrapper at every call: its id() names nothing).
+        current = {t.payload.untyped_storage().data_ptr() for t in kept[-1].tables.values()}
         seen: set[int] = set()
         total = 0
         for snapshot in kept[:-1]:
             for table in snapshot.tables.values():
                 storage = table.payload.untyped_storage()
-                if id(storage) in current or id(storage) in seen:
+                if storage.data_ptr() in current or storage.data_ptr() in seen:
                     continue
-                seen.add(id(storage))
+                seen.add(storage.data_ptr())
                 total += (
                     max(table.payload_bytes, storage.nbytes())
                     + table.index_bytes
