@@ -44,7 +44,8 @@ class LookupClient:
     ...     result = client.lookup({"cat_0": [[1, 2], [3]]}, pooling="sum")
     ...     result["cat_0"].shape                     # (2, 128) float32
 
-    Thread-safe: one client (one HTTP/2 connection per target) serves many threads.
+    Thread-safe: one client (one gRPC channel per target: one HTTP/2 connection, or one per
+    resolved address with ``round_robin``) serves many threads.
 
     Parameters
     ----------

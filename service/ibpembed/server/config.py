@@ -142,7 +142,8 @@ class ServerConfig:
     log_format: str = _setting(
         "text",
         "Log lines as `text` or `json` (one object a line: time, level, logger, message;"
-        " for Loki, Cloud Logging, Elastic).",
+        " for Loki, Cloud Logging, Elastic). The banner stays text on stdout, and gRPC's own"
+        " C-core lines (`GRPC_VERBOSITY`) stay text on stderr.",
         choices=LOG_FORMATS,
     )
 
