@@ -20,6 +20,7 @@ CORE_MODULES = [
     "ibpembed.tables.shards",
     "ibpembed.tables.importers",
     "ibpembed.engine",
+    "ibpembed.selftest",
     "ibpembed.torchrec",
 ]
 FORBIDDEN_PREFIXES = ("grpc", "ibpembed.server", "ibpembed_client")
