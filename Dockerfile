@@ -5,9 +5,16 @@
 #   docker run --gpus all -p 50051:50051 -p 9464:9464 -v "$PWD/tables:/tables:ro" \
 #     ibpembed:0.1.0 serve --tables /tables
 #
-# The build stage runs `make setup`, the same command CI's .ci/run runs, so the image holds the
-# environment CI tested; PyPI's torch==2.13.0 is the CUDA build, and the devel image's nvcc
-# builds the CUDA kernels into ibpembed._C next to the CPU ones.
+# NVIDIA driver: the CUDA 13 base images need a host driver >= 580 (the images set
+# NVIDIA_REQUIRE_CUDA, so the NVIDIA container runtime refuses to start the container on an
+# older driver, e.g. R535/R550 fleets). PyPI's torch==2.13.0 is built against CUDA 13
+# (cuda-toolkit 13.0.x), so CUDA_TAG must stay 13.x; a CUDA 12 image would need torch from a
+# cu12x index. Without a GPU (or with a failing CUDA self-test) the server serves on the CPU.
+#
+# Layers: the pinned requirements are installed before any source is copied, so a source edit
+# rebuilds only the (small) package layers, not the ~3 GB of torch and CUDA wheels. The runtime
+# stage gets only requirements/runtime.txt and the two built wheels: no compiler, no dev or test
+# pins, no source tree, no editable install.
 
 ARG CUDA_TAG=13.0.1
 
@@ -16,27 +23,40 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # Ubuntu's own builds of these track security updates within the release: not pinned.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-dev python3-venv g++ make \
+    && apt-get install -y --no-install-recommends python3 python3-dev python3-venv g++ \
     && rm -rf /var/lib/apt/lists/*
 # No GPU at build time: name the architectures instead of probing for them.
 ENV TORCH_CUDA_ARCH_LIST="8.0;9.0" \
     MAX_JOBS=4 \
-    PIP_NO_CACHE_DIR=1
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY . .
-RUN make setup PYTHON=python3 VENV=/opt/venv
+COPY requirements/runtime.txt requirements/base.txt requirements/
+RUN python3 -m venv /opt/build \
+    && /opt/build/bin/pip install -r requirements/base.txt
+COPY pyproject.toml setup.py README.md ./
+COPY csrc csrc
+COPY service service
+COPY clients/python clients/python
+# The extension needs the torch it compiles against: no build isolation.
+RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation -w /wheels . clients/python
 
 FROM nvidia/cuda:${CUDA_TAG}-runtime-ubuntu24.04
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 \
+    && apt-get install -y --no-install-recommends python3 python3-venv \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 10001 --user-group --no-create-home ibpembed
-# The venv's editable installs point at /src/service and /src/clients/python: same paths here.
-COPY --from=build /opt/venv /opt/venv
-COPY --from=build /src/service /src/service
-COPY --from=build /src/clients/python /src/clients/python
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY requirements/runtime.txt /tmp/runtime.txt
+RUN python3 -m venv /opt/venv \
+    && /opt/venv/bin/pip install -r /tmp/runtime.txt \
+    && rm /tmp/runtime.txt
+COPY --from=build /wheels /tmp/wheels
+RUN /opt/venv/bin/pip install --no-deps /tmp/wheels/*.whl \
+    && rm -rf /tmp/wheels
 ENV PATH="/opt/venv/bin:${PATH}" \
     PYTHONUNBUFFERED=1 \
     IBPEMBED_HOST=0.0.0.0 \
@@ -45,8 +65,8 @@ ENV PATH="/opt/venv/bin:${PATH}" \
 USER 10001:10001
 WORKDIR /tmp
 EXPOSE 50051 9464
-# Asks the lookup service's gRPC health status (SERVING once tables are loaded; NOT_SERVING
-# while draining), through the torch-free client.
+# Asks the lookup service's gRPC health status (SERVING once the tables are loaded and the
+# device checked; NOT_SERVING while loading and draining), through the torch-free client.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import os, sys; from ibpembed_client import LookupClient; c = LookupClient('127.0.0.1:' + os.environ['IBPEMBED_PORT']); sys.exit(0 if c.is_serving('ibpembed.v1.EmbeddingLookup', timeout=4) else 1)"]
 ENTRYPOINT ["ibpembed"]

@@ -40,7 +40,7 @@ from ibpembed.codec import compress
 from ibpembed.engine import LookupEngine
 from ibpembed.server import demo
 from ibpembed.server.servicer import decode_request
-from ibpembed.tables.manifest import save_table_set
+from ibpembed.tables.pack import save_table_set
 from ibpembed.tables.store import TableStore
 from ibpembed.triton.repo import write_repository
 from ibpembed_client import LookupClient

@@ -54,7 +54,7 @@ from benchmarks._harness import RESULTS, run_metadata, write_results
 from ibpembed.server import demo
 from ibpembed.server.interceptors import LOOKUP_METHOD
 from ibpembed.server.metrics import ServerMetrics
-from ibpembed.tables.manifest import save_table_set
+from ibpembed.tables.pack import save_table_set
 from ibpembed.tables.store import TableStore
 from ibpembed_client.loadgen import LoadConfig, run_load
 from ibpembed_client.v1 import lookup_pb2 as pb

@@ -49,7 +49,7 @@ from ibpembed.engine import LookupEngine
 from ibpembed.hot_rows import DEFAULT_BUDGET, FIRST_REFRESH_S
 from ibpembed.server import demo
 from ibpembed.server.servicer import decode_request
-from ibpembed.tables.manifest import save_table_set
+from ibpembed.tables.pack import save_table_set
 from ibpembed.tables.store import TableStore
 from ibpembed_client.loadgen import LoadConfig, run_load
 from ibpembed_client.workload import hotness_for, make_requests

@@ -36,7 +36,9 @@ from benchmarks._harness import RESULTS, run_metadata, write_results
 from ibpembed.hot_rows import FIRST_REFRESH_S
 from ibpembed.server import demo
 from ibpembed.tables.importers import TableSet, TableSource
-from ibpembed.tables.manifest import pack_shards, pack_table_set, shard_directory
+from ibpembed.tables.manifest import shard_directory
+from ibpembed.tables.pack import pack_table_set
+from ibpembed.tables.shards import pack_shards
 from ibpembed_client import (
     AsyncLookupClient,
     AsyncShardedLookupClient,

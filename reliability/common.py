@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ibpembed.tables.importers import TableSet, TableSource
-from ibpembed.tables.manifest import pack_table_set
+from ibpembed.tables.pack import pack_table_set
 from tools.serve_process import ServerProcess
 
 

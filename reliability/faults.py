@@ -49,7 +49,8 @@ import numpy as np
 import torch
 
 from ibpembed.tables.importers import TableSet, TableSource
-from ibpembed.tables.manifest import MANIFEST, pack_table_set, read_manifest
+from ibpembed.tables.manifest import MANIFEST, read_manifest
+from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.store import TableStore
 from ibpembed_client import AsyncLookupClient, LookupServiceError, bf16_to_float32, build_request
 from ibpembed_client.v1 import lookup_pb2_grpc

@@ -50,7 +50,7 @@ class ServerProcess:
     flags : extra ``serve`` flags (``--tables DIR``, TLS, token, limits).
     env : extra environment variables.
     wait : block until the banner names the port (``False``: call :meth:`wait_listening`, so
-        several servers can load at once).
+        several servers can load at once, or :meth:`wait_bound` to talk to one while it loads).
     """
 
     def __init__(
@@ -76,12 +76,26 @@ class ServerProcess:
             threading.Thread(target=self._pump, args=(stream, sink), daemon=True).start()
         self.port = 0
         self.target = ""
-        self.metrics_port = 0
+        # The last --metrics-port wins (argparse); 0 = metrics off. Set to the bound port by
+        # wait_bound.
+        self.metrics_port = int(argv[len(argv) - 1 - argv[::-1].index("--metrics-port") + 1])
         if wait:
             self.wait_listening()
 
+    def wait_bound(self, timeout: float = 180.0) -> str:
+        """Block until the server has bound its ports, before its tables load (health
+        NOT_SERVING until they have); returns ``127.0.0.1:<port>``, sets :attr:`metrics_port`
+        when metrics are on."""
+        line = self.wait_for("bound ", timeout)
+        self.port = int(line.split()[1].rsplit(":", 1)[1])
+        self.target = f"127.0.0.1:{self.port}"
+        if self.metrics_port:
+            line = self.wait_for("metrics on ", timeout)
+            self.metrics_port = int(line.rsplit(":", 1)[1].split("/")[0])
+        return self.target
+
     def wait_listening(self, timeout: float = 180.0) -> str:
-        """Block until the banner names the port; returns ``127.0.0.1:<port>``."""
+        """Block until the banner says the server is serving; returns ``127.0.0.1:<port>``."""
         line = self.wait_for("listening on ", timeout)
         self.port = int(line.split(":")[-1].split()[0])
         self.target = f"127.0.0.1:{self.port}"

@@ -8,6 +8,13 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+import ibpembed
+
+DESCRIPTION = (
+    "ibpembed: lossless compressed (Invariant Bit Packing) embedding tables and the gRPC service"
+    " that looks them up. `ibpembed COMMAND --help` describes each command."
+)
+
 # Modules exposing ``register(subparsers)``; each subcommand sets ``func(args) -> int``.
 COMMAND_MODULES: tuple[str, ...] = (
     "ibpembed.server.cli",
@@ -17,7 +24,8 @@ COMMAND_MODULES: tuple[str, ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ibpembed", description=__doc__)
+    parser = argparse.ArgumentParser(prog="ibpembed", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"ibpembed {ibpembed.__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)

@@ -73,6 +73,10 @@ class LookupObserver(Protocol):
         each in a loaded server (0.6 us alone) and +9 % server CPU per B=1 request.
         """
 
+    def queue_waited(self, seconds: float) -> None:
+        """A request admitted by :meth:`LookupEngine.submit` waited ``seconds`` for a worker
+        thread (the queue-time half of a request's latency; the kernels are the other)."""
+
 
 class AdmissionSlot:
     """One admitted request's share of the engine's capacity (``max_inflight``).
@@ -191,16 +195,24 @@ class _RequestPlan:
     weights: np.ndarray | None  # float32 [ids]; ones for features sent without weights
 
 
-def resolve_device(device: str) -> torch.device:
-    """``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when a GPU and the CUDA kernels are present)."""
-    if device not in ("cpu", "cuda", "auto"):
-        raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
-    has_cuda_kernels = (
+def cuda_kernels_present() -> bool:
+    """A GPU the CUDA kernels run on, and a build that has them."""
+    return (
         torch.cuda.is_available()
         and torch._C._dispatch_has_kernel_for_dispatch_key("ibpembed::ibp_gather", "CUDA")
         # The kernels use sm_80 instructions (cp.async, __reduce_add_sync).
         and torch.cuda.get_device_capability() >= MIN_CUDA_CAPABILITY
     )
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when a GPU and the CUDA kernels are present).
+
+    A server decides with :func:`ibpembed.selftest.choose_device`, which also runs the CUDA
+    kernels once on its tables before trusting them."""
+    if device not in ("cpu", "cuda", "auto"):
+        raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
+    has_cuda_kernels = cuda_kernels_present()
     if device == "cuda" and not has_cuda_kernels:
         raise ValueError(
             "--device cuda needs an ibpembed build with CUDA kernels and a GPU of compute "
@@ -307,6 +319,7 @@ class LookupEngine:
         deadline: float | None = None,
         then: Callable[[LookupResult], T] | None = None,
         slot: AdmissionSlot | None = None,
+        table_version: int = 0,
     ) -> LookupResult | T:
         """Look up a request off the event loop.
 
@@ -321,6 +334,7 @@ class LookupEngine:
         slot : the request's admission, taken by the caller with :meth:`admit` when it keeps
             the result's memory past the return (it releases its own hold); None = admit here,
             released when the kernels finish.
+        table_version : the table-set version to read (one the store keeps); 0 = the newest.
 
         Raises
         ------
@@ -328,8 +342,11 @@ class LookupEngine:
         NotFound : a feature has no table.
         InvalidArgument : malformed ids / lengths / weights, or an id out of range.
         DeadlineExceeded : the deadline passed before a worker thread picked the request up.
+        VersionNotHeld : ``table_version`` is not one the store keeps.
         """
-        future = self.submit(features, pooling, deadline=deadline, then=then, slot=slot)
+        future = self.submit(
+            features, pooling, deadline=deadline, then=then, slot=slot, table_version=table_version
+        )
         # If the caller is cancelled (client gone, deadline) the thread still finishes its
         # kernel; the work's hold on the admission slot is released by the future's callback,
         # not here, so the bound on in-flight work holds.
@@ -343,6 +360,7 @@ class LookupEngine:
         deadline: float | None = None,
         then: Callable[[LookupResult], T] | None = None,
         slot: AdmissionSlot | None = None,
+        table_version: int = 0,
     ) -> Future[LookupResult | T]:
         """Admit a request (unless ``slot`` is given) and queue it on the worker threads (see
         :meth:`lookup`)."""
@@ -351,8 +369,12 @@ class LookupEngine:
         else:
             slot.hold()
 
+        queued = time.perf_counter()
+
         def work() -> LookupResult | T:
-            result = self.run(features, pooling, deadline=deadline)
+            if self.observer is not None:
+                self.observer.queue_waited(time.perf_counter() - queued)
+            result = self.run(features, pooling, deadline=deadline, table_version=table_version)
             return result if then is None else then(result)
 
         try:
@@ -369,13 +391,14 @@ class LookupEngine:
         pooling: Pooling,
         *,
         deadline: float | None = None,
+        table_version: int = 0,
     ) -> LookupResult:
         """Look up a request on the calling thread (no admission control): the in-process path."""
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExceeded("deadline passed while the request waited for a worker")
         if pooling not in POOLINGS:
             raise InvalidArgument("pooling", f"must be one of {POOLINGS}, got {pooling!r}")
-        with self.store.acquire() as snap:
+        with self.store.acquire(table_version) as snap:
             plan = self._plan(snap, features, pooling)
             if self.hot_rows is not None:
                 self.hot_rows.record(

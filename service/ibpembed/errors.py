@@ -29,6 +29,22 @@ class FailedPrecondition(ServiceError):
     """The request is well formed but the server's state cannot serve it (e.g. a version)."""
 
 
+class VersionNotHeld(FailedPrecondition):
+    """A request pinned to a table-set version the server does not hold (any more, or yet).
+
+    ``held`` lists the versions it does hold, oldest first; transports pass them on in a form a
+    client can read without parsing the message (gRPC: trailing metadata).
+    """
+
+    def __init__(self, version: int, held: tuple[int, ...]) -> None:
+        super().__init__(
+            f"table set version {version} is not held here; versions held: "
+            + ", ".join(str(v) for v in held)
+        )
+        self.version = version
+        self.held = held
+
+
 class PermissionDenied(ServiceError):
     """The caller may not use the named resource (another caller's region)."""
 

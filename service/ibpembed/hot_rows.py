@@ -13,6 +13,7 @@ time and memory.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Collection, Iterable
@@ -85,6 +86,7 @@ class _IdRing:
         self.ids = np.zeros(capacity, dtype=np.int64)
         self.next = 0  # where the next id goes
         self.filled = 0
+        self.unseen = 0  # ids added since the last take_unseen (at most capacity)
 
     def add(self, ids: np.ndarray) -> None:
         capacity = self.ids.size
@@ -95,6 +97,15 @@ class _IdRing:
         self.ids[: n - head] = ids[head:]
         self.next = (self.next + n) % capacity
         self.filled = min(capacity, self.filled + n)
+        self.unseen = min(capacity, self.unseen + n)
+
+    def take_unseen(self) -> np.ndarray:
+        """A copy of the ids added since the last call (the latest ``capacity`` of them)."""
+        n, self.unseen = self.unseen, 0
+        start = self.next - n
+        if start >= 0:
+            return self.ids[start : self.next].copy()
+        return np.concatenate([self.ids[start:], self.ids[: self.next]])
 
     def recent(self) -> torch.Tensor:
         """A copy of the ids held (order does not matter to the ranking)."""
@@ -135,6 +146,10 @@ class HotRowTracker:
         self._lock = threading.Lock()  # guards the windows; held for a copy at most
         self._windows: dict[str, _IdRing] = {}
         self._fresh: set[str] = set()  # tables with ids recorded since their last refresh
+        # Per table: looked-up ids the tracker saw that its decoded copies held, and did not
+        # (counted at each refresh, against the copies that served them). Refresh thread only.
+        self.hits: collections.Counter[str] = collections.Counter()
+        self.misses: collections.Counter[str] = collections.Counter()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -163,6 +178,7 @@ class HotRowTracker:
             names = set(self._fresh) if tables is None else set(tables)
             windows = {n: self._windows[n] for n in names if n in self._windows}
             recent = {n: (w.recent(), w.num_rows) for n, w in windows.items()}
+            unseen = {n: w.take_unseen() for n, w in windows.items()}
             self._fresh -= names
         with self.store.acquire() as snapshot:
             current = dict(snapshot.tables)
@@ -176,6 +192,7 @@ class HotRowTracker:
             # Dropped by a reload, or resized: the window's ids name rows of the old table.
             if table is None or table.num_rows != num_rows:
                 continue
+            self._count(name, table, unseen[name])
             try:
                 chosen, coverage = rank_hot_rows(table, ids, self.budget)
                 held = table.hot.ids if table.hot is not None else chosen.new_empty(0)
@@ -189,6 +206,14 @@ class HotRowTracker:
                 with self._lock:  # retried at the next refresh, traffic or not
                     self._fresh.add(name)
         return cached
+
+    def _count(self, name: str, table: CompressedTable, ids: np.ndarray) -> None:
+        """Hits and misses of the copies ``table`` holds (those that served ``ids``)."""
+        held = 0
+        if table.hot is not None and ids.size:
+            held = int(np.isin(ids, table.hot.ids.numpy(), assume_unique=False).sum())
+        self.hits[name] += held
+        self.misses[name] += ids.size - held
 
     # -- background refreshes ------------------------------------------------------------------
     def start(self) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -108,30 +109,45 @@ def test_decode_response_dtypes():
     failed = decode_response(
         pb.LookupResponse(request_id="r", error=pb.Error(code=5, message="gone"))
     )
-    assert failed.error.code == grpc.StatusCode.NOT_FOUND and failed.values == {}
+    assert failed.error.code == grpc.StatusCode.NOT_FOUND and len(failed) == 0
 
 
-def test_retries_unavailable_only_within_the_deadline():
-    target = f"127.0.0.1:{free_port()}"  # nothing listens here
+def test_grpc_retries_unavailable_as_the_policy_says_and_nothing_else():
     retry = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.02)
+    target = f"127.0.0.1:{free_port()}"  # nothing listens here
     with (
         LookupClient(target, timeout=30, retry=retry) as client,
         pytest.raises(LookupServiceError) as info,
     ):
         client.lookup({"f": [[1]]})
-    assert info.value.code == grpc.StatusCode.UNAVAILABLE and info.value.attempts == 4
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
 
-    async def lookup_async() -> None:
+    async def lookup_async(target: str) -> None:
         async with AsyncLookupClient(target, timeout=30, retry=retry) as client:
             await client.lookup({"f": [[1]]})
 
-    with pytest.raises(LookupServiceError) as info:
-        asyncio.run(lookup_async())
-    assert info.value.code == grpc.StatusCode.UNAVAILABLE and info.value.attempts == 4
     with RunningServer(make_store()) as running, LookupClient(running.target, retry=retry) as c:
+        running.server.state.accepting = False  # every call refused with UNAVAILABLE
+        refused = running.server.state.refused
+        with pytest.raises(LookupServiceError) as info:
+            c.lookup({"user": [[1]]})
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert running.server.state.refused - refused == 4  # gRPC's attempts reached the server
+        refused = running.server.state.refused
+        with pytest.raises(LookupServiceError) as info:
+            asyncio.run(lookup_async(running.target))
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert running.server.state.refused - refused == 4
+        running.server.state.accepting = True
         with pytest.raises(LookupServiceError) as info:
             c.lookup({"no_such_feature": [[1]]})
         assert info.value.code == grpc.StatusCode.NOT_FOUND and info.value.attempts == 1
+
+
+def test_the_published_service_config_is_the_default_policy():
+    published = json.loads((REPO / "proto" / "ibpembed" / "v1" / "service_config.json").read_text())
+    assert published == RetryPolicy().service_config()
+    assert RetryPolicy(max_attempts=1).service_config() == {}  # gRPC rejects maxAttempts 1
 
 
 def test_router_picks_the_server_per_request():

@@ -93,3 +93,41 @@ def test_cli_rejects_unknown_features(server, capsys):
     argv = ["--target", server.target, "--features", "nope", "--requests", "1", "--no-progress"]
     assert loadgen.main(argv) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_requests_are_counted_after_the_warm_up(server, tmp_path, capsys):
+    argv = _cli(server, tmp_path)
+    argv[argv.index("--warmup") + 1] = "0.5"
+    assert loadgen.main([*argv, "--json", str(tmp_path / "report.json")]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["ok"] == 10 and report["concurrency"] == 2  # 10 measured, warm-up aside
+    assert "concurrency 2: 10 ok" in capsys.readouterr().out
+
+
+def test_a_run_that_measures_nothing_fails(server, tmp_path, capsys):
+    argv = _cli(server, tmp_path)
+    argv[argv.index("--warmup") + 1] = "1"
+    assert loadgen.main([*argv, "--duration", "0"]) == 1
+    assert "no request was measured" in capsys.readouterr().err
+
+
+def test_png_without_matplotlib_fails_before_the_run(server, capsys, monkeypatch):
+    def missing() -> None:
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(loadgen, "_pyplot", missing)
+    argv = ["--target", "127.0.0.1:1", "--requests", "1", "--no-progress", "--png", "x.png"]
+    assert loadgen.main(argv) == 2  # port 1: a run would have failed otherwise
+    assert "--png needs matplotlib" in capsys.readouterr().err
+
+
+def test_token_file(tmp_path, capsys):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    with RunningServer(make_store(), auth_token_file=str(token)) as running:
+        argv = ["--target", running.target, "--concurrency", "1", "--requests", "3"]
+        argv += ["--warmup", "0", "--features", "user", "--batch-size", "2", "--no-progress"]
+        assert loadgen.main([*argv, "--token-file", str(token)]) == 0
+        assert "3 ok" in capsys.readouterr().out
+        assert loadgen.main(argv) == 2  # without it: ListTables is refused, nothing is sent
+        assert "UNAUTHENTICATED" in capsys.readouterr().err

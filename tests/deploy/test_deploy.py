@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from ibpembed.cli import build_parser
+from ibpembed.hot_rows import HotRowTracker
 from ibpembed.server import config as server_config
 from ibpembed.server.app import SERVICE_NAME
 from ibpembed.server.metrics import ServerMetrics
@@ -34,6 +35,7 @@ DOCKERFILE = ROOT / "Dockerfile"
 HADOLINT = shutil.which("hadolint") or shutil.which(
     "hadolint", path=str(Path(sys.executable).parent)
 )
+KUBECTL = shutil.which("kubectl")
 # Oldest Kubernetes the manifests target (the pod-index label) and the newest bundled schema.
 K8S_VERSIONS = ("1.28.0", "1.37.0")
 # Values for the dashboard's template variables when its queries are checked.
@@ -53,23 +55,34 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def manifests() -> dict[str, dict]:
-    """Every Kubernetes object in deploy/k8s, by kind."""
-    objects = [
-        doc for path in sorted(K8S.glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text())
-    ]
-    by_kind = {obj["kind"]: obj for obj in objects}
-    assert len(by_kind) == len(objects), "one object per kind expected"
-    return by_kind
+def render(directory: Path = K8S) -> list[dict]:
+    """``kubectl kustomize DIR``: every object ``kubectl apply -k DIR`` would send, in order."""
+    if KUBECTL is None:
+        pytest.skip("kubectl (with kustomize) not installed")
+    result = subprocess.run(
+        [KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
-def container(objects: dict[str, dict]) -> dict:
-    (only,) = objects["StatefulSet"]["spec"]["template"]["spec"]["containers"]
+def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def container(deployment: dict) -> dict:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
     return only
 
 
 def env_of(c: dict) -> dict[str, dict]:
     return {e["name"]: e for e in c["env"]}
+
+
+def shard_deployments(objects: list[dict]) -> list[dict]:
+    """The shards' Deployments, in shard order (ibpembed-shard-<k>)."""
+    deployments = by_kind(objects, "Deployment")
+    return [deployments[f"ibpembed-shard-{k}"] for k in range(len(deployments))]
 
 
 # -- Prometheus -------------------------------------------------------------------------------
@@ -99,16 +112,23 @@ def test_alerts_cover_latency_errors_and_target_down():
         assert alert["annotations"]["summary"] and alert["annotations"]["description"]
 
 
-def test_scrape_config_discovers_the_headless_service_metrics_port():
-    objects = manifests()
-    service = objects["Service"]
-    ports = {p["name"] for p in service["spec"]["ports"]}
+def test_scrape_config_discovers_every_shards_metrics_service():
+    objects = render()
+    services = by_kind(objects, "Service")
     config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
     (job,) = config["scrape_configs"]
     (sd,) = job["dns_sd_configs"]
-    name = f"_metrics._tcp.{service['metadata']['name']}.{service['metadata']['namespace']}"
-    assert sd["names"] == [f"{name}.svc.cluster.local"]
-    assert "metrics" in ports
+    expected = []
+    for k, _ in enumerate(shard_deployments(objects)):
+        service = services[f"ibpembed-shard-metrics-{k}"]
+        assert service["spec"]["publishNotReadyAddresses"] is True  # NotReady shards alert
+        assert {p["name"] for p in service["spec"]["ports"]} == {"metrics"}
+        namespace = service["metadata"]["namespace"]
+        name = f"_metrics._tcp.{service['metadata']['name']}.{namespace}.svc.cluster.local"
+        expected.append(name)
+        (shard_rule,) = [r for r in job["relabel_configs"] if r["target_label"] == "shard"]
+        assert re.fullmatch(shard_rule["regex"], name).group(1) == str(k)
+    assert sd["names"] == expected
     assert job["job_name"] == "ibpembed"
 
 
@@ -118,7 +138,10 @@ def test_scrape_config_discovers_the_headless_service_metrics_port():
 def exported_names() -> set[str]:
     """Sample names the server exports, and the recording rules' names."""
     names = set()
-    for family in ServerMetrics(make_store(), device="cpu").registry.collect():
+    store = make_store()
+    metrics = ServerMetrics(store, device="cpu")
+    metrics.watch_hot_rows(HotRowTracker(store, budget=0.01))
+    for family in metrics.registry.collect():
         suffixes = {
             "counter": ("_total",),
             "histogram": ("_bucket", "_count", "_sum"),
@@ -200,88 +223,137 @@ def test_dashboard_queries_parse(tmp_path):
 # -- Kubernetes -------------------------------------------------------------------------------
 
 
+def test_kustomization_puts_the_namespace_first_and_everything_in_it():
+    objects = render()
+    assert objects[0]["kind"] == "Namespace"  # a fresh cluster takes the rest after it
+    namespace = objects[0]["metadata"]["name"]
+    for obj in objects[1:]:
+        assert obj["metadata"]["namespace"] == namespace, obj["metadata"]["name"]
+    kinds = {o["kind"] for o in objects}
+    assert kinds == {
+        "Namespace",
+        "ConfigMap",
+        "PersistentVolumeClaim",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+    }
+
+
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_manifests_validate(version):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
-    for kind, obj in manifests().items():
+    for obj in render():
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{kind} against Kubernetes {version}: {exc.message}")
+            pytest.fail(f"{obj['kind']} {obj['metadata']['name']} on {version}: {exc.message}")
 
 
 def test_validator_rejects_a_misspelled_field():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
-    broken = copy.deepcopy(manifests()["StatefulSet"])
+    broken = copy.deepcopy(shard_deployments(render())[0])
     broken["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, K8S_VERSIONS[-1], strict=True)
 
 
-def test_statefulset_ordinal_picks_the_shard(tmp_path):
-    objects = manifests()
-    sts = objects["StatefulSet"]
-    service = objects["Service"]
-    c = container(objects)
-    env = env_of(c)
-    replicas = sts["spec"]["replicas"]
-    assert env["SHARDS"]["value"] == str(replicas)
-    field = env["SHARD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
-    assert field == "metadata.labels['apps.kubernetes.io/pod-index']"
-    assert sts["spec"]["serviceName"] == service["metadata"]["name"]
-    assert service["spec"]["clusterIP"] == "None"
-    labels = sts["spec"]["template"]["metadata"]["labels"]
-    assert service["spec"]["selector"].items() <= labels.items()
-
-    # The shard map in the ConfigMap: one shard per pod, each at its pod's stable DNS name and
-    # in the directory the pod's --tables flag names.
-    shard_map_text = objects["ConfigMap"]["data"]["shard_map.json"]
+def test_each_shard_has_replicas_behind_its_own_headless_service(tmp_path):
+    objects = render()
+    deployments = shard_deployments(objects)
+    services = by_kind(objects, "Service")
+    budgets = by_kind(objects, "PodDisruptionBudget")
+    autoscalers = by_kind(objects, "HorizontalPodAutoscaler")
+    shards = len(deployments)
+    assert shards >= 2
+    (config_map,) = by_kind(objects, "ConfigMap").values()
+    shard_map_text = config_map["data"]["shard_map.json"]
     shard_map = json.loads(shard_map_text)
-    grpc_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
-    namespace = sts["metadata"]["namespace"]
-    for k, shard in enumerate(shard_map["shards"]):
-        pod = f"{sts['metadata']['name']}-{k}"
-        host = f"{pod}.{service['metadata']['name']}.{namespace}.svc.cluster.local"
-        assert shard["address"] == f"{host}:{grpc_port}"
-        args = [a.replace("$(SHARD_INDEX)", str(k)) for a in c["args"]]
-        args = [a.replace("$(SHARDS)", str(replicas)) for a in args]
+    assert len(shard_map["shards"]) == shards
+    for k, deployment in enumerate(deployments):
+        name = deployment["metadata"]["name"]
+        pods = deployment["spec"]["template"]["metadata"]["labels"]
+        assert pods["ibpembed.dev/shard"] == str(k)
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= pods.items()
+        assert deployment["spec"]["replicas"] >= 2  # one may be away, the shard still serves
+        c = container(deployment)
+        env = env_of(c)
+        assert (env["SHARD_INDEX"]["value"], env["SHARDS"]["value"]) == (str(k), str(shards))
+        args = [
+            a.replace("$(SHARD_INDEX)", str(k)).replace("$(SHARDS)", str(shards)) for a in c["args"]
+        ]
         parsed = build_parser().parse_args(args)
         assert parsed.command == "serve"
-        assert Path(parsed.tables) == Path("/tables") / shard["directory"]
-    assert len(shard_map["shards"]) == replicas
+        assert Path(parsed.tables) == Path("/tables") / shard_map["shards"][k]["directory"]
+        # Its own headless Service, selecting its replicas and no other shard's.
+        service = services[name]
+        assert service["spec"]["clusterIP"] == "None"
+        assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+        assert not service["spec"].get("publishNotReadyAddresses")  # clients get Ready ones
+        grpc_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+        namespace = service["metadata"]["namespace"]
+        address = f"dns:///{name}.{namespace}.svc.cluster.local:{grpc_port}"
+        assert shard_map["shards"][k]["address"] == address
+        metrics = services[f"ibpembed-shard-metrics-{k}"]
+        assert metrics["spec"]["selector"] == service["spec"]["selector"]
+        # One replica of the shard at a time may be disrupted; the HPA scales this shard.
+        assert budgets[name]["spec"]["maxUnavailable"] == 1
+        assert budgets[name]["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+        target = autoscalers[name]["spec"]["scaleTargetRef"]
+        assert (target["kind"], target["name"]) == ("Deployment", name)
+        assert autoscalers[name]["spec"]["minReplicas"] >= 2
+        # Replicas of one shard spread over nodes (a node loss takes one of them).
+        spread = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        by_key = {s["topologyKey"]: s for s in spread}
+        assert by_key["kubernetes.io/hostname"]["whenUnsatisfiable"] == "DoNotSchedule"
+        assert all(s["matchLabelKeys"] == ["ibpembed.dev/shard"] for s in spread)
     path = tmp_path / "shard_map.json"
     path.write_text(shard_map_text)
-    assert ShardMap.load(path)
+    assert ShardMap.load(path).addresses[0].startswith("dns:///")
 
 
-def test_server_settings_and_ports_agree(tmp_path):
-    objects = manifests()
-    c = container(objects)
+def test_the_monitoring_overlay_adds_a_pod_monitor_of_every_replica():
+    base = render()
+    objects = render(K8S / "monitoring")
+    (monitor,) = by_kind(objects, "PodMonitor").values()
+    assert len(objects) == len(base) + 1
+    labels = shard_deployments(base)[0]["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
+    assert monitor["spec"]["podTargetLabels"] == ["ibpembed.dev/shard"]
+
+
+def test_server_settings_ports_and_probes_agree(tmp_path):
+    objects = render()
+    (config_map,) = by_kind(objects, "ConfigMap").values()
     settings = tmp_path / "server.toml"
-    settings.write_text(objects["ConfigMap"]["data"]["server.toml"])
+    settings.write_text(config_map["data"]["server.toml"])
     config = server_config.load(environ={"IBPEMBED_CONFIG": str(settings)})
-    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": config.port, "metrics": config.metrics_port}
-    assert config.host == "0.0.0.0"
-    # Drain (grace_s) finishes before the kubelet's SIGKILL.
-    grace = objects["StatefulSet"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert config.grace_s < grace
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"]["port"] == config.port
-    assert c["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
-    assert env_of(c)["IBPEMBED_CONFIG"]["value"] == f"/etc/ibpembed/{settings.name}"
-    service_ports = {p["name"]: p["port"] for p in objects["Service"]["spec"]["ports"]}
-    assert service_ports == ports
+    assert config.host == "0.0.0.0" and config.device == "auto" and config.keep_versions >= 2
+    for deployment in shard_deployments(objects):
+        c = container(deployment)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports == {"grpc": config.port, "metrics": config.metrics_port}
+        # Drain (grace_s) finishes before the kubelet's SIGKILL.
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert config.grace_s < grace
+        # Ready = serving; live = the process answers, also while it loads (NOT_SERVING then).
+        assert c["readinessProbe"]["grpc"] == {"port": config.port, "service": SERVICE_NAME}
+        for probe in ("startupProbe", "livenessProbe"):
+            assert c[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+        assert env_of(c)["IBPEMBED_CONFIG"]["value"] == f"/etc/ibpembed/{settings.name}"
 
 
 def test_pods_request_a_gpu_and_run_unprivileged():
-    objects = manifests()
-    c = container(objects)
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    pod_security = objects["StatefulSet"]["spec"]["template"]["spec"]["securityContext"]
-    assert pod_security["runAsNonRoot"] and pod_security["runAsUser"] != 0
-    assert c["securityContext"]["allowPrivilegeEscalation"] is False
-    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    for deployment in shard_deployments(render()):
+        c = container(deployment)
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        pod_security = deployment["spec"]["template"]["spec"]["securityContext"]
+        assert pod_security["runAsNonRoot"] and pod_security["runAsUser"] != 0
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
 
 
 # -- Dockerfile -------------------------------------------------------------------------------
@@ -306,23 +378,42 @@ def test_hadolint_clean():
     assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
 
 
-def test_dockerfile_builds_like_ci_and_serves_unprivileged():
+def test_dockerfile_installs_the_runtime_requirements_first_and_serves_unprivileged():
     instructions = dockerfile_instructions()
-    stages = [args for op, args in instructions if op == "FROM"]
+    stages = [i for i, (op, _) in enumerate(instructions) if op == "FROM"]
     assert len(stages) == 2
-    assert "cuda" in stages[0] and stages[0].endswith("AS build")
-    assert "cuda" in stages[1] and "-runtime-" in stages[1]
-    runs = [args for op, args in instructions if op == "RUN"]
-    # The image installs and builds with the set-up CI's `make test` runs first (make setup).
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert re.search(r"^make test\b", ci, re.MULTILINE)
-    assert any(re.match(r"make setup\b", run) for run in runs)
-    (user,) = [args for op, args in instructions if op == "USER"]
+    build, runtime = instructions[stages[0] : stages[1]], instructions[stages[1] :]
+    assert "cuda" in build[0][1] and build[0][1].endswith("AS build")
+    assert "cuda" in runtime[0][1] and "-runtime-" in runtime[0][1]
+
+    def first(stage: list[tuple[str, str]], op: str, text: str) -> int:
+        return next(i for i, (o, args) in enumerate(stage) if o == op and text in args)
+
+    # The dependency layers come before any source, so a source edit keeps them cached.
+    for stage in (build, runtime):
+        requirements = first(stage, "COPY", "requirements/runtime.txt")
+        install = first(stage, "RUN", "pip install -r")
+        sources = [
+            i for i, (op, args) in enumerate(stage) if op == "COPY" and "requirements" not in args
+        ]
+        assert requirements < install < min(sources)
+    # The runtime stage: the runtime pins and the built wheels only, nothing editable.
+    runs = " ".join(args for op, args in runtime if op == "RUN")
+    assert "-r /tmp/runtime.txt" in runs and "dev.txt" not in runs and " -e " not in runs
+    assert "--no-deps /tmp/wheels/*.whl" in runs
+    copies = [args for op, args in runtime if op == "COPY"]
+    assert copies == [
+        "requirements/runtime.txt /tmp/runtime.txt",
+        "--from=build /wheels /tmp/wheels",
+    ]
+    text = DOCKERFILE.read_text()
+    assert "driver >= 580" in text  # the CUDA 13 base's requirement, documented
+    (user,) = [args for op, args in runtime if op == "USER"]
     assert user.split(":")[0] not in ("0", "root")
-    (exposed,) = [args.split() for op, args in instructions if op == "EXPOSE"]
+    (exposed,) = [args.split() for op, args in runtime if op == "EXPOSE"]
     defaults = server_config.ServerConfig()
     assert sorted(map(int, exposed)) == sorted((defaults.port, defaults.metrics_port))
-    env = " ".join(args for op, args in instructions if op == "ENV")
+    env = " ".join(args for op, args in runtime if op == "ENV")
     assert "IBPEMBED_HOST=0.0.0.0" in env
 
 

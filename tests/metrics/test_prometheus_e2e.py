@@ -26,6 +26,7 @@ from tests.server.helpers import DEMO_300
 from tools.serve_process import ServerProcess
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "ibpembed.json"
 # Bounds on the test's own traffic and waiting (it stops by itself whatever happens).
 MAX_REQUESTS = 5000
 WAIT_S = 90.0
@@ -122,7 +123,8 @@ def test_prometheus_scrapes_serve_and_reads_a_rate(prometheus_for):
     sender = threading.Thread(target=traffic, daemon=True)
     try:
         base = prometheus_for(metrics_port)
-        server.wait_for(f"metrics on http://127.0.0.1:{metrics_port}/metrics")
+        # Bound before the tables loaded, so printed before the banner the process waited for.
+        assert f"metrics on http://127.0.0.1:{metrics_port}/metrics" in server.log()
         sender.start()
         wait_until(lambda: ready(base), "prometheus ready")
 
@@ -142,6 +144,15 @@ def test_prometheus_scrapes_serve_and_reads_a_rate(prometheus_for):
             )
 
         wait_until(recorded, "the recording rules to see the traffic")
+        # The dashboard's server-error ratio reads 0 (not "No data"): the traffic has client
+        # errors (NOT_FOUND) and no server-side one, so its error series does not exist.
+        dashboard = json.loads(DASHBOARD.read_text())
+        (panel,) = [p for p in dashboard["panels"] if p["title"] == "Server-side error ratio"]
+        expr = panel["targets"][0]["expr"]
+        for variable, value in (("$job", "ibpembed"), ("$instance", ".*")):
+            expr = expr.replace(variable, value)
+        ratio = query(base, expr.replace("$__rate_interval", "5s"))
+        assert [float(r["value"][1]) for r in ratio] == [0.0]
         build = query(base, "ibpembed_build_info")
         assert build[0]["metric"]["device"] == "cpu"
         rules = json.loads(fetch(f"{base}/api/v1/rules"))["data"]["groups"]

@@ -127,9 +127,13 @@ class RecordingObserver:
         self.lookups: list[str] = []  # answered lookup requests, by method
         self.abandoned = 0
         self.reloads: list[str] = []
+        self.queue_waits: list[float] = []
 
     def kernels_done(self, pooling: str, calls: Sequence[KernelCall]) -> None:
         self.kernels += [(table, pooling, nnz, unique) for table, nnz, unique, _ in calls]
+
+    def queue_waited(self, seconds: float) -> None:
+        self.queue_waits.append(seconds)
 
     def rpc_done(self, method: str, code: grpc.StatusCode) -> None:
         self.rpcs.append((method.rsplit("/", 1)[-1], code.name))

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ibpembed.tables.importers import TableSet, TableSource
-from ibpembed.tables.manifest import MANIFEST, pack_table_set
+from ibpembed.tables.manifest import MANIFEST
+from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.store import TableStore
 
 

@@ -12,6 +12,7 @@ from ibpembed.codec import compress
 from ibpembed.engine import FeatureQuery, LookupEngine
 from ibpembed.hot_rows import HotRowTracker, directory_bytes, hot_row_ids, rank_hot_rows
 from ibpembed.server.config import ServerConfig
+from ibpembed.server.metrics import ServerMetrics
 from ibpembed.tables.store import TableStore
 from tests.codec.tables import same_bits
 from tests.server.helpers import RecordingObserver
@@ -253,3 +254,41 @@ def test_reload_keeps_copies_of_unchanged_tables_and_put_table_drops_them(tmp_pa
     with store.acquire() as snap:
         assert snap.tables["t"].hot is None
         assert same_bits(snap.tables["t"].gather(torch.arange(ROWS)), replacement)
+
+
+def test_hits_and_misses_count_ids_against_the_copies_that_served_them() -> None:
+    store = TableStore.from_tables({"t": compress(_table())})
+    tracker = HotRowTracker(store, budget=0.05, window_ids=1000)
+    tracker.record([("t", np.array([5, 5, 5, 9, 9, 3], np.int64), ROWS)])
+    tracker.refresh()  # no copies served those ids yet: all misses; copies of 5, 9, 3 now
+    assert (tracker.hits["t"], tracker.misses["t"]) == (0, 6)
+    with store.acquire() as snap:
+        hot = set(snap.tables["t"].hot.ids.tolist())
+    assert {5, 9, 3} <= hot
+    cold = next(i for i in range(ROWS) if i not in hot and i != 7)
+    tracker.record([("t", np.array([5, 9, cold, cold], np.int64), ROWS)])
+    tracker.refresh()  # counted once each: the window's older ids are not counted again
+    assert (tracker.hits["t"], tracker.misses["t"]) == (2, 8)
+    tracker.refresh()  # no lookup since: nothing new
+    assert (tracker.hits["t"], tracker.misses["t"]) == (2, 8)
+
+
+def test_hot_row_counters_and_queue_wait_are_exported() -> None:
+    store = TableStore.from_tables({"t": compress(_table())})
+    metrics = ServerMetrics(store, device="cpu")
+    engine = LookupEngine(store, max_workers=1, hot_row_budget=0.05, observer=metrics)
+    assert engine.hot_rows is not None
+    metrics.watch_hot_rows(engine.hot_rows)
+    query = [FeatureQuery("t", np.array([1, 2, 1], np.int64), np.array([3], np.int32))]
+    for _ in range(3):
+        engine.submit(query, "sum").result(timeout=60)
+    engine.hot_rows.refresh()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in metrics.registry.collect()
+        for s in family.samples
+    }
+    assert samples[("ibpembed_queue_wait_seconds_count", ())] == 3
+    assert samples[("ibpembed_hot_row_misses_total", (("table", "t"),))] == 9
+    assert samples[("ibpembed_hot_row_hits_total", (("table", "t"),))] == 0
+    engine.close()

@@ -151,7 +151,7 @@ def test_dedupe_and_fused_paths_agree(store, fraction):
 
 def test_empty_request_and_request_id_echo(client):
     result = client.lookup({}, request_id="abc-1")
-    assert result.request_id == "abc-1" and result.values == {}
+    assert result.request_id == "abc-1" and dict(result) == {}
     assert client.lookup({"user": [[1]]}).request_id  # the server made one up
 
 
@@ -229,4 +229,4 @@ def test_large_pooled_response_fits_default_message_size(store):
         )
     with RunningServer(big) as running, LookupClient(running.target, timeout=120) as c:
         result = c.lookup(features, "sum")
-    assert sum(v.nbytes for v in result.values.values()) == 2048 * 26 * 128 * 4
+    assert sum(v.nbytes for v in result.values()) == 2048 * 26 * 128 * 4

@@ -23,7 +23,8 @@ from ibpembed.server.config import ServerConfig
 from ibpembed.server.metrics import ServerMetrics
 from ibpembed.tables.format import TableFileError
 from ibpembed.tables.importers import TableSet, TableSource
-from ibpembed.tables.manifest import MANIFEST, pack_table_set, read_manifest
+from ibpembed.tables.manifest import MANIFEST, read_manifest
+from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.store import TableStore
 from ibpembed_client import LookupClient
 from tests.metrics.helpers import free_port

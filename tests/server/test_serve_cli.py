@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import shlex
@@ -17,6 +18,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+import ibpembed
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, build_request
 from tests.metrics.helpers import free_port
 from tests.server.helpers import DEMO_300
@@ -79,6 +81,40 @@ def test_help_lists_every_setting():
     ).stdout
     for flag in ("--host", "--port", "--metrics-port", "--tables", "--device", "--config"):
         assert flag in out
+    # Plain text, each flag with its environment variable and default.
+    flat = " ".join(out.split())
+    assert "``" not in out and ":mod:" not in out and "`" not in out
+    assert "(env IBPEMBED_PORT; default 50051)" in flat
+    assert "(env IBPEMBED_KEEP_VERSIONS; default 2)" in flat
+    assert "(env IBPEMBED_WORKERS; default min(4, CPUs))" in flat
+    assert "(env IBPEMBED_TABLES; default unset)" in flat
+    assert "(env IBPEMBED_REFLECTION; default true)" in flat
+    top = subprocess.run(
+        [*IBPEMBED, "--help"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert "COMMAND_MODULES" not in top and "``" not in top
+
+
+def test_version():
+    result = subprocess.run(
+        [*IBPEMBED, "--version"], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert result.stdout.strip() == f"ibpembed {ibpembed.__version__}"
+
+
+def test_json_logs_are_one_object_a_line():
+    server = ServerProcess(*DEMO_300, "--log-format", "json")
+    try:
+        assert server.stop() == 0
+    finally:
+        server.kill()
+    records = [json.loads(line) for line in server.stderr_lines if line.strip()]
+    assert records, server.log()
+    for record in records:
+        assert {"time", "level", "logger", "message"} <= record.keys()
+    messages = [r["message"] for r in records]
+    assert any("loading the embedded demo" in m for m in messages)
+    assert any("draining" in m for m in messages)
 
 
 def test_bad_config_fails_fast(tmp_path: Path):

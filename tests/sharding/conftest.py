@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ibpembed.tables.importers import TableSet
-from ibpembed.tables.manifest import pack_shards, pack_table_set
+from ibpembed.tables.pack import pack_table_set
+from ibpembed.tables.shards import pack_shards
 from tests.sharding.helpers import SHARDS, make_table_set
 from tools.serve_process import ServerProcess
 

@@ -106,11 +106,16 @@ def test_split_keeps_request_order_and_only_samples_with_ids():
     dim = 4
     partial = {
         0: LookupResult("r1", 3, {"f": np.array([[1.0] * dim, [2.0] * dim, [3.0] * dim], "f4")}),
-        1: LookupResult("r1", 5, {"f": np.array([[10.0] * dim, [20.0] * dim], "f4")}),
+        1: LookupResult("r1", 3, {"f": np.array([[10.0] * dim, [20.0] * dim], "f4")}),
     }
     merged = merge_results(plan, partial)
     assert merged.table_version == 3
     assert merged["f"][:, 0].tolist() == [np.float32(11 / 2), 0.0, np.float32(22 / 3), 3.0]
+    # Parts served from two versions never make one result.
+    mixed = {**partial, 1: LookupResult("r1", 5, dict(partial[1]))}
+    with pytest.raises(LookupServiceError, match="different table-set versions") as err:
+        merge_results(plan, mixed)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_split_rejects_what_a_server_would():

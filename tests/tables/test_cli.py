@@ -213,3 +213,31 @@ def test_commands_are_registered_with_the_ibpembed_command(packed: Path) -> None
         text=True,
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_inspect_reports_sizes_and_savings_per_table_and_in_total(packed: Path, capsys) -> None:
+    assert run(["inspect", str(packed), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    summary = {s["table"]: s for s in result["summary"]}
+    assert set(summary) == set(result["manifest"]["tables"])
+    for name, line in summary.items():
+        entry = result["manifest"]["tables"][name]
+        assert (line["rows"], line["dim"]) == (entry["num_rows"], entry["dim"])
+        desc = next(d for d in result["tables"] if d["meta"]["name"] == name)
+        assert line["raw_bytes"] == entry["num_rows"] * desc["header"]["row_bytes"]
+        data = [s["length"] for s in desc["sections"] if s["kind"] != "meta"]
+        assert line["stored_bytes"] == sum(data)
+        assert line["savings"] == pytest.approx(1 - line["stored_bytes"] / line["raw_bytes"])
+    assert run(["inspect", str(packed)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("table  "))
+    assert lines[header].split() == [
+        "table", "rows", "dim", "dtype", "raw_bytes", "stored_bytes", "savings",
+    ]  # fmt: skip
+    total = lines[-1].split()
+    raw = sum(s["raw_bytes"] for s in summary.values())
+    stored = sum(s["stored_bytes"] for s in summary.values())
+    assert total[0] == "total" and total[2:4] == [f"{raw:,}", f"{stored:,}"]
+    assert total[4] == f"{100 * (1 - stored / raw):.1f}%"
+    dtypes = {line.split()[0]: line.split()[3] for line in lines[header + 1 : -1]}
+    assert dtypes == {name: s["dtype"] for name, s in summary.items()}

@@ -16,7 +16,8 @@ from ibpembed.tables import atomic
 from ibpembed.tables import format as tf
 from ibpembed.tables import writer as tw
 from ibpembed.tables.importers import TableSet, TableSource
-from ibpembed.tables.manifest import MANIFEST, pack_table_set, read_manifest
+from ibpembed.tables.manifest import MANIFEST, read_manifest
+from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.store import TableStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +29,7 @@ import os, sys, time
 import torch
 from ibpembed.tables import writer as tw
 from ibpembed.tables.importers import TableSet, TableSource
-from ibpembed.tables.manifest import pack_table_set
+from ibpembed.tables.pack import pack_table_set
 
 target, point = sys.argv[1], sys.argv[2]
 tw.PACK_STEP_BYTES = 4096  # many steps: the kill lands mid-payload

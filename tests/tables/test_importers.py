@@ -12,7 +12,7 @@ import torch
 from ibpembed import compress
 from ibpembed.tables import importers
 from ibpembed.tables.importers import SourceError, TableSet, TableSource
-from ibpembed.tables.manifest import pack_table_set
+from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.store import TableStore
 from tests.tables.helpers import mapped_from, same_bits, trained_like
 

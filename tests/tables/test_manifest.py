@@ -18,9 +18,9 @@ from ibpembed.tables.manifest import (
     RowRange,
     TableSetError,
     load_table_set,
-    pack_table_set,
     read_manifest,
 )
+from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.store import TableStore
 from tests.tables.helpers import trained_like
 from tests.tables.test_cli import run

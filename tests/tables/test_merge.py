@@ -10,14 +10,9 @@ import pytest
 import torch
 
 from ibpembed.tables.importers import TableSet, TableSource
-from ibpembed.tables.manifest import (
-    MANIFEST,
-    SHARD_MAP,
-    TableSetError,
-    pack_shards,
-    pack_table_set,
-    read_manifest,
-)
+from ibpembed.tables.manifest import MANIFEST, SHARD_MAP, TableSetError, read_manifest
+from ibpembed.tables.pack import pack_table_set
+from ibpembed.tables.shards import pack_shards
 from ibpembed.tables.store import TableStore
 from tests.tables.helpers import same_bits, trained_like
 from tests.tables.test_cli import run

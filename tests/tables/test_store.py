@@ -19,7 +19,8 @@ from ibpembed import compress
 from ibpembed.tables import format as tf
 from ibpembed.tables import writer as tw
 from ibpembed.tables.importers import TableSet, TableSource
-from ibpembed.tables.manifest import MANIFEST, TableSetError, pack_table_set, read_manifest
+from ibpembed.tables.manifest import MANIFEST, TableSetError, read_manifest
+from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.store import MIN_SPILL_BYTES, TableBytes, TableSnapshot, TableStore
 from tests.codec.tables import make_table
 from tests.tables.helpers import (

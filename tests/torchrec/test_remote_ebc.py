@@ -25,7 +25,8 @@ from torchrec import (
 )
 
 from ibpembed.tables.importers import from_torchrec
-from ibpembed.tables.manifest import pack_shards, pack_table_set
+from ibpembed.tables.pack import pack_table_set
+from ibpembed.tables.shards import pack_shards
 from ibpembed.tables.store import TableStore
 from ibpembed.torchrec import (
     CompressedEmbeddingBagCollection,

@@ -27,7 +27,7 @@ from torchrec.fx import symbolic_trace
 
 import ibpembed.torchrec.bag as bag_impl
 from ibpembed.tables.importers import TableSet, TableSource, from_torchrec
-from ibpembed.tables.manifest import pack_table_set
+from ibpembed.tables.pack import pack_table_set
 from ibpembed.torchrec import (
     CompressedEmbeddingBagCollection,
     compress_model,

@@ -6,7 +6,8 @@
 ...     pooled = client.lookup({"cat_0": [[1, 2], [3]]}, pooling="mean")["cat_0"]  # [2, D] fp32
 
 Needs only grpcio, protobuf and numpy. :mod:`ibpembed_client.aio` has the asyncio client,
-:mod:`ibpembed_client.shards` the clients over row-sharded servers (``ibpembed pack --shards``),
+:mod:`ibpembed_client.shards` the clients over row-sharded servers (``ibpembed pack --shards``;
+their map is :mod:`ibpembed_client.shard_map`),
 :mod:`ibpembed_client.loadgen` the load generator (``ibpembed-loadgen``), and
 :mod:`ibpembed_client.v1` the generated stubs (shared with the server).
 """
@@ -16,6 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from ibpembed_client._client import LookupClient
 from ibpembed_client._common import (
     OVERLOADED_METADATA_KEY,
+    VERSIONS_HELD_METADATA_KEY,
     FeatureBatch,
     KeepAliveOptions,
     LookupResult,
@@ -29,16 +31,12 @@ from ibpembed_client._common import (
     decode_response,
 )
 from ibpembed_client.aio import AsyncLookupClient
-from ibpembed_client.shards import (
-    AsyncShardedLookupClient,
-    ShardedLookupClient,
-    ShardedTable,
-    ShardMap,
-    ShardRange,
-)
+from ibpembed_client.shard_map import ShardedTable, ShardMap, ShardRange
+from ibpembed_client.shards import AsyncShardedLookupClient, ShardedLookupClient
 
 __all__ = [
     "OVERLOADED_METADATA_KEY",
+    "VERSIONS_HELD_METADATA_KEY",
     "AsyncLookupClient",
     "AsyncShardedLookupClient",
     "FeatureBatch",

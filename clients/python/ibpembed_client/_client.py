@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ibpembed_client._common import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    ChannelOptions,
     FeatureInput,
     KeepAliveOptions,
     LookupResult,
@@ -25,8 +26,10 @@ from ibpembed_client._common import (
     TlsOptions,
     build_request,
     call_metadata,
-    channel_options,
     decode_response,
+)
+from ibpembed_client._common import (
+    channel_options as _channel_options,
 )
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
@@ -41,21 +44,27 @@ class LookupClient:
     ...     result = client.lookup({"cat_0": [[1, 2], [3]]}, pooling="sum")
     ...     result["cat_0"].shape                     # (2, 128) float32
 
-    Thread-safe: one client (one HTTP/2 connection per target) serves many threads.
+    Thread-safe: one client (one gRPC channel per target: one HTTP/2 connection, or one per
+    resolved address with ``round_robin``) serves many threads.
 
     Parameters
     ----------
-    target : ``host:port`` for every call the router does not redirect.
+    target : ``host:port`` for every call the router does not redirect, or any gRPC target
+        name: ``dns:///ibpembed-shard-0.ibpembed:50051`` with
+        ``channel_options=[("grpc.lb_policy_name", "round_robin")]`` spreads calls over every
+        address the name resolves to (the replicas behind a headless Service).
     timeout : default overall deadline per call in seconds (retries included); None = no
         deadline. Each method also takes ``timeout``.
-    retry : retry policy (UNAVAILABLE and overload refusals, within a retry budget);
-        ``RetryPolicy(max_attempts=1)`` disables retries.
+    retry : retry policy (UNAVAILABLE by gRPC's own retries, overload refusals here, within a
+        retry budget); ``RetryPolicy(max_attempts=1)`` disables retries.
     keepalive : HTTP/2 keepalive settings; None = gRPC defaults (no client pings).
     tls : TLS / mTLS settings; None = plaintext.
     token : bearer token sent as ``authorization: Bearer <token>``.
     max_message_bytes : largest message sent or received (default 64 MiB; a B=2048
         DCNv2-profile pooled response is ~27 MB).
     router : optional hook choosing the target per lookup request (scale-out).
+    channel_options : more gRPC channel arguments, e.g. the load-balancing policy; they
+        override the client's own (a ``grpc.service_config`` replaces the retry policy's).
     """
 
     def __init__(
@@ -69,6 +78,7 @@ class LookupClient:
         token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         router: Router | None = None,
+        channel_options: ChannelOptions = (),
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -77,7 +87,7 @@ class LookupClient:
         self.router = router
         self._tls = tls
         self._token = token
-        self._options = channel_options(max_message_bytes, keepalive)
+        self._options = _channel_options(max_message_bytes, keepalive, self.retry, channel_options)
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()  # threads' first calls must share one channel
 
@@ -148,6 +158,7 @@ class LookupClient:
         *,
         timeout: float | None = None,
         request_id: str = "",
+        table_version: int = 0,
     ) -> LookupResult:
         """Look up one batch.
 
@@ -157,12 +168,17 @@ class LookupClient:
         pooling : ``"sum"``, ``"mean"`` (``[B, D]`` float32) or ``"none"`` (``[nnz, D]`` rows).
         timeout : overall deadline in seconds (default: the client's).
         request_id : echoed back; the server logs it with failures.
+        table_version : serve from this table-set version (see :meth:`versions_held`); 0 =
+            the newest. The result's ``table_version`` says which served it.
 
         Raises
         ------
-        LookupServiceError : with the status code (NOT_FOUND, INVALID_ARGUMENT, ...).
+        LookupServiceError : with the status code (NOT_FOUND, INVALID_ARGUMENT, ...);
+            FAILED_PRECONDITION for a version the server does not hold (``versions_held`` of
+            the error lists those it does).
         """
-        return self.lookup_request(build_request(features, pooling, request_id), timeout=timeout)
+        request = build_request(features, pooling, request_id, table_version)
+        return self.lookup_request(request, timeout=timeout)
 
     def lookup_request(
         self, request: pb.LookupRequest, *, timeout: float | None = None
@@ -207,6 +223,15 @@ class LookupClient:
             timeout,
         )
         return [TableInfo.from_proto(t) for t in response.tables]
+
+    def versions_held(self, *, timeout: float | None = None) -> tuple[int, ...]:
+        """The table-set versions the server holds and serves on request, oldest first."""
+        metadata = call_metadata(self._token)
+        response = self._call(
+            lambda t: self._stub().ListTables(pb.ListTablesRequest(), timeout=t, metadata=metadata),
+            timeout,
+        )
+        return tuple(response.versions_held) or (response.table_version,)
 
     def describe_table(self, name: str, *, timeout: float | None = None) -> TableInfo:
         """One table; :class:`LookupServiceError` NOT_FOUND for an unknown name."""

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
@@ -33,6 +34,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # retry later", as opposed to one for an oversize message, which gRPC itself raises and no retry
 # can fix.
 OVERLOADED_METADATA_KEY = "ibpembed-overloaded"
+# Trailing metadata of a FAILED_PRECONDITION for a pinned table-set version the server does not
+# hold: the versions it holds, oldest first, comma-separated ("3,4").
+VERSIONS_HELD_METADATA_KEY = "ibpembed-versions-held"
 
 # A routing hook: picks the server ("host:port") for a whole lookup request (e.g. by table, or
 # one of several replicas); None sends everything to the client's target. Tables sharded by row
@@ -48,7 +52,11 @@ class LookupServiceError(Exception):
     code : the gRPC status code.
     details : the server's message (names the bad field for INVALID_ARGUMENT).
     request_id : the request's id, when known.
-    attempts : tries made (more than 1 after retries: see :class:`RetryPolicy`).
+    attempts : tries made by this client's own retries (overload refusals: see
+        :class:`RetryPolicy`; gRPC's retries of UNAVAILABLE happen below and are not counted).
+    versions_held : for FAILED_PRECONDITION on a pinned table-set version, the versions the
+        server holds (from its trailing metadata); None otherwise.
+    shard : for the sharded clients, the shard that failed; None otherwise.
     """
 
     def __init__(
@@ -59,12 +67,28 @@ class LookupServiceError(Exception):
         self.details = details
         self.request_id = request_id
         self.attempts = attempts
+        self.versions_held: tuple[int, ...] | None = None
+        self.shard: int | None = None
 
     @classmethod
     def from_rpc_error(
         cls, err: grpc.RpcError, request_id: str = "", attempts: int = 1
     ) -> LookupServiceError:
-        return cls(err.code(), err.details() or "", request_id, attempts)
+        error = cls(err.code(), err.details() or "", request_id, attempts)
+        error.versions_held = versions_held_in(err.trailing_metadata() or ())
+        return error
+
+
+def versions_held_in(metadata: Sequence[tuple[str, str | bytes]]) -> tuple[int, ...] | None:
+    """The versions a server says it holds (:data:`VERSIONS_HELD_METADATA_KEY`), or None."""
+    for key, value in metadata:
+        if key == VERSIONS_HELD_METADATA_KEY:
+            text = value.decode() if isinstance(value, bytes) else value
+            try:
+                return tuple(int(v) for v in text.split(",") if v)
+            except ValueError:
+                return None
+    return None
 
 
 @dataclass(frozen=True)
@@ -140,7 +164,10 @@ def _int_bytes(array: np.ndarray, dtype: str, what: str) -> bytes:
 
 
 def build_request(
-    features: Mapping[str, FeatureInput], pooling: Pooling = "sum", request_id: str = ""
+    features: Mapping[str, FeatureInput],
+    pooling: Pooling = "sum",
+    request_id: str = "",
+    table_version: int = 0,
 ) -> pb.LookupRequest:
     """A ``LookupRequest`` from per-feature batches or per-sample id lists.
 
@@ -149,6 +176,8 @@ def build_request(
     features : feature name -> :class:`FeatureBatch` or list of per-sample id lists.
     pooling : ``"sum"``, ``"mean"`` or ``"none"`` (rows, bit-exact).
     request_id : echoed back and logged by the server on failures; empty = server picks one.
+    table_version : the table-set version to be served from (FAILED_PRECONDITION when the
+        server does not hold it); 0 = the newest it holds.
 
     Raises
     ------
@@ -159,7 +188,9 @@ def build_request(
     """
     if pooling not in POOLING:
         raise ValueError(f"pooling must be one of {sorted(POOLING)}, got {pooling!r}")
-    request = pb.LookupRequest(request_id=request_id, pooling=POOLING[pooling])
+    request = pb.LookupRequest(
+        request_id=request_id, pooling=POOLING[pooling], table_version=table_version
+    )
     for name, value in features.items():
         batch = value if isinstance(value, FeatureBatch) else FeatureBatch.from_lists(value)
         request.features.append(
@@ -174,24 +205,32 @@ def build_request(
 
 
 @dataclass(frozen=True)
-class LookupResult:
-    """One response: ``result["feature"]`` is that feature's array.
+class LookupResult(Mapping[str, np.ndarray]):
+    """One response, a read-only mapping feature -> array in request order:
+    ``result["feature"]``, ``len(result)``, ``result.items()``, ``dict(result)``.
 
     ``[nnz, D]`` rows in the table dtype for pooling NONE (bfloat16 as uint16 bit patterns;
-    ``dtypes`` says which), ``[B, D]`` float32 for SUM / MEAN. In a stream, a request that failed
-    gives a result with ``error`` set and no values; indexing it raises that error.
+    ``dtypes`` says which), ``[B, D]`` float32 for SUM / MEAN. ``table_version`` is the table-set
+    version that served it. In a stream, a request that failed gives a result with ``error`` set
+    and no arrays; reading a feature of it raises that error.
     """
 
     request_id: str
     table_version: int
-    values: dict[str, np.ndarray] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)
     error: LookupServiceError | None = None
 
     def __getitem__(self, name: str) -> np.ndarray:
         if self.error is not None:
             raise self.error
-        return self.values[name]
+        return self.arrays[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.arrays)
+
+    def __len__(self) -> int:
+        return len(self.arrays)
 
 
 def decode_response(response: pb.LookupResponse) -> LookupResult:
@@ -204,7 +243,7 @@ def decode_response(response: pb.LookupResponse) -> LookupResult:
     result = LookupResult(response.request_id, response.table_version)
     for feature in response.features:
         name, dtype = DTYPES[feature.dtype]
-        result.values[feature.name] = np.frombuffer(feature.values, dtype=dtype).reshape(
+        result.arrays[feature.name] = np.frombuffer(feature.values, dtype=dtype).reshape(
             tuple(feature.shape)
         )
         result.dtypes[feature.name] = name
@@ -263,16 +302,25 @@ class RetryPolicy:
     """Retries with exponential backoff and full jitter, on calls that never ran, within a
     client-wide retry budget.
 
-    Retried: UNAVAILABLE (server starting, draining, connection lost) and, with
+    Retried: UNAVAILABLE (server starting, draining, connection lost, a replica gone) and, with
     ``retry_overloaded``, a RESOURCE_EXHAUSTED the server marks as overload (its admission
     limit: the request was refused before any work). Other codes are answers, and an oversize
     message stays one however often it is sent. Retries stay inside the call's overall timeout.
 
-    The budget is gRPC's retry throttling (gRFC A6): a client holds ``budget_tokens`` tokens; a
-    try that fails with a retryable code takes one, a call that succeeds gives back
+    UNAVAILABLE is retried by gRPC itself, from the service config :meth:`service_config` builds
+    (retryPolicy and retryThrottling, gRFC A6): transparent, per attempt on a fresh pick of the
+    load-balancing policy (another replica with ``round_robin``), and the same JSON configures a
+    Go, Java or C++ frontend (``proto/ibpembed/v1/service_config.json`` is the default
+    policy's).
+    gRPC cannot tell an overload refusal from its own oversize-message RESOURCE_EXHAUSTED (only
+    the server's trailer does), so those retries stay here, under the same parameters.
+
+    The budget is gRPC's retry throttling: a client holds ``budget_tokens`` tokens; a try that
+    fails with a retryable code takes one, a call that succeeds gives back
     ``budget_token_ratio``, and retries pause while half or fewer are left. Under sustained
     overload a client then stops multiplying its load (at most ``max_attempts`` times it) and
-    goes back to one try per call until calls succeed again.
+    goes back to one try per call until calls succeed again. gRPC caps ``max_attempts`` at 5
+    and takes whole tokens.
 
     Parameters
     ----------
@@ -296,11 +344,37 @@ class RetryPolicy:
         cap = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (attempt - 1))
         return random.uniform(0.0, cap)
 
+    def service_config(self, service: str = "ibpembed.v1.EmbeddingLookup") -> dict:
+        """The gRPC service config retrying UNAVAILABLE under this policy (``grpc.service_config``
+        channel option; JSON for any gRPC language)."""
+        config: dict = {}
+        if self.max_attempts > 1:
+            config["methodConfig"] = [
+                {
+                    "name": [{"service": service}],
+                    "retryPolicy": {
+                        "maxAttempts": self.max_attempts,
+                        # grpcio 1.85 held a retry until the deadline with "0.001s"
+                        # (measured; 2 ms and more worked): 10 ms at least.
+                        "initialBackoff": f"{max(self.initial_backoff_s, 0.01):g}s",
+                        "maxBackoff": f"{self.max_backoff_s:g}s",
+                        "backoffMultiplier": self.multiplier,
+                        "retryableStatusCodes": ["UNAVAILABLE"],
+                    },
+                }
+            ]
+            if self.budget_tokens is not None:
+                config["retryThrottling"] = {
+                    # gRPC takes a whole number of tokens, 1 to 1000.
+                    "maxTokens": max(1, min(1000, round(self.budget_tokens))),
+                    "tokenRatio": self.budget_token_ratio,
+                }
+        return config
+
     def retryable(self, err: grpc.RpcError) -> bool:
-        """Whether ``err`` is a failure this policy retries."""
+        """Whether ``err`` is a failure this policy retries in Python: the server's overload
+        refusals (gRPC's own retries handle UNAVAILABLE, see :meth:`service_config`)."""
         code = err.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
-            return True
         if code != grpc.StatusCode.RESOURCE_EXHAUSTED or not self.retry_overloaded:
             return False
         trailing = err.trailing_metadata() or ()
@@ -363,20 +437,34 @@ class KeepAliveOptions:
     permit_without_calls: bool = True
 
 
+ChannelOptions = Sequence[tuple[str, Union[str, int]]]  # noqa: UP007 (runtime alias on 3.10)
+
+
 def channel_options(
-    max_message_bytes: int, keepalive: KeepAliveOptions | None
-) -> list[tuple[str, int]]:
-    options = [
+    max_message_bytes: int,
+    keepalive: KeepAliveOptions | None,
+    retry: RetryPolicy | None = None,
+    extra: ChannelOptions = (),
+) -> list[tuple[str, str | int]]:
+    """The client's gRPC channel arguments: message limits, keepalive, the retry service config,
+    then ``extra`` (e.g. ``("grpc.lb_policy_name", "round_robin")``), which override the rest."""
+    options: list[tuple[str, str | int]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+    if retry is not None:
+        options += [
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", json.dumps(retry.service_config())),
+        ]
     if keepalive is not None:
         options += [
             ("grpc.keepalive_time_ms", keepalive.time_ms),
             ("grpc.keepalive_timeout_ms", keepalive.timeout_ms),
             ("grpc.keepalive_permit_without_calls", int(keepalive.permit_without_calls)),
         ]
-    return options
+    overridden = {key for key, _ in extra}
+    return [(k, v) for k, v in options if k not in overridden] + list(extra)
 
 
 @dataclass(frozen=True)

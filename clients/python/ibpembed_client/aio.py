@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ibpembed_client._common import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    ChannelOptions,
     FeatureInput,
     KeepAliveOptions,
     LookupResult,
@@ -25,8 +26,10 @@ from ibpembed_client._common import (
     TlsOptions,
     build_request,
     call_metadata,
-    channel_options,
     decode_response,
+)
+from ibpembed_client._common import (
+    channel_options as _channel_options,
 )
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
@@ -54,6 +57,7 @@ class AsyncLookupClient:
         token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         router: Router | None = None,
+        channel_options: ChannelOptions = (),
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -62,7 +66,7 @@ class AsyncLookupClient:
         self.router = router
         self._tls = tls
         self._token = token
-        self._options = channel_options(max_message_bytes, keepalive)
+        self._options = _channel_options(max_message_bytes, keepalive, self.retry, channel_options)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _channel(self, target: str) -> grpc.aio.Channel:
@@ -124,9 +128,10 @@ class AsyncLookupClient:
         *,
         timeout: float | None = None,
         request_id: str = "",
+        table_version: int = 0,
     ) -> LookupResult:
         """Look up one batch (see :meth:`ibpembed_client.LookupClient.lookup`)."""
-        request = build_request(features, pooling, request_id)
+        request = build_request(features, pooling, request_id, table_version)
         return await self.lookup_request(request, timeout=timeout)
 
     async def lookup_request(
@@ -168,6 +173,15 @@ class AsyncLookupClient:
             timeout,
         )
         return [TableInfo.from_proto(t) for t in response.tables]
+
+    async def versions_held(self, *, timeout: float | None = None) -> tuple[int, ...]:
+        """The table-set versions the server holds, oldest first."""
+        metadata = call_metadata(self._token)
+        response = await self._call(
+            lambda t: self._stub().ListTables(pb.ListTablesRequest(), timeout=t, metadata=metadata),
+            timeout,
+        )
+        return tuple(response.versions_held) or (response.table_version,)
 
     async def describe_table(self, name: str, *, timeout: float | None = None) -> TableInfo:
         """One table; :class:`LookupServiceError` NOT_FOUND for an unknown name."""

@@ -9,6 +9,10 @@ Two load modes, as in perf_analyzer:
   ``--max-inflight``. Exposes queueing: latency grows as R nears capacity. Arrivals that find
   ``--max-inflight`` requests outstanding are counted as ``dropped``, not sent.
 
+The warm-up (``--warmup`` seconds) runs first and is not measured; ``--requests N`` then
+measures N requests (or ``--duration`` seconds, whichever ends first). A run that measured no
+request exits 1.
+
 Requests are prebuilt (``--request-pool`` distinct ones, cycled) so generating ids costs nothing
 on the hot path. Every request has a deadline (``--deadline-ms``). The report gives p50, p90,
 p99, p99.9, mean and max latency of successful requests, QPS, and errors by status code; as JSON
@@ -80,7 +84,7 @@ class _Tally:
     latencies: list[float] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
     dropped: int = 0
-    sent: int = 0
+    sent: int = 0  # started after the warm-up (what max_requests counts)
 
     def add(self, started: float, warm_from: float, seconds: float, code: str | None) -> None:
         if started < warm_from:
@@ -160,6 +164,10 @@ async def run_load(cfg: LoadConfig) -> dict:
             within = cfg.max_requests is None or tally.sent < cfg.max_requests
             return within and loop.time() < stop_at
 
+        def count_start() -> None:
+            if loop.time() >= warm_from:
+                tally.sent += 1
+
         async def one(request: pb.LookupRequest) -> None:
             began = loop.time()
             code = None
@@ -172,7 +180,7 @@ async def run_load(cfg: LoadConfig) -> dict:
         async def closed_loop(worker: int) -> None:
             i = worker
             while budget_left():
-                tally.sent += 1
+                count_start()
                 await one(requests[i % len(requests)])
                 i += cfg.concurrency or 1
 
@@ -189,7 +197,7 @@ async def run_load(cfg: LoadConfig) -> dict:
                     if next_at >= warm_from:
                         tally.dropped += 1
                     continue
-                tally.sent += 1
+                count_start()
                 task = asyncio.create_task(one(requests[i % len(requests)]))
                 inflight.add(task)
                 task.add_done_callback(inflight.discard)
@@ -232,6 +240,8 @@ def summarize(cfg: LoadConfig, tally: _Tally, window: tuple[float, float]) -> di
         # Never write a secret (token, TLS key) into a report.
         "config": asdict(cfg) | {"token": None, "tls": cfg.tls is not None},
         "mode": "concurrency" if cfg.concurrency is not None else "request_rate",
+        "concurrency": cfg.concurrency,
+        "rate": cfg.rate,
         "measured_s": measured_s,
         "window_monotonic_s": list(window),
         "ok": int(lat.size),
@@ -244,15 +254,24 @@ def summarize(cfg: LoadConfig, tally: _Tally, window: tuple[float, float]) -> di
     }
 
 
+PNG_NEEDS = "--png needs matplotlib: pip install 'ibpembed-client[loadgen]'"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_latency(report: dict, path: str | Path) -> None:
     """Histogram of successful-request latency with the percentiles marked (matplotlib)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = _pyplot()
     except ImportError as exc:
-        raise SystemExit("--png needs matplotlib: pip install 'ibpembed-client[loadgen]'") from exc
+        raise SystemExit(PNG_NEEDS) from exc
     lat = np.asarray(report["latencies_ms"])
     fig, ax = plt.subplots(figsize=(7, 4))
     if lat.size:
@@ -265,7 +284,7 @@ def plot_latency(report: dict, path: str | Path) -> None:
                 ax.text(value, ax.get_ylim()[1] * 0.9, name, rotation=90, fontsize=8)
     ax.set_xlabel("latency (ms)")
     ax.set_ylabel("requests")
-    ax.set_title(f"{report['mode']}: {report['qps']:.0f} QPS, {report['ok']} ok")
+    ax.set_title(f"{_load_of(report)}: {report['qps']:.0f} QPS, {report['ok']} ok")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -283,7 +302,9 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--rate", type=float, help="Poisson arrivals per second (open loop)")
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds run before measuring")
-    p.add_argument("--requests", type=int, help="stop after this many requests")
+    p.add_argument(
+        "--requests", type=int, help="measure this many requests (after the warm-up), then stop"
+    )
     p.add_argument("--batch-size", type=int, default=64, help="samples per request (B)")
     p.add_argument("--features", default="", help="comma-separated features; default all")
     p.add_argument("--hotness", default="dcnv2", help="ids per sample: dcnv2 or an integer")
@@ -293,7 +314,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight", type=int, default=256, help="rate mode: outstanding cap")
     p.add_argument("--request-pool", type=int, default=16, help="distinct prebuilt requests")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--token", help="bearer token")
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--token", help="bearer token (visible in ps: prefer --token-file)")
+    token.add_argument("--token-file", help="file holding the bearer token")
     p.add_argument("--tls-ca", help="PEM CA bundle: connect with TLS, trusting this CA")
     p.add_argument("--tls-cert", help="PEM client certificate (mTLS; with --tls-key)")
     p.add_argument("--tls-key", help="PEM client private key (mTLS)")
@@ -307,6 +330,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.concurrency is None and args.rate is None:
         args.concurrency = 8
+    if args.png:  # before the run, not after minutes of load
+        try:
+            _pyplot()
+        except ImportError:
+            print(f"ibpembed-loadgen: {PNG_NEEDS}", file=sys.stderr)
+            return 2
+    token = args.token
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            print(f"ibpembed-loadgen: --token-file: {exc}", file=sys.stderr)
+            return 2
     tls = None
     if args.tls_ca or args.tls_cert:
         read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
@@ -327,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_inflight=args.max_inflight,
         request_pool=args.request_pool,
         seed=args.seed,
-        token=args.token,
+        token=token,
         tls=tls,
         progress=not args.no_progress,
     )
@@ -339,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lat = report["latency_ms"]
     summary = "  ".join(f"{k} {v:.2f} ms" for k, v in lat.items())
     print(
-        f"{report['mode']}: {report['ok']} ok in {report['measured_s']:.1f} s = "
+        f"{_load_of(report)}: {report['ok']} ok in {report['measured_s']:.1f} s = "
         f"{report['qps']:.1f} QPS ({report['samples_per_s']:.0f} samples/s)\n"
         f"latency: {summary or 'no successful requests'}\n"
         f"errors: {report['errors'] or 'none'}  dropped: {report['dropped']}"
@@ -348,7 +384,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if args.png:
         plot_latency(report, args.png)
+    if report["ok"] + sum(report["errors"].values()) == 0:
+        print(
+            "ibpembed-loadgen: no request was measured: the run ended within the warm-up "
+            "(--warmup longer than --duration?)",
+            file=sys.stderr,
+        )
+        return 1
     return 0 if not report["errors"] else 1
+
+
+def _load_of(report: dict) -> str:
+    """``concurrency 16`` or ``rate 200/s``: the load a report measured."""
+    if report["concurrency"] is not None:
+        return f"concurrency {report['concurrency']}"
+    return f"rate {report['rate']:g}/s"
 
 
 if __name__ == "__main__":

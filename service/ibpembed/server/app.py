@@ -1,8 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The grpc.aio server: wiring of store, engine, servicer, interceptors, health and reflection.
 
-Lifecycle: load tables -> bind -> SERVING. A table set from a directory is reloaded live when its
-manifest changes and on SIGHUP (:mod:`ibpembed.server.reload`). On SIGTERM or SIGINT: stop
+Lifecycle: bind gRPC and metrics -> load the tables (health NOT_SERVING, lookups UNAVAILABLE,
+``/readyz`` 503, ``ibpembed_loading`` 1 with its progress) -> choose the device (on a GPU node the
+CUDA self-test, :mod:`ibpembed.selftest`) -> SERVING. Binding first means a busy port fails at
+once rather than after a minutes-long load, and probes and scrapes tell "loading" from "dead"
+meanwhile. A table set from a directory is reloaded live when its manifest changes and on SIGHUP
+(:mod:`ibpembed.server.reload`). On SIGTERM or SIGINT: stop
 admitting new RPCs (UNAVAILABLE; health NOT_SERVING), let in-flight RPCs finish for up to
 ``grace_s``, stop the kernel threads, exit 0. A reload in progress gets the same grace period
 (not one of its own); one still running when it ends is abandoned.
@@ -17,6 +21,7 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TextIO
 
@@ -26,7 +31,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ibpembed.engine import LookupEngine, LookupObserver, resolve_device
+from ibpembed.selftest import choose_device
 from ibpembed.server import demo
+from ibpembed.server.cli import LOAD_THREAD
 from ibpembed.server.config import ServerConfig
 from ibpembed.server.interceptors import (
     BearerTokenInterceptor,
@@ -36,7 +43,7 @@ from ibpembed.server.interceptors import (
 )
 from ibpembed.server.memory import keep_freed_memory
 from ibpembed.server.metrics import ServerMetrics
-from ibpembed.server.reload import ReloadObserver, TableSetReloader
+from ibpembed.server.reload import ReloadObserver, TableSetReloader, in_daemon_thread
 from ibpembed.server.servicer import EmbeddingLookupServicer, add_to_server
 from ibpembed.tables.store import TableStore
 from ibpembed_client.v1 import lookup_pb2
@@ -56,8 +63,12 @@ class ServerObserver(LookupObserver, RpcObserver, ReloadObserver, Protocol):
     """The metrics hook of a whole server (issue 6 implements it)."""
 
 
-def load_store(config: ServerConfig) -> TableStore:
-    """The packed table set in ``config.tables``, or the embedded demo set."""
+def load_store(
+    config: ServerConfig, progress: Callable[[int, int], None] | None = None
+) -> TableStore:
+    """The packed table set in ``config.tables``, or the embedded demo set. ``progress(done,
+    total)``: tables loaded so far (a directory's set only; the demo reports 0 of 1 and 1 of 1).
+    """
     if config.tables is not None:
         # Page-locked payloads are what the zero-copy CUDA kernels read.
         pin = resolve_device(config.device).type == "cuda"
@@ -66,8 +77,26 @@ def load_store(config: ServerConfig) -> TableStore:
             verify=config.verify_payloads,
             prefetch=config.prefetch_payloads,
             pin=pin,
+            keep_versions=config.keep_versions,
+            progress=progress,
         )
-    return TableStore.from_tables(demo.build(config.demo_max_rows))
+    if progress is not None:
+        progress(0, 1)
+    store = TableStore.from_tables(demo.build(config.demo_max_rows))
+    if progress is not None:
+        progress(1, 1)
+    return store
+
+
+def load_and_check(
+    config: ServerConfig, progress: Callable[[int, int], None] | None = None
+) -> tuple[TableStore, str]:
+    """The tables (:func:`load_store`) and the device to serve them on (``"cpu"`` or
+    ``"cuda"``, after the CUDA self-test on them: :func:`ibpembed.selftest.choose_device`)."""
+    store = load_store(config, progress)
+    with store.acquire() as snap:
+        device = choose_device(config.device, snap.tables)
+    return store, device.type
 
 
 def _read(path: str) -> bytes:
@@ -93,43 +122,33 @@ def _bind_problem(host: str, port: int) -> str:
 class LookupServer:
     """One serving process.
 
+    Two steps: :meth:`start` binds the port (health NOT_SERVING, every ``ibpembed.v1`` RPC
+    UNAVAILABLE), :meth:`serve_tables` puts the tables behind it (SERVING). With ``store``
+    given, :meth:`start` does both.
+
     Parameters
     ----------
     config : validated settings.
-    store : the tables (see :func:`load_store`).
+    store : the tables (see :func:`load_store`), or None to pass them to :meth:`serve_tables`
+        once loaded.
     observer : optional metrics hook: kernel calls (engine) and finished RPCs (interceptor).
     """
 
     def __init__(
-        self, config: ServerConfig, store: TableStore, *, observer: ServerObserver | None = None
+        self,
+        config: ServerConfig,
+        store: TableStore | None = None,
+        *,
+        observer: ServerObserver | None = None,
     ) -> None:
         self.config = config
         self.state = ServingState()
-        self.engine = LookupEngine(
-            store,
-            max_workers=config.workers,
-            max_inflight=config.max_inflight,
-            device=config.device,
-            dedupe_max_unique_fraction=config.dedupe_max_unique_fraction,
-            dedupe_min_ids=config.dedupe_min_ids,
-            hot_row_budget=config.hot_row_budget,
-            hot_row_refresh_s=config.hot_row_refresh_s,
-            # Leave room for the response's framing (names, shapes: ~50 bytes a feature).
-            max_output_bytes=config.max_message_bytes * 15 // 16,
-            observer=observer,
-        )
         self.observer = observer
-        # None for in-memory tables (the embedded demo): nothing on disk to reload from.
-        self.reloader = (
-            TableSetReloader(
-                store,
-                poll_s=config.reload_poll_s,
-                hot_rows=self.engine.hot_rows,
-                observer=observer,
-            )
-            if store.directory is not None
-            else None
-        )
+        self._store = store
+        # Both set by serve_tables; the gate refuses every RPC that would need them before.
+        self.engine: LookupEngine | None = None
+        self.reloader: TableSetReloader | None = None
+        self.servicer = EmbeddingLookupServicer(None, stream_window=config.stream_window)
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -155,7 +174,8 @@ class LookupServer:
         )
 
     async def start(self) -> int:
-        """Bind and start serving; returns the bound port."""
+        """Bind and start answering: health NOT_SERVING until the tables are served (at once
+        when the server was given its store); returns the bound port."""
         cfg = self.config
         server = grpc.aio.server(
             interceptors=self._interceptors(),
@@ -170,7 +190,7 @@ class LookupServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        add_to_server(EmbeddingLookupServicer(self.engine, stream_window=cfg.stream_window), server)
+        add_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if cfg.reflection:
             reflection.enable_server_reflection(
@@ -184,21 +204,61 @@ class LookupServer:
             else:
                 port = server.add_secure_port(address, credentials)
         except RuntimeError:  # grpc's says only "Failed to bind to address ..."
-            self.engine.close()
             raise RuntimeError(
                 f"cannot listen on {address}: {_bind_problem(cfg.host, cfg.port)}"
             ) from None
+        # grpc's health servicer starts the whole server ("") SERVING: not before the tables.
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.state.reason = "loading the table set"
         await server.start()
         self._server, self.port = server, port
+        if self._store is not None:
+            try:
+                with self._store.acquire() as snap:
+                    device = choose_device(cfg.device, snap.tables).type
+                await self.serve_tables(self._store, device)
+            except BaseException:  # e.g. --device cuda without a GPU: close the port again
+                await server.stop(0)
+                raise
+        return port
+
+    async def serve_tables(self, store: TableStore, device: str) -> None:
+        """Serve ``store`` on ``device`` (``"cpu"`` or ``"cuda"``): SERVING from here on."""
+        cfg = self.config
+        self.engine = LookupEngine(
+            store,
+            max_workers=cfg.workers,
+            max_inflight=cfg.max_inflight,
+            device=device,
+            dedupe_max_unique_fraction=cfg.dedupe_max_unique_fraction,
+            dedupe_min_ids=cfg.dedupe_min_ids,
+            hot_row_budget=cfg.hot_row_budget,
+            hot_row_refresh_s=cfg.hot_row_refresh_s,
+            # Leave room for the response's framing (names, shapes: ~50 bytes a feature).
+            max_output_bytes=cfg.max_message_bytes * 15 // 16,
+            observer=self.observer,
+        )
+        self.servicer.engine = self.engine
+        # None for in-memory tables (the embedded demo): nothing on disk to reload from.
+        if store.directory is not None:
+            self.reloader = TableSetReloader(
+                store,
+                poll_s=cfg.reload_poll_s,
+                hot_rows=self.engine.hot_rows,
+                observer=self.observer,
+            )
         self.state.accepting, self.state.reason = True, "serving"
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self.reloader is not None:
             self.reloader.start()
-        return port
 
     def request_reload(self) -> None:
         """Reload the table set in the background (SIGHUP); outcomes are logged and counted."""
+        if self.engine is None:
+            log.warning("reload requested while the tables load: ignored (the load reads the set)")
+            return
         if self.reloader is None:
             log.warning("reload requested: serving in-memory tables, nothing to reload")
             return
@@ -222,6 +282,11 @@ class LookupServer:
         clients must not retry).
         """
         grace = self.config.grace_s if grace_s is None else grace_s
+        if self.engine is None:  # stopped while loading: nothing was ever admitted
+            self.state.accepting, self.state.reason = False, "stopping"
+            if self._server is not None:
+                await self._server.stop(0)
+            return
         loop = asyncio.get_running_loop()
         give_up = loop.time() + grace
         self.state.accepting, self.state.reason = False, "draining for shutdown"
@@ -315,75 +380,87 @@ def _reload_line(config: ServerConfig) -> str:
     return f"table set reloads {when if config.reload_poll_s else ''}on SIGHUP\n"
 
 
-class _StopWhileLoading(BaseException):
-    """SIGTERM/SIGINT during the table load. A BaseException, like KeyboardInterrupt, so the
-    loader's error handling passes it through instead of reporting a broken table set."""
-
-
-class _EarlySignals:
-    """SIGTERM/SIGINT before the asyncio handlers exist. Loading a large table set takes
-    minutes, and the default actions would end it with exit status 143 (SIGTERM, which is how
-    Kubernetes deletes a pod) or a KeyboardInterrupt traceback. While ``loading`` a signal
-    abandons the load; after it the signal is only remembered, and drains the server once it
-    has started, as a later one would."""
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self.loading = True
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, _frame: object) -> None:
-        self.received = signal.Signals(signum).name
-        if self.loading:
-            self.loading = False  # once: a second signal must not interrupt the way out
-            raise _StopWhileLoading
+async def _shut_down_unloaded(server: LookupServer, metrics: ServerMetrics | None) -> None:
+    """Stop a server whose tables never came to be served (no RPC was admitted)."""
+    await server.stop(0)
+    if metrics is not None:
+        metrics.stop_http_server()
 
 
 async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     """Run until SIGTERM/SIGINT, then drain and return 0 (also when the signal comes while the
-    tables load: nothing is in flight then)."""
+    tables load: nothing is in flight then, and the load is abandoned)."""
     # Process-wide, hence here and not in LookupServer (see ServerConfig.torch_threads).
     torch.set_num_threads(config.torch_threads)
     keep_freed_memory(config.malloc_retain_mb)
-    early = _EarlySignals()
-    try:  # installed inside the try: from then on a signal may land on any line
-        early.install()
-        log.info("loading %s", config.tables or "the embedded demo table set")
-        store = load_store(config)
-        early.loading = False
-    except _StopWhileLoading:
-        log.warning("%s while loading the tables: exiting without serving", early.received)
-        return 0
-    metrics = None
-    if config.metrics_port:
-        metrics = ServerMetrics(store, device=resolve_device(config.device).type)
-        metrics_port = metrics.start_http_server(config.host, config.metrics_port)
-    server = LookupServer(config, store, observer=metrics)
-    # Before the banner: whoever reads it may signal at once (the default actions would kill).
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    if early.received is not None:
+    stop = asyncio.Event()
+    received: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig.name)
         stop.set()
-    loop.add_signal_handler(signal.SIGHUP, server.request_reload)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    metrics = ServerMetrics(device=config.device) if config.metrics_port else None
+    server = LookupServer(config, observer=metrics)
+    metrics_port = 0
     try:
+        if metrics is not None:
+            metrics_port = metrics.start_http_server(
+                config.host, config.metrics_port, ready=lambda: server.state.accepting
+            )
         port = await server.start()
     except BaseException:
         if metrics is not None:
             metrics.stop_http_server()
         raise
+    scheme = "TLS" if config.tls_cert else "plaintext"
+    print(
+        f"bound {config.host}:{port} ({scheme}); health NOT_SERVING while the tables load\n"
+        + (f"metrics on http://{config.host}:{metrics_port}/metrics\n" if metrics else ""),
+        end="",
+        file=out,
+        flush=True,
+    )
+    log.info("loading %s", config.tables or "the embedded demo table set")
+    loading = in_daemon_thread(
+        lambda: load_and_check(config, metrics.loading_progress if metrics else None),
+        name=LOAD_THREAD,
+    )
+    loop.add_signal_handler(signal.SIGHUP, server.request_reload)
+    stopping = loop.create_task(stop.wait())
+    try:
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if loading.done():
+            store, device = loading.result()  # a table set that does not load raises here
+    except BaseException:
+        await _shut_down_unloaded(server, metrics)
+        raise
+    finally:
+        stopping.cancel()
+    if not loading.done():
+        log.warning("%s while loading the tables: exiting without serving", received[0])
+        loading.cancel()  # abandoned: the load thread is a daemon
+        await _shut_down_unloaded(server, metrics)
+        return 0
+    if metrics is not None:
+        metrics.attach(store, device=device)
+    await server.serve_tables(store, device)
+    assert server.engine is not None
+    if metrics is not None and server.engine.hot_rows is not None:
+        metrics.watch_hot_rows(server.engine.hot_rows)
     tables = server.engine.describe()
     first_feature = next((t.features[0] for t in tables if t.features), "cat_0")
     source = config.tables or f"embedded demo ({len(tables)} DLRM-DCNv2-profile tables)"
-    scheme = "TLS" if config.tls_cert else "plaintext"
+    raw = sum(t.raw_bytes for t in tables)
+    stored = sum(t.stored_bytes for t in tables)
     print(
-        f"ibpembed serving {source} on {server.engine.device}\n"
+        f"ibpembed serving {source} on {server.engine.device}: {len(tables)} tables, "
+        f"{raw:,} raw bytes stored in {stored:,} ({1 - stored / max(raw, 1):.1%} saved), "
+        f"version {server.engine.store.version}\n"
         f"listening on {config.host}:{port} ({scheme})\n"
-        + (f"metrics on http://{config.host}:{metrics_port}/metrics\n" if metrics else "")
         + (_reload_line(config) if config.tables else "")
         + example_query(
             config.host,
@@ -396,9 +473,9 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
         flush=True,
     )
     await stop.wait()
-    log.warning("signal received: draining (grace %.1f s)", config.grace_s)
+    log.info("%s received: draining (grace %.1f s)", received[0], config.grace_s)
     await server.stop()
     if metrics is not None:
         metrics.stop_http_server()
-    log.warning("stopped")
+    log.info("stopped")
     return 0

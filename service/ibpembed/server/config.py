@@ -26,6 +26,7 @@ ENV_PREFIX = "IBPEMBED_"
 MAX_MESSAGE_MB = 2047
 # Names logging.basicConfig accepts (upper-cased); settings are spelt in lower case.
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS = ("text", "json")
 
 
 def _setting(default: Any, help: str, **kw: Any) -> Any:
@@ -54,6 +55,12 @@ class ServerConfig:
         " before serving it, so the first lookups after a start do not each wait on storage"
         " (from a cold cache the load then takes about as long as reading the table set).",
     )
+    keep_versions: int = _setting(
+        2,
+        "Published table-set versions kept and served on request (`LookupRequest.table_version`),"
+        " the newest included; a reload drops the oldest. Memory: tables an older version does"
+        " not share with the newest stay resident (`ibpembed_table_set_older_versions_bytes`).",
+    )
     reload_poll_s: float = _setting(
         10.0,
         "Seconds between checks of the table set's manifest: a new one (`ibpembed pack` into"
@@ -61,7 +68,10 @@ class ServerConfig:
     )
     device: str = _setting(
         "auto",
-        "Where kernels run: `cpu`, `cuda` or `auto` (CUDA when present).",
+        "Where kernels run: `cpu`, `cuda` or `auto`. On a GPU node a startup self-test decodes"
+        " a sample of every table on the GPU and compares it bit for bit with the CPU first:"
+        " `auto` uses CUDA only when it passes (else serves on the CPU and logs an error),"
+        " `cuda` exits non-zero when it fails.",
         choices=("cpu", "cuda", "auto"),
     )
     workers: int = _setting(min(4, os.cpu_count() or 1), "Threads running lookup kernels.")
@@ -129,6 +139,13 @@ class ServerConfig:
         "Python log level: `debug`, `info`, `warning`, `error` or `critical`.",
         choices=LOG_LEVELS,
     )
+    log_format: str = _setting(
+        "text",
+        "Log lines as `text` or `json` (one object a line: time, level, logger, message;"
+        " for Loki, Cloud Logging, Elastic). The banner stays text on stdout, and gRPC's own"
+        " C-core lines (`GRPC_VERBOSITY`) stay text on stderr.",
+        choices=LOG_FORMATS,
+    )
 
     def validate(self) -> ServerConfig:
         """Raise ValueError for impossible combinations; returns self."""
@@ -144,6 +161,7 @@ class ServerConfig:
             "max_inflight",
             "max_message_mb",
             "stream_window",
+            "keep_versions",
             "dedupe_min_ids",
             "demo_max_rows",
         ):
@@ -241,23 +259,40 @@ def _convert(f: dataclasses.Field, value: Any, source: str, *, from_file: bool =
     return converted
 
 
+def _shown_default(f: dataclasses.Field) -> str:
+    if f.name == "workers":
+        return "min(4, CPUs)"
+    if f.default is None:
+        return "unset"
+    return str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+
+
+def flag_help(f: dataclasses.Field) -> str:
+    """A setting's ``--help`` line: the README's text without its markup, then the environment
+    variable and the default (argparse's %-formatting escaped)."""
+    text = f.metadata["help"].replace("`", "")
+    return f"{text} (env {ENV_PREFIX}{f.name.upper()}; default {_shown_default(f)})".replace(
+        "%", "%%"
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per setting (defaults left None so unset flags fall through to env and file)."""
     parser.add_argument(
-        "--config", default=None, help=f"TOML config file (env {ENV_PREFIX}CONFIG)."
+        "--config", default=None, help=f"TOML config file (env {ENV_PREFIX}CONFIG; default unset)."
     )
     for f in _fields():
         flag = "--" + f.name.replace("_", "-")
         if _kind(f) is bool:
             parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"]
+                flag, action=argparse.BooleanOptionalAction, default=None, help=flag_help(f)
             )
         else:
             parser.add_argument(
                 flag,
                 type=_choice if "choices" in f.metadata else _kind(f),
                 default=None,
-                help=f.metadata["help"],
+                help=flag_help(f),
                 choices=f.metadata.get("choices"),
             )
 

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from ibpembed.errors import Overloaded, ServiceError, Unavailable
+from ibpembed.errors import Overloaded, ServiceError, Unavailable, VersionNotHeld
 from ibpembed.server.status import (
     MAX_REQUEST_ID_CHARS,
     UndecodableRequest,
@@ -31,7 +31,7 @@ from ibpembed.server.status import (
     status_for,
     tolerant_deserializer,
 )
-from ibpembed_client import OVERLOADED_METADATA_KEY
+from ibpembed_client import OVERLOADED_METADATA_KEY, VERSIONS_HELD_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,11 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         self._done(method, code)
         # Marks an admission refusal as retryable, unlike gRPC's own RESOURCE_EXHAUSTED for an
         # oversize message (the client's RetryPolicy reads it).
-        trailing = ((OVERLOADED_METADATA_KEY, "1"),) if isinstance(exc, Overloaded) else ()
+        trailing: tuple[tuple[str, str], ...] = ()
+        if isinstance(exc, Overloaded):
+            trailing = ((OVERLOADED_METADATA_KEY, "1"),)
+        elif isinstance(exc, VersionNotHeld):  # the client re-pins without parsing the message
+            trailing = ((VERSIONS_HELD_METADATA_KEY, ",".join(map(str, exc.held))),)
         await context.abort(code, message, trailing_metadata=trailing)
 
     def _wrap_unary(self, method: str, behavior: Callable) -> Callable:

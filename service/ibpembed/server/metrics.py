@@ -33,7 +33,19 @@ metric                                                 type       labels
 ``ibpembed_table_reloads_total``                       counter    table
 ``ibpembed_table_set_reloads_total``                   counter    result
 ``ibpembed_table_set_reload_failing``                  gauge      —
+``ibpembed_table_set_versions_held``                   gauge      —
+``ibpembed_table_set_older_versions_bytes``            gauge      —
+``ibpembed_queue_wait_seconds``                        histogram  —
+``ibpembed_hot_row_hits_total``                        counter    table
+``ibpembed_hot_row_misses_total``                      counter    table
+``ibpembed_loading``                                   gauge      —
+``ibpembed_loading_progress_ratio``                    gauge      —
 =====================================================  =========  ==================================
+
+The HTTP port serves ``/metrics`` (the exposition), ``/healthz`` (200 while the process runs:
+liveness, also while the tables load) and ``/readyz`` (200 while lookups are served, 503 while
+loading or draining: readiness); any other path is 404, so a probe pointed at a wrong path fails
+instead of passing.
 """
 
 from __future__ import annotations
@@ -41,10 +53,13 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import socket
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 import prometheus_client
@@ -60,6 +75,7 @@ from prometheus_client.utils import floatToGoString
 
 import ibpembed
 from ibpembed.engine import KernelCall
+from ibpembed.hot_rows import HotRowTracker
 from ibpembed.server.interceptors import STREAM_METHOD
 from ibpembed.server.reload import RELOAD_RESULTS, ReloadResult
 from ibpembed.tables.store import TableStore
@@ -368,19 +384,100 @@ class _TableCollector(Collector):
         yield reloads
 
 
+class _HotRowCollector(Collector):
+    """Hits and misses of the decoded hot-row copies, as the tracker counts them."""
+
+    def __init__(self, tracker: HotRowTracker) -> None:
+        self.tracker = tracker
+
+    def collect(self) -> Iterator[Metric]:
+        doc = (
+            "Looked-up ids {} the table's decoded hot-row copies (--hot-row-budget), counted at"
+            " each hot-row refresh over the ids the tracker's window saw since the last one."
+        )
+        hits = CounterMetricFamily(
+            f"{NAMESPACE}_hot_row_hits", doc.format("found in"), labels=["table"]
+        )
+        misses = CounterMetricFamily(
+            f"{NAMESPACE}_hot_row_misses", doc.format("not found in"), labels=["table"]
+        )
+        for name in sorted(set(self.tracker.hits) | set(self.tracker.misses)):
+            hits.add_metric([name], self.tracker.hits[name])
+            misses.add_metric([name], self.tracker.misses[name])
+        yield hits
+        yield misses
+
+
+class _VersionCollector(Collector):
+    """The table-set versions the store keeps, and the memory only older ones hold."""
+
+    def __init__(self, store: TableStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            f"{NAMESPACE}_table_set_versions_held",
+            "Table-set versions held and served on request (LookupRequest.table_version),"
+            " the newest included (at most --keep-versions).",
+            value=len(self.store.versions_held()),
+        )
+        yield GaugeMetricFamily(
+            f"{NAMESPACE}_table_set_older_versions_bytes",
+            "Host bytes held only for kept versions older than the newest (their tables the"
+            " newest does not share).",
+            value=self.store.older_versions_bytes(),
+        )
+
+
+# (status, body) of the probe paths besides /metrics.
+_Answer = tuple[str, bytes]
+_NOT_FOUND: _Answer = (
+    "404 Not Found",
+    b"not found: this port serves /metrics, /healthz, /readyz\n",
+)
+
+
+def _probe_answer(path: str, ready: Callable[[], bool]) -> _Answer:
+    if path == "/healthz":
+        return "200 OK", b"ok\n"
+    if path == "/readyz":
+        return ("200 OK", b"ready\n") if ready() else ("503 Service Unavailable", b"not ready\n")
+    return _NOT_FOUND
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes every few s: no access log
+        pass
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+def _family(address: str) -> socket.AddressFamily:
+    infos = socket.getaddrinfo(address or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    return infos[0][0]
+
+
 class ServerMetrics:
     """The server's metrics: observer of the engine, the RPCs and the table-set reloads.
 
     Parameters
     ----------
-    store : the table store the server serves (per-table gauges are read from it at scrape).
-    device : where the kernels run (``"cpu"`` or ``"cuda"``), for ``ibpembed_build_info``.
+    store : the table store the server serves (per-table gauges are read from it at scrape);
+        None while it loads (:meth:`attach` it then).
+    device : where the kernels run (``"cpu"`` or ``"cuda"``; the setting until :meth:`attach`
+        says what the self-test chose), for ``ibpembed_build_info``.
     registry : where the metrics live; a fresh registry by default, so several servers can run
         in one process (tests) without colliding in the client library's global one.
     """
 
     def __init__(
-        self, store: TableStore, *, device: str, registry: CollectorRegistry | None = None
+        self,
+        store: TableStore | None = None,
+        *,
+        device: str,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         # The client library's ``*_created`` samples would double the series of every counter
         # and histogram for a start time that process_start_time_seconds already gives.
@@ -388,17 +485,10 @@ class ServerMetrics:
         self.registry = CollectorRegistry() if registry is None else registry
         reg = self.registry
         prometheus_client.ProcessCollector(registry=reg)
-        info = prometheus_client.Info(
+        self._info = prometheus_client.Info(
             f"{NAMESPACE}_build", "Server build: package version, device, CPU path.", registry=reg
         )
-        info.info(
-            {
-                "version": ibpembed.__version__,
-                "device": device,
-                "cpu_path": ibpembed.cpu_path(),
-                "torch": torch.__version__,
-            }
-        )
+        self._set_device(device)
         self._requests = _Counters(
             f"{NAMESPACE}_requests",
             "Finished requests by status code: unary RPCs, and each request of a LookupStream"
@@ -414,6 +504,14 @@ class ServerMetrics:
         )
         self._kernel = _KernelTally(LATENCY_BUCKETS_S)
         reg.register(self._kernel)
+        self._queue = _Histograms(
+            f"{NAMESPACE}_queue_wait_seconds",
+            "Time admitted lookup requests waited for a kernel thread (--workers) before their"
+            " kernels started: the queue part of ibpembed_lookup_duration_seconds.",
+            [],
+            LATENCY_BUCKETS_S,
+        )
+        reg.register(_Families(self._queue))
         # Touched on the event loop only (lookup_started/done), so a plain int read at scrape
         # will do.
         self._inflight = 0
@@ -422,8 +520,22 @@ class ServerMetrics:
             "Lookup requests received and not yet answered (LookupStream: per request).",
             registry=reg,
         ).set_function(lambda: self._inflight)
-        self._tables = _TableCollector(store)
-        reg.register(self._tables)
+        self._tables: _TableCollector | None = None
+        # 1 until attach; tables loaded / tables meanwhile. Load-thread and event-loop writes
+        # of plain floats, read at scrape.
+        self._loading = 1.0
+        self._progress = 0.0
+        prometheus_client.Gauge(
+            f"{NAMESPACE}_loading",
+            "1 while the server loads its table set and checks its device (health NOT_SERVING,"
+            " /readyz 503).",
+            registry=reg,
+        ).set_function(lambda: self._loading)
+        prometheus_client.Gauge(
+            f"{NAMESPACE}_loading_progress_ratio",
+            "Tables of the set loaded so far / tables in it (1 once loaded).",
+            registry=reg,
+        ).set_function(lambda: self._progress)
         self._reloads = _Counters(
             f"{NAMESPACE}_table_set_reloads",
             "Reloads of the table set from its directory (manifest change or SIGHUP): ok"
@@ -439,13 +551,46 @@ class ServerMetrics:
             "1 while the last reload of the table set failed (the previous version serves).",
             registry=reg,
         ).set_function(lambda: self._reload_failing)
-        self._http: prometheus_client.exposition.WSGIServer | None = None
+        self._http: WSGIServer | None = None
+        if store is not None:
+            self.attach(store, device=device)
+
+    def _set_device(self, device: str) -> None:
+        self._info.info(
+            {
+                "version": ibpembed.__version__,
+                "device": device,
+                "cpu_path": ibpembed.cpu_path(),
+                "torch": torch.__version__,
+            }
+        )
+
+    def loading_progress(self, done: int, total: int) -> None:
+        """``done`` of ``total`` tables loaded (the load's thread)."""
+        self._progress = done / total if total else 1.0
+
+    def attach(self, store: TableStore, *, device: str) -> None:
+        """The tables are loaded: their gauges from now on, and the device chosen for them."""
+        self._loading, self._progress = 0.0, 1.0
+        self._set_device(device)
+        self._tables = _TableCollector(store)
+        self.registry.register(self._tables)
+        self.registry.register(_VersionCollector(store))
 
     # -- observer hooks ----------------------------------------------------------------------
     def kernels_done(self, pooling: str, calls: Sequence[KernelCall]) -> None:
         """The kernel calls of one request (engine worker thread), one per table it read."""
+        assert self._tables is not None  # no lookup runs before the store is attached
         self._tables.sync()
         self._kernel.add(pooling, calls, self._tables.row_bytes)
+
+    def queue_waited(self, seconds: float) -> None:
+        """A request's wait for a kernel thread (engine worker thread)."""
+        self._queue.observe((), seconds)
+
+    def watch_hot_rows(self, tracker: HotRowTracker) -> None:
+        """Export the hot-row tracker's hit and miss counts (the engine's, once it runs)."""
+        self.registry.register(_HotRowCollector(tracker))
 
     def reload_done(self, result: ReloadResult) -> None:
         """One reload attempt of the table set (event loop)."""
@@ -481,23 +626,40 @@ class ServerMetrics:
         self._inflight -= count
 
     # -- exposition ----------------------------------------------------------------------------
-    def start_http_server(self, host: str, port: int) -> int:
-        """Serve ``/metrics`` over HTTP on ``host:port`` (0 = a free port); returns the port.
+    def start_http_server(
+        self, host: str, port: int, *, ready: Callable[[], bool] = lambda: True
+    ) -> int:
+        """Serve ``/metrics``, ``/healthz`` and ``/readyz`` (``ready()``) over HTTP on
+        ``host:port`` (0 = a free port); returns the port.
 
         Raises
         ------
         OSError
             when the port cannot be bound.
         """
+        exposition = prometheus_client.make_wsgi_app(self.registry)
+
+        def app(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+            path = environ.get("PATH_INFO", "/")
+            if path == "/metrics":
+                return exposition(environ, start_response)
+            status, body = _probe_answer(path, ready)
+            start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+            return [body]
+
         # ``[::]`` is how the gRPC side spells "all IPv6 addresses"; sockets want it bare.
         address = host.strip("[]")
+        server_class = type(
+            "_Server", (_ThreadingWSGIServer,), {"address_family": _family(address)}
+        )
         try:
-            self._http, _ = prometheus_client.start_http_server(
-                port, addr=address, registry=self.registry
-            )
+            self._http = make_server(address, port, app, server_class, handler_class=_QuietHandler)
         except OSError as exc:
             # Say which port: the bare errno text does not tell it from the gRPC one.
             raise OSError(exc.errno, f"metrics port {host}:{port}: {exc.strerror}") from exc
+        threading.Thread(
+            target=self._http.serve_forever, name="ibpembed-metrics-http", daemon=True
+        ).start()
         return self._http.server_address[1]
 
     def stop_http_server(self) -> None:

@@ -37,13 +37,14 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 from ibpembed.tables.manifest import MANIFEST
 from ibpembed.tables.store import TableStore
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 ReloadResult = Literal["ok", "unchanged", "error"]
 RELOAD_RESULTS: tuple[ReloadResult, ...] = ("ok", "unchanged", "error")
 
@@ -58,13 +59,13 @@ class ReloadObserver(Protocol):
         """A reload ``ok`` (published), ``unchanged`` (nothing to publish) or ``error``."""
 
 
-def _in_daemon_thread(fn: Callable[[], ReloadOutcome]) -> asyncio.Future[ReloadOutcome]:
+def in_daemon_thread(fn: Callable[[], T], name: str = "ibpembed-reload") -> asyncio.Future[T]:
     """``fn()`` in a new daemon thread: unlike ``asyncio.to_thread`` (the loop's executor, joined
     by ``asyncio.run`` and at interpreter exit), a process may exit while it still runs."""
     loop = asyncio.get_running_loop()
-    future: asyncio.Future[ReloadOutcome] = loop.create_future()
+    future: asyncio.Future[T] = loop.create_future()
 
-    def settle(outcome: ReloadOutcome | None, error: BaseException | None) -> None:
+    def settle(outcome: T | None, error: BaseException | None) -> None:
         if future.done():  # cancelled: the reload was abandoned
             return
         if error is not None:
@@ -81,7 +82,7 @@ def _in_daemon_thread(fn: Callable[[], ReloadOutcome]) -> asyncio.Future[ReloadO
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
             loop.call_soon_threadsafe(settle, outcome, error)
 
-    threading.Thread(target=run, name="ibpembed-reload", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return future
 
 
@@ -158,7 +159,7 @@ class TableSetReloader:
             stamp = self._stamp()
             started = time.perf_counter()
             log.debug("reload of %s (%s) started", self.store.directory, reason)
-            outcome = await _in_daemon_thread(self._reload_blocking)
+            outcome = await in_daemon_thread(self._reload_blocking)
             if outcome.result != "error" or outcome.rejected:
                 self._tried = stamp
         seconds = time.perf_counter() - started

@@ -160,7 +160,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
 
     Parameters
     ----------
-    engine : does the lookups.
+    engine : does the lookups (None until the tables are loaded).
     stream_window : requests of one LookupStream in the engine or waiting to be written at
         once; the stream stops reading (gRPC flow control pushes back on the client) while the
         window is full.
@@ -175,7 +175,9 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     saturated server (RELIABILITY.md, *Defects* 31).
     """
 
-    def __init__(self, engine: LookupEngine, *, stream_window: int = 8) -> None:
+    def __init__(self, engine: LookupEngine | None, *, stream_window: int = 8) -> None:
+        # None while the server loads its tables: the interceptor's gate answers every RPC
+        # UNAVAILABLE until the server sets it.
         self.engine = engine
         self.stream_window = stream_window
 
@@ -186,6 +188,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             pooling,
             deadline=deadline_of(context),
             then=functools.partial(encode_response, request.request_id),
+            table_version=request.table_version,
         )
 
     async def LookupStream(
@@ -244,6 +247,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 deadline=deadline,
                 then=functools.partial(encode_response, request.request_id),
                 slot=slot,
+                table_version=request.table_version,
             )
             return response, slot
         except Exception as exc:
@@ -263,8 +267,8 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self, request: pb.ListTablesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListTablesResponse:
         tables = [table_info(d) for d in self.engine.describe()]
-        version = tables[0].version if tables else 0
-        return pb.ListTablesResponse(tables=tables, table_version=version)
+        held = self.engine.store.versions_held()
+        return pb.ListTablesResponse(tables=tables, table_version=held[-1], versions_held=held)
 
     async def DescribeTable(
         self, request: pb.DescribeTableRequest, context: grpc.aio.ServicerContext

@@ -17,9 +17,11 @@ from typing import Any
 from tqdm import tqdm
 
 from ibpembed import codec
+from ibpembed._ops import DTYPE_CODES, INT8_ROWWISE_CODE
 from ibpembed.tables import format as tf
-from ibpembed.tables import importers, manifest
+from ibpembed.tables import importers, manifest, pack
 from ibpembed.tables import writer as tw
+from ibpembed.tables.shards import pack_shards
 
 EXIT_OK = 0
 EXIT_FAULT = 1
@@ -31,10 +33,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "pack",
         help="compress tables into a table set directory",
         description="Compress embedding tables (.pt/.pth state dicts or tensors, .safetensors, "
-        ".npy, or directories of them) into DIR: one .ibpt file per table and manifest.json.",
+        ".npy, or directories of them) into DIR: one .ibpt file per table and manifest.json. "
+        "Each pack publishes the next table-set version of DIR (servers keep the last few and "
+        "serve them on request).",
     )
-    pack.add_argument("sources", nargs="+", metavar="SRC", type=Path)
-    pack.add_argument("-o", "--output", required=True, type=Path, metavar="DIR")
+    pack.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SRC",
+        type=Path,
+        help="checkpoint, tensor, .safetensors or .npy file, or a directory of them",
+    )
+    pack.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="table-set directory to publish into (created if missing)",
+    )
     pack.add_argument("--method", choices=("ibpembed", "paper", "raw"), default="ibpembed")
     pack.add_argument(
         "--align",
@@ -63,7 +80,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=codec.DEFAULT_SAMPLE_ROWS,
         help="rows sampled to fit the masks; 0 = all rows",
     )
-    pack.add_argument("--seed", type=int, default=0)
+    pack.add_argument(
+        "--seed", type=int, default=0, help="seed of the random row sample the fit measures on"
+    )
     pack.add_argument(
         "--table",
         action="append",
@@ -208,11 +227,11 @@ def _pack(args: argparse.Namespace) -> int:
         if args.shards is None:
             if args.shard_address is not None:
                 raise ValueError("--shard-address needs --shards")
-            shards = [(None, manifest.pack_table_set(args.output, table_set, **pack_args))]
+            shards = [(None, pack.pack_table_set(args.output, table_set, **pack_args))]
         else:
             if args.shards < 1:
                 raise ValueError(f"--shards must be >= 1, got {args.shards}")
-            written = manifest.pack_shards(
+            written = pack_shards(
                 args.output,
                 table_set,
                 args.shards,
@@ -275,6 +294,46 @@ def describe_file(path: Path) -> dict[str, Any]:
     }
 
 
+def summarize(desc: dict[str, Any]) -> dict[str, Any]:
+    """One table's size line for ``inspect``: rows, dtype name, raw bytes (rows x row bytes),
+    stored bytes (every section but the metadata: what a server holds) and the savings."""
+    header = desc["header"]
+    code = header["dtype_code"]
+    by_code = {c: d for d, c in DTYPE_CODES.items()}
+    dtype = "int8_rowwise" if code == INT8_ROWWISE_CODE else tf.dtype_name(by_code[code])
+    raw = header["num_rows"] * header["row_bytes"]
+    stored = sum(s["length"] for s in desc["sections"] if s["kind"] != "meta")
+    return {
+        "table": desc["meta"].get("name", Path(desc["file"]).name),
+        "rows": header["num_rows"],
+        "dim": header["dim"],
+        "dtype": dtype,
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "savings": 1 - stored / raw,
+    }
+
+
+def _summary_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The per-table lines and a total, formatted for :func:`_print_table`."""
+    raw = sum(s["raw_bytes"] for s in summaries)
+    stored = sum(s["stored_bytes"] for s in summaries)
+    total = {
+        "table": "total",
+        "rows": sum(s["rows"] for s in summaries),
+        "dim": "",
+        "dtype": "",
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "savings": 1 - stored / raw if raw else 0.0,
+    }
+    return [
+        {**s, "raw_bytes": f"{s['raw_bytes']:,}", "stored_bytes": f"{s['stored_bytes']:,}"}
+        | {"savings": f"{100 * s['savings']:.1f}%"}
+        for s in [*summaries, total]
+    ]
+
+
 def _print_description(desc: dict[str, Any]) -> None:
     print(f"{desc['file']}")
     for key, value in desc["header"].items():
@@ -301,15 +360,20 @@ def _inspect(args: argparse.Namespace) -> int:
             result = {"tables": [describe_file(args.path)]}
     except (ValueError, OSError) as exc:
         return _fail("inspect", exc)
+    summaries = [summarize(desc) for desc in result["tables"]]
     if args.json:
-        print(json.dumps(result, indent=1))
+        print(json.dumps({**result, "summary": summaries}, indent=1))
         return EXIT_OK
     if "manifest" in result:
-        print(f"table set {args.path}: {len(result['tables'])} table(s)")
+        version = result["manifest"].get("table_set_version", "unnumbered")
+        print(f"table set {args.path}: {len(result['tables'])} table(s), version {version}")
         for feature, table in sorted(result["manifest"]["features"].items()):
             print(f"  feature {feature} -> {table}")
     for desc in result["tables"]:
         _print_description(desc)
+    print()
+    columns = ("table", "rows", "dim", "dtype", "raw_bytes", "stored_bytes", "savings")
+    _print_table(_summary_rows(summaries), columns)
     return EXIT_OK
 
 

@@ -1,11 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Table sets: a directory of ``.ibpt`` files and the ``manifest.json`` that names them.
 
-A table set is published by its manifest. Table files are content-named
-(``<table>.<header checksum>.ibpt``) and written before the manifest, and the manifest is
-replaced atomically last, so a crash at any point leaves the previous manifest pointing at its own
-intact files; new files only become live with the new manifest. Files no manifest references
-(and temporaries of killed writers) are removed after the new manifest is in place.
+The read side: parse and check a manifest, load the tables it names. Writing a set (packing,
+publishing) is :mod:`ibpembed.tables.pack`; packing row shards :mod:`ibpembed.tables.shards`.
 
 Manifest (JSON)::
 
@@ -13,7 +10,13 @@ Manifest (JSON)::
      "tables": {"<table>": {"file": "<table>.<xxh3>.ibpt", "header_xxh3": "<16 hex>",
                             "num_rows": N, "dim": D, "dtype": "float32", "quant": null,
                             "pooling": "sum", "feature_names": ["f1", ...]}, ...},
-     "features": {"<feature>": "<table>", ...}}
+     "features": {"<feature>": "<table>", ...}, "table_set_version": 7}
+
+Published versions. Every pack numbers the set it publishes ``table_set_version``: one more than
+the manifest it replaces (1 for a new directory; a sharded pack gives every shard the same
+number). Servers report the number as the version that served each lookup, and frontends pin
+requests to it (``LookupRequest.table_version``). Manifests written before versions were
+numbered have no such field: a server numbers their sets itself, counting its reloads from 1.
 
 Row shards (manifest version 2). ``ibpembed pack --shards N`` splits every table into N
 contiguous row ranges and writes one table set per shard (``shard-<k>-of-<N>/``); each entry of
@@ -22,28 +25,21 @@ rows ``[row_start, row_start + num_rows)`` of a table of ``total_rows`` rows. Ve
 only when some entry is such a range, so whole-table sets stay version 1 (and byte for byte what
 they were); a version-1 reader refuses a shard instead of serving its rows under the wrong ids.
 Next to the shard directories, ``shard_map.json`` (:data:`SHARD_MAP`) lists every table's ranges
-and the shards' addresses, for clients (``ibpembed_client.shards``).
+and the shards' addresses, for clients (``ibpembed_client.shard_map``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import fcntl
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ibpembed import codec
 from ibpembed.codec import CompressedTable
-from ibpembed.tables import atomic
 from ibpembed.tables import format as tf
-from ibpembed.tables import writer as tw
-from ibpembed.tables.importers import TableSet, TableSource
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "ibpembed.table_set"
@@ -123,10 +119,15 @@ class ManifestEntry:
         return RowRange(self.row_start, self.row_start + self.num_rows, total)
 
 
+# Versions travel as uint64 in the protocol; 0 there means "newest".
+MAX_TABLE_SET_VERSION = (1 << 64) - 1
+
+
 @dataclass(frozen=True)
 class Manifest:
     tables: Mapping[str, ManifestEntry]
     features: Mapping[str, str]  # feature -> table
+    table_set_version: int = 0  # the published version; 0 = not numbered (an older pack)
 
     def to_json(self) -> bytes:
         tables = {}
@@ -142,6 +143,8 @@ class Manifest:
             "tables": tables,
             "features": dict(self.features),
         }
+        if self.table_set_version:
+            body["table_set_version"] = self.table_set_version
         return json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
 
 
@@ -173,6 +176,14 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
             f"{path}: unknown manifest version {version!r} "
             f"(this reader knows versions {MANIFEST_VERSION} and {SHARDED_MANIFEST_VERSION})"
         )
+    table_set_version = body.get("table_set_version", 0)
+    if "table_set_version" in body and not (
+        _is_count(table_set_version, 1) and table_set_version <= MAX_TABLE_SET_VERSION
+    ):
+        raise TableSetError(
+            f"{path}: malformed manifest: field 'table_set_version' must be an integer in "
+            f"[1, 2^64), got {table_set_version!r}"
+        )
     for key in ("tables", "features"):
         if not isinstance(body.get(key), dict):
             raise TableSetError(
@@ -202,7 +213,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
                 f"{path}: feature '{feature}' maps to table '{table}', which the "
                 "manifest does not list"
             )
-    return Manifest(tables=tables, features=features)
+    return Manifest(tables=tables, features=features, table_set_version=table_set_version)
 
 
 def _is_count(value: Any, minimum: int) -> bool:
@@ -333,17 +344,24 @@ def load_table_set_meta(
     verify: bool = False,
     prefetch: bool = False,
     reuse: Callable[[str, ManifestEntry], CompressedTable | None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Manifest, dict[str, CompressedTable], dict[str, Mapping[str, Any]]]:
     """``load_table_set``, and the meta section of every table it read from its file (tables
-    ``reuse`` returned are not read, so have none). ``prefetch``: see ``format.read_table``."""
+    ``reuse`` returned are not read, so have none). ``prefetch``: see ``format.read_table``.
+    ``progress(done, total)``: called before the first table and after each (in tables)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     tables: dict[str, CompressedTable] = {}
     metas: dict[str, Mapping[str, Any]] = {}
-    for name, entry in manifest.tables.items():
+    total = len(manifest.tables)
+    if progress is not None:
+        progress(0, total)
+    for done, (name, entry) in enumerate(manifest.tables.items(), 1):
         previous = reuse(name, entry) if reuse is not None else None
         if previous is not None:
             tables[name] = previous
+            if progress is not None:
+                progress(done, total)
             continue
         path = directory / entry.file
         if not path.is_file():
@@ -352,353 +370,6 @@ def load_table_set_meta(
         check_entry(directory / MANIFEST, name, entry, loaded)
         tables[name] = loaded.table
         metas[name] = loaded.meta
+        if progress is not None:
+            progress(done, total)
     return manifest, tables, metas
-
-
-@contextlib.contextmanager
-def _pack_lock(directory: Path) -> Iterator[None]:
-    """One writer per directory: a second concurrent pack fails instead of interleaving."""
-    with open(directory / LOCK_FILE, "a+b") as lock:
-        try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise TableSetError(f"{directory}: another pack is writing this table set") from None
-        yield
-
-
-@contextlib.contextmanager
-def _unpublished_removed_on_error(directory: Path, written: list[tw.PackedTable]) -> Iterator[None]:
-    """On a failure (a full disk, an interrupt), delete the table files this pack wrote.
-
-    They are complete but no manifest names them; left behind they would only be swept by the
-    next successful pack, filling a disk that is already full. A file the current manifest
-    names (an unchanged table has the same content name) stays.
-    """
-    try:
-        yield
-    except BaseException:
-        try:
-            live: set[str] | None = {e.file for e in read_manifest(directory).tables.values()}
-        except TableSetError:
-            # No manifest yet: nothing names these files. An unreadable one: leave them be.
-            live = None if (directory / MANIFEST).exists() else set()
-        for packed in written if live is not None else ():
-            if packed.path.name not in live:
-                packed.path.unlink(missing_ok=True)
-        raise
-
-
-def _publish(directory: Path, manifest: Manifest) -> None:
-    """Replace the manifest, then remove files no manifest refers to any more."""
-    atomic.write_bytes_atomic(directory / MANIFEST, manifest.to_json())
-    live = {e.file for e in manifest.tables.values()}
-    for path in directory.iterdir():
-        stale_table = path.suffix == tf.SUFFIX and path.name not in live
-        stale_temp = path.name.startswith(".") and atomic.TEMP_MARKER in path.name
-        if stale_table or stale_temp:
-            path.unlink(missing_ok=True)
-
-
-def _entry(
-    packed: tw.PackedTable,
-    pooling: str | None,
-    features: tuple[str, ...],
-    rows: RowRange | None = None,
-) -> ManifestEntry:
-    sharded = rows is not None and not rows.is_whole
-    return ManifestEntry(
-        file=packed.path.name,
-        header_xxh3=f"{packed.header_xxh3:016x}",
-        num_rows=packed.num_rows,
-        dim=packed.dim,
-        dtype=packed.dtype,
-        quant=packed.quant,
-        pooling=pooling,
-        feature_names=features,
-        row_start=rows.start if sharded else 0,
-        total_rows=rows.total if sharded else None,
-    )
-
-
-def _source_meta(source: TableSource, rows: RowRange) -> dict[str, Any]:
-    meta: dict[str, Any] = {
-        "feature_names": list(source.features),
-        "pooling": source.pooling,
-        "origin": source.origin,
-    }
-    if source.layout is not None:
-        meta["layout"] = source.layout
-    if not rows.is_whole:
-        meta["row_start"], meta["total_rows"] = rows.start, rows.total
-    return meta
-
-
-def pack_table_set(
-    directory: str | os.PathLike[str],
-    table_set: TableSet,
-    *,
-    method: codec.Method = "ibpembed",
-    sample_rows: int | None = codec.DEFAULT_SAMPLE_ROWS,
-    seed: int = 0,
-    align: int | None = codec.DEFAULT_ALIGN,
-    chunk_bits: int | None = None,
-    code_bits: int | None = None,
-    progress: Callable[[TableSource], Callable[[int], None] | None] | None = None,
-    on_table: Callable[[tw.PackedTable], None] | None = None,
-    shard: tuple[int, int] | None = None,
-    merge: bool = False,
-) -> list[tw.PackedTable]:
-    """Pack every table of a set into ``directory`` and publish its manifest.
-
-    Tables are packed one after another, each in bounded memory (``writer.pack_table``). The
-    previous manifest and its files stay valid until the new manifest replaces it.
-
-    Parameters
-    ----------
-    progress : given a table (its rows sliced to the shard's range), returns a per-step
-        callback (rows done) or None.
-    on_table : called with each table's report as soon as it is written.
-    shard : ``(k, N)``: pack only shard k's rows of each table (:func:`split_rows`), fitted on
-        those rows alone; a table with no row in the range is left out of this shard's set.
-    merge : keep the tables of the set already in ``directory`` (and their features) and add or
-        replace only these; by default the new manifest lists only these tables.
-
-    Raises
-    ------
-    TableSetError
-        with ``merge``, when the directory's manifest cannot be read, or a feature a kept table
-        serves is also claimed by a packed table (``TableSet.extra_features`` may remap it).
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    reports = []
-    entries: dict[str, ManifestEntry] = {}
-    with _pack_lock(directory), _unpublished_removed_on_error(directory, reports):
-        kept = _kept_for_merge(directory, table_set) if merge else Manifest({}, {})
-        for source in table_set.tables:
-            num_rows = source.weight.shape[0]
-            rows = (
-                RowRange.whole(num_rows)
-                if shard is None
-                else split_rows(num_rows, shard[1])[shard[0]]
-            )
-            if rows.start == rows.end:
-                continue
-            # A row slice of a contiguous tensor is itself contiguous: no copy.
-            part = dataclasses.replace(source, weight=source.weight[rows.start : rows.end])
-            packed = tw.pack_table(
-                directory,
-                part.weight,
-                name=source.name,
-                content_named=True,
-                quant=source.quant,
-                method=method,
-                sample_rows=sample_rows,
-                seed=seed,
-                align=align,
-                chunk_bits=chunk_bits,
-                code_bits=code_bits,
-                meta=_source_meta(source, rows),
-                progress=progress(part) if progress else None,
-            )
-            entries[source.name] = _entry(packed, source.pooling, source.features, rows)
-            reports.append(packed)
-            if on_table is not None:
-                on_table(packed)
-        features = {f: t for f, t in table_set.features().items() if t in entries}
-        _publish(
-            directory,
-            Manifest(tables={**kept.tables, **entries}, features={**kept.features, **features}),
-        )
-    return reports
-
-
-def _kept_for_merge(directory: Path, table_set: TableSet) -> Manifest:
-    """The part of ``directory``'s set a merging pack keeps: every table it does not repack,
-    with the features that map to them (an empty set when there is no manifest yet)."""
-    if not (directory / MANIFEST).exists():
-        return Manifest({}, {})
-    current = read_manifest(directory)
-    packed = {source.name for source in table_set.tables}
-    tables = {n: e for n, e in current.tables.items() if n not in packed}
-    features = {f: t for f, t in current.features.items() if t in tables}
-    explicit = table_set.extra_features
-    for source in table_set.tables:
-        for feature in source.features:
-            if feature in features and feature not in explicit:
-                raise TableSetError(
-                    f"{directory / MANIFEST}: feature '{feature}' of table '{source.name}' is "
-                    f"already served by table '{features[feature]}', which this merge keeps "
-                    f"(map it explicitly with --feature {feature}={source.name})"
-                )
-    return Manifest(tables, {f: t for f, t in features.items() if f not in explicit})
-
-
-@dataclass(frozen=True)
-class ShardReport:
-    """One shard of a sharded pack: its directory and the tables written there."""
-
-    index: int
-    directory: Path
-    tables: list[tw.PackedTable]
-
-
-def pack_shards(
-    directory: str | os.PathLike[str],
-    table_set: TableSet,
-    shards: int,
-    *,
-    address_template: str | None = None,
-    progress: Callable[[TableSource], Callable[[int], None] | None] | None = None,
-    **pack_args: Any,
-) -> list[ShardReport]:
-    """Split every table into ``shards`` row ranges and pack one table set per shard.
-
-    Writes ``directory/shard-<k>-of-<N>/`` (each a complete table set, see
-    :func:`pack_table_set` with ``shard=(k, N)``), then ``directory/shard_map.json``
-    (:func:`shard_map`) atomically, last.
-
-    Parameters
-    ----------
-    address_template : the shards' gRPC addresses, ``{shard}`` standing for k (e.g.
-        ``ibpembed-{shard}.ibpembed:50051`` for a StatefulSet's pods); None leaves the
-        addresses out of the shard map, for clients to supply.
-    progress : as for :func:`pack_table_set`.
-    pack_args : ``method``, ``sample_rows``, ``seed``, ``align``, ``chunk_bits``, ``code_bits``,
-        ``merge`` (keep the other tables of every shard, and their entries in the shard map).
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    previous = None
-    if pack_args.get("merge"):
-        previous = _previous_shard_map(directory, shards)
-        # Every shard's conflicts before any shard is published: a merge that failed on a later
-        # shard would leave the earlier ones serving the new tables.
-        for k in range(shards):
-            _kept_for_merge(directory / shard_directory(k, shards), table_set)
-    reports = []
-    for k in range(shards):
-        target = directory / shard_directory(k, shards)
-        packed = pack_table_set(
-            target, table_set, shard=(k, shards), progress=progress, **pack_args
-        )
-        reports.append(ShardReport(k, target, packed))
-    body = shard_map(table_set, shards, address_template)
-    if previous is not None:  # the kept tables' ranges and features, then the packed ones
-        kept = {n: t for n, t in previous["tables"].items() if n not in body["tables"]}
-        body["tables"] = dict(sorted({**kept, **body["tables"]}.items()))
-        kept_features = {f: t for f, t in previous["features"].items() if t in kept}
-        body["features"] = {**kept_features, **body["features"]}
-        if address_template is None:  # the addresses the set was deployed with
-            body["shards"] = previous["shards"]
-    atomic.write_bytes_atomic(
-        directory / SHARD_MAP, json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
-    )
-    return reports
-
-
-def _previous_shard_map(directory: Path, shards: int) -> dict[str, Any] | None:
-    """``directory``'s shard map, for a merging pack (None when there is none yet)."""
-    path = directory / SHARD_MAP
-    if not path.exists():
-        return None
-    try:
-        body = json.loads(path.read_bytes())
-        count = len(body["shards"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise TableSetError(f"{path}: cannot merge into this shard map: {exc}") from None
-    if count != shards:
-        raise TableSetError(
-            f"{path}: the set has {count} shards; a merge must keep them (--shards {count})"
-        )
-    return body
-
-
-def shard_map(
-    table_set: TableSet, shards: int, address_template: str | None = None
-) -> dict[str, Any]:
-    """The ``shard_map.json`` body of a sharded pack (format in ``docs/format.md``)::
-
-        {"format": "ibpembed.shard_map", "version": 1,
-         "shards": [{"index": 0, "directory": "shard-0-of-3", "address": "host:port" | null}],
-         "tables": {"<table>": {"num_rows": N, "dim": D, "dtype": "float32", "quant": null,
-                                "ranges": [{"shard": 0, "row_start": 0, "row_end": 334}, ...]}},
-         "features": {"<feature>": "<table>"}}
-
-    Shards whose range of a table is empty are not listed among that table's ranges.
-    """
-    tables = {}
-    for source in table_set.tables:
-        num_rows = source.weight.shape[0]
-        ranges = [
-            {"shard": k, "row_start": r.start, "row_end": r.end}
-            for k, r in enumerate(split_rows(num_rows, shards))
-            if r.start < r.end
-        ]
-        tables[source.name] = {
-            "num_rows": num_rows,
-            "dim": source.weight.shape[1],
-            "dtype": tf.dtype_name(source.weight.dtype),
-            "quant": source.quant,
-            "ranges": ranges,
-        }
-    return {
-        "format": SHARD_MAP_FORMAT,
-        "version": SHARD_MAP_VERSION,
-        "shards": [
-            {
-                "index": k,
-                "directory": shard_directory(k, shards),
-                "address": None if address_template is None else address_template.format(shard=k),
-            }
-            for k in range(shards)
-        ],
-        "tables": tables,
-        "features": dict(table_set.features()),
-    }
-
-
-def save_table_set(
-    directory: str | os.PathLike[str],
-    tables: Mapping[str, CompressedTable],
-    features: Mapping[str, str],
-    pooling: Mapping[str, str | None] | None = None,
-    row_ranges: Mapping[str, RowRange] | None = None,
-    meta: Mapping[str, Mapping[str, Any]] | None = None,
-) -> list[tw.PackedTable]:
-    """Write already compressed tables (e.g. a store snapshot with row updates) as a table set.
-
-    ``row_ranges`` gives the global rows of tables that are shards (default: whole tables).
-    ``meta`` gives more fields for a table's meta section (the ``origin`` and ``layout`` of the
-    file it was loaded from, as read): the fields the writers set themselves (name, quant,
-    source checksum, features, pooling) replace theirs, and a row range in it is dropped (a
-    shard's comes from ``row_ranges``).
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    pooling = pooling or {}
-    row_ranges = row_ranges or {}
-    meta = meta or {}
-    by_table: dict[str, list[str]] = {name: [] for name in tables}
-    for feature, table in features.items():
-        by_table[table].append(feature)
-    reports = []
-    entries: dict[str, ManifestEntry] = {}
-    with _pack_lock(directory):
-        for name, table in tables.items():
-            rows = row_ranges.get(name, RowRange.whole(table.num_rows))
-            extra = {
-                k: v for k, v in meta.get(name, {}).items() if k not in ("row_start", "total_rows")
-            }
-            file_meta: dict[str, Any] = {
-                **extra,
-                "feature_names": by_table[name],
-                "pooling": pooling.get(name),
-            }
-            if not rows.is_whole:
-                file_meta["row_start"], file_meta["total_rows"] = rows.start, rows.total
-            packed = tw.write_table(directory, table, name=name, meta=file_meta, content_named=True)
-            entries[name] = _entry(packed, pooling.get(name), tuple(by_table[name]), rows)
-            reports.append(packed)
-        _publish(directory, Manifest(tables=entries, features=dict(features)))
-    return reports

@@ -14,6 +14,16 @@ a snapshot sees exactly one version from start to end and readers never wait for
 snapshot lives as long as a lookup holds it; when the last holder leaves, the store drops it and
 its memory (mmap or buffer) is released by reference counting.
 
+Kept versions. A store keeps the last ``keep_versions`` published snapshots, not just the newest,
+and ``acquire(version)`` hands out any of them: a frontend pins a request to the version its dense
+model was trained with, and a request split across row shards reads one version on every shard
+while the shards reload one after another. Version numbers come from the table set's manifest
+(``table_set_version``, one more at every pack), so every server of a set gives the same content
+the same number; a set whose manifest has no number, or a number not newer than the newest held
+(row updates and ``put_table`` number their versions locally, one past the newest), gets the next
+number here, so one number never names two contents in one store. Tables shared by kept versions
+(a reload keeps unchanged tables) are held once.
+
 Row updates (copy-on-write per 32-row block, into a spill area). The compact layout addresses
 rows through per-block bases, so an updated row moves with its whole block: the affected blocks
 are decoded, the new rows put in, the blocks re-encoded with the table's existing masks
@@ -37,7 +47,7 @@ import functools
 import os
 import threading
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,14 +56,11 @@ import torch
 
 from ibpembed._ops import ops
 from ibpembed.codec import CompressedTable, CompressedTableSet, HotRows
+from ibpembed.errors import VersionNotHeld
 from ibpembed.tables import _layout
 from ibpembed.tables import writer as tw
-from ibpembed.tables.manifest import (
-    ManifestEntry,
-    RowRange,
-    load_table_set_meta,
-    save_table_set,
-)
+from ibpembed.tables.manifest import ManifestEntry, RowRange, load_table_set_meta
+from ibpembed.tables.pack import save_table_set
 
 # Spare payload bytes a compaction reserves for later spills: this fraction of the payload, and
 # at least enough for a few updates like the one that triggered it.
@@ -199,8 +206,12 @@ class TableStore:
         verify: bool = False,
         prefetch: bool = False,
         pin: bool = False,
+        version: int = 1,
+        keep_versions: int = 1,
     ) -> None:
         _check_features(tables, features)
+        if keep_versions < 1:
+            raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
         self._lock = threading.Lock()  # guards _current and _holders; held for a few lines only
         self._write_lock = threading.Lock()  # one writer (reload / update / put) at a time
         self._holders: dict[int, int] = {}
@@ -214,9 +225,12 @@ class TableStore:
         self._prefetch = prefetch
         self._pin = pin
         self._spill: dict[str, _Spill] = {}
+        self._keep = keep_versions
         self._current = TableSnapshot(
-            1, _frozen(self._pinned(tables)), _frozen(features), _shards(self._entries)
+            version, _frozen(self._pinned(tables)), _frozen(features), _shards(self._entries)
         )
+        # Published snapshots still served on request, oldest first; the last is _current.
+        self._kept: list[TableSnapshot] = [self._current]
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -234,6 +248,8 @@ class TableStore:
         verify: bool = False,
         prefetch: bool = False,
         pin: bool = False,
+        keep_versions: int = 1,
+        progress: Callable[[int, int], None] | None = None,
     ) -> TableStore:
         """A store over a packed table set (manifest + ``.ibpt`` files), memory-mapped.
 
@@ -245,9 +261,13 @@ class TableStore:
             about as long as reading the payloads (see ``format.read_table``).
         pin : page-lock payloads for the CUDA kernels (see ``pin_payload``); ignored without
             CUDA. Buffers made by row updates are then allocated page-locked too.
+        keep_versions : published versions kept for pinned lookups (``acquire(version)``).
+        progress : ``progress(tables loaded, tables)`` as the load goes (for a loading gauge).
         """
         directory = Path(directory)
-        manifest, tables, metas = load_table_set_meta(directory, verify=verify, prefetch=prefetch)
+        manifest, tables, metas = load_table_set_meta(
+            directory, verify=verify, prefetch=prefetch, progress=progress
+        )
         return cls(
             tables,
             manifest.features,
@@ -257,6 +277,8 @@ class TableStore:
             verify=verify,
             prefetch=prefetch,
             pin=pin,
+            version=manifest.table_set_version or 1,
+            keep_versions=keep_versions,
         )
 
     def _pinned(self, tables: Mapping[str, CompressedTable]) -> dict[str, CompressedTable]:
@@ -264,10 +286,15 @@ class TableStore:
 
     # -- reading ---------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def acquire(self) -> Iterator[TableSnapshot]:
-        """Hold the current snapshot for the duration of a ``with`` block."""
+    def acquire(self, version: int = 0) -> Iterator[TableSnapshot]:
+        """Hold a snapshot for the duration of a ``with`` block: the current one (``version``
+        0), or the kept one of that number (:class:`VersionNotHeld` otherwise)."""
         with self._lock:
             snapshot = self._current
+            if version and version != snapshot.version:
+                snapshot = next((s for s in self._kept if s.version == version), None)
+                if snapshot is None:
+                    raise VersionNotHeld(version, tuple(s.version for s in self._kept))
             self._holders[snapshot.version] = self._holders.get(snapshot.version, 0) + 1
         try:
             yield snapshot
@@ -282,6 +309,39 @@ class TableStore:
     @property
     def version(self) -> int:
         return self._current.version
+
+    @property
+    def keep_versions(self) -> int:
+        return self._keep
+
+    def versions_held(self) -> tuple[int, ...]:
+        """The versions ``acquire`` serves, oldest first (the last is :attr:`version`)."""
+        with self._lock:
+            return tuple(s.version for s in self._kept)
+
+    def older_versions_bytes(self) -> int:
+        """Host bytes held only for kept versions older than the current one: their tables that
+        the current version does not share (each counted once)."""
+        with self._lock:
+            kept = list(self._kept)
+        # Tables are told apart by the address of the buffer under their payload (a storage
+        # object is a fresh wrapper at every call: its id() names nothing).
+        current = {t.payload.untyped_storage().data_ptr() for t in kept[-1].tables.values()}
+        seen: set[int] = set()
+        total = 0
+        for snapshot in kept[:-1]:
+            for table in snapshot.tables.values():
+                storage = table.payload.untyped_storage()
+                if storage.data_ptr() in current or storage.data_ptr() in seen:
+                    continue
+                seen.add(storage.data_ptr())
+                total += (
+                    max(table.payload_bytes, storage.nbytes())
+                    + table.index_bytes
+                    + table.metadata_bytes
+                    + table.hot_bytes
+                )
+        return total
 
     def live_versions(self) -> set[int]:
         """The current version and every older one a lookup still holds."""
@@ -310,26 +370,34 @@ class TableStore:
         shards: Mapping[str, RowRange] | None = None,
         *,
         same_rows: bool = False,
+        version: int = 0,
     ) -> None:
         """Publish the next snapshot; ``shards`` default: the current ranges of kept tables.
 
         ``same_rows``: every table holds the same rows as before (only hot-row copies changed),
         so the snapshot keeps the current version number: versions number table contents.
+        ``version``: the number a manifest gave the set; used when it is newer than the newest
+        held, else the snapshot takes the next number (see the module's *Kept versions*).
         """
         if shards is None:
             shards = {n: r for n, r in self._current.shards.items() if n in tables}
-        version = self._current.version + (0 if same_rows else 1)
+        newest = self._current.version
+        number = newest if same_rows else version if version > newest else newest + 1
+        snapshot = TableSnapshot(number, _frozen(tables), _frozen(features), _frozen(shards))
         with self._lock:
-            self._current = TableSnapshot(
-                version, _frozen(tables), _frozen(features), _frozen(shards)
-            )
+            self._current = snapshot
+            if same_rows:
+                self._kept[-1] = snapshot
+            else:
+                self._kept = [*self._kept, snapshot][-self._keep :]
 
     def reload(self, directory: str | os.PathLike[str] | None = None) -> bool:
         """Load a table set and publish it as the next version, all or nothing.
 
         Tables whose manifest entry is unchanged (same file, same checksum, no row updates since)
         are kept as they are rather than mapped again. A set identical to the one serving (same
-        tables, features and row ranges) publishes nothing: versions number table contents.
+        tables, features and row ranges, and no newer ``table_set_version``) publishes nothing:
+        versions number table contents.
 
         Parameters
         ----------
@@ -361,8 +429,10 @@ class TableStore:
             )
             fresh = {n: t for n, t in tables.items() if t is not current.get(n)}
             shards = _shards(manifest.tables)
+            renumbered = manifest.table_set_version > self._current.version
             unchanged = (
                 not fresh
+                and not renumbered  # the same tables under a new number are a new version
                 and tables.keys() == current.keys()
                 and dict(manifest.features) == dict(self._current.features)
                 and dict(shards) == dict(self._current.shards)
@@ -371,7 +441,7 @@ class TableStore:
                 # Pinning may fail (page-locked memory runs out): the entries below must keep
                 # describing what is published, or the next reload would "reuse" old tables.
                 tables.update(self._pinned(fresh))
-                self._publish(tables, manifest.features, shards)
+                self._publish(tables, manifest.features, shards, version=manifest.table_set_version)
                 self._spill.clear()
             self._directory = target
             self._entries = dict(manifest.tables)

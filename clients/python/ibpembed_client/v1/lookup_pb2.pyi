@@ -50,14 +50,16 @@ class FeatureInput(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ids: _Optional[bytes] = ..., lengths: _Optional[bytes] = ..., weights: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("request_id", "pooling", "features")
+    __slots__ = ("request_id", "pooling", "features", "table_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TABLE_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     pooling: Pooling
     features: _containers.RepeatedCompositeFieldContainer[FeatureInput]
-    def __init__(self, request_id: _Optional[str] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., features: _Optional[_Iterable[_Union[FeatureInput, _Mapping]]] = ...) -> None: ...
+    table_version: int
+    def __init__(self, request_id: _Optional[str] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., features: _Optional[_Iterable[_Union[FeatureInput, _Mapping]]] = ..., table_version: _Optional[int] = ...) -> None: ...
 
 class FeatureOutput(_message.Message):
     __slots__ = ("name", "dtype", "shape", "values")
@@ -96,12 +98,14 @@ class ListTablesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListTablesResponse(_message.Message):
-    __slots__ = ("tables", "table_version")
+    __slots__ = ("tables", "table_version", "versions_held")
     TABLES_FIELD_NUMBER: _ClassVar[int]
     TABLE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_HELD_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
     table_version: int
-    def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., table_version: _Optional[int] = ...) -> None: ...
+    versions_held: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., table_version: _Optional[int] = ..., versions_held: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DescribeTableRequest(_message.Message):
     __slots__ = ("name",)
