@@ -89,7 +89,8 @@ def _extension() -> cpp_extension.CppExtension:
     sources = [
         s for s in _sources("codec/*.cpp") + _sources("lookup/*.cpp") if s not in ISA_SOURCES
     ]
-    sources.append("csrc/ops/torch_bindings.cpp")
+    # ops/: the registration file and the CPU impls; *_cuda.cpp only in CUDA builds (below).
+    sources += [s for s in _sources("ops/*.cpp") if not s.endswith("_cuda.cpp")]
     include_dirs = [str(CSRC / "include")]
     if not _cuda_enabled():
         return cpp_extension.CppExtension(

@@ -145,7 +145,7 @@ def load_extension():
         subprocess.run([*compile_cmd, "-c", str(ROOT / source), "-o", str(obj)], check=True)
         objects.append(str(obj))
     sources = [*sorted(csrc.glob("codec/*.cpp")), *sorted(csrc.glob("lookup/*.cpp"))]
-    sources += [csrc / "ops" / "torch_bindings.cpp", *sorted(csrc.glob("ops/*_cuda.cpp"))]
+    sources += sorted(csrc.glob("ops/*.cpp"))  # registration, CPU impls and the CUDA impls
     sources += sorted(csrc.glob("cuda/*.cu"))
     return cpp_extension.load(
         name="_C",
@@ -203,7 +203,7 @@ class Pinned:
 
 
 def device_args(c, dev: torch.device, where: str = "pinned") -> tuple:
-    """A CompressedTable's op arguments as the CUDA ops take them (torch_bindings_cuda.cpp):
+    """A CompressedTable's op arguments as the CUDA ops take them (lookup_ops_cuda.cpp):
     the payload pinned (``where="pinned"``), on the GPU (``"device"``) or pageable (``"host"``),
     the small tensors on ``dev``. With a CPU ``dev`` (--dry-run) these are the CPU ops' args."""
     gpu = dev.type == "cuda"

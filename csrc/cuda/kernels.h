@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //
-// The interface between the CUDA op bindings (csrc/ops/torch_bindings_cuda.cpp, compiled by g++)
+// The interface between the CUDA op bindings (csrc/ops/lookup_ops_cuda.cpp, compiled by g++)
 // and the kernels (csrc/cuda/*.cu, compiled by nvcc): plain structs of device pointers and one
 // launcher per kernel family. Torch-free, so the kernels build with lean headers only.
 //

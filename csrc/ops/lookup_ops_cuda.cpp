@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 //
-// CUDA implementations of ibp_gather, ibp_decompress and lookup_pooled (schemas and CPU impls in
-// torch_bindings.cpp). Compiled only in CUDA builds; host code only, the kernels are in csrc/cuda/.
+// CUDA implementations of ibp_gather, ibp_decompress and lookup_pooled (declared in ops.h,
+// registered in torch_bindings.cpp). Compiled only in CUDA builds; host code only, the kernels are
+// in csrc/cuda/.
 //
 // Argument contract. The dispatcher runs these whenever any tensor argument is a CUDA tensor (CUDA
 // outranks CPU in dispatch-key order), which is what lets the payload stay on the host:
@@ -33,7 +34,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
@@ -42,6 +42,7 @@
 #include "ibpembed/format.h"
 #include "ibpembed/numeric.h"
 #include "op_checks.h"
+#include "ops.h"
 
 namespace ibpembed::gpu {
 namespace {
@@ -73,13 +74,28 @@ const uint8_t* payload_device_pointer(const at::Tensor& payload, const c10::Devi
   }
   TORCH_CHECK_VALUE(payload.is_cpu(), "payload must be a pinned CPU tensor or a CUDA tensor, got ",
                     payload.device());
-  cudaPointerAttributes attributes{};
-  C10_CUDA_CHECK(cudaPointerGetAttributes(&attributes, host));
-  TORCH_CHECK_VALUE(attributes.type == cudaMemoryTypeHost,
-                    "payload is pageable host memory; the GPU reads it zero-copy, so it must be "
-                    "pinned: payload.pin_memory() or cudaHostRegister over its storage");
+  // Both ends of the range are checked: a tensor that starts inside a registered range and runs
+  // past it would pass a first-byte check, and the kernels' first read past the range is a GPU
+  // MMU fault that kills the process's CUDA context. One registration maps a range to one
+  // contiguous device range, so two ends with consistent aliases cover every byte between.
+  // Tables the store serves carry a CUDA alias instead (host_mapped_alias), checked once.
+  const auto* last = host + (payload.numel() - 1);
   void* alias = nullptr;
+  void* last_alias = nullptr;
+  for (const uint8_t* p : {host, last}) {
+    cudaPointerAttributes attributes{};
+    C10_CUDA_CHECK(cudaPointerGetAttributes(&attributes, p));
+    TORCH_CHECK_VALUE(attributes.type == cudaMemoryTypeHost,
+                      "payload byte ", p - host, " of ", payload.numel(),
+                      " is pageable host memory; the GPU reads the payload zero-copy, so all of "
+                      "it must be pinned: payload.pin_memory() or cudaHostRegister over its "
+                      "whole storage");
+  }
   C10_CUDA_CHECK(cudaHostGetDevicePointer(&alias, const_cast<uint8_t*>(host), 0));
+  C10_CUDA_CHECK(cudaHostGetDevicePointer(&last_alias, const_cast<uint8_t*>(last), 0));
+  TORCH_CHECK_VALUE(static_cast<uint8_t*>(last_alias) - static_cast<uint8_t*>(alias) ==
+                        payload.numel() - 1,
+                    "the payload spans more than one pinned range; pin or register it whole");
   return static_cast<const uint8_t*>(alias);
 }
 
@@ -92,37 +108,13 @@ DeviceTable device_table(const at::Tensor& payload, const at::Tensor& block_base
   TORCH_CHECK_VALUE(device.is_cuda(),
                     "the CUDA ops need the table's block_base, row_units, bitmask, mask and "
                     "bitval on the GPU; block_base is on ", device);
-  TORCH_CHECK_VALUE(chunk_bits == 16 || chunk_bits == 32 || chunk_bits == 64,
-                    "chunk_bits must be 16, 32 or 64, got ", chunk_bits);
-  TORCH_CHECK_VALUE(row_bytes > 0 && row_bytes <= kMaxRowBytes, "row_bytes out of range: ",
-                    row_bytes);
-  TORCH_CHECK_VALUE(num_rows >= 0, "num_rows must be >= 0");
-  TORCH_CHECK_VALUE(unit_bytes > 0 && unit_bytes == slot_unit_bytes(row_bytes, unit_bytes),
-                    "unit_bytes ", unit_bytes, " is not a valid slot unit for ", row_bytes,
-                    "-byte rows");
   check_device_tensor(block_base, "block_base", at::kLong, device);
   check_device_tensor(row_units, "row_units", at::kByte, device);
   check_device_tensor(bitmask, "bitmask", at::kInt, device);
   check_device_tensor(mask, "mask", at::kLong, device);
   check_device_tensor(bitval, "bitval", at::kLong, device);
-  const int64_t blocks = num_blocks(num_rows);
-  TORCH_CHECK_VALUE(block_base.numel() == blocks + 1, "block_base must have ", blocks + 1,
-                    " entries, got ", block_base.numel());
-  TORCH_CHECK_VALUE(row_units.numel() == blocks * kRowsPerBlock, "row_units must have ",
-                    blocks * kRowsPerBlock, " entries, got ", row_units.numel());
-  TORCH_CHECK_VALUE(bitmask.numel() == (num_rows + 31) / 32, "bitmask must have ",
-                    (num_rows + 31) / 32, " words, got ", bitmask.numel());
-  const int v = chunks_per_row(row_bytes, static_cast<int>(chunk_bits));
-  TORCH_CHECK_VALUE(mask.dim() == 1 && mask.numel() == v, "mask must have ", v,
-                    " entries (one per chunk position), got shape ", mask.sizes());
-  // The code width is implied by the codebook length, V * (2^C - 1) (format.h).
-  TORCH_CHECK_VALUE(bitval.dim() == 1, "bitval must be 1-D, got shape ", bitval.sizes());
-  const int code_bits = code_bits_for(bitval.numel(), v);
-  static_assert(kMaxCodeBits == 4, "the message below lists every valid codebook length");
-  TORCH_CHECK_VALUE(code_bits != 0, "bitval must have V * (2^C - 1) entries for V = ", v,
-                    " chunk positions and a code width C in [1, 4] (", v * codebook_size(1), ", ",
-                    v * codebook_size(2), ", ", v * codebook_size(3), " or ",
-                    v * codebook_size(4), "), got ", bitval.numel());
+  const TableShape shape = check_table_shapes(block_base, row_units, bitmask, mask, bitval,
+                                              chunk_bits, row_bytes, unit_bytes, num_rows);
   const uint8_t* data = payload_device_pointer(payload, device);
   return DeviceTable{TableView{data,
                                block_base.data_ptr<int64_t>(),
@@ -134,8 +126,8 @@ DeviceTable device_table(const at::Tensor& payload, const at::Tensor& block_base
                                row_bytes,
                                unit_bytes,
                                static_cast<int>(chunk_bits),
-                               v,
-                               code_bits},
+                               shape.chunks,
+                               shape.code_bits},
                      payload.numel()};
 }
 
@@ -192,6 +184,8 @@ at::Tensor gather(const DeviceTable& table, const at::Tensor& ids, const at::Ten
   raise_kernel_errors(error, request_ids, nullptr, table.view.num_rows);
   return out;
 }
+
+}  // namespace
 
 at::Tensor ibp_gather_cuda(const at::Tensor& payload, const at::Tensor& block_base,
                            const at::Tensor& row_units, const at::Tensor& bitmask,
@@ -272,14 +266,6 @@ at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block
   launch_pooled(args, c10::cuda::getCurrentCUDAStream(device.index()).stream());
   raise_kernel_errors(error, &indices, &offsets, num_rows);
   return out;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(ibpembed, CUDA, m) {
-  m.impl("ibp_decompress", &ibp_decompress_cuda);
-  m.impl("ibp_gather", &ibp_gather_cuda);
-  m.impl("lookup_pooled", &lookup_pooled_cuda);
 }
 
 }  // namespace ibpembed::gpu
