@@ -219,7 +219,9 @@ class LookupEngine:
     max_workers : threads running kernels (requests in flight beyond this wait for a thread).
     max_inflight : requests admitted at once (running or waiting for a thread); one more is
         rejected with :class:`Overloaded`. Must be >= 1.
-    device : ``"cpu"``, ``"cuda"`` or ``"auto"`` (see :func:`resolve_device`).
+    device : ``"cpu"``, ``"cuda"`` or ``"auto"`` (see :func:`resolve_device`; ``"auto"`` with a
+        CPU store is the CPU). The store must place its tables for the same device
+        (``TableStore(device=...)``), so that every tensor a kernel reads is where it runs.
     dedupe_max_unique_fraction : a table's pooled lookups with at least ``dedupe_min_ids`` ids
         sort them, decode each distinct row once and pool the decoded rows when distinct ids /
         ids is at most this (Zipf traffic: 0.1-0.5); otherwise the fused decode+pool kernel
@@ -265,7 +267,14 @@ class LookupEngine:
             raise ValueError(f"dedupe_min_ids must be >= 1, got {dedupe_min_ids}")
         self.store = store
         self.max_inflight = max_inflight
-        self.device = resolve_device(device)
+        # "auto" follows the store: a store built for the CPU is served on the CPU.
+        auto_cpu = device == "auto" and store.device.type == "cpu"
+        self.device = torch.device("cpu") if auto_cpu else resolve_device(device)
+        if self.device.type != store.device.type:
+            raise ValueError(
+                f"the engine runs on {self.device.type} but the store places its tables for "
+                f"{store.device.type}: build the store with device={self.device.type!r}"
+            )
         self.dedupe_max_unique_fraction = dedupe_max_unique_fraction
         self.dedupe_min_ids = dedupe_min_ids
         self.max_output_bytes = max_output_bytes
@@ -417,9 +426,11 @@ class LookupEngine:
                 raise InvalidArgument(f"features[{i}].name", f"feature {query.name!r} repeated")
             seen.add(query.name)
             try:
-                table_name, table = snap.table_for_feature(query.name)
+                table_name, _ = snap.table_for_feature(query.name)
             except KeyError:
                 raise NotFound(f"unknown feature {query.name!r}") from None
+            # The table as this engine's kernels read it: on a GPU, the snapshot's device copies.
+            table = snap.kernel_table(table_name)
             _check_layout(query, i, pooling, table_name, table)
             output_bytes += _output_bytes(query, pooling, table)
             item = by_table.get(table_name)

@@ -58,16 +58,17 @@ class ServerObserver(LookupObserver, RpcObserver, ReloadObserver, Protocol):
 
 def load_store(config: ServerConfig) -> TableStore:
     """The packed table set in ``config.tables``, or the embedded demo set."""
+    # On a GPU the store places every snapshot's tables for the CUDA kernels: index and masks
+    # in device memory, payloads registered in place for zero-copy reads.
+    device = resolve_device(config.device)
     if config.tables is not None:
-        # Page-locked payloads are what the zero-copy CUDA kernels read.
-        pin = resolve_device(config.device).type == "cuda"
         return TableStore.load(
             config.tables,
             verify=config.verify_payloads,
             prefetch=config.prefetch_payloads,
-            pin=pin,
+            device=device,
         )
-    return TableStore.from_tables(demo.build(config.demo_max_rows))
+    return TableStore.from_tables(demo.build(config.demo_max_rows), device=device)
 
 
 def _read(path: str) -> bytes:

@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The served GPU path end to end: a store placed for CUDA, an engine on CUDA, against the CPU
+engine on the same table files, across a row update; and in-place registration of payloads.
+
+GPU only (they skip with the reason elsewhere); the placement logic itself is tested without a
+GPU in tests/tables/test_placement.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ibpembed.engine import FeatureQuery, LookupEngine
+from ibpembed.tables.store import TableStore
+from tests.cuda import cuda_kernels_missing
+from tests.tables.test_store import pack
+
+_REASON = cuda_kernels_missing()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+
+
+@pytest.fixture
+def table_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "set"
+    pack(directory, 1)
+    return directory
+
+
+def request(rng: np.random.Generator, batch: int = 16) -> list[FeatureQuery]:
+    lengths = rng.integers(0, 6, batch).astype(np.int32)
+    user = rng.integers(0, 200, int(lengths.sum()))
+    item_lengths = np.ones(batch, dtype=np.int32)
+    return [
+        FeatureQuery("user_hist", user, lengths),
+        FeatureQuery("item_id", rng.integers(0, 100, batch), item_lengths),
+    ]
+
+
+def same_results(a, b) -> bool:
+    return all(
+        x.values.dtype == y.values.dtype
+        and torch.equal(x.values.view(torch.uint8), y.values.view(torch.uint8))
+        for x, y in zip(a.features, b.features, strict=True)
+    )
+
+
+@pytest.mark.parametrize("pooling", ["none", "sum", "mean"])
+def test_cuda_engine_serves_what_the_cpu_engine_serves(table_dir: Path, pooling: str) -> None:
+    gpu_store = TableStore.load(table_dir, device="cuda")
+    cpu_store = TableStore.load(table_dir)
+    gpu, cpu = LookupEngine(gpu_store, device="cuda"), LookupEngine(cpu_store, device="cpu")
+    rng = np.random.default_rng(0)
+    try:
+        with gpu_store.acquire() as snap:
+            kernel = snap.kernel_table("user")
+            assert kernel.block_base.is_cuda and kernel.mask.is_cuda and kernel.bitmask.is_cuda
+            assert kernel.payload.is_cuda  # the device alias of the mapped file, not a copy
+            assert not snap.tables["user"].payload.is_cuda
+        for _ in range(3):
+            features = request(rng)
+            assert same_results(gpu.run(features, pooling), cpu.run(features, pooling))
+        for store in (gpu_store, cpu_store):
+            store.update_rows("user", torch.tensor([3, 77]), torch.full((2, 8), -1.5))
+        with gpu_store.acquire() as snap:
+            assert snap.kernel_table("user") is not kernel  # fresh copies with the update
+        features = request(rng, batch=64)
+        assert same_results(gpu.run(features, pooling), cpu.run(features, pooling))
+    finally:
+        gpu.close()
+        cpu.close()
+
+
+def test_a_payload_past_its_registered_range_is_refused() -> None:
+    from ibpembed import compress
+    from ibpembed._ops import ops
+
+    table = compress(torch.randn(300, 16))
+    n = table.payload.numel()
+    buffer = torch.zeros(n + (1 << 16), dtype=torch.uint8)
+    buffer[:n] = table.payload
+    cudart = torch.cuda.cudart()
+    assert int(cudart.cudaHostRegister(buffer.data_ptr(), n, 0)) == 0
+    try:
+        small = [t.cuda() for t in (table.block_base, table.row_units, table.bitmask)]
+        masks = [table.mask.cuda(), table.bitval.cuda()]
+        args = (table.chunk_bits, table.row_bytes, table.unit_bytes, table.num_rows)
+        # Starts inside the registered range, ends past it: a first-byte check would pass it
+        # and the kernels' reads past the range would fault.
+        with pytest.raises(ValueError, match="pageable host memory"):
+            ops.ibp_decompress(buffer, *small, *masks, *args)
+        got = ops.ibp_decompress(buffer[:n], *small, *masks, *args)
+        assert torch.equal(got.cpu(), ops.ibp_decompress(*table._args()))
+    finally:
+        cudart.cudaHostUnregister(buffer.data_ptr())
+
+
+def test_host_mapped_alias_registers_in_place_once_and_reads_back() -> None:
+    from ibpembed import _C
+
+    buffer = torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8)
+    alias = _C.host_mapped_alias(buffer, True, torch.cuda.current_device())
+    assert alias.is_cuda and alias.numel() == buffer.numel()
+    assert torch.equal(alias.cpu(), buffer)  # zero-copy reads of the host bytes
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        _C.host_mapped_alias(buffer, True, torch.cuda.current_device())  # already registered
+    del alias
+    again = _C.host_mapped_alias(buffer, False, torch.cuda.current_device())  # released: again
+    assert torch.equal(again[-16:].cpu(), buffer[-16:])
