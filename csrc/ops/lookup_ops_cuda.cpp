@@ -36,6 +36,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 
 #include "../cuda/kernels.h"
@@ -131,6 +132,23 @@ DeviceTable device_table(const at::Tensor& payload, const at::Tensor& block_base
                      payload.numel()};
 }
 
+// Gathers of fewer ids than this skip the sort (IBPEMBED_CUDA_SORT_MIN_IDS, default 4096).
+// NOTE(cuda): a sort buys row locality only when ids are dense in the table and duplicates
+// decoded once; uniform ids over a large table share no lines when sorted, and the server
+// already sends distinct ids, so below a few thousand ids the sort (tens of microseconds of
+// fixed cost) is overhead. gpu_check.py times ibp_none both ways (ibp_none_nosort,
+// ibp_none_sorted) at every batch size: that measurement, not this default, decides the rule.
+int64_t sort_min_ids() {
+  const char* value = std::getenv("IBPEMBED_CUDA_SORT_MIN_IDS");
+  if (value == nullptr || *value == '\0') return 4096;
+  char* end = nullptr;
+  const long long parsed = std::strtoll(value, &end, 10);
+  TORCH_CHECK_VALUE(end != nullptr && *end == '\0' && parsed >= 0,
+                    "IBPEMBED_CUDA_SORT_MIN_IDS must be a non-negative integer, got '", value,
+                    "'");
+  return parsed;
+}
+
 void check_indices_tensor(const at::Tensor& indices, const c10::Device& device) {
   check_device_tensor(indices, "indices", at::kLong, device);
   TORCH_CHECK_VALUE(indices.dim() == 1, "indices must be 1-D, got ", indices.dim(), "-D");
@@ -198,6 +216,11 @@ at::Tensor ibp_gather_cuda(const at::Tensor& payload, const at::Tensor& block_ba
                                          chunk_bits, row_bytes, unit_bytes, num_rows);
   check_hot_rows_shape(hot_dir, hot_rows, num_rows, row_bytes);  // checked, then not read
   check_indices_tensor(indices, block_base.device());
+  if (indices.numel() < sort_min_ids()) {
+    // Unsorted ids are correct too: runs form only on adjacent equal ids, and no perm means
+    // position i's row goes to output row i.
+    return gather(table, indices, at::Tensor(), indices.numel(), &indices, block_base.device());
+  }
   // Sorted ids let neighbouring warps fetch neighbouring rows and put duplicates side by side;
   // perm sends each row back to its request position.
   auto [sorted, perm] = at::sort(indices);

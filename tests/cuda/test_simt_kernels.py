@@ -92,6 +92,19 @@ def test_every_code_width_and_grid(kernels, code_bits, grid) -> None:
     assert same_bits(_rows(c, rows), table)
 
 
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+def test_unsorted_gather_is_bit_exact(kernels, grid) -> None:
+    # The op's path for small gathers: ids as the request has them, no perm. Adjacent repeats
+    # still form runs (decoded once); repeats apart are decoded again.
+    table = make_table(torch.float32, 150, 40, "trained_like", seed=11)
+    c = compress(table, chunk_bits=32, align=8)
+    ids = request_ids(np.random.default_rng(5), c.num_rows, 80, hot_copies=40)
+    ids = torch.cat([ids, torch.full((37,), 17), torch.tensor([3, 3, 149, 0, 0])])
+    rows, error = kernels.gather(c, ids, grid, sort=False)
+    assert error == 0
+    assert torch.equal(rows, _cpu_rows(c, ids))
+
+
 @pytest.mark.parametrize("method", ["raw", "paper"])
 def test_raw_rows(kernels, method) -> None:
     table = make_table(torch.float32, 100, 36, "trained_like", seed=3)

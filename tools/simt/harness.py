@@ -126,11 +126,20 @@ class EmulatedKernels:
         return rc
 
     def gather(
-        self, c: CompressedTable, ids: torch.Tensor | None, grid: Grid = Grid()
+        self,
+        c: CompressedTable,
+        ids: torch.Tensor | None,
+        grid: Grid = Grid(),
+        *,
+        sort: bool = True,
     ) -> tuple[torch.Tensor, int]:
-        """Rows [n, row_bytes] uint8 and the kernel's error word; ids None: the whole table."""
+        """Rows [n, row_bytes] uint8 and the kernel's error word; ids None: the whole table.
+        ``sort=False`` passes the ids as they come and no perm, as the CUDA op does for
+        gathers below IBPEMBED_CUDA_SORT_MIN_IDS ids."""
         if ids is None:
             sorted_ids, perm, n = None, None, c.num_rows
+        elif not sort:
+            sorted_ids, perm, n = ids.to(torch.int64).contiguous(), None, ids.numel()
         else:
             sorted_ids, perm = torch.sort(ids.to(torch.int64).contiguous())
             n = ids.numel()
