@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""benchmarks/gpu_check.py --dry-run: the GPU script's CPU half, so it does not rot between the
-rare runs on a GPU machine (table tiling and the raw layout are checked against the CPU decoder).
+"""benchmarks/gpu_check.py --dry-run: the GPU script's driver and the CPU half of its phases, so
+they do not rot between the rare runs on a GPU machine (table tiling and the raw layout are
+checked against the CPU decoder; a fault, a failed registration and the deadline take the
+branches they take on the GPU).
 
 With no GPU the correctness checks compare the CPU ops with independent answers (the source rows
 for gathers and decompression, ``ibpembed.reference`` for pooled lookups), so a wrong CPU op fails
@@ -11,34 +13,90 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 import ibpembed
 from benchmarks import gpu_check
 
 
-def test_dry_run_builds_checks_and_reports(tmp_path: Path) -> None:
+def test_dry_run_runs_every_phase_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     assert gpu_check.main(["--dry-run", "--profile", "dlrm-bf16", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    correctness = report["correctness"]
-    assert correctness["failures"] == []
+    phases = report["phases"]
+    assert set(phases) == {
+        "build",
+        "preflight",
+        "correctness",
+        "served",
+        "sanitizer",
+        "h2d",
+        *(f"timing_{r}" for r in gpu_check.TIMING_ORDER),
+        "timing_512_thp",
+    }
+    assert "correctness_sync" not in phases  # only after a failure
+    assert phases["sanitizer"] == {"skipped": "no GPU"}
+    assert report["failed_phases"] == []
+    correctness = phases["correctness"]
+    assert correctness["failures"] == [] and correctness["fault"] is None
     assert correctness["against"] == "source rows and ibpembed.reference"
     cases = [table for _, table, _ in gpu_check.small_cases()]
     floating = sum(table.dtype.is_floating_point for table in cases)
     assert correctness["passed_by_kind"] == {
-        "gather": 2 * len(cases),  # payload "pinned" and "device" (both the host on a CPU)
+        "gather": 3 * len(cases),  # payload registered, pinned, on the device (the host on a CPU)
         "decompress": len(cases),
         "pooled": 4 * (floating + 1),  # SUM/MEAN x weights or not; + the int8 row-wise table
         "errors": 3,
     }
     assert correctness["passed"] == sum(correctness["passed_by_kind"].values())
-    assert report["big_table_checks"] == {"passed": 2 * len(gpu_check.ROW_BYTES), "failures": []}
+    served = phases["served"]
+    assert served["failures"] == [] and served["passed"] == 2 * 3 * 3
+    for r in gpu_check.TIMING_ORDER:
+        timing = phases[f"timing_{r}"]
+        assert timing["checks"] == {"passed": 2, "failures": []} and timing["rc"] == 0
     assert {row["row_bytes"] for row in report["results"]} == set(gpu_check.ROW_BYTES)
-    assert report["targets"] == {}  # nothing GPU-side was timed
+    assert {row["variant"] for row in report["results"]} == {"base", "thp"}
+    assert report["targets"] == {} and report["sort_rule"] == []  # nothing GPU-side was timed
     for row in report["results"]:  # what a GPU run compares its timings with
         assert row["raw_wire_sectors"] == row["unique_ids"] * row["row_bytes"] // 32
         assert row["unique_ids"] <= row["ibp_wire_sectors"] <= row["raw_wire_sectors"] * 2
+
+
+def test_a_fault_in_correctness_reruns_it_with_synchronous_staging(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    argv = ["--dry-run", "--out", str(out), "--only", "correctness,h2d"]
+    assert gpu_check.main([*argv, "--inject-fault", "correctness"]) == 1
+    phases = json.loads(out.read_text())["phases"]
+    assert "illegal memory access" in phases["correctness"]["fault"]
+    assert phases["correctness"]["rc"] == 1
+    assert phases["correctness_sync"]["phase"] == "correctness"  # the rerun ran
+    assert phases["h2d"]["rc"] == 0  # and the phases after it still ran
+    failed = json.loads(out.read_text())["failed_phases"]
+    assert failed == ["correctness", "correctness_sync"]
+
+
+def test_a_failed_registration_makes_later_phases_use_pinned_copies(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    argv = ["--dry-run", "--out", str(out), "--only", "preflight,h2d"]
+    assert gpu_check.main([*argv, "--inject-fault", "preflight"]) == 1
+    phases = json.loads(out.read_text())["phases"]
+    assert phases["preflight"]["fault"] and phases["preflight"]["pin"] == "register"
+    assert phases["h2d"]["pin"] == "copy" and phases["h2d"]["rc"] == 0
+
+
+def test_past_the_deadline_phases_are_skipped_and_the_report_written(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--dry-run", "--out", str(out), "--deadline-s", "0"]) == 0
+    report = json.loads(out.read_text())
+    skipped = [key for key, p in report["phases"].items() if "deadline" in p.get("skipped", "")]
+    assert "correctness" in skipped and "timing_512" in skipped
+    assert report["results"] == []
+
+
+def test_unknown_phases_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="unknown phases"):
+        gpu_check.main(["--dry-run", "--out", str(tmp_path / "x.json"), "--only", "timings"])
 
 
 def test_slot_sectors_counts_each_rows_sectors() -> None:
