@@ -443,6 +443,7 @@ def check_correctness(
             q = ibpembed.compress(quantised, quant="int8_rowwise")
             values = None if gpu else source_values(quantised, "int8_rowwise")
             check_pooled(ops, q, 5, rng, checks, "int8 rowwise D=129", dev, values)
+            check_table_set(ibpembed, dev, rng, checks)
             check_errors(ibpembed, ops, checks, dev)
     except CudaFault as exc:
         fault = str(exc)
@@ -555,6 +556,63 @@ def check_pooled(
                 got.nan_to_num(0.0), want.nan_to_num(0.0)
             )
             checks.record(equal, f"pooled {pooling} weighted={w is not None} {label}")
+
+
+def check_table_set(ibpembed, dev: torch.device, rng, checks: Checks) -> None:
+    """lookup_pooled_tables, every table of a request in one launch per chunk width: tables of
+    two widths and three dtypes, one read by two parts, against the CPU set (on a CPU
+    ``dev``: against each table's own lookup)."""
+    from benchmarks import data
+    from ibpembed.codec import CompressedTableSet
+    from ibpembed.tables import placement
+
+    tables = [
+        ibpembed.compress(data.dlrm_table(3000, 64, seed=7), chunk_bits=32),
+        ibpembed.compress(data.dlrm_table(2000, 40, seed=8).to(torch.bfloat16), chunk_bits=16),
+        ibpembed.compress(
+            data.int8_rowwise(data.dlrm_table(1000, 36, seed=9)), quant="int8_rowwise"
+        ),
+        ibpembed.compress(data.dlrm_table(500, 16, seed=10), chunk_bits=32),
+    ]
+    parts = [(0, 0, 50), (1, 50, 30), (2, 80, 20), (3, 100, 0), (0, 100, 25)]
+    lengths = rng.integers(0, 30, 125)
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
+    ids = torch.zeros(int(lengths.sum()), dtype=torch.int64)
+    for t, first, count in parts:
+        begin, end = int(offsets[first]), int(offsets[first + count])
+        ids[begin:end] = torch.from_numpy(rng.integers(0, tables[t].num_rows, end - begin))
+    weights = torch.from_numpy(rng.random(ids.numel()).astype(np.float32))
+    table_bags = torch.tensor(parts, dtype=torch.int64)
+    cpu_set = CompressedTableSet(tables)
+    gpu = dev.type == "cuda"
+    if gpu:
+        aliases = placement.HostAliases(placement.cuda_register(dev))
+        placed = CompressedTableSet([placement.place_table(c, dev, aliases) for c in tables])
+    for pooling in ("sum", "mean"):
+        for w in (None, weights):
+            want, _ = cpu_set.lookup(table_bags, ids, offsets, w, pooling)
+            if gpu:
+                got, _ = placed.lookup(
+                    table_bags,
+                    ids.to(dev),
+                    offsets.to(dev),
+                    None if w is None else w.to(dev),
+                    pooling,
+                )
+                got = [g.cpu() for g in got]
+            else:  # each part through its table's own op
+                got = []
+                for t, first, count in parts:
+                    begin, end = int(offsets[first]), int(offsets[first + count])
+                    part_offsets = offsets[first : first + count + 1] - begin
+                    part_w = None if w is None else w[begin:end]
+                    got.append(tables[t].lookup(ids[begin:end], part_offsets, part_w, pooling))
+            ok = all(
+                torch.equal(g.isnan(), e.isnan())
+                and torch.equal(g.nan_to_num(0.0), e.nan_to_num(0.0))
+                for g, e in zip(got, want, strict=True)
+            )
+            checks.record(ok, f"table_set {pooling} weighted={w is not None}", "table_set")
 
 
 def check_errors(ibpembed, ops, checks: Checks, dev: torch.device) -> None:

@@ -47,6 +47,7 @@ def test_dry_run_runs_every_phase_and_reports(tmp_path: Path) -> None:
         "gather": 3 * len(cases),  # payload registered, pinned, on the device (the host on a CPU)
         "decompress": len(cases),
         "pooled": 4 * (floating + 1),  # SUM/MEAN x weights or not; + the int8 row-wise table
+        "table_set": 4,  # SUM/MEAN x weights or not, every part against its table's own op
         "errors": 3,
     }
     assert correctness["passed"] == sum(correctness["passed_by_kind"].values())

@@ -76,6 +76,14 @@ struct PooledArgs {
   int32_t* error;
 };
 
+IBP_HD int64_t round16(int64_t bytes) { return (bytes + 15) & ~int64_t{15}; }
+
+// A pooled launch's decoded row: V whole chunks, plus 16 bytes of read slack for the funnel
+// reads of the accumulate loop.
+IBP_HD int64_t rowbuf_bytes(const TableView& t) {
+  return round16(static_cast<int64_t>(t.num_chunks) * (t.chunk_bits / 8)) + 16;
+}
+
 // Shared-memory shape of a pooled launch: the largest staging buffer, decoded row and
 // accumulator row among its tables.
 struct PooledShape {

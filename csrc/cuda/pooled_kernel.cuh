@@ -26,15 +26,6 @@ namespace ibpembed::gpu {
 // Rows in flight per warp: the one accumulated and kPooledStages - 1 staged ahead.
 inline constexpr int kPooledStages = 4;
 
-__host__ __device__ inline int64_t round16(int64_t bytes) {
-  return (bytes + kVecBytes - 1) & ~int64_t{kVecBytes - 1};
-}
-
-// Decoded row: V whole chunks, plus read slack for the funnel reads of the accumulate loop.
-__host__ __device__ inline int64_t rowbuf_bytes(const TableView& t) {
-  return round16(static_cast<int64_t>(t.num_chunks) * (t.chunk_bits / 8)) + kVecBytes;
-}
-
 // What the warp knows about a row in one staging buffer, written when its copy is issued and
 // read when it is accumulated (kept in shared memory, not registers: kPooledStages of them).
 struct StageMeta {

@@ -203,6 +203,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cpu(
     const c10::intrusive_ptr<TableSet>& tables, const at::Tensor& indices,
     const at::Tensor& offsets, const at::Tensor& table_bags,
     const std::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
+  TORCH_CHECK_VALUE(tables->device().is_cpu(), "this TableSet's tables are on ",
+                    tables->device(), ": pass indices and offsets on that device");
   TORCH_CHECK_VALUE(pooling == 0 || pooling == 1, "pooling must be 0 (sum) or 1 (mean), got ",
                     pooling);
   check_cpu_contiguous(table_bags, "table_bags", at::kLong);
@@ -253,6 +255,21 @@ int64_t TableSet::add(const at::Tensor& payload, const at::Tensor& block_base,
                       int64_t row_bytes, int64_t unit_bytes, int64_t num_rows, int64_t dtype,
                       const std::optional<at::Tensor>& hot_dir,
                       const std::optional<at::Tensor>& hot_rows) {
+  const c10::Device device = block_base.device();
+  TORCH_CHECK_VALUE(entries_.empty() || device == device_, "a TableSet holds tables of one "
+                    "device: this one's are on ", device_, ", the new table's on ", device);
+  if (device.is_cuda()) {
+#ifdef IBPEMBED_WITH_CUDA
+    entries_.push_back(gpu::table_set_entry(payload, block_base, row_units, bitmask, mask, bitval,
+                                            chunk_bits, row_bytes, unit_bytes, num_rows, dtype,
+                                            hot_dir, hot_rows));
+    device_ = device;
+    device_entries_ = gpu::upload_entries(entries_, device);
+    return static_cast<int64_t>(entries_.size()) - 1;
+#else
+    TORCH_CHECK_VALUE(false, "this ibpembed build has no CUDA kernels; block_base is on ", device);
+#endif
+  }
   TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
                            row_bytes, unit_bytes, num_rows);
   attach_hot_rows(t, hot_dir, hot_rows);
@@ -262,7 +279,7 @@ int64_t TableSet::add(const at::Tensor& payload, const at::Tensor& block_base,
     owned.push_back(*hot_dir);
     owned.push_back(*hot_rows);
   }
-  entries_.push_back(Entry{t, static_cast<DType>(dtype), dim, std::move(owned)});
+  entries_.push_back(Entry{t, payload.numel(), static_cast<DType>(dtype), dim, std::move(owned)});
   return static_cast<int64_t>(entries_.size()) - 1;
 }
 

@@ -35,11 +35,14 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
 
 #include "../cuda/kernels.h"
+#include "../cuda/warp_decode.cuh"
 #include "ibpembed/format.h"
 #include "ibpembed/numeric.h"
 #include "op_checks.h"
@@ -156,10 +159,8 @@ void check_indices_tensor(const at::Tensor& indices, const c10::Device& device) 
 
 // Waits for the kernels and turns their error word into the CPU op's exceptions. The slow
 // search for the exact culprit runs only on failure.
-void raise_kernel_errors(const at::Tensor& error, const at::Tensor* indices,
-                         const at::Tensor* offsets, int64_t num_rows) {
-  const int32_t bits = error.item<int32_t>();
-  if (bits == 0) return;
+[[noreturn]] void raise_error_bits(int32_t bits, const at::Tensor* indices,
+                                   const at::Tensor* offsets, int64_t num_rows) {
   if ((bits & kErrIndex) != 0 && indices != nullptr) {
     const at::Tensor ids = indices->cpu();
     const int64_t* p = ids.data_ptr<int64_t>();
@@ -187,6 +188,12 @@ void raise_kernel_errors(const at::Tensor& error, const at::Tensor* indices,
                     "bits ", bits);
 }
 
+void raise_kernel_errors(const at::Tensor& error, const at::Tensor* indices,
+                         const at::Tensor* offsets, int64_t num_rows) {
+  const int32_t bits = error.item<int32_t>();
+  if (bits != 0) raise_error_bits(bits, indices, offsets, num_rows);
+}
+
 at::Tensor gather(const DeviceTable& table, const at::Tensor& ids, const at::Tensor& perm,
                   int64_t n, const at::Tensor* request_ids, const c10::Device& device) {
   at::Tensor out = at::empty({n, table.view.row_bytes}, at::TensorOptions(device).dtype(at::kByte));
@@ -201,6 +208,68 @@ at::Tensor gather(const DeviceTable& table, const at::Tensor& ids, const at::Ten
   launch_gather(args, c10::cuda::getCurrentCUDAStream(device.index()).stream());
   raise_kernel_errors(error, request_ids, nullptr, table.view.num_rows);
   return out;
+}
+
+// The batch arguments of a pooled lookup: ids, offsets and weights on `device`; returns the
+// weights' pointer (null without them).
+const float* check_batch(const at::Tensor& indices, const at::Tensor& offsets,
+                         const std::optional<at::Tensor>& per_sample_weights,
+                         const c10::Device& device) {
+  check_indices_tensor(indices, device);
+  check_device_tensor(offsets, "offsets", at::kLong, device);
+  TORCH_CHECK_VALUE(offsets.dim() == 1 && offsets.numel() >= 1,
+                    "offsets must be 1-D with B + 1 entries");
+  if (!per_sample_weights.has_value()) return nullptr;
+  check_device_tensor(*per_sample_weights, "per_sample_weights", at::kFloat, device);
+  check_weights_shape(*per_sample_weights, indices.numel());
+  return per_sample_weights->data_ptr<float>();
+}
+
+// PooledArgs with the batch filled in and no parts yet.
+PooledArgs batch_args(const at::Tensor& indices, const at::Tensor& offsets, const float* weights,
+                      int64_t pooling, const at::Tensor& error) {
+  PooledArgs args{};
+  args.ids = indices.data_ptr<int64_t>();
+  args.offsets = offsets.data_ptr<int64_t>();
+  args.num_offset_bags = offsets.numel() - 1;
+  args.nnz = indices.numel();
+  args.weights = weights;
+  args.pooling = static_cast<Pooling>(pooling);
+  args.error = error.data_ptr<int32_t>();
+  return args;
+}
+
+// Widens a launch's shared-memory shape to hold a table's rows.
+void grow_shape(PooledShape& shape, const TableView& t, int64_t dim) {
+  shape.stage_bytes = std::max(shape.stage_bytes, stage_buffer_bytes(t.row_bytes, t.unit_bytes));
+  shape.rowbuf_bytes = std::max(shape.rowbuf_bytes, rowbuf_bytes(t));
+  shape.dim = std::max(shape.dim, dim);
+}
+
+// The CPU op's exceptions for a failed lookup_pooled_tables: the first id out of its table's
+// range (naming the row of table_bags), bad offsets, or an inconsistent table.
+[[noreturn]] void raise_table_set_errors(int32_t bits, const TableSet& tables,
+                                         const at::Tensor& indices, const at::Tensor& offsets,
+                                         const at::Tensor& table_bags) {
+  // In the CPU op's order: offsets, then each table's ids, then the tables.
+  if ((bits & kErrOffsets) != 0) raise_error_bits(kErrOffsets, &indices, &offsets, 0);
+  if ((bits & kErrIndex) != 0) {
+    const at::Tensor ids = indices.cpu();
+    const at::Tensor o = offsets.cpu();
+    const int64_t* p = ids.data_ptr<int64_t>();
+    const int64_t* ob = o.data_ptr<int64_t>();
+    const int64_t* calls = table_bags.data_ptr<int64_t>();
+    for (int64_t k = 0; k < table_bags.size(0); ++k) {
+      const int64_t rows = tables.at(calls[3 * k]).view.num_rows;
+      const int64_t first = calls[3 * k + 1];
+      for (int64_t i = ob[first]; i < ob[first + calls[3 * k + 2]]; ++i) {
+        TORCH_CHECK_INDEX(p[i] >= 0 && p[i] < rows, "index ", p[i], " at position ", i,
+                          " (table_bags[", k, "]) is out of range for a table of ", rows,
+                          " rows");
+      }
+    }
+  }
+  raise_error_bits(bits, nullptr, nullptr, 0);
 }
 
 }  // namespace
@@ -254,17 +323,7 @@ at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block
                                          chunk_bits, row_bytes, unit_bytes, num_rows);
   check_hot_rows_shape(hot_dir, hot_rows, num_rows, row_bytes);  // checked, then not read
   const int64_t dim = check_pooling_args(dtype, pooling, row_bytes);
-  const auto dt = static_cast<DType>(dtype);
-  check_indices_tensor(indices, device);
-  check_device_tensor(offsets, "offsets", at::kLong, device);
-  TORCH_CHECK_VALUE(offsets.dim() == 1 && offsets.numel() >= 1,
-                    "offsets must be 1-D with B + 1 entries");
-  const float* weights = nullptr;
-  if (per_sample_weights.has_value()) {
-    check_device_tensor(*per_sample_weights, "per_sample_weights", at::kFloat, device);
-    check_weights_shape(*per_sample_weights, indices.numel());
-    weights = per_sample_weights->data_ptr<float>();
-  }
+  const float* weights = check_batch(indices, offsets, per_sample_weights, device);
   const int64_t bags = offsets.numel() - 1;
   at::Tensor out = at::empty({bags, dim}, at::TensorOptions(device).dtype(at::kFloat));
   if (bags == 0) {
@@ -275,20 +334,147 @@ at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block
     return out;
   }
   at::Tensor error = at::zeros({1}, at::TensorOptions(device).dtype(at::kInt));
-  const PooledArgs args{table,
-                        dt,
-                        dim,
-                        indices.data_ptr<int64_t>(),
-                        offsets.data_ptr<int64_t>(),
-                        bags,
-                        indices.numel(),
-                        weights,
-                        static_cast<Pooling>(pooling),
-                        out.data_ptr<float>(),
-                        error.data_ptr<int32_t>()};
-  launch_pooled(args, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  // One part over the whole batch, its table passed by value.
+  PooledArgs args = batch_args(indices, offsets, weights, pooling, error);
+  args.single = PooledTable{table, static_cast<DType>(dtype), dim};
+  args.num_parts = 1;
+  args.part_table[0] = 0;
+  args.first_bag[0] = 0;
+  args.bag_start[0] = 0;
+  args.bag_start[1] = bags;
+  args.out[0] = out.data_ptr<float>();
+  args.max_dim = dim;
+  PooledShape shape{0, 0, 0};
+  grow_shape(shape, table.view, dim);
+  launch_pooled(args, static_cast<int>(chunk_bits), shape,
+                c10::cuda::getCurrentCUDAStream(device.index()).stream());
   raise_kernel_errors(error, &indices, &offsets, num_rows);
   return out;
+}
+
+TableSet::Entry table_set_entry(const at::Tensor& payload, const at::Tensor& block_base,
+                                const at::Tensor& row_units, const at::Tensor& bitmask,
+                                const at::Tensor& mask, const at::Tensor& bitval,
+                                int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
+                                int64_t num_rows, int64_t dtype,
+                                const std::optional<at::Tensor>& hot_dir,
+                                const std::optional<at::Tensor>& hot_rows) {
+  const c10::cuda::CUDAGuard guard(block_base.device());
+  const DeviceTable table = device_table(payload, block_base, row_units, bitmask, mask, bitval,
+                                         chunk_bits, row_bytes, unit_bytes, num_rows);
+  check_hot_rows_shape(hot_dir, hot_rows, num_rows, row_bytes);  // checked, then not read
+  const int64_t dim = check_pooling_args(dtype, 0, row_bytes);
+  // The payload's alias stays valid as long as the payload (its storage) lives: kept here.
+  return TableSet::Entry{table.view,
+                         table.payload_bytes,
+                         static_cast<DType>(dtype),
+                         dim,
+                         {payload, block_base, row_units, bitmask, mask, bitval}};
+}
+
+at::Tensor upload_entries(const std::vector<TableSet::Entry>& entries, const c10::Device& device) {
+  std::vector<PooledTable> host;
+  host.reserve(entries.size());
+  for (const TableSet::Entry& e : entries) {
+    host.push_back(PooledTable{DeviceTable{e.view, e.payload_bytes}, e.dtype, e.dim});
+  }
+  const auto bytes = static_cast<int64_t>(host.size() * sizeof(PooledTable));
+  at::Tensor out = at::empty({bytes}, at::TensorOptions(device).dtype(at::kByte));
+  // Once per table set (a table version), never per request: a plain blocking copy.
+  C10_CUDA_CHECK(cudaMemcpy(out.data_ptr(), host.data(), static_cast<size_t>(bytes),
+                            cudaMemcpyHostToDevice));
+  return out;
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cuda(
+    const c10::intrusive_ptr<TableSet>& tables, const at::Tensor& indices,
+    const at::Tensor& offsets, const at::Tensor& table_bags,
+    const std::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
+  const auto start = std::chrono::steady_clock::now();
+  const c10::Device device = tables->device();
+  TORCH_CHECK_VALUE(device.is_cuda() || tables->size() == 0,
+                    "lookup_pooled_tables on a GPU needs a TableSet of GPU tables; this one's "
+                    "are on ", device);
+  TORCH_CHECK_VALUE(pooling == 0 || pooling == 1, "pooling must be 0 (sum) or 1 (mean), got ",
+                    pooling);
+  TORCH_CHECK_VALUE(table_bags.is_cpu() && table_bags.scalar_type() == at::kLong &&
+                        table_bags.is_contiguous() && table_bags.dim() == 2 &&
+                        table_bags.size(1) == 3,
+                    "table_bags must be a contiguous int64 CPU tensor [K, 3] (set position, first "
+                    "bag, bag count), got ", table_bags.scalar_type(), " ", table_bags.sizes(),
+                    " on ", table_bags.device());
+  const c10::Device batch_device = indices.device();
+  const c10::cuda::CUDAGuard guard(batch_device);
+  TORCH_CHECK_VALUE(tables->size() == 0 || batch_device == device, "indices must be on ", device,
+                    " (the device of the set's tables), got ", batch_device);
+  const float* weights = check_batch(indices, offsets, per_sample_weights, batch_device);
+  const int64_t num_bags = offsets.numel() - 1;
+  const auto count = static_cast<size_t>(table_bags.size(0));
+  const int64_t* calls = table_bags.data_ptr<int64_t>();
+  std::vector<at::Tensor> out(count);
+  for (size_t k = 0; k < count; ++k) {
+    const TableSet::Entry& e = tables->at(calls[3 * k]);
+    const int64_t first = calls[3 * k + 1];
+    const int64_t bags = calls[3 * k + 2];
+    TORCH_CHECK_VALUE(first >= 0 && bags >= 0 && bags <= num_bags - first, "table_bags[", k,
+                      "] reads bags [", first, ", ", first + bags, ") of a batch of ", num_bags);
+    out[k] = at::empty({bags, e.dim}, at::TensorOptions(batch_device).dtype(at::kFloat));
+  }
+  if (num_bags == 0) {
+    const int64_t only = offsets.item<int64_t>();
+    TORCH_CHECK_VALUE(only == 0 && indices.numel() == 0, "offsets[0] must be 0 and equal the "
+                      "number of indices (", indices.numel(), "), got ", only);
+  }
+  at::Tensor error = at::zeros({1}, at::TensorOptions(batch_device).dtype(at::kInt));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(batch_device.index()).stream();
+  const auto* device_entries =
+      tables->size() == 0 ? nullptr
+                          : reinterpret_cast<const PooledTable*>(tables->device_entries().data_ptr());
+  // One launch per chunk width among the call's tables (a kernel decodes one width), each
+  // holding up to kMaxPooledParts parts.
+  for (const int width : {16, 32, 64}) {
+    PooledArgs args = batch_args(indices, offsets, weights, pooling, error);
+    args.tables = device_entries;
+    PooledShape shape{0, 0, 0};
+    auto flush = [&] {
+      if (args.num_parts == 0) return;
+      args.max_dim = shape.dim;
+      launch_pooled(args, width, shape, stream);
+      args.num_parts = 0;
+      shape = PooledShape{0, 0, 0};
+    };
+    args.num_parts = 0;
+    for (size_t k = 0; k < count; ++k) {
+      const int64_t position = calls[3 * k];
+      const TableSet::Entry& e = tables->at(position);
+      if (e.view.chunk_bits != width) continue;
+      const int p = args.num_parts;
+      args.part_table[p] = static_cast<int32_t>(position);
+      args.first_bag[p] = calls[3 * k + 1];
+      args.bag_start[p + 1] = args.bag_start[p] + calls[3 * k + 2];
+      args.out[p] = out[k].data_ptr<float>();
+      grow_shape(shape, e.view, e.dim);
+      if (++args.num_parts == kMaxPooledParts) flush();
+    }
+    flush();
+  }
+  const int32_t bits = error.item<int32_t>();
+  if (bits != 0) raise_table_set_errors(bits, *tables, indices, offsets, table_bags);
+  // Per-table seconds for the server's kernel metrics: one launch serves every table, so the
+  // call's time is apportioned by each table's share of the ids.
+  const double total =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  at::Tensor seconds = at::empty({static_cast<int64_t>(count)}, at::kDouble);
+  double* elapsed = seconds.data_ptr<double>();
+  const at::Tensor o = offsets.cpu();
+  const int64_t* ob = o.data_ptr<int64_t>();
+  const int64_t nnz = std::max<int64_t>(indices.numel(), 1);
+  for (size_t k = 0; k < count; ++k) {
+    const int64_t first = calls[3 * k + 1];
+    const int64_t ids = ob[first + calls[3 * k + 2]] - ob[first];
+    elapsed[k] = total * static_cast<double>(ids) / static_cast<double>(nnz);
+  }
+  return {std::move(out), seconds};
 }
 
 }  // namespace ibpembed::gpu

@@ -65,10 +65,15 @@ at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& blo
 // call per table costs ~15 us of dispatch, argument boxing and re-validation of the table's
 // masks and codebooks (up to V * 15 words), more than decoding a B=1 request's rows; a set
 // pays that once per table version and a request makes one call.
+//
+// A set holds the tables of one device: CPU tables, or (CUDA builds) tables whose small tensors
+// are on one GPU, validated as the CUDA ops validate them, their views pointing at device memory
+// and at the payload's device alias; the CUDA impl of lookup_pooled_tables reads those.
 class TableSet : public torch::CustomClassHolder {
  public:
   struct Entry {
     TableView view;
+    int64_t payload_bytes;  // readable bytes at view.payload
     DType dtype;
     int64_t dim;                    // fp32 outputs per bag
     std::vector<at::Tensor> owned;  // keeps every memory the view points into alive
@@ -85,6 +90,12 @@ class TableSet : public torch::CustomClassHolder {
 
   int64_t size() const { return static_cast<int64_t>(entries_.size()); }
 
+  // The device of the set's tables (CPU while it is empty).
+  c10::Device device() const { return device_; }
+
+  // GPU sets: the entries as the kernels read them, in device memory (made as tables are added).
+  const at::Tensor& device_entries() const { return device_entries_; }
+
   const Entry& at(int64_t position) const {
     TORCH_CHECK_INDEX(position >= 0 && position < size(), "table ", position,
                       " is not in this TableSet of ", size(), " tables");
@@ -93,6 +104,8 @@ class TableSet : public torch::CustomClassHolder {
 
  private:
   std::vector<Entry> entries_;
+  c10::Device device_{c10::kCPU};
+  at::Tensor device_entries_;
 };
 
 std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cpu(
@@ -127,6 +140,22 @@ at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block
                               const std::optional<at::Tensor>& hot_rows);
 
 // -- host_memory_cuda.cpp: in-place registration of host buffers (Python module functions) ----
+// lookup_pooled_tables on a GPU set: every table of one chunk width in one launch.
+std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cuda(
+    const c10::intrusive_ptr<TableSet>& tables, const at::Tensor& indices,
+    const at::Tensor& offsets, const at::Tensor& table_bags,
+    const std::optional<at::Tensor>& per_sample_weights, int64_t pooling);
+// A GPU table validated as the CUDA ops validate it, as a TableSet entry.
+TableSet::Entry table_set_entry(const at::Tensor& payload, const at::Tensor& block_base,
+                                const at::Tensor& row_units, const at::Tensor& bitmask,
+                                const at::Tensor& mask, const at::Tensor& bitval,
+                                int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
+                                int64_t num_rows, int64_t dtype,
+                                const std::optional<at::Tensor>& hot_dir,
+                                const std::optional<at::Tensor>& hot_rows);
+// The entries as the kernels read them, copied into memory of `device`.
+at::Tensor upload_entries(const std::vector<TableSet::Entry>& entries, const c10::Device& device);
+
 // A CUDA uint8 tensor aliasing all of `host` (a CPU tensor over its whole storage), registered
 // with cudaHostRegister (read-only where asked and the device supports it); the registration
 // lasts, and keeps the host storage alive, as long as any view of the alias does.

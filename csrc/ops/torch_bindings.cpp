@@ -65,6 +65,7 @@ TORCH_LIBRARY_IMPL(ibpembed, CUDA, m) {
   m.impl("ibp_decompress", &gpu::ibp_decompress_cuda);
   m.impl("ibp_gather", &gpu::ibp_gather_cuda);
   m.impl("lookup_pooled", &gpu::lookup_pooled_cuda);
+  m.impl("lookup_pooled_tables", &gpu::lookup_pooled_tables_cuda);
 }
 #endif
 

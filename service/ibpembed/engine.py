@@ -396,7 +396,7 @@ class LookupEngine:
             out: list[torch.Tensor | None] = [None] * len(features)
             calls: list[KernelCall] = []
             rest = plan.work
-            if pooling != "none" and self.device.type == "cpu":
+            if pooling != "none":
                 batched: list[_TableWork] = []
                 rest = []
                 for item in plan.work:
@@ -486,21 +486,25 @@ class LookupEngine:
         calls: list[KernelCall],
         out: list[torch.Tensor | None],
     ) -> None:
-        """Pooled lookups of several tables with one call of the fused kernel (CPU; see
-        :class:`~ibpembed.codec.CompressedTableSet`), every feature's result put in ``out``."""
+        """Pooled lookups of several tables with one call of the fused kernel (on a GPU one
+        launch per chunk width; see :class:`~ibpembed.codec.CompressedTableSet`), every
+        feature's result put in ``out``."""
         table_set, position = snap.pooling_set
         # (set position, first bag, bag count) per table
         table_bags = np.array(
             [(position[item.table_name], *item.sample_span) for item in items], dtype=np.int64
         ).reshape(-1, 3)
         table_bags[:, 2] -= table_bags[:, 1]
-        values, seconds = table_set.lookup(
-            torch.from_numpy(table_bags),
-            torch.from_numpy(plan.ids),
-            torch.from_numpy(plan.offsets),
-            None if plan.weights is None else torch.from_numpy(plan.weights),
-            pooling,  # type: ignore[arg-type]
-        )
+        with self._stream():
+            values, seconds = table_set.lookup(
+                torch.from_numpy(table_bags),  # on the host, also for a GPU set
+                self._tensor(plan.ids),
+                self._tensor(plan.offsets),
+                None if plan.weights is None else self._tensor(plan.weights),
+                pooling,  # type: ignore[arg-type]
+            )
+            if self.device.type != "cpu":
+                values = _to_host(values)
         for item, table_values, took in zip(items, values, seconds, strict=True):
             nnz = item.id_span[1] - item.id_span[0]
             calls.append((item.table_name, nnz, nnz, took))
@@ -618,6 +622,16 @@ class LookupEngine:
         self._pool.shutdown(wait=True)
         if self.hot_rows is not None:
             self.hot_rows.close()
+
+
+def _to_host(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """GPU results copied to the host with one copy for all of them (each a separate copy and
+    sync would cost more than a small request's kernel)."""
+    if not values:
+        return values
+    flat = torch.cat([v.reshape(-1) for v in values]).cpu()
+    parts = torch.split(flat, [v.numel() for v in values])
+    return [p.view(v.shape) for p, v in zip(parts, values, strict=True)]
 
 
 def _describe(

@@ -110,3 +110,35 @@ def test_host_mapped_alias_registers_in_place_once_and_reads_back() -> None:
     del alias
     again = _C.host_mapped_alias(buffer, False, torch.cuda.current_device())  # released: again
     assert torch.equal(again[-16:].cpu(), buffer[-16:])
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_a_gpu_table_set_pools_every_table_as_the_cpu_set(pooling: str) -> None:
+    from ibpembed import compress
+    from ibpembed.codec import CompressedTableSet
+    from ibpembed.tables.placement import HostAliases, cuda_register, place_table
+
+    rng = np.random.default_rng(1)
+    tables = [
+        compress(torch.randn(300, 24), chunk_bits=32),
+        compress(torch.randn(200, 33).to(torch.bfloat16), chunk_bits=16),
+        compress(torch.randn(100, 8), chunk_bits=32),
+    ]
+    dev = torch.device("cuda")
+    aliases = HostAliases(cuda_register(dev))
+    gpu_set = CompressedTableSet([place_table(t, dev, aliases) for t in tables])
+    cpu_set = CompressedTableSet(tables)
+    parts = torch.tensor([(0, 0, 10), (1, 10, 6), (2, 16, 0), (0, 16, 4)])
+    lengths = rng.integers(0, 12, 20)
+    lengths[10] = 5  # the bf16 part's first bag has ids
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
+    ids = torch.from_numpy(rng.integers(0, 100, int(lengths.sum())))  # in every table's range
+    want, _ = cpu_set.lookup(parts, ids, offsets, None, pooling)
+    got, seconds = gpu_set.lookup(parts, ids.to(dev), offsets.to(dev), None, pooling)
+    assert len(seconds) == 4
+    for g, w in zip(got, want, strict=True):
+        assert g.is_cuda and torch.equal(g.cpu(), w)
+    bad = ids.clone()
+    bad[int(offsets[10])] = 250  # the bf16 part's first id, past its 200 rows
+    with pytest.raises(IndexError, match=r"table_bags\[1\]"):
+        gpu_set.lookup(parts, bad.to(dev), offsets.to(dev), None, pooling)

@@ -128,11 +128,11 @@ class TableSnapshot:
 
     @functools.cached_property
     def pooling_set(self) -> tuple[CompressedTableSet, Mapping[str, int]]:
-        """This version's poolable tables registered for one-call pooled lookups (CPU tables
-        only), and each one's position in the set. Built on first use: CUDA engines never
-        ask for it."""
+        """This version's poolable tables as its kernels read them (on a GPU, their device
+        copies), registered for one-call pooled lookups, and each one's position in the set.
+        Built on first use."""
         names = [name for name, table in self.tables.items() if table.poolable]
-        return CompressedTableSet([self.tables[n] for n in names]), {
+        return CompressedTableSet([self.kernel_table(n) for n in names]), {
             n: i for i, n in enumerate(names)
         }
 
