@@ -632,8 +632,22 @@ def check_errors(ibpembed, ops, checks: Checks, dev: torch.device) -> None:
         ),
     ]
     if dev.type == "cuda":
+        from ibpembed import _C
+
         host_args = device_args(c, dev, where="host")
         cases.append(("pageable payload", ValueError, lambda: ops.ibp_gather(*host_args, on([0]))))
+
+        def deferred(ids: list[int]) -> None:
+            # What the engine does: errors deferred, raised at the latest by the check.
+            _C.set_defer_cuda_errors(True)
+            try:
+                ops.ibp_gather(*args, on(ids))
+                ops.lookup_pooled(*args, on([1, 2]), on([0, 1, 2]), None, 0, 0)
+                _C.check_cuda_errors()
+            finally:
+                _C.set_defer_cuda_errors(False)
+
+        cases.append(("deferred id past the end", IndexError, lambda: deferred([0, 100])))
     for what, error, call in cases:
         try:
             call()
@@ -641,6 +655,13 @@ def check_errors(ibpembed, ops, checks: Checks, dev: torch.device) -> None:
         except error:
             ok = True
         checks.record(ok, f"{what} raises {error.__name__}", "errors")
+    if dev.type == "cuda":
+        try:  # the stream's error state was cleared by the raise: a good call raises nothing
+            deferred([0, 99])
+            ok = True
+        except (IndexError, ValueError):
+            ok = False
+        checks.record(ok, "deferred errors cleared after a raise", "errors")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,6 +39,12 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
 #include <optional>
 
 #include "../cuda/kernels.h"
@@ -157,23 +163,26 @@ void check_indices_tensor(const at::Tensor& indices, const c10::Device& device) 
   TORCH_CHECK_VALUE(indices.dim() == 1, "indices must be 1-D, got ", indices.dim(), "-D");
 }
 
-// Waits for the kernels and turns their error word into the CPU op's exceptions. The slow
-// search for the exact culprit runs only on failure.
-[[noreturn]] void raise_error_bits(int32_t bits, const at::Tensor* indices,
-                                   const at::Tensor* offsets, int64_t num_rows) {
-  if ((bits & kErrIndex) != 0 && indices != nullptr) {
-    const at::Tensor ids = indices->cpu();
+// The CPU op's exception for what the kernels reported in `bits` about one call, when the call's
+// arguments show it (an id out of range, bad offsets); returns when they do not. The slow search
+// for the exact culprit runs only on failure.
+using Diagnose = std::function<void(int32_t bits)>;
+
+void find_culprit(int32_t bits, const at::Tensor& indices, const at::Tensor& offsets,
+                  int64_t num_rows) {
+  if ((bits & kErrIndex) != 0 && indices.defined()) {
+    const at::Tensor ids = indices.cpu();
     const int64_t* p = ids.data_ptr<int64_t>();
     for (int64_t i = 0; i < ids.numel(); ++i) {
       TORCH_CHECK_INDEX(p[i] >= 0 && p[i] < num_rows, "index ", p[i], " at position ", i,
                         " is out of range for a table of ", num_rows, " rows");
     }
   }
-  if ((bits & kErrOffsets) != 0 && offsets != nullptr) {
-    const at::Tensor o = offsets->cpu();
+  if ((bits & kErrOffsets) != 0 && offsets.defined()) {
+    const at::Tensor o = offsets.cpu();
     const int64_t* p = o.data_ptr<int64_t>();
     const int64_t n = o.numel();
-    const int64_t nnz = indices != nullptr ? indices->numel() : 0;
+    const int64_t nnz = indices.defined() ? indices.numel() : 0;
     TORCH_CHECK_VALUE(p[0] == 0, "offsets[0] must be 0, got ", p[0]);
     TORCH_CHECK_VALUE(p[n - 1] == nnz, "offsets[-1] must equal the number of indices (", nnz,
                       "), got ", p[n - 1]);
@@ -182,31 +191,125 @@ void check_indices_tensor(const at::Tensor& indices, const c10::Device& device) 
                         p[b], " > offsets[", b + 1, "] = ", p[b + 1]);
     }
   }
+}
+
+[[noreturn]] void raise_table_error(int32_t bits) {
   TORCH_CHECK_VALUE(false, "the compressed table is inconsistent (block_base, row_units or slot "
                     "sizes point outside the payload, mask has bits outside the chunk width, or a "
                     "bitval codebook entry has bits outside its position's mask): kernel error "
                     "bits ", bits);
 }
 
-void raise_kernel_errors(const at::Tensor& error, const at::Tensor* indices,
-                         const at::Tensor* offsets, int64_t num_rows) {
-  const int32_t bits = error.item<int32_t>();
-  if (bits != 0) raise_error_bits(bits, indices, offsets, num_rows);
+// Error reporting, synchronous (the default) or deferred (per thread: set_defer_errors).
+//
+// Synchronous: each call ORs into a fresh error word and reads it back once, a stream sync per
+// call. Deferred: the calls of a stream OR into that stream's persistent error word, and each
+// call only queues an asynchronous copy of it into page-locked host memory; what a call found
+// is raised at the next deferred call on the stream that sees the copy set, or at
+// check_errors(), the sync point (the engine calls it once per response, after copying the
+// results back, which synchronised the stream anyway). Each call's arguments are kept until then
+// so that the exception names the culprit as the CPU op does.
+thread_local bool t_defer_errors = false;
+
+struct StreamErrors {
+  at::Tensor device_word;     // int32 [1], ORed into by the kernels
+  int32_t* host_word;         // its copy after the last deferred call (page-locked)
+  std::vector<Diagnose> pending;  // the calls since the last check
+};
+
+// Calls a stream keeps for diagnosis; past this the oldest are dropped (the error is still
+// raised, with a generic message when its call was dropped).
+constexpr size_t kMaxPendingCalls = 1024;
+
+std::mutex& errors_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+// Per (device, stream id); entries live for the process (a worker's stream lives as long).
+StreamErrors& stream_errors(const c10::cuda::CUDAStream& stream) {
+  static std::map<std::pair<int, int64_t>, std::unique_ptr<StreamErrors>> errors;
+  const std::lock_guard<std::mutex> lock(errors_mutex());
+  auto& slot = errors[{stream.device_index(), stream.id()}];
+  if (slot == nullptr) {
+    auto e = std::make_unique<StreamErrors>();
+    e->device_word = at::zeros({1}, at::TensorOptions(stream.device()).dtype(at::kInt));
+    void* host = nullptr;
+    C10_CUDA_CHECK(cudaHostAlloc(&host, sizeof(int32_t), cudaHostAllocPortable));
+    e->host_word = static_cast<int32_t*>(host);
+    *e->host_word = 0;
+    slot = std::move(e);
+  }
+  return *slot;
+}
+
+// Raises what the stream's copied-back error word says, if anything (and clears it).
+void raise_deferred(StreamErrors& e, const c10::cuda::CUDAStream& stream) {
+  if (*static_cast<volatile int32_t*>(e.host_word) == 0) return;
+  // Let every queued copy land first, so none sets the word again after it is cleared.
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream.stream()));
+  const int32_t bits = *static_cast<volatile int32_t*>(e.host_word);
+  std::vector<Diagnose> pending;
+  {
+    const std::lock_guard<std::mutex> lock(errors_mutex());
+    pending.swap(e.pending);
+    *e.host_word = 0;
+  }
+  C10_CUDA_CHECK(cudaMemsetAsync(e.device_word.data_ptr(), 0, sizeof(int32_t), stream.stream()));
+  for (const Diagnose& diagnose : pending) diagnose(bits);
+  raise_table_error(bits);
+}
+
+// Where a call's kernels report errors.
+struct ErrorWord {
+  at::Tensor word;  // the call's own word (synchronous), or the stream's (deferred)
+  StreamErrors* deferred;
+  int32_t* get() { return word.data_ptr<int32_t>(); }
+};
+
+ErrorWord error_word(const c10::Device& device) {
+  if (!t_defer_errors) return {at::zeros({1}, at::TensorOptions(device).dtype(at::kInt)), nullptr};
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device.index());
+  StreamErrors& e = stream_errors(stream);
+  raise_deferred(e, stream);  // an earlier call's error, already copied back
+  return {e.device_word, &e};
+}
+
+// After a call's launches: reads the word and raises (synchronous), or queues its copy-back
+// and keeps `diagnose` (deferred).
+void report(ErrorWord& w, const c10::Device& device, Diagnose diagnose) {
+  if (w.deferred == nullptr) {
+    const int32_t bits = w.word.item<int32_t>();
+    if (bits == 0) return;
+    diagnose(bits);
+    raise_table_error(bits);
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  C10_CUDA_CHECK(cudaMemcpyAsync(w.deferred->host_word, w.word.data_ptr(), sizeof(int32_t),
+                                 cudaMemcpyDeviceToHost, stream));
+  const std::lock_guard<std::mutex> lock(errors_mutex());
+  auto& pending = w.deferred->pending;
+  if (pending.size() == kMaxPendingCalls) pending.erase(pending.begin());
+  pending.push_back(std::move(diagnose));
 }
 
 at::Tensor gather(const DeviceTable& table, const at::Tensor& ids, const at::Tensor& perm,
                   int64_t n, const at::Tensor* request_ids, const c10::Device& device) {
   at::Tensor out = at::empty({n, table.view.row_bytes}, at::TensorOptions(device).dtype(at::kByte));
   if (n == 0) return out;
-  at::Tensor error = at::zeros({1}, at::TensorOptions(device).dtype(at::kInt));
+  ErrorWord error = error_word(device);
   const GatherArgs args{table,
                         ids.defined() ? ids.data_ptr<int64_t>() : nullptr,
                         perm.defined() ? perm.data_ptr<int64_t>() : nullptr,
                         n,
                         out.data_ptr<uint8_t>(),
-                        error.data_ptr<int32_t>()};
+                        error.get()};
   launch_gather(args, c10::cuda::getCurrentCUDAStream(device.index()).stream());
-  raise_kernel_errors(error, request_ids, nullptr, table.view.num_rows);
+  const at::Tensor request = request_ids != nullptr ? *request_ids : at::Tensor();
+  const int64_t rows = table.view.num_rows;
+  report(error, device, [request, rows](int32_t bits) {
+    find_culprit(bits, request, at::Tensor(), rows);
+  });
   return out;
 }
 
@@ -227,7 +330,7 @@ const float* check_batch(const at::Tensor& indices, const at::Tensor& offsets,
 
 // PooledArgs with the batch filled in and no parts yet.
 PooledArgs batch_args(const at::Tensor& indices, const at::Tensor& offsets, const float* weights,
-                      int64_t pooling, const at::Tensor& error) {
+                      int64_t pooling, int32_t* error) {
   PooledArgs args{};
   args.ids = indices.data_ptr<int64_t>();
   args.offsets = offsets.data_ptr<int64_t>();
@@ -235,7 +338,7 @@ PooledArgs batch_args(const at::Tensor& indices, const at::Tensor& offsets, cons
   args.nnz = indices.numel();
   args.weights = weights;
   args.pooling = static_cast<Pooling>(pooling);
-  args.error = error.data_ptr<int32_t>();
+  args.error = error;
   return args;
 }
 
@@ -248,11 +351,10 @@ void grow_shape(PooledShape& shape, const TableView& t, int64_t dim) {
 
 // The CPU op's exceptions for a failed lookup_pooled_tables: the first id out of its table's
 // range (naming the row of table_bags), bad offsets, or an inconsistent table.
-[[noreturn]] void raise_table_set_errors(int32_t bits, const TableSet& tables,
-                                         const at::Tensor& indices, const at::Tensor& offsets,
-                                         const at::Tensor& table_bags) {
-  // In the CPU op's order: offsets, then each table's ids, then the tables.
-  if ((bits & kErrOffsets) != 0) raise_error_bits(kErrOffsets, &indices, &offsets, 0);
+void find_table_set_culprit(int32_t bits, const TableSet& tables, const at::Tensor& indices,
+                            const at::Tensor& offsets, const at::Tensor& table_bags) {
+  // In the CPU op's order: offsets, then each table's ids.
+  if ((bits & kErrOffsets) != 0) find_culprit(kErrOffsets, indices, offsets, 0);
   if ((bits & kErrIndex) != 0) {
     const at::Tensor ids = indices.cpu();
     const at::Tensor o = offsets.cpu();
@@ -269,7 +371,6 @@ void grow_shape(PooledShape& shape, const TableView& t, int64_t dim) {
       }
     }
   }
-  raise_error_bits(bits, nullptr, nullptr, 0);
 }
 
 }  // namespace
@@ -333,9 +434,9 @@ at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block
                       "number of indices (", indices.numel(), "), got ", only);
     return out;
   }
-  at::Tensor error = at::zeros({1}, at::TensorOptions(device).dtype(at::kInt));
+  ErrorWord error = error_word(device);
   // One part over the whole batch, its table passed by value.
-  PooledArgs args = batch_args(indices, offsets, weights, pooling, error);
+  PooledArgs args = batch_args(indices, offsets, weights, pooling, error.get());
   args.single = PooledTable{table, static_cast<DType>(dtype), dim};
   args.num_parts = 1;
   args.part_table[0] = 0;
@@ -348,7 +449,9 @@ at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block
   grow_shape(shape, table.view, dim);
   launch_pooled(args, static_cast<int>(chunk_bits), shape,
                 c10::cuda::getCurrentCUDAStream(device.index()).stream());
-  raise_kernel_errors(error, &indices, &offsets, num_rows);
+  report(error, device, [indices, offsets, num_rows](int32_t bits) {
+    find_culprit(bits, indices, offsets, num_rows);
+  });
   return out;
 }
 
@@ -425,7 +528,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cuda(
     TORCH_CHECK_VALUE(only == 0 && indices.numel() == 0, "offsets[0] must be 0 and equal the "
                       "number of indices (", indices.numel(), "), got ", only);
   }
-  at::Tensor error = at::zeros({1}, at::TensorOptions(batch_device).dtype(at::kInt));
+  ErrorWord error = error_word(batch_device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(batch_device.index()).stream();
   const auto* device_entries =
       tables->size() == 0 ? nullptr
@@ -433,7 +536,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cuda(
   // One launch per chunk width among the call's tables (a kernel decodes one width), each
   // holding up to kMaxPooledParts parts.
   for (const int width : {16, 32, 64}) {
-    PooledArgs args = batch_args(indices, offsets, weights, pooling, error);
+    PooledArgs args = batch_args(indices, offsets, weights, pooling, error.get());
     args.tables = device_entries;
     PooledShape shape{0, 0, 0};
     auto flush = [&] {
@@ -458,8 +561,9 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cuda(
     }
     flush();
   }
-  const int32_t bits = error.item<int32_t>();
-  if (bits != 0) raise_table_set_errors(bits, *tables, indices, offsets, table_bags);
+  report(error, batch_device, [tables, indices, offsets, table_bags](int32_t bits) {
+    find_table_set_culprit(bits, *tables, indices, offsets, table_bags);
+  });
   // Per-table seconds for the server's kernel metrics: one launch serves every table, so the
   // call's time is apportioned by each table's share of the ids.
   const double total =
@@ -475,6 +579,14 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cuda(
     elapsed[k] = total * static_cast<double>(ids) / static_cast<double>(nnz);
   }
   return {std::move(out), seconds};
+}
+
+void set_defer_errors(bool defer) { t_defer_errors = defer; }
+
+void check_errors() {
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream.stream()));  // the copy-back has landed
+  raise_deferred(stream_errors(stream), stream);
 }
 
 }  // namespace ibpembed::gpu

@@ -145,6 +145,12 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cuda(
     const c10::intrusive_ptr<TableSet>& tables, const at::Tensor& indices,
     const at::Tensor& offsets, const at::Tensor& table_bags,
     const std::optional<at::Tensor>& per_sample_weights, int64_t pooling);
+// Deferred error reporting for the calling thread's CUDA ops (lookup_ops_cuda.cpp): off (the
+// default), each op raises what its kernels found before it returns (one stream sync per op);
+// on, the error is raised at the next op on the same stream, or by check_errors(), which
+// synchronises the current stream.
+void set_defer_errors(bool defer);
+void check_errors();
 // A GPU table validated as the CUDA ops validate it, as a TableSet entry.
 TableSet::Entry table_set_entry(const at::Tensor& payload, const at::Tensor& block_base,
                                 const at::Tensor& row_units, const at::Tensor& bitmask,

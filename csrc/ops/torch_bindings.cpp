@@ -99,6 +99,11 @@ PYBIND11_MODULE(_C, module) {
   module.def("host_mapped_alias", &ibpembed::gpu::host_mapped_alias, pybind11::arg("host"),
              pybind11::arg("read_only"), pybind11::arg("device_index"),
              "Register a host buffer in place (cudaHostRegister) and return its device alias.");
+  module.def("set_defer_cuda_errors", &ibpembed::gpu::set_defer_errors, pybind11::arg("defer"),
+             "Report this thread's CUDA op errors at the next call or check_cuda_errors() "
+             "instead of synchronising in every call.");
+  module.def("check_cuda_errors", &ibpembed::gpu::check_errors,
+             "Synchronise the current CUDA stream and raise what its deferred ops found.");
   module.def("host_register_read_only_supported",
              &ibpembed::gpu::host_register_read_only_supported, pybind11::arg("device_index"),
              "Whether the GPU takes cudaHostRegisterReadOnly registrations.");

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
@@ -396,14 +396,14 @@ class LookupEngine:
             out: list[torch.Tensor | None] = [None] * len(features)
             calls: list[KernelCall] = []
             rest = plan.work
-            if pooling != "none":
-                batched: list[_TableWork] = []
-                rest = []
-                for item in plan.work:
-                    (rest if self._dedupes(item) else batched).append(item)
-                if batched:
-                    self._run_tables(snap, plan, batched, pooling, calls, out)
-            with self._stream():
+            with self._cuda_request():
+                if pooling != "none":
+                    batched: list[_TableWork] = []
+                    rest = []
+                    for item in plan.work:
+                        (rest if self._dedupes(item) else batched).append(item)
+                    if batched:
+                        self._run_tables(snap, plan, batched, pooling, calls, out)
                 for item in rest:
                     results = self._run_table(plan, item, pooling, calls)
                     for pos, values in zip(item.positions, results, strict=True):
@@ -495,16 +495,15 @@ class LookupEngine:
             [(position[item.table_name], *item.sample_span) for item in items], dtype=np.int64
         ).reshape(-1, 3)
         table_bags[:, 2] -= table_bags[:, 1]
-        with self._stream():
-            values, seconds = table_set.lookup(
-                torch.from_numpy(table_bags),  # on the host, also for a GPU set
-                self._tensor(plan.ids),
-                self._tensor(plan.offsets),
-                None if plan.weights is None else self._tensor(plan.weights),
-                pooling,  # type: ignore[arg-type]
-            )
-            if self.device.type != "cpu":
-                values = _to_host(values)
+        values, seconds = table_set.lookup(
+            torch.from_numpy(table_bags),  # on the host, also for a GPU set
+            self._tensor(plan.ids),
+            self._tensor(plan.offsets),
+            None if plan.weights is None else self._tensor(plan.weights),
+            pooling,  # type: ignore[arg-type]
+        )
+        if self.device.type != "cpu":
+            values = _to_host(values)
         for item, table_values, took in zip(items, values, seconds, strict=True):
             nnz = item.id_span[1] - item.id_span[0]
             calls.append((item.table_name, nnz, nnz, took))
@@ -551,17 +550,34 @@ class LookupEngine:
         calls.append((item.table_name, nnz, unique_count, time.perf_counter() - start))
         return _split(values, sizes)
 
-    def _stream(self) -> contextlib.AbstractContextManager:
-        """On a GPU, this worker thread's own CUDA stream (made on first use): requests on
-        different workers then overlap instead of queueing on the default stream, which every
-        op would otherwise wait for. Each request's results are copied back on its stream, so
-        they are complete when ``run`` returns. A no-op on the CPU."""
+    @contextlib.contextmanager
+    def _cuda_request(self) -> Iterator[None]:
+        """On a GPU, one request's kernels: on this thread's own CUDA stream (made on first
+        use), so requests on different workers overlap instead of queueing on the default
+        stream; with the ops' errors deferred to one check at the end (after the results were
+        copied back, which synchronised the stream anyway) instead of a sync in every op. A
+        no-op on the CPU."""
         if self.device.type != "cuda":
-            return contextlib.nullcontext()
+            yield
+            return
+        from ibpembed import _C
+
         stream = getattr(self._streams, "stream", None)
         if stream is None:
             stream = self._streams.stream = torch.cuda.Stream(self.device)
-        return torch.cuda.stream(stream)
+        with torch.cuda.stream(stream):
+            _C.set_defer_cuda_errors(True)
+            try:
+                yield
+            except BaseException:
+                # This request is failing anyway: drain what its kernels reported, so that the
+                # stream's next request is not blamed for it.
+                with contextlib.suppress(RuntimeError):
+                    _C.check_cuda_errors()
+                raise
+            finally:
+                _C.set_defer_cuda_errors(False)
+            _C.check_cuda_errors()
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         # NOTE(engine): per-table costs add up over a request's 26 tables: a no-op .to() on

@@ -142,3 +142,34 @@ def test_a_gpu_table_set_pools_every_table_as_the_cpu_set(pooling: str) -> None:
     bad[int(offsets[10])] = 250  # the bf16 part's first id, past its 200 rows
     with pytest.raises(IndexError, match=r"table_bags\[1\]"):
         gpu_set.lookup(parts, bad.to(dev), offsets.to(dev), None, pooling)
+
+
+def test_deferred_errors_raise_at_the_check_and_then_clear() -> None:
+    from ibpembed import _C, compress
+    from ibpembed._ops import ops
+
+    table = compress(torch.randn(100, 16))
+    dev = torch.device("cuda")
+    small = [t.to(dev) for t in (table.block_base, table.row_units, table.bitmask)]
+    args = (
+        table.payload.pin_memory(),
+        *small,
+        table.mask.to(dev),
+        table.bitval.to(dev),
+        table.chunk_bits,
+        table.row_bytes,
+        table.unit_bytes,
+        table.num_rows,
+    )
+    _C.set_defer_cuda_errors(True)
+    try:
+        with pytest.raises(IndexError, match="index 100 at position 1"):
+            ops.ibp_gather(*args, torch.tensor([0, 100], device=dev))
+            _C.check_cuda_errors()
+        rows = ops.ibp_gather(*args, torch.tensor([3, 4], device=dev))
+        _C.check_cuda_errors()  # cleared: nothing left to raise
+        assert torch.equal(rows.cpu(), ops.ibp_gather(*table._args(), torch.tensor([3, 4])))
+    finally:
+        _C.set_defer_cuda_errors(False)
+    with pytest.raises(IndexError):  # synchronous again: raised by the call itself
+        ops.ibp_gather(*args, torch.tensor([-1], device=dev))
