@@ -565,18 +565,18 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cuda(
     find_table_set_culprit(bits, *tables, indices, offsets, table_bags);
   });
   // Per-table seconds for the server's kernel metrics: one launch serves every table, so the
-  // call's time is apportioned by each table's share of the ids.
+  // call's time is apportioned by each table's share of the bags (known on the host; the ids'
+  // share would need the offsets back from the GPU, a sync).
   const double total =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   at::Tensor seconds = at::empty({static_cast<int64_t>(count)}, at::kDouble);
   double* elapsed = seconds.data_ptr<double>();
-  const at::Tensor o = offsets.cpu();
-  const int64_t* ob = o.data_ptr<int64_t>();
-  const int64_t nnz = std::max<int64_t>(indices.numel(), 1);
+  int64_t all_bags = 0;
+  for (size_t k = 0; k < count; ++k) all_bags += calls[3 * k + 2];
   for (size_t k = 0; k < count; ++k) {
-    const int64_t first = calls[3 * k + 1];
-    const int64_t ids = ob[first + calls[3 * k + 2]] - ob[first];
-    elapsed[k] = total * static_cast<double>(ids) / static_cast<double>(nnz);
+    elapsed[k] = all_bags == 0 ? total / static_cast<double>(count)
+                               : total * static_cast<double>(calls[3 * k + 2]) /
+                                     static_cast<double>(all_bags);
   }
   return {std::move(out), seconds};
 }

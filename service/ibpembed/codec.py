@@ -359,7 +359,7 @@ class CompressedTableSet:
         pools those bags of the batch, whose ids it holds.
 
         Returns each table's [bag count, D] fp32 result, and the seconds each table's part
-        took (on a GPU, the call's time shared out by ids: one launch serves every table). On
+        took (on a GPU, the call's time shared out by bags: one launch serves every table). On
         the CPU every id is checked (``IndexError``) before any table is read; on a GPU the
         kernels check them and the call raises the same errors.
         """
