@@ -572,7 +572,7 @@ class LookupEngine:
             except BaseException:
                 # This request is failing anyway: drain what its kernels reported, so that the
                 # stream's next request is not blamed for it.
-                with contextlib.suppress(RuntimeError):
+                with contextlib.suppress(RuntimeError, ValueError, IndexError):
                     _C.check_cuda_errors()
                 raise
             finally:
