@@ -904,40 +904,58 @@ def sort_min_ids(n: int) -> Iterator[None]:
 
 
 def has_baseline() -> bool:
-    return hasattr(torch.ops.ibpembed_bench, "uva_gather")
+    """Whether the UVA baseline is loaded (``torch.ops.ibpembed_bench``)."""
+    try:
+        return hasattr(torch.ops.ibpembed_bench, "uva_gather")
+    except (AttributeError, RuntimeError):
+        return False
 
 
-def gpu_times(ops, big: BigTable, ids: torch.Tensor, offsets: torch.Tensor) -> dict[str, float]:
-    """Seconds per call of the GPU methods on one batch (ids and offsets on the GPU)."""
-    gather = lambda: ops.ibp_gather(*big.comp, ids)  # noqa: E731
-    with staging("sync"):
-        sync_staging = timed(gather, True)
-    with sort_min_ids(0):
-        sorted_ids = timed(gather, True)
-    with sort_min_ids(1 << 62):
-        unsorted_ids = timed(gather, True)
-    pooled = lambda: ops.lookup_pooled(*big.comp, ids, offsets, None, 0, 0)  # noqa: E731
+@contextlib.contextmanager
+def deferred_errors(gpu: bool) -> Iterator[None]:
+    """The CUDA ops with their errors deferred, as the engine runs them (no sync inside each
+    call), checked at the end; nothing on the CPU."""
+    if not gpu:
+        yield
+        return
     from ibpembed import _C
 
-    _C.set_defer_cuda_errors(True)  # as the engine runs the ops: no sync inside each call
+    _C.set_defer_cuda_errors(True)
     try:
-        deferred = timed(pooled, True)
+        yield
         _C.check_cuda_errors()
     finally:
         _C.set_defer_cuda_errors(False)
+
+
+def gpu_times(
+    ops, big: BigTable, ids: torch.Tensor, offsets: torch.Tensor, gpu: bool = True
+) -> dict[str, float]:
+    """Seconds per call of the GPU methods on one batch (ids and offsets on the GPU). With
+    ``gpu=False`` the same calls on the CPU ops (what the tests run: their times mean nothing)."""
+    gather = lambda: ops.ibp_gather(*big.comp, ids)  # noqa: E731
+    pooled = lambda: ops.lookup_pooled(*big.comp, ids, offsets, None, 0, 0)  # noqa: E731
+    with staging("sync"):
+        sync_staging = timed(gather, gpu)
+    with sort_min_ids(0):
+        sorted_ids = timed(gather, gpu)
+    with sort_min_ids(1 << 62):
+        unsorted_ids = timed(gather, gpu)
+    with deferred_errors(gpu):
+        deferred = timed(pooled, gpu)
     times = {
-        "ibp_none": timed(gather, True),
+        "ibp_none": timed(gather, gpu),
         "ibp_none_sync": sync_staging,
         "ibp_none_sorted": sorted_ids,
         "ibp_none_nosort": unsorted_ids,
-        "raw_none": timed(lambda: ops.ibp_gather(*big.raw, ids), True),
-        "ibp_sum": timed(pooled, True),
+        "raw_none": timed(lambda: ops.ibp_gather(*big.raw, ids), gpu),
+        "ibp_sum": timed(pooled, gpu),
         "ibp_sum_deferred": deferred,
-        "raw_sum": timed(lambda: ops.lookup_pooled(*big.raw, ids, offsets, None, 0, 0), True),
+        "raw_sum": timed(lambda: ops.lookup_pooled(*big.raw, ids, offsets, None, 0, 0), gpu),
     }
     if has_baseline():
         uva = torch.ops.ibpembed_bench.uva_gather
-        times["uva"] = timed(lambda: uva(big.plain, ids), True)
+        times["uva"] = timed(lambda: uva(big.plain, ids), gpu)
     return times
 
 
@@ -966,8 +984,10 @@ def summarise(rows: list[dict[str, Any]], h2d: float | None) -> dict[str, Any]:
         # The layout's honest ceiling is the sector ratio: the GPU reads whole 32-byte sectors.
         if row["ibp_vs_raw"] < 0.95 * row["sector_ratio"]:
             targets["compressed_vs_raw"].append(key)
-        if row["batch"] == min(BATCHES) and t["ibp_sum"] > POOLED_1K_CALL_S:
-            targets["pooled_1k_call"].append(f"{key}: {t['ibp_sum'] * 1e6:.1f} us")
+        # As the engine calls it: errors deferred.
+        call_s = t.get("ibp_sum_deferred", t["ibp_sum"])
+        if row["batch"] == min(BATCHES) and call_s > POOLED_1K_CALL_S:
+            targets["pooled_1k_call"].append(f"{key}: {call_s * 1e6:.1f} us")
         if row["ibp_sum_vs_cpu_h2d"] <= 1.0:
             targets["pooled_vs_cpu"].append(key)
         at_512 = row["row_bytes"] == 512 and row["batch"] == max(BATCHES)

@@ -111,3 +111,23 @@ def test_slot_sectors_counts_each_rows_sectors() -> None:
         size = big.unit_bytes * int(row_units[r])
         want += (offset % 32 + size + 31) // 32
     assert gpu_check.slot_sectors(big, ids) == want
+
+
+def test_gpu_times_runs_every_method_on_the_cpu_ops() -> None:
+    # The GPU-only timing code, on the CPU ops: every method runs and is timed (the times mean
+    # nothing here; the environment switches they flip are ignored by the CPU ops).
+    big = gpu_check.build_big(ibpembed, gpu_check.Pinned(False), 256, 1 << 20, "dlrm", False)
+    ids = torch.arange(0, big.num_rows, 7)[:512]
+    offsets = torch.arange(0, ids.numel() + 1, gpu_check.BAG_SIZE)
+    times = gpu_check.gpu_times(ibpembed._ops.ops, big, ids, offsets, gpu=False)
+    assert set(times) == {
+        "ibp_none",
+        "ibp_none_sync",
+        "ibp_none_sorted",
+        "ibp_none_nosort",
+        "raw_none",
+        "ibp_sum",
+        "ibp_sum_deferred",
+        "raw_sum",
+    }  # no uva: the baseline is not loaded here
+    assert all(t > 0 for t in times.values())
