@@ -60,6 +60,7 @@ import contextlib
 import datetime
 import json
 import math
+import mmap
 import os
 import platform
 import runpy
@@ -1097,10 +1098,27 @@ def phase_preflight(gpu: bool) -> dict[str, Any]:
 
     device = torch.cuda.current_device()
     info: dict[str, Any] = {"read_only_supported": _C.host_register_read_only_supported(device)}
-    buffer = torch.arange(64 << 20, dtype=torch.int64).to(torch.uint8)
+    buffer = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8)
     alias = _C.host_mapped_alias(buffer, True, device)
     info["alias_reads_back"] = bool(torch.equal(alias[-4096:].cpu(), buffer[-4096:]))
     del alias
+    # A table file as the store maps it (copy-on-write, format.read_table): whether it registers
+    # in place (read-only where supported), or the store will fall back to pinned copies.
+    with tempfile.TemporaryFile() as f:
+        f.write(buffer[: 4 << 20].numpy().tobytes())
+        f.flush()
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        view = torch.frombuffer(mapping, dtype=torch.uint8, offset=4096, count=(4 << 20) - 8192)
+        try:
+            whole = torch.empty(0, dtype=torch.uint8).set_(view.untyped_storage())
+            mapped = _C.host_mapped_alias(whole, True, device)
+            start = view.storage_offset()
+            got = mapped[start : start + 4096].cpu()
+            info["file_mapping_registers"] = bool(torch.equal(got, view[:4096]))
+            del mapped
+        except RuntimeError as exc:
+            info["file_mapping_registers"] = False
+            info["file_mapping_error"] = repr(exc)
     table = compress(torch.randn(4096, 64))
     got = ops.ibp_gather(*device_args(table, torch.device("cuda")), torch.arange(4096).cuda())
     info["registered_gather_exact"] = same_bits(got.cpu(), ops.ibp_decompress(*table._args()))
