@@ -477,6 +477,9 @@ def check_case(ibpembed, ops, dev, table, kwargs, label, wheres, rng, checks: Ch
     for where in wheres:
         got = ops.ibp_gather(*device_args(c, dev, where), ids.to(dev)).cpu()
         checks.record(same_bits(got, want), f"gather {label} payload={where}")
+    with sort_min_ids(0):  # the radix-sorted path (the default rule leaves 3k ids unsorted)
+        got = ops.ibp_gather(*device_args(c, dev), ids.to(dev)).cpu()
+    checks.record(same_bits(got, want), f"gather {label} sorted")
     got = ops.ibp_decompress(*device_args(c, dev)).cpu()
     checks.record(
         same_bits(got.view(c.dtype).view(c.num_rows, c.dim), table), f"decompress {label}"

@@ -44,7 +44,8 @@ def test_dry_run_runs_every_phase_and_reports(tmp_path: Path) -> None:
     cases = [table for _, table, _ in gpu_check.small_cases()]
     floating = sum(table.dtype.is_floating_point for table in cases)
     assert correctness["passed_by_kind"] == {
-        "gather": 3 * len(cases),  # payload registered, pinned, on the device (the host on a CPU)
+        # payload registered, pinned, on the device (the host on a CPU), and ids always sorted
+        "gather": 4 * len(cases),
         "decompress": len(cases),
         "pooled": 4 * (floating + 1),  # SUM/MEAN x weights or not; + the int8 row-wise table
         "table_set": 4,  # SUM/MEAN x weights or not, every part against its table's own op

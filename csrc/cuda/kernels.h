@@ -92,6 +92,12 @@ struct PooledShape {
   int64_t dim;
 };
 
+// Radix sort of ids[0, n) (n < 2^31) by their low `bits` bits, carrying positions[] along into
+// perm[] (sort.cu); sort_ids_temp_bytes() sizes `temp`. Runs on `stream`, returns at once.
+size_t sort_ids_temp_bytes(int64_t n, int bits);
+void sort_ids(const int64_t* ids, int64_t* sorted, const int64_t* positions, int64_t* perm,
+              int64_t n, int bits, void* temp, size_t temp_bytes, cudaStream_t stream);
+
 // Launch on `stream`; throw c10::Error on a launch failure or a row too wide for shared memory.
 void launch_gather(const GatherArgs& args, cudaStream_t stream);
 // Every part's table has chunk width `chunk_bits`; `shape` covers every part's table.

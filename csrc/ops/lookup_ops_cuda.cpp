@@ -27,7 +27,9 @@
 // raises the same exception types as the CPU op (IndexError, ValueError). That one sync is the
 // price of never clamping a bad id; a response is copied back to the host right after anyway.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/sort.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
@@ -40,6 +42,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -156,6 +159,27 @@ int64_t sort_min_ids() {
                     "IBPEMBED_CUDA_SORT_MIN_IDS must be a non-negative integer, got '", value,
                     "'");
   return parsed;
+}
+
+// (sorted ids, their positions): a radix sort over the bits a row id of the table has
+// (sort.cu), or torch's full sort for batches past CUB's int item count.
+std::pair<at::Tensor, at::Tensor> sort_by_row(const at::Tensor& indices, int64_t num_rows) {
+  const int64_t n = indices.numel();
+  if (n > std::numeric_limits<int32_t>::max()) {
+    auto [sorted, perm] = at::sort(indices);
+    return {sorted, perm};
+  }
+  const int bits = num_rows > 1 ? 64 - __builtin_clzll(static_cast<uint64_t>(num_rows - 1)) : 1;
+  at::Tensor sorted = at::empty_like(indices);
+  at::Tensor perm = at::empty_like(indices);
+  const at::Tensor positions = at::arange(n, indices.options());
+  const size_t temp_bytes = sort_ids_temp_bytes(n, bits);
+  at::Tensor temp = at::empty({static_cast<int64_t>(std::max<size_t>(temp_bytes, 1))},
+                              indices.options().dtype(at::kByte));
+  sort_ids(indices.data_ptr<int64_t>(), sorted.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
+           perm.data_ptr<int64_t>(), n, bits, temp.data_ptr(), temp_bytes,
+           c10::cuda::getCurrentCUDAStream(indices.device().index()).stream());
+  return {sorted, perm};
 }
 
 void check_indices_tensor(const at::Tensor& indices, const c10::Device& device) {
@@ -393,7 +417,7 @@ at::Tensor ibp_gather_cuda(const at::Tensor& payload, const at::Tensor& block_ba
   }
   // Sorted ids let neighbouring warps fetch neighbouring rows and put duplicates side by side;
   // perm sends each row back to its request position.
-  auto [sorted, perm] = at::sort(indices);
+  auto [sorted, perm] = sort_by_row(indices, num_rows);
   return gather(table, sorted, perm, indices.numel(), &indices, block_base.device());
 }
 
