@@ -65,6 +65,7 @@ import os
 import platform
 import runpy
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -1302,6 +1303,7 @@ class Driver:
         self.deadline = time.monotonic() + args.deadline_s
         self.phase_dir = out.with_suffix(".phases")
         self.extra: list[str] = []  # options every later phase gets (--pin copy, --load-extension)
+        self.child: subprocess.Popen | None = None
         self.only = set(args.only.split(",")) if args.only else set(DRIVER_PHASES)
         unknown = self.only - set(DRIVER_PHASES)
         if unknown:
@@ -1366,16 +1368,19 @@ class Driver:
         ]
         log(f"== {key} ({left:.0f} s left)")
         start = time.perf_counter()
+        # A session of its own, so that a timeout ends the whole tree (compute-sanitizer's
+        # Python child too, which would otherwise keep the GPU).
+        proc = self.child = subprocess.Popen(
+            command, cwd=ROOT, env={**os.environ, **(env or {})}, start_new_session=True
+        )
+        rc: int | None
         try:
-            proc = subprocess.run(
-                command,
-                cwd=ROOT,
-                env={**os.environ, **(env or {})},
-                timeout=max(1.0, min(left, limit_s or left)),
-            )
-            rc: int | None = proc.returncode
+            rc = proc.wait(timeout=max(1.0, min(left, limit_s or left)))
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = None
+        self.child = None
         result = json.loads(path.read_text()) if path.exists() else {}
         result["rc"] = rc
         result["child_wall_s"] = round(time.perf_counter() - start, 1)
@@ -1406,7 +1411,25 @@ class Driver:
             env = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
             self.run(key, "sanitizer", options, env=env, wrapper=wrapper, limit_s=SANITIZER_LIMIT_S)
 
+    def stop(self, signum: int, frame: object) -> None:
+        """SIGTERM (an outer `timeout`): end the running phase's process tree, which has a
+        session of its own, then write what was measured (``drive`` catches the exit)."""
+        if self.child is not None:
+            os.killpg(self.child.pid, signal.SIGKILL)
+        raise SystemExit(f"stopped by signal {signum}")
+
     def drive(self) -> int:
+        previous = signal.signal(signal.SIGTERM, self.stop)
+        try:
+            self.drive_phases()
+        except SystemExit as exc:
+            self.report["stopped"] = str(exc)
+            log(f"driver: {exc}; writing what was measured")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        return self.finish()
+
+    def drive_phases(self) -> None:
         a = self.args
         if "build" in self.only:
             if a.dry_run or a.skip_build:
@@ -1446,7 +1469,6 @@ class Driver:
                 ["--rows", "512", "--variant", "thp"],
                 env={"THP_MEM_ALLOC_ENABLE": "1"},
             )
-        return self.finish()
 
     def finish(self) -> int:
         phases = self.report["phases"]

@@ -10,7 +10,10 @@ here: the counts below are those real checks, every one of them run and passed."
 
 from __future__ import annotations
 
+import argparse
 import json
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -132,3 +135,37 @@ def test_gpu_times_runs_every_method_on_the_cpu_ops() -> None:
         "raw_sum",
     }  # no uva: the baseline is not loaded here
     assert all(t > 0 for t in times.values())
+
+
+def test_a_stopped_driver_ends_the_running_phase_tree(tmp_path: Path) -> None:
+    args = argparse.Namespace(
+        deadline_s=60.0,
+        profile="dlrm",
+        only=None,
+        dry_run=True,
+        table_gib=8.0,
+        zipf="1.2",
+        inject_fault=None,
+        skip_build=False,
+    )
+    driver = gpu_check.Driver(args, tmp_path / "gpu_check.json", gpu=False)
+    # A phase's tree: a shell in a session of its own with a child of its own.
+    driver.child = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True)
+    with pytest.raises(SystemExit, match="signal 15"):
+        driver.stop(signal.SIGTERM, None)
+    assert driver.child.wait(timeout=10) != 0
+    assert running_in_group(driver.child.pid) == []  # the grandchild too (zombies aside)
+
+
+def running_in_group(pgid: int) -> list[int]:
+    """Processes of process group ``pgid`` that are not zombies (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state != "Z":
+            found.append(int(stat.parent.name))
+    return found
