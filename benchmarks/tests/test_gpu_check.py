@@ -56,7 +56,7 @@ def test_dry_run_runs_every_phase_and_reports(tmp_path: Path) -> None:
     }
     assert correctness["passed"] == sum(correctness["passed_by_kind"].values())
     served = phases["served"]
-    assert served["failures"] == [] and served["passed"] == 2 * 3 * 3
+    assert served["failures"] == [] and served["passed"] == 3 * 3 * 3  # steps x poolings x B
     for r in gpu_check.TIMING_ORDER:
         timing = phases[f"timing_{r}"]
         assert timing["checks"] == {"passed": 2, "failures": []} and timing["rc"] == 0

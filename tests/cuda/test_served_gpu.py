@@ -8,6 +8,7 @@ GPU in tests/tables/test_placement.py.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,14 @@ def test_cuda_engine_serves_what_the_cpu_engine_serves(table_dir: Path, pooling:
             store.update_rows("user", torch.tensor([3, 77]), torch.full((2, 8), -1.5))
         with gpu_store.acquire() as snap:
             assert snap.kernel_table("user") is not kernel  # fresh copies with the update
+        features = request(rng, batch=64)
+        assert same_results(gpu.run(features, pooling), cpu.run(features, pooling))
+        # A second update appends to the same spill buffer: its registration must outlive the
+        # first update's version once that is gone.
+        for store in (gpu_store, cpu_store):
+            store.update_rows("user", torch.tensor([5]), torch.full((1, 8), 2.5))
+        del kernel
+        gc.collect()
         features = request(rng, batch=64)
         assert same_results(gpu.run(features, pooling), cpu.run(features, pooling))
     finally:

@@ -87,6 +87,7 @@ def test_one_registration_per_buffer_and_views_at_their_offsets() -> None:
     assert len(register.calls) == 1 and register.calls[0][1:] == (4096, False)
     assert alias_a.data_ptr() == first.data_ptr() and torch.equal(alias_a, first)
     assert alias_b.data_ptr() == second.data_ptr() and torch.equal(alias_b, second)
+    assert aliases.holds(second) and not aliases.holds(torch.zeros(4, dtype=torch.uint8))
     release_a()
     assert len(aliases) == 1  # the second view still holds the buffer
     release_b()

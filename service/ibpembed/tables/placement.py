@@ -87,6 +87,11 @@ class HostAliases:
         with self._lock:
             return len(self._aliases)
 
+    def holds(self, payload: torch.Tensor) -> bool:
+        """Whether the buffer under ``payload`` is registered here."""
+        with self._lock:
+            return payload.untyped_storage().data_ptr() in self._aliases
+
     def acquire(self, payload: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
         """The device alias of ``payload`` (a contiguous 1-D uint8 CPU tensor), and the call
         that gives it back (once; :func:`place_table` ties it to the placed table's life).
@@ -141,7 +146,14 @@ def place_table(
 
     payload = table.payload
     release = None
-    if payload.device.type == "cpu" and aliases is not None:
+    # A buffer the registry holds is aliased again (a spill buffer shared by row-update
+    # versions); other page-locked memory (torch's pinned allocator, another registration)
+    # cannot be registered again, and the op reads it through its pointer as it is.
+    held = aliases is not None and aliases.holds(payload)
+    pinned = (
+        not held and device.type == "cuda" and payload.device.type == "cpu" and payload.is_pinned()
+    )
+    if payload.device.type == "cpu" and aliases is not None and not pinned:
         try:
             payload, release = aliases.acquire(payload)
         except RuntimeError as exc:
@@ -151,7 +163,7 @@ def place_table(
                 payload.numel(),
                 exc,
             )
-    if payload.device.type == "cpu" and device.type == "cuda" and not payload.is_pinned():
+    if payload.device.type == "cpu" and device.type == "cuda" and not pinned:
         payload = payload.pin_memory()
     placed = dataclasses.replace(
         table,
