@@ -67,6 +67,21 @@ def _cuda_enabled() -> bool:
     return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
 
 
+def _gencode() -> list[str]:
+    """sm_80 and sm_90 images plus compute_90 PTX, so that GPUs newer than sm_90 JIT-compile the
+    kernels instead of finding no image (the kernels need sm_80: cp.async, __reduce_add_sync).
+    IBPEMBED_CUDA_ARCHS=90 (comma-separated) builds only those images, e.g. on the GPU machine
+    itself, where each extra target costs build time."""
+    archs = os.environ.get("IBPEMBED_CUDA_ARCHS")
+    if archs:
+        return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs.split(",")]
+    return [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90",
+    ]
+
+
 class BuildExtension(cpp_extension.BuildExtension):
     """Compiles the ISA-specific translation units with their own flags, then builds as usual."""
 
@@ -89,7 +104,8 @@ def _extension() -> cpp_extension.CppExtension:
     sources = [
         s for s in _sources("codec/*.cpp") + _sources("lookup/*.cpp") if s not in ISA_SOURCES
     ]
-    sources.append("csrc/ops/torch_bindings.cpp")
+    # ops/: the registration file and the CPU impls; *_cuda.cpp only in CUDA builds (below).
+    sources += [s for s in _sources("ops/*.cpp") if not s.endswith("_cuda.cpp")]
     include_dirs = [str(CSRC / "include")]
     if not _cuda_enabled():
         return cpp_extension.CppExtension(
@@ -98,16 +114,7 @@ def _extension() -> cpp_extension.CppExtension:
             include_dirs=include_dirs,
             extra_compile_args={"cxx": CXX_FLAGS + OPENMP_FLAGS},
         )
-    nvcc_flags = [
-        "-O3",
-        "-std=c++17",
-        "--expt-relaxed-constexpr",
-        "-gencode=arch=compute_80,code=sm_80",
-        "-gencode=arch=compute_90,code=sm_90",
-        # PTX too, so that GPUs newer than sm_90 JIT-compile the kernels instead of finding no
-        # image (the kernels need sm_80: cp.async, __reduce_add_sync).
-        "-gencode=arch=compute_90,code=compute_90",
-    ]
+    nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", *_gencode()]
     sources += _sources("cuda/*.cu") + _sources("ops/*_cuda.cpp")
     return cpp_extension.CUDAExtension(
         "ibpembed._C",

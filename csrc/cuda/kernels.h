@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //
-// The interface between the CUDA op bindings (csrc/ops/torch_bindings_cuda.cpp, compiled by g++)
+// The interface between the CUDA op bindings (csrc/ops/lookup_ops_cuda.cpp, compiled by g++)
 // and the kernels (csrc/cuda/*.cu, compiled by nvcc): plain structs of device pointers and one
 // launcher per kernel family. Torch-free, so the kernels build with lean headers only.
 //
@@ -42,23 +42,66 @@ struct GatherArgs {
   int32_t* error;
 };
 
-// The pooled lookup of lookup.h, bag by bag, ids in request order.
-struct PooledArgs {
+// One table of a pooled launch: how to decode its rows and how they pool.
+struct PooledTable {
   DeviceTable table;
   DType dtype;
   int64_t dim;  // pooled_dim(dtype, row_bytes) > 0
+};
+
+// Parts one pooled launch can hold (kernel parameters are limited to 4 KB).
+inline constexpr int kMaxPooledParts = 48;
+
+// The pooled lookups of lookup.h over one CSR batch (ids, offsets, weights), for up to
+// kMaxPooledParts parts of tables of one chunk width in one launch: part k pools bags
+// [first_bag[k], first_bag[k] + bag_start[k + 1] - bag_start[k]) of `offsets` with table
+// part_table[k] of `tables` (or `single` when `tables` is null) into out[k], [its bags, dim].
+// The launch's bags are numbered part after part (bag_start, prefix sums of the parts' bag
+// counts); warps take them with a grid stride, ids in request order.
+struct PooledArgs {
+  const PooledTable* tables;  // device array, or nullptr: every part reads `single`
+  PooledTable single;
+  int num_parts;
+  int32_t part_table[kMaxPooledParts];
+  int64_t first_bag[kMaxPooledParts];
+  int64_t bag_start[kMaxPooledParts + 1];
+  float* out[kMaxPooledParts];
+  int64_t max_dim;  // largest dim of the parts' tables (the accumulators' size)
   const int64_t* ids;
-  const int64_t* offsets;  // [num_bags + 1]
-  int64_t num_bags;
+  const int64_t* offsets;   // [num_offset_bags + 1]
+  int64_t num_offset_bags;  // bags of the whole batch, which the parts' bags lie in
   int64_t nnz;
   const float* weights;  // nullptr: every weight is 1
   Pooling pooling;
-  float* out;  // [num_bags, dim]
   int32_t* error;
 };
 
+IBP_HD int64_t round16(int64_t bytes) { return (bytes + 15) & ~int64_t{15}; }
+
+// A pooled launch's decoded row: V whole chunks, plus 16 bytes of read slack for the funnel
+// reads of the accumulate loop.
+IBP_HD int64_t rowbuf_bytes(const TableView& t) {
+  return round16(static_cast<int64_t>(t.num_chunks) * (t.chunk_bits / 8)) + 16;
+}
+
+// Shared-memory shape of a pooled launch: the largest staging buffer, decoded row and
+// accumulator row among its tables.
+struct PooledShape {
+  int64_t stage_bytes;
+  int64_t rowbuf_bytes;
+  int64_t dim;
+};
+
+// Radix sort of ids[0, n) (n < 2^31) by their low `bits` bits, carrying positions[] along into
+// perm[] (sort.cu); sort_ids_temp_bytes() sizes `temp`. Runs on `stream`, returns at once.
+size_t sort_ids_temp_bytes(int64_t n, int bits);
+void sort_ids(const int64_t* ids, int64_t* sorted, const int64_t* positions, int64_t* perm,
+              int64_t n, int bits, void* temp, size_t temp_bytes, cudaStream_t stream);
+
 // Launch on `stream`; throw c10::Error on a launch failure or a row too wide for shared memory.
 void launch_gather(const GatherArgs& args, cudaStream_t stream);
-void launch_pooled(const PooledArgs& args, cudaStream_t stream);
+// Every part's table has chunk width `chunk_bits`; `shape` covers every part's table.
+void launch_pooled(const PooledArgs& args, int chunk_bits, const PooledShape& shape,
+                   cudaStream_t stream);
 
 }  // namespace ibpembed::gpu

@@ -25,12 +25,16 @@ namespace ibpembed::gpu {
 // waits for each row before decoding the previous one): the A/B switch gpu_check.py uses to see
 // whether asynchronous staging pays, and a fallback for a platform whose cp.async cannot read
 // mapped host memory. Read at every launch, so a process can switch.
-inline Staging staging_for(const TableView& t) {
+inline Staging staging_with(int64_t buffer_bytes) {
   const char* mode = std::getenv("IBPEMBED_CUDA_STAGING");
   const std::string_view m = mode != nullptr ? mode : "async";
   TORCH_CHECK(m == "async" || m == "sync", "IBPEMBED_CUDA_STAGING must be 'async' or 'sync', got '",
               m, "'");
-  return Staging{stage_buffer_bytes(t.row_bytes, t.unit_bytes), m == "async"};
+  return Staging{buffer_bytes, m == "async"};
+}
+
+inline Staging staging_for(const TableView& t) {
+  return staging_with(stage_buffer_bytes(t.row_bytes, t.unit_bytes));
 }
 
 // Block shape and residency of one kernel on one device for one shared-memory need per warp.

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //
-// Launches the fused decode + pooling kernel (pooled_kernel.cuh) for one table's chunk width.
+// Launches the fused decode + pooling kernel (pooled_kernel.cuh) for one chunk width: every part
+// of the launch in one grid.
 #include "launch_plan.cuh"
 #include "pooled_kernel.cuh"
 
@@ -8,24 +9,24 @@ namespace ibpembed::gpu {
 namespace {
 
 template <int W>
-void launch_pooled_w(const PooledArgs& a, cudaStream_t stream) {
-  const TableView& t = a.table.view;
-  const Staging st = staging_for(t);
-  const int64_t per_warp = pooled_smem_per_warp(t, st.buffer_bytes, a.dim);
-  const LaunchShape shape = plan_launch(pooled_kernel<W>, per_warp, a.num_bags);
-  pooled_kernel<W><<<shape.blocks, shape.warps_per_block * kWarpSize, shape.smem_bytes, stream>>>(
-      a, st);
+void launch_pooled_w(const PooledArgs& a, const PooledShape& shape, cudaStream_t stream) {
+  const Staging st = staging_with(shape.stage_bytes);
+  const LaunchShape launch =
+      plan_launch(pooled_kernel<W>, pooled_smem_per_warp(shape), a.bag_start[a.num_parts]);
+  pooled_kernel<W><<<launch.blocks, launch.warps_per_block * kWarpSize, launch.smem_bytes,
+                     stream>>>(a, st, shape);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
-void launch_pooled(const PooledArgs& args, cudaStream_t stream) {
-  if (args.num_bags == 0) return;
-  switch (args.table.view.chunk_bits) {
-    case 16: return launch_pooled_w<16>(args, stream);
-    case 32: return launch_pooled_w<32>(args, stream);
-    default: return launch_pooled_w<64>(args, stream);
+void launch_pooled(const PooledArgs& args, int chunk_bits, const PooledShape& shape,
+                   cudaStream_t stream) {
+  if (args.num_parts == 0 || args.bag_start[args.num_parts] == 0) return;
+  switch (chunk_bits) {
+    case 16: return launch_pooled_w<16>(args, shape, stream);
+    case 32: return launch_pooled_w<32>(args, shape, stream);
+    default: return launch_pooled_w<64>(args, shape, stream);
   }
 }
 

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 //
-// Argument checks of lookup_pooled that do not depend on the backend, shared by the CPU impl
-// (torch_bindings.cpp) and the CUDA impl (torch_bindings_cuda.cpp) so both reject the same input
-// with the same message. Device and contiguity checks stay with each backend.
+// Argument checks that do not depend on the backend, shared by the CPU impls (codec_ops.cpp,
+// lookup_ops.cpp) and the CUDA impls (lookup_ops_cuda.cpp) so both reject the same input with
+// the same message. Device, dtype and contiguity checks stay with each backend, and run first.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,6 +15,56 @@
 #include "ibpembed/numeric.h"
 
 namespace ibpembed {
+
+inline void check_chunk_bits(int64_t chunk_bits) {
+  TORCH_CHECK_VALUE(chunk_bits == 16 || chunk_bits == 32 || chunk_bits == 64,
+                    "chunk_bits must be 16, 32 or 64, got ", chunk_bits);
+}
+
+// mask [V] and bitval [V * (2^C - 1)]; returns the code width C the codebook length implies.
+inline int check_mask_shapes(const at::Tensor& mask, const at::Tensor& bitval, int64_t v) {
+  TORCH_CHECK_VALUE(mask.dim() == 1 && mask.numel() == v, "mask must have ", v,
+                    " entries (one per chunk position), got shape ", mask.sizes());
+  const int code_bits = bitval.dim() == 1 ? code_bits_for(bitval.numel(), static_cast<int>(v))
+                                          : 0;
+  static_assert(kMaxCodeBits == 4, "the message below lists every valid codebook length");
+  TORCH_CHECK_VALUE(code_bits != 0, "bitval must have V * (2^C - 1) entries for V = ", v,
+                    " chunk positions and a code width C in [1, 4] (", v * codebook_size(1), ", ",
+                    v * codebook_size(2), ", ", v * codebook_size(3), " or ",
+                    v * codebook_size(4), "), got shape ", bitval.sizes());
+  return code_bits;
+}
+
+// What a table's ints imply about its tensors.
+struct TableShape {
+  int chunks;     // V: chunk positions per row
+  int code_bits;  // C: the codebooks' code width
+};
+
+// The table arguments' ints, and the shapes of the index, bitmask, masks and codebooks they
+// imply. Values (the payload's length against the index, masks within the chunk width) are the
+// backend's: the CPU checks them here, the CUDA kernels as they read.
+inline TableShape check_table_shapes(const at::Tensor& block_base, const at::Tensor& row_units,
+                                     const at::Tensor& bitmask, const at::Tensor& mask,
+                                     const at::Tensor& bitval, int64_t chunk_bits,
+                                     int64_t row_bytes, int64_t unit_bytes, int64_t num_rows) {
+  check_chunk_bits(chunk_bits);
+  TORCH_CHECK_VALUE(row_bytes > 0 && row_bytes <= kMaxRowBytes, "row_bytes out of range: ",
+                    row_bytes);
+  TORCH_CHECK_VALUE(num_rows >= 0, "num_rows must be >= 0");
+  TORCH_CHECK_VALUE(unit_bytes > 0 && unit_bytes == slot_unit_bytes(row_bytes, unit_bytes),
+                    "unit_bytes ", unit_bytes, " is not a valid slot unit for ", row_bytes,
+                    "-byte rows");
+  const int64_t blocks = num_blocks(num_rows);
+  TORCH_CHECK_VALUE(block_base.numel() == blocks + 1, "block_base must have ", blocks + 1,
+                    " entries, got ", block_base.numel());
+  TORCH_CHECK_VALUE(row_units.numel() == blocks * kRowsPerBlock, "row_units must have ",
+                    blocks * kRowsPerBlock, " entries, got ", row_units.numel());
+  TORCH_CHECK_VALUE(bitmask.numel() == (num_rows + 31) / 32, "bitmask must have ",
+                    (num_rows + 31) / 32, " words, got ", bitmask.numel());
+  const int v = chunks_per_row(row_bytes, static_cast<int>(chunk_bits));
+  return TableShape{v, check_mask_shapes(mask, bitval, v)};
+}
 
 // The dtype and pooling codes, and the number of fp32 outputs per bag.
 inline int64_t check_pooling_args(int64_t dtype, int64_t pooling, int64_t row_bytes) {

@@ -320,8 +320,10 @@ class CompressedTable:
 
 
 class CompressedTableSet:
-    """CPU tables registered once with the native op, for pooled lookups of several of them in
-    one call (``torch.ops.ibpembed.lookup_pooled_tables``).
+    """Tables registered once with the native op, for pooled lookups of several of them in one
+    call (``torch.ops.ibpembed.lookup_pooled_tables``): CPU tables, or tables placed for one GPU
+    (``tables.placement.place_table``), whose lookups then run as one kernel launch per chunk
+    width, ids and offsets on that GPU.
 
     One ``CompressedTable.lookup`` per table costs ~15 us of dispatch and checks, more than the
     decoding of a B=1 request's few rows; a request that reads 26 tables pays it once here. The
@@ -329,8 +331,9 @@ class CompressedTableSet:
 
     Parameters
     ----------
-    tables : poolable CPU tables (float rows, or ``quant="int8_rowwise"``), with their hot-row
-        overlays; table ``k`` of a call is ``tables[table_bags[k, 0]]``.
+    tables : poolable tables of one device (float rows, or ``quant="int8_rowwise"``), with their
+        hot-row overlays (read on the CPU only); table ``k`` of a call is
+        ``tables[table_bags[k, 0]]``.
     """
 
     def __init__(self, tables: Sequence[CompressedTable]) -> None:
@@ -356,7 +359,9 @@ class CompressedTableSet:
         pools those bags of the batch, whose ids it holds.
 
         Returns each table's [bag count, D] fp32 result, and the seconds each table's part
-        took. Every id is checked (``IndexError``) before any table is read.
+        took (on a GPU, the call's time shared out by bags: one launch serves every table). On
+        the CPU every id is checked (``IndexError``) before any table is read; on a GPU the
+        kernels check them and the call raises the same errors.
         """
         if pooling not in _POOLING_CODES:
             raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")

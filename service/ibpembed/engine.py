@@ -27,9 +27,10 @@ of queueing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
@@ -231,7 +232,9 @@ class LookupEngine:
     max_workers : threads running kernels (requests in flight beyond this wait for a thread).
     max_inflight : requests admitted at once (running or waiting for a thread); one more is
         rejected with :class:`Overloaded`. Must be >= 1.
-    device : ``"cpu"``, ``"cuda"`` or ``"auto"`` (see :func:`resolve_device`).
+    device : ``"cpu"``, ``"cuda"`` or ``"auto"`` (see :func:`resolve_device`; ``"auto"`` with a
+        CPU store is the CPU). The store must place its tables for the same device
+        (``TableStore(device=...)``), so that every tensor a kernel reads is where it runs.
     dedupe_max_unique_fraction : a table's pooled lookups with at least ``dedupe_min_ids`` ids
         sort them, decode each distinct row once and pool the decoded rows when distinct ids /
         ids is at most this (Zipf traffic: 0.1-0.5); otherwise the fused decode+pool kernel
@@ -277,7 +280,14 @@ class LookupEngine:
             raise ValueError(f"dedupe_min_ids must be >= 1, got {dedupe_min_ids}")
         self.store = store
         self.max_inflight = max_inflight
-        self.device = resolve_device(device)
+        # "auto" follows the store: a store built for the CPU is served on the CPU.
+        auto_cpu = device == "auto" and store.device.type == "cpu"
+        self.device = torch.device("cpu") if auto_cpu else resolve_device(device)
+        if self.device.type != store.device.type:
+            raise ValueError(
+                f"the engine runs on {self.device.type} but the store places its tables for "
+                f"{store.device.type}: build the store with device={self.device.type!r}"
+            )
         self.dedupe_max_unique_fraction = dedupe_max_unique_fraction
         self.dedupe_min_ids = dedupe_min_ids
         self.max_output_bytes = max_output_bytes
@@ -289,6 +299,7 @@ class LookupEngine:
             self.hot_rows = HotRowTracker(store, budget=hot_row_budget, refresh_s=hot_row_refresh_s)
             self.hot_rows.start()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="ibpembed-lookup")
+        self._streams = threading.local()
         self._lock = threading.Lock()
         self._inflight = 0
 
@@ -408,17 +419,18 @@ class LookupEngine:
             out: list[torch.Tensor | None] = [None] * len(features)
             calls: list[KernelCall] = []
             rest = plan.work
-            if pooling != "none" and self.device.type == "cpu":
-                batched: list[_TableWork] = []
-                rest = []
-                for item in plan.work:
-                    (rest if self._dedupes(item) else batched).append(item)
-                if batched:
-                    self._run_tables(snap, plan, batched, pooling, calls, out)
-            for item in rest:
-                results = self._run_table(plan, item, pooling, calls)
-                for pos, values in zip(item.positions, results, strict=True):
-                    out[pos] = values
+            with self._cuda_request():
+                if pooling != "none":
+                    batched: list[_TableWork] = []
+                    rest = []
+                    for item in plan.work:
+                        (rest if self._dedupes(item) else batched).append(item)
+                    if batched:
+                        self._run_tables(snap, plan, batched, pooling, calls, out)
+                for item in rest:
+                    results = self._run_table(plan, item, pooling, calls)
+                    for pos, values in zip(item.positions, results, strict=True):
+                        out[pos] = values
             if self.observer is not None:
                 self.observer.kernels_done(pooling, calls)
             return LookupResult(
@@ -440,9 +452,11 @@ class LookupEngine:
                 raise InvalidArgument(f"features[{i}].name", f"feature {query.name!r} repeated")
             seen.add(query.name)
             try:
-                table_name, table = snap.table_for_feature(query.name)
+                table_name, _ = snap.table_for_feature(query.name)
             except KeyError:
                 raise NotFound(f"unknown feature {query.name!r}") from None
+            # The table as this engine's kernels read it: on a GPU, the snapshot's device copies.
+            table = snap.kernel_table(table_name)
             _check_layout(query, i, pooling, table_name, table)
             output_bytes += _output_bytes(query, pooling, table)
             item = by_table.get(table_name)
@@ -495,8 +509,9 @@ class LookupEngine:
         calls: list[KernelCall],
         out: list[torch.Tensor | None],
     ) -> None:
-        """Pooled lookups of several tables with one call of the fused kernel (CPU; see
-        :class:`~ibpembed.codec.CompressedTableSet`), every feature's result put in ``out``."""
+        """Pooled lookups of several tables with one call of the fused kernel (on a GPU one
+        launch per chunk width; see :class:`~ibpembed.codec.CompressedTableSet`), every
+        feature's result put in ``out``."""
         table_set, position = snap.pooling_set
         # (set position, first bag, bag count) per table
         table_bags = np.array(
@@ -504,12 +519,14 @@ class LookupEngine:
         ).reshape(-1, 3)
         table_bags[:, 2] -= table_bags[:, 1]
         values, seconds = table_set.lookup(
-            torch.from_numpy(table_bags),
-            torch.from_numpy(plan.ids),
-            torch.from_numpy(plan.offsets),
-            None if plan.weights is None else torch.from_numpy(plan.weights),
+            torch.from_numpy(table_bags),  # on the host, also for a GPU set
+            self._tensor(plan.ids),
+            self._tensor(plan.offsets),
+            None if plan.weights is None else self._tensor(plan.weights),
             pooling,  # type: ignore[arg-type]
         )
+        if self.device.type != "cpu":
+            values = _to_host(values)
         for item, table_values, took in zip(items, values, seconds, strict=True):
             nnz = item.id_span[1] - item.id_span[0]
             calls.append((item.table_name, nnz, nnz, took))
@@ -555,6 +572,35 @@ class LookupEngine:
             values = values.cpu()
         calls.append((item.table_name, nnz, unique_count, time.perf_counter() - start))
         return _split(values, sizes)
+
+    @contextlib.contextmanager
+    def _cuda_request(self) -> Iterator[None]:
+        """On a GPU, one request's kernels: on this thread's own CUDA stream (made on first
+        use), so requests on different workers overlap instead of queueing on the default
+        stream; with the ops' errors deferred to one check at the end (after the results were
+        copied back, which synchronised the stream anyway) instead of a sync in every op. A
+        no-op on the CPU."""
+        if self.device.type != "cuda":
+            yield
+            return
+        from ibpembed import _C
+
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            _C.set_defer_cuda_errors(True)
+            try:
+                yield
+            except BaseException:
+                # This request is failing anyway: drain what its kernels reported, so that the
+                # stream's next request is not blamed for it.
+                with contextlib.suppress(RuntimeError, ValueError, IndexError):
+                    _C.check_cuda_errors()
+                raise
+            finally:
+                _C.set_defer_cuda_errors(False)
+            _C.check_cuda_errors()
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         # NOTE(engine): per-table costs add up over a request's 26 tables: a no-op .to() on
@@ -615,6 +661,16 @@ class LookupEngine:
         self._pool.shutdown(wait=True)
         if self.hot_rows is not None:
             self.hot_rows.close()
+
+
+def _to_host(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """GPU results copied to the host with one copy for all of them (each a separate copy and
+    sync would cost more than a small request's kernel)."""
+    if not values:
+        return values
+    flat = torch.cat([v.reshape(-1) for v in values]).cpu()
+    parts = torch.split(flat, [v.numel() for v in values])
+    return [p.view(v.shape) for p, v in zip(parts, values, strict=True)]
 
 
 def _describe(

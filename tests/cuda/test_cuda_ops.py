@@ -2,7 +2,7 @@
 """CUDA ops against the CPU ops on the same compressed tables: bit-exact rows and pooled sums.
 
 These run only where torch sees a GPU and ibpembed._C was built with its CUDA kernels; elsewhere
-they skip with the reason. The table layout of the CUDA argument contract (torch_bindings_cuda.cpp):
+they skip with the reason. The table layout of the CUDA argument contract (lookup_ops_cuda.cpp):
 payload in pinned host memory (or on the GPU), the small index tensors on the GPU.
 """
 

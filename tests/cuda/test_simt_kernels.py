@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from ibpembed import CompressedTable, compress
 from ibpembed._ops import INT8_ROWWISE_CODE
+from ibpembed.codec import CompressedTableSet
 from tests.codec.tables import DTYPES, FLOAT_DTYPES, make_table, same_bits
 from tests.cuda import request_ids
 from tools.simt.harness import CXX, EmulatedKernels, EmulationError, Grid, build
@@ -90,6 +91,19 @@ def test_every_code_width_and_grid(kernels, code_bits, grid) -> None:
     rows, error = kernels.gather(c, None, grid)  # decompress: ids = 0 .. N - 1, no perm
     assert error == 0
     assert same_bits(_rows(c, rows), table)
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+def test_unsorted_gather_is_bit_exact(kernels, grid) -> None:
+    # The op's path for small gathers: ids as the request has them, no perm. Adjacent repeats
+    # still form runs (decoded once); repeats apart are decoded again.
+    table = make_table(torch.float32, 150, 40, "trained_like", seed=11)
+    c = compress(table, chunk_bits=32, align=8)
+    ids = request_ids(np.random.default_rng(5), c.num_rows, 80, hot_copies=40)
+    ids = torch.cat([ids, torch.full((37,), 17), torch.tensor([3, 3, 149, 0, 0])])
+    rows, error = kernels.gather(c, ids, grid, sort=False)
+    assert error == 0
+    assert torch.equal(rows, _cpu_rows(c, ids))
 
 
 @pytest.mark.parametrize("method", ["raw", "paper"])
@@ -173,6 +187,87 @@ def test_pooled_int8_rowwise_and_edge_values(kernels) -> None:
     got, error = kernels.pooled(edge, ids, offsets, None, 0, POOLING["sum"], Grid(1, 2))
     assert error == 0
     torch.testing.assert_close(got, edge.lookup(ids, offsets), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+def test_long_bags_are_staged_ahead_and_stay_bit_exact(kernels, grid) -> None:
+    # Bags longer than the staging ring (4 rows in flight): the ring refills within a bag and
+    # across bags, and the sums keep the CPU's order.
+    table = make_table(torch.float32, 200, 48, "trained_like", seed=21)
+    c = compress(table, chunk_bits=32, align=8)
+    rng = np.random.default_rng(21)
+    lengths = np.array([1, 37, 0, 5, 64, 2, 0, 11])
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
+    ids = torch.from_numpy(rng.integers(0, c.num_rows, int(lengths.sum())))
+    weights = torch.from_numpy(rng.random(ids.numel()).astype(np.float32))
+    for pooling in ("sum", "mean"):
+        got, error = kernels.pooled(c, ids, offsets, weights, 0, POOLING[pooling], grid)
+        assert error == 0
+        want = c.lookup(ids, offsets, weights, pooling)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+def test_a_repeated_id_is_decoded_once_and_pooled_bit_exact(kernels, grid) -> None:
+    # Runs of one id (a hot id), within a bag and across bag boundaries, a repeat right after a
+    # raw row and after an out-of-ring distance: reusing the decoded row changes no bit.
+    table = make_table(torch.bfloat16, 120, 40, "trained_like", seed=8)
+    table[7] = torch.randn(40).to(torch.bfloat16) * 1e30  # very likely stored raw
+    c = compress(table, chunk_bits=16, align=4)
+    ids = torch.tensor([5, 5, 5, 5, 5, 5, 9, 7, 7, 5, 5, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 0, 0])
+    offsets = torch.tensor([0, 2, 9, 10, 10, 16, 23])
+    weights = torch.linspace(0.1, 2.0, ids.numel())
+    for w in (None, weights):
+        got, error = kernels.pooled(c, ids, offsets, w, c._dtype_code(), POOLING["sum"], grid)
+        assert error == 0
+        want = c.lookup(ids, offsets, w, "sum")
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def _table_set_case(seed: int) -> tuple[list, list, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three tables of one chunk width (fp32, bf16, fbgemm row-wise int8) and five parts over one
+    batch: a table read by two parts, a part of no bags, empty bags, repeats across parts."""
+    fp32 = compress(make_table(torch.float32, 90, 24, "trained_like", seed=seed), chunk_bits=16)
+    bf16 = compress(make_table(torch.bfloat16, 70, 33, "trained_like", seed=seed + 1),
+                    chunk_bits=16)  # fmt: skip
+    rows = make_table(torch.uint8, 60, 36, "random_bits", seed=seed + 2)
+    rows[:, :4] = torch.tensor([0x00, 0x3C, 0x00, 0x00], dtype=torch.uint8)  # scale 1, bias 0
+    int8 = compress(rows, quant="int8_rowwise", chunk_bits=16)
+    tables = [(fp32, fp32._dtype_code()), (bf16, bf16._dtype_code()), (int8, INT8_ROWWISE_CODE)]
+    rng = np.random.default_rng(seed)
+    # (table, first bag, bags): bags 0-5 fp32, 6-9 bf16, 10-10 none, 10-13 int8, 13-16 fp32 again
+    parts = [(0, 0, 6), (1, 6, 4), (2, 10, 0), (2, 10, 3), (0, 13, 3)]
+    lengths = rng.integers(0, 9, 16)
+    lengths[[2, 7, 14]] = 0
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
+    ids = torch.zeros(int(lengths.sum()), dtype=torch.int64)
+    for t, first, count in parts:
+        begin, end = int(offsets[first]), int(offsets[first + count])
+        ids[begin:end] = torch.from_numpy(rng.integers(0, tables[t][0].num_rows, end - begin))
+    weights = torch.from_numpy(rng.random(ids.numel()).astype(np.float32))
+    return tables, parts, ids, offsets, weights
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_one_launch_pools_every_table_as_the_cpu_table_set(kernels, grid, pooling) -> None:
+    tables, parts, ids, offsets, weights = _table_set_case(seed=3)
+    table_set = CompressedTableSet([c for c, _ in tables])
+    table_bags = torch.tensor(parts, dtype=torch.int64)
+    for w in (None, weights):
+        got, error = kernels.pooled_tables(tables, parts, ids, offsets, w, POOLING[pooling], grid)
+        assert error == 0
+        want, _ = table_set.lookup(table_bags, ids, offsets, w, pooling)
+        for g, expected in zip(got, want, strict=True):
+            torch.testing.assert_close(g, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_one_launch_reports_an_id_out_of_its_tables_range(kernels) -> None:
+    tables, parts, ids, offsets, _ = _table_set_case(seed=4)
+    begin = int(offsets[parts[1][1]])  # the bf16 part's first id: past its 70 rows,
+    ids[begin] = 80  # though within the fp32 table's 90
+    _, error = kernels.pooled_tables(tables, parts, ids, offsets, None, POOLING["sum"])
+    assert error == ERR_INDEX
 
 
 # -- bad input: reported in the error word, nothing read out of bounds --------------------------

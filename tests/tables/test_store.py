@@ -122,20 +122,22 @@ def test_reload_publishes_a_new_version_only_when_the_set_changed(table_dir: Pat
         assert snap.version == 2 and snapshot_version(snap) == {2.0}
 
 
-def test_a_reload_that_fails_to_pin_is_retried_in_full(
+def test_a_reload_that_fails_to_place_its_tables_is_retried_in_full(
     table_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = TableStore.load(table_dir)
     pack(table_dir, 2)
-    pinned = store._pinned
+    placed = store._placed
 
-    def out_of_pinned_memory(tables):
+    def out_of_device_memory(tables, previous):
         raise RuntimeError("CUDA error: out of memory")
 
-    monkeypatch.setattr(store, "_pinned", out_of_pinned_memory)
+    monkeypatch.setattr(store, "_placed", out_of_device_memory)
     with pytest.raises(RuntimeError, match="out of memory"):
         store.reload()
-    monkeypatch.setattr(store, "_pinned", pinned)
+    with store.acquire() as snap:
+        assert snap.version == 1 and snapshot_version(snap) == {1.0}
+    monkeypatch.setattr(store, "_placed", placed)
     assert store.reload() is True  # not mistaken for an unchanged set
     with store.acquire() as snap:
         assert snap.version == 2 and snapshot_version(snap) == {2.0}
@@ -491,24 +493,3 @@ def test_accounting_counts_the_spill_areas_spare_room() -> None:
     assert sizes.stored == buffer >= table.payload_bytes + MIN_SPILL_BYTES
     assert sizes.total == sizes.stored + sizes.index + sizes.metadata + sizes.hot
     assert sizes.total == table.stored_bytes + (buffer - table.payload_bytes)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only no-op")
-def test_pin_is_a_no_op_without_cuda(table_dir: Path) -> None:
-    store = TableStore.load(table_dir, pin=True)
-    with store.acquire() as snap:
-        assert snapshot_version(snap) == {1.0}
-    store.update_rows("user", torch.tensor([3]), torch.zeros(1, 8))
-    with store.acquire() as snap:
-        assert torch.equal(snap.tables["user"].gather(torch.tensor([3])), torch.zeros(1, 8))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for page-locked memory")
-def test_pin_page_locks_payloads_and_update_buffers(table_dir: Path) -> None:
-    store = TableStore.load(table_dir, pin=True)
-    with store.acquire() as snap:
-        assert all(t.payload.is_pinned() for t in snap.tables.values())
-    store.update_rows("user", torch.tensor([3]), torch.zeros(1, 8))
-    with store.acquire() as snap:
-        assert snap.tables["user"].payload.is_pinned()
-        assert snapshot_version(snap) == {1.0}

@@ -87,9 +87,25 @@ class EmulatedKernels:
     def __init__(self, lib_path: Path) -> None:
         self.lib = ctypes.CDLL(str(lib_path))
         self.lib.simt_gather.argtypes = [*_TABLE_ARGS, _P, _P, _I64, _P, *_LAUNCH_ARGS]
+        # Per-table arrays (payload .. unit_bytes), chunk_bits, dtypes, single, the parts, the
+        # batch, then the launch.
         self.lib.simt_pooled.argtypes = [
-            *_TABLE_ARGS,
-            *(_I, _I, _P, _P, _I64, _I64, _P, _P),
+            _I,
+            *([_P] * 11),
+            _I,
+            _P,
+            _I,
+            _I,
+            _P,
+            _P,
+            _P,
+            _P,
+            _I,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            _P,
             *_LAUNCH_ARGS,
         ]
         self.lib.simt_selftest.argtypes = [_I, ctypes.c_char_p, _I]
@@ -126,11 +142,20 @@ class EmulatedKernels:
         return rc
 
     def gather(
-        self, c: CompressedTable, ids: torch.Tensor | None, grid: Grid = Grid()
+        self,
+        c: CompressedTable,
+        ids: torch.Tensor | None,
+        grid: Grid = Grid(),
+        *,
+        sort: bool = True,
     ) -> tuple[torch.Tensor, int]:
-        """Rows [n, row_bytes] uint8 and the kernel's error word; ids None: the whole table."""
+        """Rows [n, row_bytes] uint8 and the kernel's error word; ids None: the whole table.
+        ``sort=False`` passes the ids as they come and no perm, as the CUDA op does for
+        gathers below IBPEMBED_CUDA_SORT_MIN_IDS ids."""
         if ids is None:
             sorted_ids, perm, n = None, None, c.num_rows
+        elif not sort:
+            sorted_ids, perm, n = ids.to(torch.int64).contiguous(), None, ids.numel()
         else:
             sorted_ids, perm = torch.sort(ids.to(torch.int64).contiguous())
             n = ids.numel()
@@ -148,24 +173,92 @@ class EmulatedKernels:
         pooling_code: int,
         grid: Grid = Grid(),
     ) -> tuple[torch.Tensor, int]:
-        """Pooled rows [B, D] float32 and the kernel's error word."""
+        """Pooled rows [B, D] float32 and the kernel's error word: one table, passed by value,
+        as the op of one table launches the kernel."""
+        bags = offsets.numel() - 1
+        outs, error = self.pooled_tables(
+            [(c, dtype_code)],
+            [(0, 0, bags)],
+            ids,
+            offsets,
+            weights,
+            pooling_code,
+            grid,
+            single=True,
+        )
+        return outs[0], error
+
+    def pooled_tables(
+        self,
+        tables: list[tuple[CompressedTable, int]],
+        parts: list[tuple[int, int, int]],
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        pooling_code: int,
+        grid: Grid = Grid(),
+        *,
+        single: bool = False,
+    ) -> tuple[list[torch.Tensor], int]:
+        """One launch over several tables of one chunk width (``tables``: (table, dtype code)),
+        as lookup_pooled_tables launches it: part k = (table index, first bag, bag count) pools
+        those bags of the batch. Returns each part's [bag count, D] float32 and the error word."""
         ids = ids.to(torch.int64).contiguous()
         offsets = offsets.to(torch.int64).contiguous()
-        bags = offsets.numel() - 1
-        # Row-wise int8 rows pool the codes after their 4-byte scale and bias.
-        dim = c.row_bytes - 4 if dtype_code == INT8_ROWWISE_CODE else c.dim
-        out = torch.full((bags, dim), float("nan"))  # every element must be written
+        chunk_bits = {c.chunk_bits for c, _ in tables}
+        assert len(chunk_bits) == 1, "one launch decodes one chunk width"
+        for c, _ in tables:
+            assert c.payload.data_ptr() % 16 == 0, "payload must be 16-byte aligned"
+
+        def dim(c: CompressedTable, code: int) -> int:
+            # Row-wise int8 rows pool the codes after their 4-byte scale and bias.
+            return c.row_bytes - 4 if code == INT8_ROWWISE_CODE else c.dim
+
+        outs = [  # every element must be written
+            torch.full((count, dim(*tables[t])), float("nan")) for t, _, count in parts
+        ]
+
+        def pointers(ts: list[torch.Tensor]) -> ctypes.Array:
+            return (ctypes.c_void_p * len(ts))(*(t.data_ptr() for t in ts))
+
+        def int64s(values: list[int]) -> ctypes.Array:
+            return (ctypes.c_int64 * len(values))(*values)
+
+        cs = [c for c, _ in tables]
         args = (
-            dtype_code,
+            len(tables),
+            pointers([c.payload for c in cs]),
+            int64s([c.payload.numel() for c in cs]),
+            pointers([c.block_base for c in cs]),
+            pointers([c.row_units for c in cs]),
+            pointers([c.bitmask for c in cs]),
+            pointers([c.mask for c in cs]),
+            pointers([c.bitval for c in cs]),
+            int64s([c.bitval.numel() for c in cs]),
+            int64s([c.num_rows for c in cs]),
+            int64s([c.row_bytes for c in cs]),
+            int64s([c.unit_bytes for c in cs]),
+            chunk_bits.pop(),
+            (ctypes.c_int * len(tables))(*(code for _, code in tables)),
+            int(single),
+            len(parts),
+            (ctypes.c_int32 * len(parts))(*(t for t, _, _ in parts)),
+            int64s([first for _, first, _ in parts]),
+            int64s([count for _, _, count in parts]),
+            pointers(outs),
             pooling_code,
             _ptr(ids),
             _ptr(offsets),
-            bags,
+            offsets.numel() - 1,
             ids.numel(),
             _ptr(weights),
-            _ptr(out),
         )
-        return out, self._launch(self.lib.simt_pooled, c, args, grid)
+        message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+        launch = (grid.blocks, grid.warps, int(grid.async_copies), message, _MESSAGE_BYTES)
+        rc = self.lib.simt_pooled(*args, *launch)
+        if rc < 0:
+            raise EmulationError(message.value.decode())
+        return outs, rc
 
     def selftest(self, case: int) -> tuple[int, str]:
         """Runs one of simt_selftest.cpp's toy kernels: (its result, the emulator's failure)."""

@@ -8,9 +8,12 @@
 //   - every lane of a warp reaches the same collective (full masks only): a lane that calls another
 //     one, or exits while the others wait, fails the launch ("divergent"), and a warp whose lanes
 //     never all arrive fails it after a timeout ("deadlock");
-//   - cp.async copies land only when cp.async.wait_group retires their group, oldest first, so a
-//     kernel that reads a staging buffer before waiting for it reads stale bytes, and shared memory
-//     starts as a poison pattern, so reading bytes nothing wrote shows up as a wrong row;
+//   - cp.async copies land only when cp.async.wait_group retires their group, oldest first, and
+//     their 16 destination bytes turn to a poison pattern when the copy is issued (on hardware
+//     they are undefined until the wait), so a kernel that reads a staging buffer before waiting
+//     for it reads poison even where the buffer held the same row before (a ring of buffers, a
+//     hot id); shared memory also starts as poison, so reading bytes nothing wrote shows up as a
+//     wrong row;
 //   - each cp.async must read 16 aligned bytes inside a registered device buffer (the payload) and
 //     write 16 aligned bytes inside the block's shared memory.
 // What it cannot show: timing, the memory model of real hardware (it is stronger here: threads
@@ -297,6 +300,9 @@ inline float __fdiv_rn(float a, float b) { return a / b; }
 
 // ---- cp.async and shared memory (row_pipeline.cuh leaves these to the emulator) --------------
 
+// What a cp.async destination holds between the issue and the wait.
+inline constexpr uint8_t kCopyPoison = 0xCD;
+
 inline void cp_async16(void* smem, const void* gmem) {
   auto* dst = static_cast<uint8_t*>(smem);
   const auto* src = static_cast<const uint8_t*>(gmem);
@@ -310,6 +316,7 @@ inline void cp_async16(void* smem, const void* gmem) {
       simt::self.readable->begin(), simt::self.readable->end(),
       [&](const simt::Region& r) { return src >= r.begin && src + 16 <= r.end; });
   if (!readable) simt::fail("cp.async reads outside every device buffer of the launch");
+  std::memset(dst, kCopyPoison, 16);
   simt::self.open.emplace_back(dst, src);
 }
 

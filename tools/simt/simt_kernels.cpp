@@ -9,6 +9,7 @@
 // Each entry point returns the kernel's error word (ErrorBits, >= 0), or -1 when the emulator
 // stopped the launch (divergent collectives, a deadlock, a cp.async out of bounds), with the
 // reason in `message`.
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -77,25 +78,74 @@ int simt_gather(const uint8_t* payload, int64_t payload_bytes, const int64_t* bl
   return finish(failure, &error, message, message_len);
 }
 
-// The pooled lookup of lookup.h into out[num_bags, pooled_dim(dtype, row_bytes)].
-int simt_pooled(const uint8_t* payload, int64_t payload_bytes, const int64_t* block_base,
-                const uint8_t* row_units, const int32_t* bitmask, const uint64_t* mask,
-                const uint64_t* bitval, int64_t bitval_len, int64_t num_rows, int64_t row_bytes,
-                int64_t unit_bytes, int chunk_bits, int dtype, int pooling, const int64_t* ids,
-                const int64_t* offsets, int64_t num_bags, int64_t nnz, const float* weights,
-                float* out, int blocks, int warps, int async, char* message, int message_len) {
+// The pooled lookups of lookup.h of `num_parts` parts over `num_tables` tables of one chunk
+// width, in one launch (pooled_kernel.cuh's PooledArgs): the tables' arguments are arrays, one
+// entry per table; part k pools `bag_count[k]` bags from `first_bag[k]` with table
+// `part_table[k]` into out[k], [bag_count[k], pooled_dim]. `single` != 0: one table, passed
+// by value (PooledArgs::single), as the op of one table launches it.
+int simt_pooled(int num_tables, const uint8_t* const* payload, const int64_t* payload_bytes,
+                const int64_t* const* block_base, const uint8_t* const* row_units,
+                const int32_t* const* bitmask, const uint64_t* const* mask,
+                const uint64_t* const* bitval, const int64_t* bitval_len, const int64_t* num_rows,
+                const int64_t* row_bytes, const int64_t* unit_bytes, int chunk_bits,
+                const int* dtype, int single, int num_parts, const int32_t* part_table,
+                const int64_t* first_bag, const int64_t* bag_count, float* const* out,
+                int pooling, const int64_t* ids, const int64_t* offsets, int64_t num_offset_bags,
+                int64_t nnz, const float* weights, int blocks, int warps, int async,
+                char* message, int message_len) {
+  if (num_parts > kMaxPooledParts || (single != 0 && num_tables != 1)) {
+    std::snprintf(message, static_cast<size_t>(message_len), "bad launch");
+    return -1;
+  }
   int32_t error = 0;
-  const DeviceTable table = table_of(payload, payload_bytes, block_base, row_units, bitmask, mask,
-                                     bitval, bitval_len, num_rows, row_bytes, unit_bytes,
-                                     chunk_bits);
-  const auto dt = static_cast<DType>(dtype);
-  const PooledArgs a{table,   dt,   pooled_dim(dt, row_bytes), ids,    offsets,
-                     num_bags, nnz, weights, static_cast<Pooling>(pooling), out,
-                     &error};
-  const Staging st{stage_buffer_bytes(row_bytes, unit_bytes), async != 0};
-  const int64_t smem = pooled_smem_per_warp(table.view, st.buffer_bytes, a.dim);
-  const std::string failure =
-      run(a, st, blocks, warps, smem, pooled_kernel<16>, pooled_kernel<32>, pooled_kernel<64>);
+  std::vector<PooledTable> tables;
+  PooledShape shape{0, 0, 0};
+  std::vector<simt::Region> readable;
+  for (int k = 0; k < num_tables; ++k) {
+    const DeviceTable table =
+        table_of(payload[k], payload_bytes[k], block_base[k], row_units[k], bitmask[k], mask[k],
+                 bitval[k], bitval_len[k], num_rows[k], row_bytes[k], unit_bytes[k], chunk_bits);
+    const auto dt = static_cast<DType>(dtype[k]);
+    tables.push_back(PooledTable{table, dt, pooled_dim(dt, row_bytes[k])});
+    shape.stage_bytes =
+        std::max(shape.stage_bytes, stage_buffer_bytes(row_bytes[k], unit_bytes[k]));
+    shape.rowbuf_bytes = std::max(shape.rowbuf_bytes, rowbuf_bytes(table.view));
+    shape.dim = std::max(shape.dim, tables.back().dim);
+    readable.push_back({payload[k], payload[k] + payload_bytes[k]});
+  }
+  PooledArgs a{};
+  a.tables = single != 0 ? nullptr : tables.data();
+  a.single = tables[0];
+  a.num_parts = num_parts;
+  a.bag_start[0] = 0;
+  for (int k = 0; k < num_parts; ++k) {
+    a.part_table[k] = part_table[k];
+    a.first_bag[k] = first_bag[k];
+    a.bag_start[k + 1] = a.bag_start[k] + bag_count[k];
+    a.out[k] = out[k];
+  }
+  a.max_dim = shape.dim;
+  a.ids = ids;
+  a.offsets = offsets;
+  a.num_offset_bags = num_offset_bags;
+  a.nnz = nnz;
+  a.weights = weights;
+  a.pooling = static_cast<Pooling>(pooling);
+  a.error = &error;
+  const Staging st{shape.stage_bytes, async != 0};
+  const auto smem = static_cast<size_t>(warps * pooled_smem_per_warp(shape));
+  const int threads = warps * kWarpSize;
+  std::string failure;
+  switch (chunk_bits) {
+    case 16:
+      failure = simt::launch(blocks, threads, smem, readable, pooled_kernel<16>, a, st, shape);
+      break;
+    case 32:
+      failure = simt::launch(blocks, threads, smem, readable, pooled_kernel<32>, a, st, shape);
+      break;
+    default:
+      failure = simt::launch(blocks, threads, smem, readable, pooled_kernel<64>, a, st, shape);
+  }
   return finish(failure, &error, message, message_len);
 }
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import errno
 import logging
 import signal
@@ -69,20 +70,21 @@ def load_store(
     """The packed table set in ``config.tables``, or the embedded demo set. ``progress(done,
     total)``: tables loaded so far (a directory's set only; the demo reports 0 of 1 and 1 of 1).
     """
+    # On a GPU the store places every snapshot's tables for the CUDA kernels: index and masks
+    # in device memory, payloads registered in place for zero-copy reads.
+    device = resolve_device(config.device)
     if config.tables is not None:
-        # Page-locked payloads are what the zero-copy CUDA kernels read.
-        pin = resolve_device(config.device).type == "cuda"
         return TableStore.load(
             config.tables,
             verify=config.verify_payloads,
             prefetch=config.prefetch_payloads,
-            pin=pin,
             keep_versions=config.keep_versions,
             progress=progress,
+            device=device,
         )
     if progress is not None:
         progress(0, 1)
-    store = TableStore.from_tables(demo.build(config.demo_max_rows))
+    store = TableStore.from_tables(demo.build(config.demo_max_rows), device=device)
     if progress is not None:
         progress(1, 1)
     return store
@@ -96,6 +98,11 @@ def load_and_check(
     store = load_store(config, progress)
     with store.acquire() as snap:
         device = choose_device(config.device, snap.tables)
+    if device.type != store.device.type:
+        # --device auto after a failed self-test: the store was placed for the GPU, and the
+        # CPU kernels read the host tables of a CPU store. Loading again costs a second load
+        # only on this path, which the log already reports loudly.
+        store = load_store(dataclasses.replace(config, device="cpu"), progress)
     return store, device.type
 
 

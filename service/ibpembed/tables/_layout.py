@@ -63,7 +63,6 @@ def assemble(
     lengths: torch.Tensor,
     *,
     reserve: int = 0,
-    pin_memory: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Copy blocks from several payload buffers into one new compact buffer.
 
@@ -74,7 +73,6 @@ def assemble(
     offset_of_block : int64 [B], byte offset of each block in its source.
     lengths : int64 [B], byte length of each block.
     reserve : extra zero bytes allocated past the pad, for later spills.
-    pin_memory : allocate the buffer page-locked (CUDA builds only).
 
     Returns
     -------
@@ -83,7 +81,7 @@ def assemble(
     """
     starts = torch.cumsum(lengths, 0) - lengths
     end = int(lengths.sum())
-    buffer = torch.zeros(end + PAYLOAD_PAD + reserve, dtype=torch.uint8, pin_memory=pin_memory)
+    buffer = torch.zeros(end + PAYLOAD_PAD + reserve, dtype=torch.uint8)
     block_base = torch.cat([starts, torch.tensor([end], dtype=torch.int64)])
     # Copy whole runs of blocks that are already adjacent in one source: after a few updates a
     # table is a handful of runs, so this is a few large memcpys rather than one per block.

@@ -37,6 +37,13 @@ memory-mapped table, the table is compacted into a fresh buffer with new spare r
 copied, so nothing of a mapped file stays referenced). Each update also copies the small index
 (about 1.4 bytes per row). Updates live in memory: ``save`` writes them out; ``reload`` replaces
 updated tables with their files.
+
+Devices. A store built for a GPU (``device="cuda"``) places every table of a snapshot it
+publishes for the CUDA kernels (``placement.place_table``): the snapshot owns copies of the
+index, bitmask and masks on the device and the device alias of the payload, registered in place.
+A reload or row update publishes new copies with its new snapshot; tables it did not change keep
+theirs. ``snapshot.tables`` stays the host tables (what ``save``, updates and accounting read);
+kernels read ``snapshot.kernel_table(name)``.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ from ibpembed.tables import _layout
 from ibpembed.tables import writer as tw
 from ibpembed.tables.manifest import ManifestEntry, RowRange, load_table_set_meta
 from ibpembed.tables.pack import save_table_set
+from ibpembed.tables.placement import HostAliases, cuda_register, place_table
 
 # Spare payload bytes a compaction reserves for later spills: this fraction of the payload, and
 # at least enough for a few updates like the one that triggered it.
@@ -116,14 +124,22 @@ class TableSnapshot:
     features: Mapping[str, str]  # feature -> table
     # Global rows of the tables that are row shards; a table not listed is whole.
     shards: Mapping[str, RowRange] = dataclasses.field(default_factory=dict)
+    # Each table as the kernels of the store's device read it (``placement.place_table``); on
+    # the CPU the tables themselves.
+    placed: Mapping[str, CompressedTable] = dataclasses.field(default_factory=dict)
+
+    def kernel_table(self, name: str) -> CompressedTable:
+        """Table ``name`` as this snapshot's kernels read it (its device copies on a GPU)."""
+        placed = self.placed.get(name)
+        return placed if placed is not None else self.tables[name]
 
     @functools.cached_property
     def pooling_set(self) -> tuple[CompressedTableSet, Mapping[str, int]]:
-        """This version's poolable tables registered for one-call pooled lookups (CPU tables
-        only), and each one's position in the set. Built on first use: CUDA engines never
-        ask for it."""
+        """This version's poolable tables as its kernels read them (on a GPU, their device
+        copies), registered for one-call pooled lookups, and each one's position in the set.
+        Built on first use."""
         names = [name for name, table in self.tables.items() if table.poolable]
-        return CompressedTableSet([self.tables[n] for n in names]), {
+        return CompressedTableSet([self.kernel_table(n) for n in names]), {
             n: i for i, n in enumerate(names)
         }
 
@@ -153,24 +169,6 @@ class _Spill:
 
     table: CompressedTable
     buffer: torch.Tensor
-
-
-def pinning_enabled(requested: bool) -> bool:
-    """Whether payloads are actually page-locked: asked for, and CUDA is there to use them."""
-    return requested and torch.cuda.is_available()
-
-
-def pin_payload(table: CompressedTable) -> CompressedTable:
-    """Page-lock the payload for the zero-copy CUDA kernels; a no-op when CUDA is unavailable.
-
-    NOTE(tables): the payload is *copied* into page-locked memory (``Tensor.pin_memory``), which
-    works on any CUDA build of torch but costs a copy (and torch's pinned allocator rounds
-    sizes up to a power of two). Registering the mapping in place with ``cudaHostRegister`` (no
-    copy) is the intended follow-up. Not exercised by CI, which has no GPU.
-    """
-    if not pinning_enabled(True) or table.payload.is_pinned():
-        return table
-    return dataclasses.replace(table, payload=table.payload.pin_memory())
 
 
 def _frozen(mapping: Mapping) -> Mapping:
@@ -205,9 +203,10 @@ class TableStore:
         metas: Mapping[str, Mapping[str, Any]] | None = None,
         verify: bool = False,
         prefetch: bool = False,
-        pin: bool = False,
         version: int = 1,
         keep_versions: int = 1,
+        device: torch.device | str = "cpu",
+        aliases: HostAliases | None = None,
     ) -> None:
         _check_features(tables, features)
         if keep_versions < 1:
@@ -223,11 +222,18 @@ class TableStore:
         self._meta = {n: dict(m) for n, m in (metas or {}).items()}
         self._verify = verify
         self._prefetch = prefetch
-        self._pin = pin
+        self.device = torch.device(device)
+        if aliases is None and self.device.type == "cuda":
+            aliases = HostAliases(cuda_register(self.device))
+        self._aliases = aliases
         self._spill: dict[str, _Spill] = {}
         self._keep = keep_versions
         self._current = TableSnapshot(
-            version, _frozen(self._pinned(tables)), _frozen(features), _shards(self._entries)
+            version,
+            _frozen(tables),
+            _frozen(features),
+            _shards(self._entries),
+            self._placed(tables, TableSnapshot(0, {}, {})),
         )
         # Published snapshots still served on request, oldest first; the last is _current.
         self._kept: list[TableSnapshot] = [self._current]
@@ -235,10 +241,17 @@ class TableStore:
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def from_tables(
-        cls, tables: Mapping[str, CompressedTable], features: Mapping[str, str] | None = None
+        cls,
+        tables: Mapping[str, CompressedTable],
+        features: Mapping[str, str] | None = None,
+        *,
+        device: torch.device | str = "cpu",
     ) -> TableStore:
-        """A store over in-memory tables; by default each table serves the feature of its name."""
-        return cls(tables, features if features is not None else {n: n for n in tables})
+        """A store over in-memory tables; by default each table serves the feature of its name.
+        ``device``: where the kernels run (see the module docstring)."""
+        return cls(
+            tables, features if features is not None else {n: n for n in tables}, device=device
+        )
 
     @classmethod
     def load(
@@ -247,9 +260,10 @@ class TableStore:
         *,
         verify: bool = False,
         prefetch: bool = False,
-        pin: bool = False,
         keep_versions: int = 1,
         progress: Callable[[int, int], None] | None = None,
+        device: torch.device | str = "cpu",
+        aliases: HostAliases | None = None,
     ) -> TableStore:
         """A store over a packed table set (manifest + ``.ibpt`` files), memory-mapped.
 
@@ -259,10 +273,12 @@ class TableStore:
         prefetch : read every payload into the page cache at load (and at every reload), so
             the first lookups do not wait on storage; from a cold cache the load then takes
             about as long as reading the payloads (see ``format.read_table``).
-        pin : page-lock payloads for the CUDA kernels (see ``pin_payload``); ignored without
-            CUDA. Buffers made by row updates are then allocated page-locked too.
         keep_versions : published versions kept for pinned lookups (``acquire(version)``).
         progress : ``progress(tables loaded, tables)`` as the load goes (for a loading gauge).
+        device : where the kernels run; ``"cuda"`` places every table for the CUDA kernels
+            (see the module docstring).
+        aliases : the registry of payload aliases for a GPU (default: ``cudaHostRegister`` in
+            place, ``placement.HostAliases``).
         """
         directory = Path(directory)
         manifest, tables, metas = load_table_set_meta(
@@ -276,13 +292,26 @@ class TableStore:
             metas=metas,
             verify=verify,
             prefetch=prefetch,
-            pin=pin,
             version=manifest.table_set_version or 1,
             keep_versions=keep_versions,
+            device=device,
+            aliases=aliases,
         )
 
-    def _pinned(self, tables: Mapping[str, CompressedTable]) -> dict[str, CompressedTable]:
-        return {n: pin_payload(t) if self._pin else t for n, t in tables.items()}
+    def _placed(
+        self, tables: Mapping[str, CompressedTable], previous: TableSnapshot
+    ) -> Mapping[str, CompressedTable]:
+        """Every table placed for this store's device: the device copies of ``previous`` for
+        tables it holds unchanged (the same object), new ones for the rest."""
+        if self.device.type == "cpu":
+            return _frozen(tables)
+        placed = {}
+        for name, table in tables.items():
+            kept = previous.tables.get(name) is table and name in previous.placed
+            placed[name] = (
+                previous.placed[name] if kept else place_table(table, self.device, self._aliases)
+            )
+        return _frozen(placed)
 
     # -- reading ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -383,7 +412,12 @@ class TableStore:
             shards = {n: r for n, r in self._current.shards.items() if n in tables}
         newest = self._current.version
         number = newest if same_rows else version if version > newest else newest + 1
-        snapshot = TableSnapshot(number, _frozen(tables), _frozen(features), _frozen(shards))
+        # Placed before the swap: a placement that fails (device memory runs out) publishes
+        # nothing.
+        placed = self._placed(tables, self._current)
+        snapshot = TableSnapshot(
+            number, _frozen(tables), _frozen(features), _frozen(shards), placed
+        )
         with self._lock:
             self._current = snapshot
             if same_rows:
@@ -438,9 +472,9 @@ class TableStore:
                 and dict(shards) == dict(self._current.shards)
             )
             if not unchanged:
-                # Pinning may fail (page-locked memory runs out): the entries below must keep
-                # describing what is published, or the next reload would "reuse" old tables.
-                tables.update(self._pinned(fresh))
+                # Placing the tables on a device may fail (its memory runs out): the entries
+                # below must keep describing what is published, or the next reload would
+                # "reuse" old tables.
                 self._publish(tables, manifest.features, shards, version=manifest.table_set_version)
                 self._spill.clear()
             self._directory = target
@@ -466,7 +500,7 @@ class TableStore:
         of the file it was loaded from (its origin and layout describe the old rows).
         """
         with self._write_lock:
-            tables = {**self._current.tables, name: self._pinned({name: table})[name]}
+            tables = {**self._current.tables, name: table}
             merged = {**self._current.features, **(features or {})}
             if name not in self._current.tables and not features:
                 merged.setdefault(name, name)
@@ -583,7 +617,6 @@ class TableStore:
                 offsets,
                 lengths,
                 reserve=reserve,
-                pin_memory=pinning_enabled(self._pin),
             )
             # The masks too get memory of their own: views of a mapped file would keep the
             # whole mapping (and the file's disk space, once a pack deletes it) alive.

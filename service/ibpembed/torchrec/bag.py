@@ -277,7 +277,7 @@ class CompressedEmbeddingBag(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}, mode={pooling}"
 
 
-# The first word of the op's table checks (table_view in torch_bindings.cpp) names the buffer at
+# The first word of the op's table checks (table_view in lookup_ops.cpp) names the buffer at
 # fault, or one of these ints, which come from meta (row_bytes through its dim and dtype).
 _META_INTS = ("chunk_bits", "unit_bytes", "row_bytes", "num_rows")
 
