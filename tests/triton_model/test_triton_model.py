@@ -149,7 +149,7 @@ def infer_http(
 def serve_lookup(target: str, batch: dict[str, FeatureBatch], pooling: str) -> dict:
     with LookupClient(target) as c:
         result = c.lookup(batch, pooling=pooling)
-    return dict(result.values)
+    return dict(result)
 
 
 def assert_same_bits(got: np.ndarray, expected: np.ndarray) -> None:
