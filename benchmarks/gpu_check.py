@@ -1137,7 +1137,7 @@ def check_served(dev: torch.device) -> dict[str, Any]:
     from benchmarks import data
     from ibpembed.engine import FeatureQuery, LookupEngine
     from ibpembed.tables.importers import TableSet, TableSource
-    from ibpembed.tables.manifest import pack_table_set
+    from ibpembed.tables.pack import pack_table_set
     from ibpembed.tables.store import TableStore
 
     checks = Checks()

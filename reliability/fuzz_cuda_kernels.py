@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ibpembed import compress
-from ibpembed._ops import INT8_ROWWISE_CODE
+from ibpembed.layout import INT8_ROWWISE_CODE
 from reliability import fuzz_codec as fc
 from tools.simt.harness import EmulatedKernels, EmulationError, Grid, build
 

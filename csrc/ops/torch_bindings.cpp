@@ -14,6 +14,7 @@
 #include <string>
 
 #include "ibpembed/codec.h"
+#include "ibpembed/numeric.h"
 #include "ops.h"
 
 namespace ibpembed {
@@ -74,7 +75,18 @@ TORCH_LIBRARY_IMPL(ibpembed, CUDA, m) {
 // The Python module only carries process-level controls; all table work goes through torch.ops.
 PYBIND11_MODULE(_C, module) {
   module.doc() = "ibpembed native ops (registered under torch.ops.ibpembed)";
+  // The layout's constants, so Python reads them from the header instead of repeating them.
   module.attr("FORMAT_VERSION") = ibpembed::kFormatVersion;
+  module.attr("ROWS_PER_BLOCK") = ibpembed::kRowsPerBlock;
+  module.attr("PAYLOAD_PAD") = ibpembed::kPayloadPad;
+  module.attr("MAX_UNITS_PER_ROW") = ibpembed::kMaxUnitsPerRow;
+  module.attr("INT8_ROWWISE_HEADER_BYTES") = ibpembed::kInt8RowwiseHeaderBytes;
+  module.attr("DTYPE_FLOAT32") = static_cast<int>(ibpembed::DType::kFloat32);
+  module.attr("DTYPE_FLOAT16") = static_cast<int>(ibpembed::DType::kFloat16);
+  module.attr("DTYPE_BFLOAT16") = static_cast<int>(ibpembed::DType::kBFloat16);
+  module.attr("DTYPE_UINT8") = static_cast<int>(ibpembed::DType::kUInt8);
+  module.attr("DTYPE_INT8") = static_cast<int>(ibpembed::DType::kInt8);
+  module.attr("DTYPE_INT8_ROWWISE") = static_cast<int>(ibpembed::DType::kInt8Rowwise);
   module.def("cpu_path", [] { return std::string(ibpembed::cpu_path_name(ibpembed::active_cpu_path())); },
              "The CPU codec path in use: 'avx512', 'bmi2' or 'ref'.");
   module.def("cpu_has_bmi2", &ibpembed::cpu_has_bmi2, "Whether this CPU reports BMI2.");

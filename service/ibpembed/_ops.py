@@ -12,24 +12,21 @@ from __future__ import annotations
 import torch
 
 from ibpembed import _C  # registers the ops
+from ibpembed.layout import (
+    INT8_ROWWISE_CODE,
+    INT8_ROWWISE_HEADER_BYTES,
+    ROWS_PER_BLOCK,
+    bitmask_words,
+    codebook_entries,
+    num_blocks,
+    num_chunks,
+)
 
 # The CPU path (IBPEMBED_CPU_PATH, or the CPU's fastest) resolves on first use; resolve it now so
 # that a bad value fails the import, not a server's first lookup.
 _C.cpu_path()
 
 ops = torch.ops.ibpembed
-
-# Must match ibpembed::DType in csrc/include/ibpembed/format.h.
-DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 0,
-    torch.float16: 1,
-    torch.bfloat16: 2,
-    torch.uint8: 3,
-    torch.int8: 4,
-}
-INT8_ROWWISE_CODE = 5
-INT8_ROWWISE_HEADER_BYTES = 4
-ROWS_PER_BLOCK = 32
 
 
 def pooled_dim(dtype_code: int, row_bytes: int) -> int:
@@ -43,21 +40,11 @@ def pooled_dim(dtype_code: int, row_bytes: int) -> int:
     return 0
 
 
-def _num_chunks(row_bytes: int, chunk_bits: int) -> int:
-    chunk_bytes = chunk_bits // 8
-    return -(-row_bytes // chunk_bytes)
-
-
-def codebook_entries(num_chunks: int, code_bits: int) -> int:
-    """Length of a table's bitval (format.h): V codebooks of 2^C - 1 patterns."""
-    return num_chunks * ((1 << code_bits) - 1)
-
-
 @torch.library.register_fake("ibpembed::ibp_fit")
 def _fit_fake(
     sample: torch.Tensor, chunk_bits: int, method: str, code_bits: int = 1
 ) -> tuple[torch.Tensor, ...]:
-    v = _num_chunks(sample.shape[1], chunk_bits)
+    v = num_chunks(sample.shape[1], chunk_bits)
     return sample.new_empty((v,), dtype=torch.int64), sample.new_empty(
         (codebook_entries(v, code_bits),), dtype=torch.int64
     )
@@ -67,7 +54,7 @@ def _fit_fake(
 def _fit_codebooks_fake(
     sample: torch.Tensor, chunk_bits: int, code_bits: list[int]
 ) -> list[torch.Tensor]:
-    v = _num_chunks(sample.shape[1], chunk_bits)
+    v = num_chunks(sample.shape[1], chunk_bits)
     out = []
     for c in code_bits:
         out.append(sample.new_empty((v,), dtype=torch.int64))
@@ -83,13 +70,13 @@ def _slot_bytes_fake(rows, chunk_bits, mask, bitval, unit_bytes) -> torch.Tensor
 @torch.library.register_fake("ibpembed::ibp_compress")
 def _compress_fake(rows, chunk_bits, mask, bitval, unit_bytes) -> tuple[torch.Tensor, ...]:
     n = rows.shape[0]
-    blocks = -(-n // ROWS_PER_BLOCK)
+    blocks = num_blocks(n)
     payload_bytes = torch.library.get_ctx().new_dynamic_size()
     return (
         rows.new_empty((payload_bytes,), dtype=torch.uint8),
         rows.new_empty((blocks + 1,), dtype=torch.int64),
         rows.new_empty((blocks * ROWS_PER_BLOCK,), dtype=torch.uint8),
-        rows.new_empty((-(-n // 32),), dtype=torch.int32),
+        rows.new_empty((bitmask_words(n),), dtype=torch.int32),
     )
 
 

@@ -18,8 +18,9 @@ from typing import Literal
 
 import torch
 
-from ibpembed import _C
-from ibpembed._ops import DTYPE_CODES, INT8_ROWWISE_CODE, INT8_ROWWISE_HEADER_BYTES, ops
+from ibpembed import _C, layout
+from ibpembed._ops import ops
+from ibpembed.layout import DTYPE_CODES, INT8_ROWWISE_CODE, INT8_ROWWISE_HEADER_BYTES
 
 Method = Literal["ibpembed", "paper", "raw"]
 Pooling = Literal["sum", "mean"]
@@ -175,7 +176,7 @@ class CompressedTable:
     @property
     def savings(self) -> float:
         """1 - stored / raw (negative only for tiny tables, where metadata dominates)."""
-        return 1.0 - self.stored_bytes / self.raw_bytes
+        return layout.savings(self.stored_bytes, self.raw_bytes)
 
     @property
     def hot_bytes(self) -> int:

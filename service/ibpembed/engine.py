@@ -38,10 +38,10 @@ from typing import Literal, Protocol, TypeVar
 import numpy as np
 import torch
 
-from ibpembed._ops import INT8_ROWWISE_HEADER_BYTES
 from ibpembed.codec import CompressedTable
 from ibpembed.errors import DeadlineExceeded, InvalidArgument, NotFound, Overloaded
 from ibpembed.hot_rows import HotRowTracker
+from ibpembed.layout import INT8_ROWWISE_HEADER_BYTES
 from ibpembed.tables.manifest import RowRange
 from ibpembed.tables.store import TableSnapshot, TableStore
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ROWS_PER_BLOCK = 32
+from ibpembed.layout import PAYLOAD_PAD, ROWS_PER_BLOCK, num_blocks
+
 MAX_UNITS_PER_ROW = 255
-PAYLOAD_PAD = 16
 MAX_CODE_BITS = 4
 # fit_codebooks: rows of the sample it looks at, and the most mask bits per position it tries.
 CODEBOOK_FIT_ROWS = 65536
@@ -325,7 +325,7 @@ def compress(
     code_bits = _resolve_code_bits(mask, bitval, code_bits)
     unit = slot_unit_bytes(row_bytes, align)
     raw_units = -(-row_bytes // unit)
-    blocks = -(-n // ROWS_PER_BLOCK)
+    blocks = num_blocks(n)
     payload = bytearray()
     block_base = np.zeros(blocks + 1, dtype=np.int64)
     row_units = np.zeros(blocks * ROWS_PER_BLOCK, dtype=np.uint8)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ibpembed import CompressedTable, compress
-from ibpembed._ops import INT8_ROWWISE_CODE, ops
+from ibpembed._ops import ops
+from ibpembed.layout import INT8_ROWWISE_CODE
 from tests.codec.tables import DTYPES, FLOAT_DTYPES, make_table, same_bits
 from tests.cuda import cuda_kernels_missing, request_ids
 

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ibpembed import CompressedTable, compress
-from ibpembed._ops import INT8_ROWWISE_CODE
 from ibpembed.codec import CompressedTableSet
+from ibpembed.layout import INT8_ROWWISE_CODE
 from tests.codec.tables import DTYPES, FLOAT_DTYPES, make_table, same_bits
 from tests.cuda import request_ids
 from tools.simt.harness import CXX, EmulatedKernels, EmulationError, Grid, build

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ibpembed import CompressedTable
-from ibpembed._ops import INT8_ROWWISE_CODE
+from ibpembed.layout import INT8_ROWWISE_CODE
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

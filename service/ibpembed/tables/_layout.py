@@ -15,14 +15,7 @@ import dataclasses
 import torch
 
 from ibpembed.codec import CompressedTable
-
-ROWS_PER_BLOCK = 32
-PAYLOAD_PAD = 16  # kPayloadPad in format.h
-
-
-def num_blocks(num_rows: int) -> int:
-    return -(-num_rows // ROWS_PER_BLOCK)
-
+from ibpembed.layout import PAYLOAD_PAD, ROWS_PER_BLOCK
 
 # Blocks summed per step in block_bytes: widening all of row_units to int64 at once would take
 # 8 bytes per row of scratch memory.

@@ -17,7 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from ibpembed import codec
-from ibpembed._ops import DTYPE_CODES, INT8_ROWWISE_CODE
+from ibpembed.layout import DTYPE_CODES, INT8_ROWWISE_CODE
 from ibpembed.tables import format as tf
 from ibpembed.tables import importers, manifest, pack
 from ibpembed.tables import writer as tw

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 import xxhash
 
-from ibpembed import _C, codec
-from ibpembed._ops import DTYPE_CODES, INT8_ROWWISE_CODE, codebook_entries
+from ibpembed import _C, codec, layout
 from ibpembed.codec import CompressedTable
+from ibpembed.layout import DTYPE_CODES, INT8_ROWWISE_CODE, codebook_entries
 from ibpembed.tables import _layout
 
 MAGIC = b"IBPTABLE"
@@ -142,7 +142,7 @@ class TableFile:
 
 
 def align(offset: int, alignment: int) -> int:
-    return -(-offset // alignment) * alignment
+    return layout.ceil_div(offset, alignment) * alignment
 
 
 def hex64(value: int) -> str:
@@ -194,7 +194,7 @@ class SectionPlan:
             SectionKind.BITVAL: 8 * codebook_entries(num_chunks, code_bits),
             SectionKind.BLOCK_BASE: 8 * (blocks + 1),
             SectionKind.ROW_UNITS: blocks * _layout.ROWS_PER_BLOCK,
-            SectionKind.BITMASK: 4 * (-(-num_rows // 32)),
+            SectionKind.BITMASK: 4 * layout.bitmask_words(num_rows),
         }
         self.offsets: dict[SectionKind, int] = {}
         cursor = HEADER.size + SECTION.size * len(SectionKind)
@@ -293,7 +293,7 @@ def read_header(
     if (
         row_bytes != dim * dtype.itemsize
         or unit_bytes != codec.slot_unit_bytes(row_bytes, unit_bytes)
-        or num_chunks != -(-row_bytes // (chunk_bits // 8))
+        or num_chunks != layout.num_chunks(row_bytes, chunk_bits)
     ):
         raise TableFileError(path, "header", "row width, slot unit and chunk count disagree")
     if size < file_bytes:

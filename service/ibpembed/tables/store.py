@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 
+from ibpembed import layout
 from ibpembed._ops import ops
 from ibpembed.codec import CompressedTable, CompressedTableSet, HotRows
 from ibpembed.errors import VersionNotHeld
@@ -107,7 +108,7 @@ class TableBytes:
     @property
     def savings(self) -> float:
         """1 - total / raw."""
-        return 1.0 - self.total / self.raw
+        return layout.savings(self.total, self.raw)
 
     @property
     def ratio(self) -> float:

@@ -21,8 +21,8 @@ from typing import Any, BinaryIO
 import torch
 import xxhash
 
-from ibpembed import codec
-from ibpembed._ops import codebook_entries, ops
+from ibpembed import codec, layout
+from ibpembed._ops import ops
 from ibpembed.codec import CompressedTable
 from ibpembed.tables import _layout
 from ibpembed.tables.atomic import AtomicWriter
@@ -77,7 +77,7 @@ class PackedTable:
 
     @property
     def savings(self) -> float:
-        return 1.0 - self.stored_bytes / self.raw_bytes
+        return layout.savings(self.stored_bytes, self.raw_bytes)
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def _pack_into(
     blocks = _layout.num_blocks(num_rows)
     block_base = torch.empty(blocks + 1, dtype=torch.int64)
     row_units = torch.zeros(blocks * _layout.ROWS_PER_BLOCK, dtype=torch.uint8)
-    bitmask = torch.zeros(-(-num_rows // 32), dtype=torch.int32)
+    bitmask = torch.zeros(layout.bitmask_words(num_rows), dtype=torch.int32)
     writer = _TableFileWriter(file, num_rows, mask.numel(), fitted.code_bits)
     source_hash = xxhash.xxh3_64()
     for begin, end in row_steps(num_rows, row_bytes, PACK_STEP_BYTES):
@@ -255,7 +255,6 @@ class _Written:
     file_bytes: int
 
     def summary(self, name: str, path: Path, seconds: float) -> PackedTable:
-        blocks = _layout.num_blocks(self.num_rows)
         return PackedTable(
             name=name,
             path=path,
@@ -268,9 +267,8 @@ class _Written:
             unit_bytes=self.unit_bytes,
             raw_bytes=self.num_rows * self.dim * self.dtype.itemsize,
             payload_bytes=self.payload_bytes,
-            index_bytes=8 * (blocks + 1) + blocks * _layout.ROWS_PER_BLOCK,
-            metadata_bytes=4 * (-(-self.num_rows // 32))
-            + 8 * (self.num_chunks + codebook_entries(self.num_chunks, self.code_bits)),
+            index_bytes=layout.index_bytes(self.num_rows),
+            metadata_bytes=layout.metadata_bytes(self.num_rows, self.num_chunks, self.code_bits),
             file_bytes=self.file_bytes,
             header_xxh3=self.header_xxh3,
             seconds=seconds,

@@ -14,8 +14,9 @@ from torch import Tensor, nn
 from torchrec.modules.embedding_configs import DataType, PoolingType
 
 from ibpembed import _C
-from ibpembed._ops import DTYPE_CODES, ops, pooled_dim
+from ibpembed._ops import ops, pooled_dim
 from ibpembed.codec import CompressedTable, HotRows
+from ibpembed.layout import DTYPE_CODES
 from ibpembed.tables.format import TableFileError, check_index
 
 # Bumped whenever the meaning of the buffers changes, so an old state_dict is rejected with a

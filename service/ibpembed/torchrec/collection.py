@@ -24,10 +24,10 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from ibpembed._ops import DTYPE_CODES
 from ibpembed.codec import CompressedTable, compress
 from ibpembed.hot_rows import DEFAULT_BUDGET as DEFAULT_HOT_ROW_BUDGET
 from ibpembed.hot_rows import hot_row_ids
+from ibpembed.layout import DTYPE_CODES
 from ibpembed.tables.manifest import load_table_set
 from ibpembed.torchrec.bag import DATA_TYPES, POOLING_CODES, TORCH_DTYPES, CompressedEmbeddingBag
 from ibpembed.torchrec.report import TableReport

@@ -3,6 +3,8 @@
 
 from dataclasses import dataclass
 
+from ibpembed import layout
+
 
 @dataclass(frozen=True)
 class TableReport:
@@ -29,7 +31,7 @@ class TableReport:
     @property
     def savings(self) -> float:
         """1 - stored / raw."""
-        return 1.0 - self.stored_bytes / self.raw_bytes
+        return layout.savings(self.stored_bytes, self.raw_bytes)
 
 
 def format_table_bytes(report: list[TableReport]) -> str:
