@@ -56,6 +56,12 @@ DEDUPE_MIN_IDS = 32768
 FUSED_MIN_HOT_COVERAGE = 0.5
 # The oldest GPU the CUDA kernels run on (setup.py builds sm_80, sm_90 and compute_90 PTX).
 MIN_CUDA_CAPABILITY = (8, 0)
+# Requests with at most this many ids run on the calling (event-loop) thread instead of a
+# worker: handing a request to a worker thread and back costs more than their kernels
+# (docs/serving.md, *The thread hand-off*, measured with benchmarks.service --handoff).
+INLINE_MAX_IDS = 256
+# Element types a pooled result may be rounded to (fp32 accumulation, one rounding, RNE).
+OUTPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # One kernel call of a request: (table, nnz ids, unique distinct rows decoded, seconds).
@@ -239,6 +245,8 @@ class LookupEngine:
         lookups read those copies instead of decoding. 0 = off. Ignored on CUDA, where the
         kernels decode every row on the GPU.
     hot_row_refresh_s : seconds between re-rankings of the hot rows.
+    inline_max_ids : :meth:`lookup` runs CPU requests with at most this many ids on the calling
+        thread (no hand-off to a worker; the event loop waits for their kernels). 0 = never.
     """
 
     def __init__(
@@ -254,6 +262,7 @@ class LookupEngine:
         observer: LookupObserver | None = None,
         hot_row_budget: float = 0.0,
         hot_row_refresh_s: float = 30.0,
+        inline_max_ids: int = INLINE_MAX_IDS,
     ) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
@@ -270,6 +279,9 @@ class LookupEngine:
         self.dedupe_min_ids = dedupe_min_ids
         self.max_output_bytes = max_output_bytes
         self.observer = observer
+        if inline_max_ids < 0:
+            raise ValueError(f"inline_max_ids must be >= 0, got {inline_max_ids}")
+        self.inline_max_ids = inline_max_ids if self.device.type == "cpu" else 0
         self.hot_rows: HotRowTracker | None = None
         if hot_row_budget < 0:
             raise ValueError(f"hot_row_budget must be >= 0, got {hot_row_budget}")
@@ -307,8 +319,11 @@ class LookupEngine:
         deadline: float | None = None,
         then: Callable[[LookupResult], T] | None = None,
         slot: AdmissionSlot | None = None,
+        output_dtype: torch.dtype = torch.float32,
+        on_done: Callable[[], None] | None = None,
     ) -> LookupResult | T:
-        """Look up a request off the event loop.
+        """Look up a request off the event loop, or on it for requests of at most
+        ``inline_max_ids`` ids (their kernels are shorter than the hand-off to a worker).
 
         Parameters
         ----------
@@ -321,6 +336,9 @@ class LookupEngine:
         slot : the request's admission, taken by the caller with :meth:`admit` when it keeps
             the result's memory past the return (it releases its own hold); None = admit here,
             released when the kernels finish.
+        output_dtype : element type of pooled results (see :meth:`run`).
+        on_done : called once the work has ended wherever it ran (also when it failed, was
+            refused, or outlived a cancelled caller): when nothing touches what ``then`` uses.
 
         Raises
         ------
@@ -329,7 +347,35 @@ class LookupEngine:
         InvalidArgument : malformed ids / lengths / weights, or an id out of range.
         DeadlineExceeded : the deadline passed before a worker thread picked the request up.
         """
-        future = self.submit(features, pooling, deadline=deadline, then=then, slot=slot)
+        if self.runs_inline(features):
+            try:
+                own = self.admit() if slot is None else None
+                try:
+                    result = self.run(
+                        features, pooling, deadline=deadline, output_dtype=output_dtype
+                    )
+                    return result if then is None else then(result)
+                finally:
+                    if own is not None:
+                        own.release()
+            finally:
+                if on_done is not None:
+                    on_done()
+        try:
+            future = self.submit(
+                features,
+                pooling,
+                deadline=deadline,
+                then=then,
+                slot=slot,
+                output_dtype=output_dtype,
+            )
+        except BaseException:
+            if on_done is not None:
+                on_done()
+            raise
+        if on_done is not None:
+            future.add_done_callback(lambda _: on_done())
         # If the caller is cancelled (client gone, deadline) the thread still finishes its
         # kernel; the work's hold on the admission slot is released by the future's callback,
         # not here, so the bound on in-flight work holds.
@@ -343,6 +389,7 @@ class LookupEngine:
         deadline: float | None = None,
         then: Callable[[LookupResult], T] | None = None,
         slot: AdmissionSlot | None = None,
+        output_dtype: torch.dtype = torch.float32,
     ) -> Future[LookupResult | T]:
         """Admit a request (unless ``slot`` is given) and queue it on the worker threads (see
         :meth:`lookup`)."""
@@ -352,7 +399,7 @@ class LookupEngine:
             slot.hold()
 
         def work() -> LookupResult | T:
-            result = self.run(features, pooling, deadline=deadline)
+            result = self.run(features, pooling, deadline=deadline, output_dtype=output_dtype)
             return result if then is None else then(result)
 
         try:
@@ -369,12 +416,24 @@ class LookupEngine:
         pooling: Pooling,
         *,
         deadline: float | None = None,
+        output_dtype: torch.dtype = torch.float32,
     ) -> LookupResult:
-        """Look up a request on the calling thread (no admission control): the in-process path."""
+        """Look up a request on the calling thread (no admission control): the in-process path.
+
+        ``output_dtype`` float16 or bfloat16 rounds each pooled result once, to nearest even,
+        from its fp32 accumulation (a relative error of at most 2**-11 resp. 2**-8 of each
+        value, plus fp16's overflow to inf past 65504); NONE rows are never converted.
+        """
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExceeded("deadline passed while the request waited for a worker")
         if pooling not in POOLINGS:
             raise InvalidArgument("pooling", f"must be one of {POOLINGS}, got {pooling!r}")
+        if output_dtype not in OUTPUT_DTYPES:
+            raise InvalidArgument("output_dtype", f"must be one of {OUTPUT_DTYPES}")
+        if output_dtype != torch.float32 and pooling == "none":
+            raise InvalidArgument(
+                "output_dtype", "NONE returns rows bit-exact in the table's dtype: leave it unset"
+            )
         with self.store.acquire() as snap:
             plan = self._plan(snap, features, pooling)
             if self.hot_rows is not None:
@@ -398,6 +457,8 @@ class LookupEngine:
                     out[pos] = values
             if self.observer is not None:
                 self.observer.kernels_done(pooling, calls)
+            if output_dtype != torch.float32:
+                out = [v.to(output_dtype) for v in out]  # type: ignore[union-attr]
             return LookupResult(
                 version=snap.version,
                 features=[FeatureResult(q.name, v) for q, v in zip(features, out, strict=True)],  # type: ignore[arg-type]
@@ -565,6 +626,17 @@ class LookupEngine:
                     pooled *= counts.reciprocal().unsqueeze(1)
                 return pooled, unique.numel()
         return table.lookup(ids, offsets, weights, pooling), nnz  # type: ignore[arg-type]
+
+    def runs_inline(self, features: Sequence[FeatureQuery]) -> bool:
+        """Whether :meth:`lookup` runs this request on the calling thread."""
+        if not self.inline_max_ids:
+            return False
+        ids = 0
+        for query in features:
+            ids += query.ids.size
+            if ids > self.inline_max_ids:
+                return False
+        return True
 
     # -- introspection -----------------------------------------------------------------------
     def describe(self, name: str | None = None) -> list[TableDescription]:

@@ -3,21 +3,26 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TypeVar
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ibpembed_client._common import (
+    BFLOAT16,
     DEFAULT_MAX_MESSAGE_BYTES,
     FeatureInput,
     KeepAliveOptions,
     LookupResult,
     LookupServiceError,
+    OutputDType,
     Pooling,
+    RegisteredRegion,
     Retrier,
     RetryPolicy,
     Router,
@@ -28,6 +33,7 @@ from ibpembed_client._common import (
     channel_options,
     decode_response,
 )
+from ibpembed_client.regions import OutputRegion, SharedMemoryRegion
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 
@@ -80,6 +86,8 @@ class LookupClient:
         self._options = channel_options(max_message_bytes, keepalive)
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()  # threads' first calls must share one channel
+        # Regions registered through this client, by name: what output_region lookups view.
+        self._regions: dict[str, RegisteredRegion] = {}
 
     # -- channels --------------------------------------------------------------------------
     def _channel(self, target: str) -> grpc.Channel:
@@ -148,6 +156,8 @@ class LookupClient:
         *,
         timeout: float | None = None,
         request_id: str = "",
+        output_dtype: OutputDType | None = None,
+        output_region: OutputRegion | str | None = None,
     ) -> LookupResult:
         """Look up one batch.
 
@@ -157,12 +167,26 @@ class LookupClient:
         pooling : ``"sum"``, ``"mean"`` (``[B, D]`` float32) or ``"none"`` (``[nnz, D]`` rows).
         timeout : overall deadline in seconds (default: the client's).
         request_id : echoed back; the server logs it with failures.
+        output_dtype : ``"float32"`` (default), ``"float16"`` or ``"bfloat16"`` pooled values,
+            rounded once by the server from its fp32 sums. bfloat16 values come back as
+            ``ml_dtypes.bfloat16`` where ml_dtypes is installed, else as uint16 bit patterns
+            (:func:`bf16_to_float32`). Not with ``"none"``.
+        output_region : a region registered with :meth:`register_region` (its name, or an
+            :class:`OutputRegion` window of it): the server writes the values there and the
+            result's arrays are views of that memory (no copy).
 
         Raises
         ------
         LookupServiceError : with the status code (NOT_FOUND, INVALID_ARGUMENT, ...).
         """
-        return self.lookup_request(build_request(features, pooling, request_id), timeout=timeout)
+        request = build_request(
+            features,
+            pooling,
+            request_id,
+            output_dtype=output_dtype,
+            output_region=output_region,
+        )
+        return self.lookup_request(request, timeout=timeout)
 
     def lookup_request(
         self, request: pb.LookupRequest, *, timeout: float | None = None
@@ -170,12 +194,76 @@ class LookupClient:
         """Send a prebuilt :class:`~ibpembed_client.v1.lookup_pb2.LookupRequest`."""
         stub = self._stub(self.router(request) if self.router else None)
         metadata = call_metadata(self._token)
+        region = self._output_region_of(request)
         response = self._call(
             lambda t: stub.Lookup(request, timeout=t, metadata=metadata),
             timeout,
             request.request_id,
         )
-        return decode_response(response)
+        return decode_response(response, region, pooled_bf16=_pooled_bf16(request))
+
+    def _output_region_of(self, request: pb.LookupRequest) -> RegisteredRegion | None:
+        if not request.HasField("output_region"):
+            return None
+        region = self._regions.get(request.output_region.name)
+        if region is None:
+            raise ValueError(
+                f"output_region {request.output_region.name!r} was not registered through this "
+                "client (register_region): its memory is needed to view the results"
+            )
+        return region
+
+    # -- shared-memory regions -------------------------------------------------------------
+    def register_region(
+        self,
+        name: str,
+        memory: SharedMemoryRegion,
+        *,
+        offset: int = 0,
+        byte_size: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Register ``[offset, offset + byte_size)`` of ``memory`` (default: to its end) with
+        the server as ``name``, for lookups' ``output_region`` / ``input_region``."""
+        size = memory.size - offset if byte_size is None else byte_size
+        request = pb.RegisterRegionRequest(
+            name=name,
+            kind=pb.REGION_KIND_SYSTEM_SHM,
+            shm_name=memory.shm_name,
+            offset=offset,
+            byte_size=size,
+        )
+        metadata = call_metadata(self._token)
+        self._call(
+            lambda t: self._stub().RegisterRegion(request, timeout=t, metadata=metadata), timeout
+        )
+        self._regions[name] = RegisteredRegion(memory, offset, size)
+
+    def unregister_region(self, name: str = "", *, timeout: float | None = None) -> int:
+        """Release region ``name`` on the server (every region of this caller for ``""``);
+        returns how many were released."""
+        metadata = call_metadata(self._token)
+        request = pb.UnregisterRegionRequest(name=name)
+        response = self._call(
+            lambda t: self._stub().UnregisterRegion(request, timeout=t, metadata=metadata),
+            timeout,
+        )
+        if name:
+            self._regions.pop(name, None)
+        else:
+            self._regions.clear()
+        return response.released
+
+    def list_regions(self, *, timeout: float | None = None) -> list[pb.RegionInfo]:
+        """This caller's regions as the server holds them."""
+        metadata = call_metadata(self._token)
+        response = self._call(
+            lambda t: self._stub().ListRegions(
+                pb.ListRegionsRequest(), timeout=t, metadata=metadata
+            ),
+            timeout,
+        )
+        return list(response.regions)
 
     def lookup_stream(
         self,
@@ -190,12 +278,23 @@ class LookupClient:
         requests with :func:`build_request`. Not retried (requests may have run).
         """
         timeout = self.timeout if timeout is None else timeout
+        # Responses come back in request order: each is decoded with its request's region.
+        sent: collections.deque[tuple[RegisteredRegion | None, np.dtype | None]] = (
+            collections.deque()
+        )
+
+        def sending() -> Iterator[pb.LookupRequest]:
+            for request in requests:
+                sent.append((self._output_region_of(request), _pooled_bf16(request)))
+                yield request
+
         responses = self._stub().LookupStream(
-            iter(requests), timeout=timeout, metadata=call_metadata(self._token, stream_id)
+            sending(), timeout=timeout, metadata=call_metadata(self._token, stream_id)
         )
         try:
             for response in responses:
-                yield decode_response(response)
+                region, bf16 = sent.popleft()
+                yield decode_response(response, region, pooled_bf16=bf16)
         except grpc.RpcError as err:
             raise LookupServiceError.from_rpc_error(err, stream_id) from None
 
@@ -227,3 +326,8 @@ class LookupClient:
         except grpc.RpcError:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _pooled_bf16(request: pb.LookupRequest) -> np.dtype | None:
+    """How a request's bfloat16 pooled values come back: ml_dtypes' dtype where installed."""
+    return BFLOAT16 if request.output_dtype == pb.DTYPE_BFLOAT16 else None

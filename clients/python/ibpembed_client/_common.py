@@ -13,9 +13,23 @@ from typing import Literal, Union
 import grpc
 import numpy as np
 
+from ibpembed_client.regions import OutputRegion, SharedMemoryRegion
 from ibpembed_client.v1 import lookup_pb2 as pb
 
+try:  # optional: numpy's own dtype for bfloat16 values
+    import ml_dtypes
+
+    BFLOAT16: np.dtype | None = np.dtype(ml_dtypes.bfloat16)
+except ImportError:
+    BFLOAT16 = None
+
 Pooling = Literal["sum", "mean", "none"]
+OutputDType = Literal["float32", "float16", "bfloat16"]
+OUTPUT_DTYPES: dict[str, int] = {
+    "float32": pb.DTYPE_FLOAT32,
+    "float16": pb.DTYPE_FLOAT16,
+    "bfloat16": pb.DTYPE_BFLOAT16,
+}
 POOLING: dict[str, int] = {"sum": pb.POOLING_SUM, "mean": pb.POOLING_MEAN, "none": pb.POOLING_NONE}
 # numpy has no bfloat16: bf16 rows come back as their uint16 bit patterns (see bf16_to_float32).
 DTYPES: dict[int, tuple[str, np.dtype]] = {
@@ -125,6 +139,8 @@ def _int_bytes(array: np.ndarray, dtype: str, what: str) -> bytes:
     array = np.asarray(array)
     if array.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {array.shape}")
+    if array.dtype == dtype:  # already the wire's type: nothing a cast could change
+        return array.tobytes()
     # A cast would truncate 1.9 to 1 and look up the wrong row; an empty list is float64 in
     # numpy but holds nothing to truncate.
     if array.size and array.dtype.kind not in "iu":
@@ -140,7 +156,12 @@ def _int_bytes(array: np.ndarray, dtype: str, what: str) -> bytes:
 
 
 def build_request(
-    features: Mapping[str, FeatureInput], pooling: Pooling = "sum", request_id: str = ""
+    features: Mapping[str, FeatureInput],
+    pooling: Pooling = "sum",
+    request_id: str = "",
+    *,
+    output_dtype: OutputDType | None = None,
+    output_region: OutputRegion | str | None = None,
 ) -> pb.LookupRequest:
     """A ``LookupRequest`` from per-feature batches or per-sample id lists.
 
@@ -149,6 +170,10 @@ def build_request(
     features : feature name -> :class:`FeatureBatch` or list of per-sample id lists.
     pooling : ``"sum"``, ``"mean"`` or ``"none"`` (rows, bit-exact).
     request_id : echoed back and logged by the server on failures; empty = server picks one.
+    output_dtype : ``"float32"``, ``"float16"`` or ``"bfloat16"`` pooled outputs (the server
+        rounds its fp32 sums once, to nearest even); None = float32. Not with ``"none"``.
+    output_region : a registered region (its name, or an :class:`OutputRegion` window of it)
+        for the server to write the values into instead of the response.
 
     Raises
     ------
@@ -160,15 +185,25 @@ def build_request(
     if pooling not in POOLING:
         raise ValueError(f"pooling must be one of {sorted(POOLING)}, got {pooling!r}")
     request = pb.LookupRequest(request_id=request_id, pooling=POOLING[pooling])
+    if output_dtype is not None:
+        if output_dtype not in OUTPUT_DTYPES:
+            raise ValueError(
+                f"output_dtype must be one of {sorted(OUTPUT_DTYPES)}, got {output_dtype!r}"
+            )
+        request.output_dtype = OUTPUT_DTYPES[output_dtype]
+    if output_region is not None:
+        window = OutputRegion(output_region) if isinstance(output_region, str) else output_region
+        request.output_region.name = window.name
+        request.output_region.offset = window.offset
+        request.output_region.byte_size = window.byte_size
+    add = request.features.add  # in place: append() would copy each message
     for name, value in features.items():
         batch = value if isinstance(value, FeatureBatch) else FeatureBatch.from_lists(value)
-        request.features.append(
-            pb.FeatureInput(
-                name=name,
-                ids=_int_bytes(batch.ids, "<i8", f"feature {name!r}: ids"),
-                lengths=_int_bytes(batch.lengths, "<i4", f"feature {name!r}: lengths"),
-                weights=b"" if batch.weights is None else _le_bytes(batch.weights, "<f4"),
-            )
+        add(
+            name=name,
+            ids=_int_bytes(batch.ids, "<i8", f"feature {name!r}: ids"),
+            lengths=_int_bytes(batch.lengths, "<i4", f"feature {name!r}: lengths"),
+            weights=b"" if batch.weights is None else _le_bytes(batch.weights, "<f4"),
         )
     return request
 
@@ -194,20 +229,42 @@ class LookupResult:
         return self.values[name]
 
 
-def decode_response(response: pb.LookupResponse) -> LookupResult:
-    """Arrays from a response (``error`` set for a stream's failed request)."""
+@dataclass(frozen=True)
+class RegisteredRegion:
+    """A region this client registered: its memory and where the region starts in it."""
+
+    memory: SharedMemoryRegion
+    offset: int
+    byte_size: int
+
+
+def decode_response(
+    response: pb.LookupResponse,
+    region: RegisteredRegion | None = None,
+    *,
+    pooled_bf16: np.dtype | None = None,
+) -> LookupResult:
+    """Arrays from a response (``error`` set for a stream's failed request): copies of nothing,
+    views of the response's bytes, or of ``region`` for a lookup that named an output region.
+    ``pooled_bf16`` is the numpy dtype bfloat16 values come back as (default uint16 bits)."""
     if response.HasField("error"):
         error = LookupServiceError(
             _code_from_int(response.error.code), response.error.message, response.request_id
         )
         return LookupResult(response.request_id, response.table_version, error=error)
     result = LookupResult(response.request_id, response.table_version)
+    values, dtypes = result.values, result.dtypes
     for feature in response.features:
         name, dtype = DTYPES[feature.dtype]
-        result.values[feature.name] = np.frombuffer(feature.values, dtype=dtype).reshape(
-            tuple(feature.shape)
-        )
-        result.dtypes[feature.name] = name
+        if pooled_bf16 is not None and feature.dtype == pb.DTYPE_BFLOAT16:
+            dtype = pooled_bf16
+        shape = tuple(feature.shape)
+        if region is None:
+            values[feature.name] = np.frombuffer(feature.values, dtype=dtype).reshape(shape)
+        else:
+            offset = region.offset + feature.region_offset
+            values[feature.name] = region.memory.array(offset, dtype, shape)
+        dtypes[feature.name] = name
     return result
 
 

@@ -36,8 +36,9 @@ from ibpembed.server.interceptors import (
 )
 from ibpembed.server.memory import keep_freed_memory
 from ibpembed.server.metrics import ServerMetrics
+from ibpembed.server.regions import RegionRegistry
 from ibpembed.server.reload import ReloadObserver, TableSetReloader
-from ibpembed.server.servicer import EmbeddingLookupServicer, add_to_server
+from ibpembed.server.servicer import EmbeddingLookupServicer, OutputObserver, add_to_server
 from ibpembed.tables.store import TableStore
 from ibpembed_client.v1 import lookup_pb2
 
@@ -52,7 +53,7 @@ _DRAIN_QUIET_MAX_S = 1.0
 SERVICE_NAME = lookup_pb2.DESCRIPTOR.services_by_name["EmbeddingLookup"].full_name
 
 
-class ServerObserver(LookupObserver, RpcObserver, ReloadObserver, Protocol):
+class ServerObserver(LookupObserver, RpcObserver, ReloadObserver, OutputObserver, Protocol):
     """The metrics hook of a whole server (issue 6 implements it)."""
 
 
@@ -112,6 +113,7 @@ class LookupServer:
             device=config.device,
             dedupe_max_unique_fraction=config.dedupe_max_unique_fraction,
             dedupe_min_ids=config.dedupe_min_ids,
+            inline_max_ids=config.inline_max_ids,
             hot_row_budget=config.hot_row_budget,
             hot_row_refresh_s=config.hot_row_refresh_s,
             # Leave room for the response's framing (names, shapes: ~50 bytes a feature).
@@ -131,6 +133,8 @@ class LookupServer:
             else None
         )
         self.health = health.aio.HealthServicer()
+        # Shared-memory regions clients registered; their descriptors close at stop.
+        self.regions = RegionRegistry()
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._reloads: set[asyncio.Task] = set()
@@ -170,7 +174,15 @@ class LookupServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        add_to_server(EmbeddingLookupServicer(self.engine, stream_window=cfg.stream_window), server)
+        add_to_server(
+            EmbeddingLookupServicer(
+                self.engine,
+                stream_window=cfg.stream_window,
+                regions=self.regions,
+                observer=self.observer,
+            ),
+            server,
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if cfg.reflection:
             reflection.enable_server_reflection(
@@ -246,6 +258,7 @@ class LookupServer:
             await self._server.stop(max(0.0, give_up - loop.time()))
         # Kernels of cancelled RPCs may still run; wait for them off the loop.
         await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+        self.regions.close()
 
     async def _drained(self) -> None:
         """In-flight RPCs have finished, and no new one has been refused for _DRAIN_QUIET_S (or

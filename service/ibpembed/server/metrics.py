@@ -33,6 +33,7 @@ metric                                                 type       labels
 ``ibpembed_table_reloads_total``                       counter    table
 ``ibpembed_table_set_reloads_total``                   counter    result
 ``ibpembed_table_set_reload_failing``                  gauge      —
+``ibpembed_output_bytes_total``                        counter    transport
 =====================================================  =========  ==================================
 """
 
@@ -432,7 +433,15 @@ class ServerMetrics:
         )
         for result in RELOAD_RESULTS:  # every series exists from the start, for rate()
             self._reloads.inc((result,), 0.0)
-        reg.register(_Families(self._requests, self._latency, self._reloads))
+        self._output = _Counters(
+            f"{NAMESPACE}_output_bytes",
+            "Lookup output values by where they went: wire (in gRPC responses) or shm (written"
+            " into a client's shared-memory region).",
+            ["transport"],
+        )
+        for transport in ("wire", "shm"):
+            self._output.inc((transport,), 0.0)
+        reg.register(_Families(self._requests, self._latency, self._reloads, self._output))
         self._reload_failing = 0  # event loop only, like _inflight
         prometheus_client.Gauge(
             f"{NAMESPACE}_table_set_reload_failing",
@@ -446,6 +455,11 @@ class ServerMetrics:
         """The kernel calls of one request (engine worker thread), one per table it read."""
         self._tables.sync()
         self._kernel.add(pooling, calls, self._tables.row_bytes)
+
+    def output_written(self, transport: str, nbytes: int) -> None:
+        """One request's output values, in its response or its output region (worker thread
+        or event loop)."""
+        self._output.inc((transport,), float(nbytes))
 
     def reload_done(self, result: ReloadResult) -> None:
         """One reload attempt of the table set (event loop)."""

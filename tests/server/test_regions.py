@@ -1,0 +1,408 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Same-host shared-memory regions: outputs (and inputs) through real POSIX shm with a real
+server on loopback, bit-identical to the same request over TCP, and every bad input refused with
+a status naming the field while the server keeps serving."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+
+from ibpembed.server.regions import VALUE_ALIGN
+from ibpembed_client import (
+    FeatureBatch,
+    LookupClient,
+    LookupServiceError,
+    OutputRegion,
+    RetryPolicy,
+    SharedMemoryRegion,
+    build_request,
+)
+from ibpembed_client.v1 import lookup_pb2 as pb
+from ibpembed_client.v1 import lookup_pb2_grpc
+
+from .helpers import FEATURES, RecordingObserver, RunningServer, make_store
+
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def store():
+    return make_store()
+
+
+@pytest.fixture(scope="module")
+def observer():
+    return RecordingObserver()
+
+
+@pytest.fixture(scope="module")
+def server(store, observer):
+    with RunningServer(store, observer=observer) as running:
+        yield running
+
+
+@pytest.fixture()
+def client(server):
+    with LookupClient(server.target, timeout=30, retry=RetryPolicy(max_attempts=1)) as c:
+        yield c
+        c.unregister_region()
+
+
+@pytest.fixture()
+def shm():
+    with SharedMemoryRegion.create(f"/ibpembed-test-{uuid.uuid4().hex[:12]}", 4 * MB) as memory:
+        yield memory
+
+
+def _features(store, seed: int, batch: int, weighted: bool = False, names=None):
+    rng = np.random.default_rng(seed)
+    out = {}
+    with store.acquire() as snap:
+        for name in names or FEATURES:
+            rows = snap.tables[FEATURES[name]].num_rows
+            lengths = rng.integers(0, 5, batch).astype(np.int32)
+            ids = rng.integers(0, rows, int(lengths.sum())).astype(np.int64)
+            weights = rng.uniform(-1, 2, ids.size).astype(np.float32) if weighted else None
+            out[name] = FeatureBatch(ids, lengths, weights)
+    return out
+
+
+def _code(excinfo) -> grpc.StatusCode:
+    return excinfo.value.code
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("pooling", ["none", "sum", "mean"])
+@pytest.mark.parametrize("batch", [0, 1, 37])
+def test_region_outputs_are_bit_identical_to_tcp(client, store, shm, pooling, batch):
+    features = _features(store, batch, batch, weighted=pooling != "none")
+    if pooling != "none":
+        features.pop("quant")  # int8 rows pool too, but weights-free here keeps it simple
+    client.register_region("out", shm)
+    over_tcp = client.lookup(features, pooling)
+    over_shm = client.lookup(features, pooling, output_region="out")
+    for name in features:
+        got = over_shm[name]
+        assert _same_bits(got, over_tcp[name])
+        assert over_shm.dtypes[name] == over_tcp.dtypes[name]
+        # A view of the region, not a copy: it aliases the client's mapping.
+        assert not got.flags.owndata
+        if got.size:
+            assert np.shares_memory(got, shm.array(0, np.uint8, (shm.size,)))
+
+
+def test_region_values_are_aligned_and_the_response_carries_no_values(server, client, store, shm):
+    client.register_region("out", shm, offset=4096, byte_size=MB)
+    request = build_request(_features(store, 3, 5), "sum", output_region="out")
+    stub = lookup_pb2_grpc.EmbeddingLookupStub(grpc.insecure_channel(server.target))
+    response = stub.Lookup(request, timeout=30)
+    assert response.features and all(not f.values for f in response.features)
+    assert [f.region_offset % VALUE_ALIGN for f in response.features] == [0] * len(
+        response.features
+    )
+    assert all(f.shape[0] == 5 for f in response.features)
+
+
+def test_stream_writes_into_regions_bit_identical_to_tcp(client, store, shm):
+    client.register_region("out", shm)
+    per_request = MB
+    requests, tcp = [], []
+    for i, pooling in enumerate(["none", "sum", "mean", "sum"]):
+        features = _features(store, 50 + i, 16, names=["user", "item", "ctx"])
+        window = OutputRegion("out", offset=i * per_request, byte_size=per_request)
+        requests.append(build_request(features, pooling, output_region=window))
+        tcp.append(client.lookup(features, pooling))
+    results = list(client.lookup_stream(requests))
+    for got, want in zip(results, tcp, strict=True):
+        for name, values in want.values.items():
+            assert _same_bits(got[name], values)
+
+
+def test_inputs_from_a_region(client, store, shm):
+    features = _features(store, 9, 21, weighted=True, names=["user", "user_hist", "ctx"])
+    names = list(features)
+    ids = np.concatenate([features[n].ids for n in names])
+    lengths = np.concatenate([features[n].lengths for n in names])
+    weights = np.concatenate([features[n].weights for n in names])
+    end = shm.write(0, ids)
+    end = shm.write(end, lengths)
+    shm.write(end, weights)
+    client.register_region("in", shm, byte_size=MB)
+    client.register_region("out", shm, offset=MB, byte_size=MB)
+    request = pb.LookupRequest(pooling=pb.POOLING_SUM)
+    for name in names:
+        request.features.add(name=name)
+    request.input_region.name = "in"
+    request.input_region.num_ids.extend(features[n].ids.size for n in names)
+    request.input_region.batch_sizes.extend(features[n].lengths.size for n in names)
+    request.input_region.weighted = True
+    request.output_region.name = "out"
+    got = client.lookup_request(request)
+    want = client.lookup(features, "sum")
+    for name in names:
+        assert _same_bits(got[name], want[name])
+
+
+def test_concurrent_requests_write_disjoint_parts_of_one_region(client, store, shm):
+    client.register_region("out", shm)
+    slice_bytes = 256 * 1024
+    jobs = [(_features(store, 200 + k, 32, names=["user", "item"]), k) for k in range(12)]
+
+    def one(job):
+        features, k = job
+        window = OutputRegion("out", offset=k * slice_bytes, byte_size=slice_bytes)
+        return client.lookup(features, "sum", output_region=window)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, jobs))
+    for (features, _), result in zip(jobs, results, strict=True):
+        want = client.lookup(features, "sum")  # over TCP, after every region write
+        for name in features:
+            assert _same_bits(result[name], want[name])
+
+
+def test_list_and_unregister(client, shm):
+    client.register_region("a", shm, byte_size=1024)
+    client.register_region("b", shm, offset=1024, byte_size=2048)
+    listed = {(r.name, r.shm_name, r.offset, r.byte_size) for r in client.list_regions()}
+    assert listed == {("a", shm.shm_name, 0, 1024), ("b", shm.shm_name, 1024, 2048)}
+    assert client.unregister_region("a") == 1
+    assert [r.name for r in client.list_regions()] == ["b"]
+    with pytest.raises(LookupServiceError) as err:
+        client.unregister_region("a")
+    assert _code(err) == grpc.StatusCode.NOT_FOUND
+    assert client.unregister_region() == 1
+    assert client.list_regions() == []
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+def _register(server, token: str | None = None, **fields) -> None:
+    stub = lookup_pb2_grpc.EmbeddingLookupStub(grpc.insecure_channel(server.target))
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    stub.RegisterRegion(pb.RegisterRegionRequest(**fields), timeout=30, metadata=metadata)
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "field"),
+    [
+        ({"shm_name": "no-slash"}, grpc.StatusCode.INVALID_ARGUMENT, "shm_name"),
+        ({"shm_name": "/a/b"}, grpc.StatusCode.INVALID_ARGUMENT, "shm_name"),
+        ({"shm_name": "/.."}, grpc.StatusCode.INVALID_ARGUMENT, "shm_name"),
+        ({"shm_name": "/" + "x" * 300}, grpc.StatusCode.INVALID_ARGUMENT, "shm_name"),
+        ({"shm_name": "/ibpembed-missing-zz"}, grpc.StatusCode.NOT_FOUND, "shm_name"),
+        ({"byte_size": 0}, grpc.StatusCode.INVALID_ARGUMENT, "byte_size"),
+        ({"byte_size": 5 * MB}, grpc.StatusCode.INVALID_ARGUMENT, "byte_size"),
+        ({"offset": 4 * MB, "byte_size": 1}, grpc.StatusCode.INVALID_ARGUMENT, "byte_size"),
+        ({"name": ""}, grpc.StatusCode.INVALID_ARGUMENT, "name"),
+        ({"kind": pb.REGION_KIND_CUDA_IPC}, grpc.StatusCode.UNIMPLEMENTED, "kind"),
+        ({"kind": 77}, grpc.StatusCode.INVALID_ARGUMENT, "kind"),
+    ],
+)
+def test_bad_registrations(server, shm, fields, code, field):
+    request = {"name": "r", "shm_name": shm.shm_name, "byte_size": 1024} | fields
+    with pytest.raises(grpc.RpcError) as err:
+        _register(server, **request)
+    assert err.value.code() == code
+    assert err.value.details().startswith(field)
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        assert "GPU" in err.value.details()
+
+
+def test_a_symlink_is_not_a_region(server, shm, tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_bytes(bytes(4096))
+    link = f"/ibpembed-link-{uuid.uuid4().hex[:8]}"
+    os.symlink(target, "/dev/shm" + link)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            _register(server, name="r", shm_name=link, byte_size=1024)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert target.read_bytes() == bytes(4096)
+    finally:
+        os.unlink("/dev/shm" + link)
+
+
+def test_a_name_registered_twice(client, server, shm):
+    client.register_region("dup", shm, byte_size=1024)
+    with pytest.raises(LookupServiceError) as err:
+        client.register_region("dup", shm, byte_size=1024)
+    assert _code(err) == grpc.StatusCode.ALREADY_EXISTS
+    with pytest.raises(grpc.RpcError) as other:  # another caller: not theirs to reuse
+        _register(server, token="someone-else", name="dup", shm_name=shm.shm_name, byte_size=8)
+    assert other.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_another_callers_region(server, store, shm):
+    with (
+        LookupClient(server.target, timeout=30, token="alice") as alice,
+        LookupClient(server.target, timeout=30, token="bob") as bob,
+    ):
+        alice.register_region("alices", shm)
+        bob._regions["alices"] = alice._regions["alices"]  # bob names it anyway
+        features = _features(store, 1, 2, names=["user"])
+        with pytest.raises(LookupServiceError) as err:
+            bob.lookup(features, "sum", output_region="alices")
+        assert _code(err) == grpc.StatusCode.PERMISSION_DENIED
+        assert "output_region.name" in err.value.details
+        with pytest.raises(LookupServiceError) as err:
+            bob.unregister_region("alices")
+        assert _code(err) == grpc.StatusCode.PERMISSION_DENIED
+        assert bob.list_regions() == []
+        assert [r.name for r in alice.list_regions()] == ["alices"]
+        assert alice.unregister_region() == 1
+
+
+def _lookup_error(server, features, pooling="sum", **region) -> grpc.RpcError:
+    request = build_request(features, pooling)
+    request.output_region.CopyFrom(pb.OutputRegion(**region))
+    stub = lookup_pb2_grpc.EmbeddingLookupStub(grpc.insecure_channel(server.target))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Lookup(request, timeout=30)
+    return err.value
+
+
+def test_bad_output_regions(server, client, store, shm):
+    client.register_region("out", shm, offset=MB, byte_size=MB)
+    features = _features(store, 4, 64, names=["user", "item"])
+    cases = [
+        ({"name": "nope"}, grpc.StatusCode.NOT_FOUND, "output_region.name"),
+        (
+            {"name": "out", "offset": MB + 1},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "output_region.offset",
+        ),
+        (
+            {"name": "out", "offset": MB - 8, "byte_size": 16},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "output_region.byte_size",
+        ),
+        (  # the window is inside the region but too small for the result
+            {"name": "out", "byte_size": 256},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "output_region.byte_size",
+        ),
+    ]
+    before = shm.array(MB, np.uint8, (MB,)).copy()
+    for region, code, field in cases:
+        err = _lookup_error(server, features, **region)
+        assert err.code() == code, region
+        assert err.details().startswith(field), err.details()
+    # Nothing was written for any of them (a too-small window fails before the first byte).
+    assert np.array_equal(shm.array(MB, np.uint8, (MB,)), before)
+
+
+def test_a_region_shrunk_or_unlinked_under_it(server, store):
+    name = f"/ibpembed-test-{uuid.uuid4().hex[:12]}"
+    memory = SharedMemoryRegion.create(name, MB)
+    features = _features(store, 5, 8, names=["user", "ctx"])
+    with LookupClient(server.target, timeout=30, retry=RetryPolicy(max_attempts=1)) as c:
+        c.register_region("fragile", memory)
+        c.lookup(features, "sum", output_region="fragile")
+        os.truncate("/dev/shm" + name, 4096)  # shrunk below the registered region
+        with pytest.raises(LookupServiceError) as err:
+            c.lookup(features, "sum", output_region="fragile")
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "shrank" in err.value.details and "output_region.name" in err.value.details
+        os.truncate("/dev/shm" + name, MB)
+        c.lookup(features, "sum", output_region="fragile")
+        os.unlink("/dev/shm" + name)
+        with pytest.raises(LookupServiceError) as err:
+            c.lookup(features, "sum", output_region="fragile")
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        assert "unlinked" in err.value.details
+        assert c.unregister_region("fragile") == 1
+        assert c.lookup(features, "sum")["user"].shape == (8, 16)  # still serving
+    memory.owner = False  # already unlinked
+    memory.close()
+
+
+def test_truncation_racing_live_writes_never_crashes_the_server(server, store):
+    """A region truncated and restored in a tight loop while lookups write into it: each lookup
+    succeeds or fails with a status (the server writes with pwritev, never through a mapping
+    that a truncation would turn into SIGBUS)."""
+    name = f"/ibpembed-test-{uuid.uuid4().hex[:12]}"
+    path = "/dev/shm" + name
+    # No client mapping: this process's own reads would fault on the truncations, not the
+    # server's (which maps nothing).
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    os.truncate(path, MB)
+    features = _features(store, 6, 64, names=["user", "user_hist", "item"])
+    stop = threading.Event()
+
+    def flap() -> None:
+        while not stop.is_set():
+            os.truncate(path, 0)
+            os.truncate(path, MB)
+
+    flapper = threading.Thread(target=flap)
+    try:
+        with LookupClient(server.target, timeout=30, retry=RetryPolicy(max_attempts=1)) as c:
+            stub = lookup_pb2_grpc.EmbeddingLookupStub(c._channel(c.target))
+            stub.RegisterRegion(
+                pb.RegisterRegionRequest(name="flap", shm_name=name, byte_size=MB), timeout=30
+            )
+            flapper.start()
+            request = build_request(features, "sum", output_region="flap")
+            codes = set()
+            for _ in range(200):
+                try:
+                    stub.Lookup(request, timeout=30)
+                    codes.add(grpc.StatusCode.OK)
+                except grpc.RpcError as err:
+                    codes.add(err.code())
+            stop.set()
+            flapper.join()
+            assert codes <= {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
+            assert c.lookup(features, "sum")["user"].shape == (64, 16)
+            stub.UnregisterRegion(pb.UnregisterRegionRequest(name="flap"), timeout=30)
+    finally:
+        stop.set()
+        if flapper.is_alive():
+            flapper.join()
+        os.unlink(path)
+
+
+def test_region_bytes_are_counted_apart_from_wire_bytes(client, store, shm, observer):
+    client.register_region("out", shm)
+    features = _features(store, 8, 10, names=["user"])
+    observer.outputs.clear()
+    client.lookup(features, "sum")
+    client.lookup(features, "sum", output_region="out")
+    assert observer.outputs == [("wire", 10 * 16 * 4), ("shm", 10 * 16 * 4)]
+
+
+def _open_by_this_process(path: str) -> int:
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return links.count(path)
+
+
+def test_server_stop_releases_regions(store, shm):
+    """The in-process server's descriptors are this process's: one per region until the stop."""
+    running = RunningServer(store)
+    path = "/dev/shm" + shm.shm_name
+    mine = _open_by_this_process(path)  # Python's mmap keeps a descriptor of its own
+    with LookupClient(running.target, timeout=30) as c:
+        c.register_region("r1", shm)
+        c.register_region("r2", shm, offset=MB)
+        assert _open_by_this_process(path) == mine + 2
+        c.unregister_region("r1")
+        assert _open_by_this_process(path) == mine + 1
+    running.stop()
+    assert _open_by_this_process(path) == mine
