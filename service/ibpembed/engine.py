@@ -131,6 +131,42 @@ class FeatureQuery:
 
 
 @dataclass(frozen=True)
+class PackedRequest:
+    """A request's features as one array of each kind, features back to back in request order:
+    what a transport decodes without per-feature numpy work (:meth:`LookupEngine.run` takes it
+    like a list of :class:`FeatureQuery`).
+
+    Parameters
+    ----------
+    names : feature names, in request order.
+    ids : [nnz] int64, writable (shards shift them in place).
+    lengths : [samples] int32.
+    id_counts, sample_counts : [F] int64: each feature's ids and samples.
+    """
+
+    names: list[str]
+    ids: np.ndarray
+    lengths: np.ndarray
+    id_counts: np.ndarray
+    sample_counts: np.ndarray
+
+    def queries(self) -> list[FeatureQuery]:
+        """The same request feature by feature."""
+        id_ends = np.cumsum(self.id_counts).tolist()
+        sample_ends = np.cumsum(self.sample_counts).tolist()
+        out, id_start, sample_start = [], 0, 0
+        for name, id_end, sample_end in zip(self.names, id_ends, sample_ends, strict=True):
+            out.append(
+                FeatureQuery(name, self.ids[id_start:id_end], self.lengths[sample_start:sample_end])
+            )
+            id_start, sample_start = id_end, sample_end
+        return out
+
+
+Request = Sequence[FeatureQuery] | PackedRequest
+
+
+@dataclass(frozen=True)
 class FeatureResult:
     """One feature's output: [nnz, D] rows in the table dtype (NONE) or [B, D] fp32 (pooled)."""
 
@@ -282,6 +318,9 @@ class LookupEngine:
         if inline_max_ids < 0:
             raise ValueError(f"inline_max_ids must be >= 0, got {inline_max_ids}")
         self.inline_max_ids = inline_max_ids if self.device.type == "cpu" else 0
+        # The last snapshot's features for _run_in_one_call (a snapshot never changes).
+        self._one_call_cache: tuple[TableSnapshot, dict[str, tuple[int, int, str, int]]] | None
+        self._one_call_cache = None
         self.hot_rows: HotRowTracker | None = None
         if hot_row_budget < 0:
             raise ValueError(f"hot_row_budget must be >= 0, got {hot_row_budget}")
@@ -313,7 +352,7 @@ class LookupEngine:
     # -- lookups ---------------------------------------------------------------------------
     async def lookup(
         self,
-        features: Sequence[FeatureQuery],
+        features: Request,
         pooling: Pooling,
         *,
         deadline: float | None = None,
@@ -383,7 +422,7 @@ class LookupEngine:
 
     def submit(
         self,
-        features: Sequence[FeatureQuery],
+        features: Request,
         pooling: Pooling,
         *,
         deadline: float | None = None,
@@ -412,7 +451,7 @@ class LookupEngine:
 
     def run(
         self,
-        features: Sequence[FeatureQuery],
+        features: Request,
         pooling: Pooling,
         *,
         deadline: float | None = None,
@@ -435,6 +474,18 @@ class LookupEngine:
                 "output_dtype", "NONE returns rows bit-exact in the table's dtype: leave it unset"
             )
         with self.store.acquire() as snap:
+            if isinstance(features, PackedRequest):
+                values = self._run_in_one_call(snap, features, pooling)
+                if values is not None:
+                    if output_dtype != torch.float32:
+                        values = [v.to(output_dtype) for v in values]
+                    return LookupResult(
+                        version=snap.version,
+                        features=[
+                            FeatureResult(n, v) for n, v in zip(features.names, values, strict=True)
+                        ],
+                    )
+                features = features.queries()  # the general path, which names any bad field
             plan = self._plan(snap, features, pooling)
             if self.hot_rows is not None:
                 self.hot_rows.record(
@@ -627,10 +678,97 @@ class LookupEngine:
                 return pooled, unique.numel()
         return table.lookup(ids, offsets, weights, pooling), nnz  # type: ignore[arg-type]
 
-    def runs_inline(self, features: Sequence[FeatureQuery]) -> bool:
+    def _run_in_one_call(
+        self, snap: TableSnapshot, request: PackedRequest, pooling: Pooling
+    ) -> list[torch.Tensor] | None:
+        """A pooled CPU request's results from one call of the fused kernel, which checks every
+        feature's ids against its table as it pools them; None when the request needs the
+        general path: NONE, a GPU, a feature it cannot map here (unknown, repeated, not
+        poolable, a row shard), ids the decode-once path may take, a result over
+        ``max_output_bytes``, or anything malformed (the general path names the field).
+
+        NOTE(engine): one row of ``table_bags`` per feature, not per table, so no request-wide
+        grouping, concatenation or splitting: at B=1 x 26 those cost more than the kernels.
+        """
+        if pooling == "none" or self.device.type != "cpu":
+            return None
+        if self.dedupe_max_unique_fraction > 0 and request.ids.size >= self.dedupe_min_ids:
+            return None
+        features = self._one_call_features(snap)
+        try:
+            entries = [features[name] for name in request.names]
+        except KeyError:
+            return None
+        count = len(entries)
+        if len(set(request.names)) != count:
+            return None
+        meta = np.array([e[:2] for e in entries], dtype=np.int64).reshape(count, 2)
+        samples = request.sample_counts
+        if self.max_output_bytes is not None and int(samples @ meta[:, 1]) * 4 > (
+            self.max_output_bytes
+        ):
+            return None
+        offsets = np.zeros(request.lengths.size + 1, dtype=np.int64)
+        np.cumsum(request.lengths, dtype=np.int64, out=offsets[1:])
+        sample_ends = np.cumsum(samples)
+        if not np.array_equal(offsets[sample_ends], np.cumsum(request.id_counts)):
+            return None  # a feature's lengths do not sum to its ids
+        table_bags = np.empty((count, 3), dtype=np.int64)
+        table_bags[:, 0] = meta[:, 0]
+        table_bags[:, 1] = sample_ends - samples
+        table_bags[:, 2] = samples
+        if self.hot_rows is not None:
+            id_ends = np.cumsum(request.id_counts).tolist()
+            self.hot_rows.record(
+                (e[2], request.ids[end - n : end], e[3])
+                for e, n, end in zip(entries, request.id_counts.tolist(), id_ends, strict=True)
+            )
+        table_set, _ = snap.pooling_set
+        try:
+            values, seconds = table_set.lookup(
+                torch.from_numpy(table_bags),
+                torch.from_numpy(request.ids),
+                torch.from_numpy(offsets),
+                None,
+                pooling,  # type: ignore[arg-type]
+            )
+        except (IndexError, ValueError):  # an id out of range or a negative length
+            return None
+        if self.observer is not None:
+            nnz = request.id_counts.tolist()
+            self.observer.kernels_done(
+                pooling,
+                [(e[2], n, n, t) for e, n, t in zip(entries, nnz, seconds, strict=True)],
+            )
+        return values
+
+    def _one_call_features(self, snap: TableSnapshot) -> dict[str, tuple[int, int, str, int]]:
+        """Features of ``snap`` that :meth:`_run_in_one_call` serves: (position in the
+        snapshot's pooling set, pooled dim, table, rows). Built once per snapshot."""
+        cached = self._one_call_cache
+        if cached is not None and cached[0] is snap:
+            return cached[1]
+        _, position = snap.pooling_set
+        features = {}
+        for feature, name in snap.features.items():
+            table = snap.tables[name]
+            if name not in position or name in snap.shards:
+                continue
+            dim = (
+                table.dim - INT8_ROWWISE_HEADER_BYTES
+                if table.quant == "int8_rowwise"
+                else table.dim
+            )
+            features[feature] = (position[name], dim, name, table.num_rows)
+        self._one_call_cache = (snap, features)
+        return features
+
+    def runs_inline(self, features: Request) -> bool:
         """Whether :meth:`lookup` runs this request on the calling thread."""
         if not self.inline_max_ids:
             return False
+        if isinstance(features, PackedRequest):
+            return features.ids.size <= self.inline_max_ids
         ids = 0
         for query in features:
             ids += query.ids.size

@@ -26,7 +26,9 @@ from ibpembed.engine import (
     FeatureQuery,
     LookupEngine,
     LookupResult,
+    PackedRequest,
     Pooling,
+    Request,
     TableDescription,
 )
 from ibpembed.errors import InvalidArgument, Unimplemented
@@ -145,6 +147,35 @@ def decode_request(request: pb.LookupRequest) -> tuple[list[FeatureQuery], Pooli
             )
         )
     return features, _POOLING[request.pooling]
+
+
+def decode_packed(request: pb.LookupRequest) -> PackedRequest | None:
+    """The request's features as one array each (:class:`PackedRequest`), or None for one that
+    :func:`decode_request` must decode feature by feature: weighted, or malformed (it names the
+    field). Call after :func:`_check_request`.
+
+    NOTE(server): one join per field instead of per-feature arrays and objects: at B=1 x 26
+    decoding the features one by one cost more than their kernels.
+    """
+    features = request.features
+    names = [f.name for f in features]
+    if not all(names) or any(f.weights for f in features):
+        return None
+    ids_parts = [f.ids for f in features]
+    length_parts = [f.lengths for f in features]
+    count = len(names)
+    id_bytes = np.fromiter(map(len, ids_parts), dtype=np.int64, count=count)
+    length_bytes = np.fromiter(map(len, length_parts), dtype=np.int64, count=count)
+    if (id_bytes % 8).any() or (length_bytes % 4).any():
+        return None
+    return PackedRequest(
+        names=names,
+        # bytearray: writable memory the kernels may take (and shards shift).
+        ids=np.frombuffer(bytearray().join(ids_parts), dtype="<i8"),
+        lengths=np.frombuffer(b"".join(length_parts), dtype="<i4"),
+        id_counts=id_bytes // 8,
+        sample_counts=length_bytes // 4,
+    )
 
 
 def decode_region_inputs(
@@ -353,6 +384,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         _check_request(request)
         output_dtype = output_dtype_of(request)
         uses: list[Region] = []  # regions this request reads or writes, released when it ends
+        features: Request
         try:
             if request.HasField("input_region"):
                 caller = caller_of(context)
@@ -360,7 +392,11 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 uses.append(region)
                 features, pooling = decode_region_inputs(request, region)
             else:
-                features, pooling = decode_request(request)
+                packed = decode_packed(request) if request.pooling != pb.POOLING_NONE else None
+                if packed is not None:
+                    features, pooling = packed, _POOLING[request.pooling]
+                else:
+                    features, pooling = decode_request(request)
             encode: Callable[[LookupResult], bytes]
             if request.HasField("output_region"):
                 window = self._output_window(caller_of(context), request.output_region)
