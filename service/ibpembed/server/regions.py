@@ -115,10 +115,10 @@ class Region:
             )
 
     def write(self, start: int, buffers: Sequence[memoryview | bytes]) -> None:
-        """``buffers`` back to back from byte ``start`` of the region (bounds checked by the
-        caller against the region's size)."""
+        """``buffers`` (byte-shaped) back to back from byte ``start`` of the region (bounds
+        checked by the caller against the region's size)."""
         position = self.info.offset + start
-        pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+        pending = list(buffers)
         while pending:
             batch = pending[:_IOV_MAX]
             written = os.pwritev(self._fd, batch, position)
@@ -126,14 +126,13 @@ class Region:
                 raise OSError(f"pwritev wrote {written} bytes")
             position += written
             # Drop what was written (a short write leaves part of a buffer).
-            while written and pending:
-                first = pending[0]
-                if written >= len(first):
-                    written -= len(first)
-                    pending.pop(0)
-                else:
-                    pending[0] = first[written:]
-                    written = 0
+            done = 0
+            while done < len(batch) and written >= len(batch[done]):
+                written -= len(batch[done])
+                done += 1
+            if written:
+                pending[done] = memoryview(pending[done])[written:]
+            del pending[:done]
 
     def read(self, start: int, size: int, field: str) -> bytes:
         """``size`` bytes from byte ``start`` of the region."""

@@ -78,8 +78,10 @@ def _feature_head(name: str, dtype: int, shape: tuple[int, ...], nbytes: int) ->
     return _length_delimited(_RESPONSE_FEATURE, len(head) + nbytes) + head
 
 
+@functools.lru_cache(maxsize=4096)
 def _region_feature(name: str, dtype: int, shape: tuple[int, ...], offset: int) -> bytes:
-    """A ``FeatureOutput`` whose values are in the output region, from ``offset``."""
+    """A ``FeatureOutput`` whose values are in the output region, from ``offset`` (cached like
+    :func:`_feature_fields`: a frontend reusing its windows repeats the offsets too)."""
     fields = _feature_fields(name, dtype, shape)
     if offset:
         fields += _FEATURE_REGION_OFFSET + _varint(offset)
