@@ -28,6 +28,7 @@ from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 
 from .helpers import FEATURES, RecordingObserver, RunningServer, make_store
+from .test_security import _tls, pki  # noqa: F401 (pki is a fixture)
 
 MB = 1 << 20
 
@@ -406,3 +407,67 @@ def test_server_stop_releases_regions(store, shm):
         assert _open_by_this_process(path) == mine + 1
     running.stop()
     assert _open_by_this_process(path) == mine
+
+
+def test_regions_over_tls_with_token_auth(store, shm, pki, tmp_path):  # noqa: F811
+    """With auth on, a region is its token's; the stream and unary paths both write into it."""
+    token_file = tmp_path / "token"
+    token_file.write_text("t0ken\n")
+    settings = {
+        "tls_cert": str(pki / "server.crt"),
+        "tls_key": str(pki / "server.key"),
+        "auth_token_file": str(token_file),
+    }
+    features = _features(store, 12, 6, names=["user", "item"])
+    with (
+        RunningServer(store, **settings) as running,
+        LookupClient(running.target, tls=_tls(pki), token="t0ken", timeout=30) as c,
+    ):
+        c.register_region("secure", shm)
+        want = c.lookup(features, "sum")
+        got = c.lookup(features, "sum", output_region="secure")
+        streamed = list(
+            c.lookup_stream(
+                [build_request(features, "sum", output_region=OutputRegion("secure", MB, MB))]
+            )
+        )
+        for name in features:
+            assert _same_bits(got[name], want[name])
+            assert _same_bits(streamed[0][name], want[name])
+        with LookupClient(running.target, tls=_tls(pki), timeout=30) as anonymous:
+            with pytest.raises(LookupServiceError) as err:
+                anonymous.list_regions()
+            assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_bad_input_regions(server, client, store, shm):
+    features = _features(store, 13, 3, names=["user", "ctx"])
+    client.register_region("in", shm, byte_size=4096)
+    stub = lookup_pb2_grpc.EmbeddingLookupStub(grpc.insecure_channel(server.target))
+
+    def request(**spec) -> pb.LookupRequest:
+        r = build_request(features, "sum")
+        for f in r.features:
+            f.ClearField("ids")
+            f.ClearField("lengths")
+        r.input_region.CopyFrom(pb.InputRegion(name="in", **spec))
+        return r
+
+    bad = [
+        (request(num_ids=[1], batch_sizes=[1, 1]), "input_region.num_ids"),
+        (request(num_ids=[-1, 2], batch_sizes=[1, 1]), "input_region.num_ids"),
+        (request(num_ids=[400, 400], batch_sizes=[1, 1]), "input_region.offset"),
+        (request(offset=5000, num_ids=[1, 1], batch_sizes=[1, 1]), "input_region.offset"),
+        (build_request(features, "sum"), "features[0]"),  # bytes and a region both
+    ]
+    bad[-1][0].input_region.CopyFrom(pb.InputRegion(name="in", num_ids=[1, 1], batch_sizes=[1, 1]))
+    for message, field in bad:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Lookup(message, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(field), err.value.details()
+    missing = request(num_ids=[1, 1], batch_sizes=[1, 1])
+    missing.input_region.name = "absent"
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Lookup(missing, timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
