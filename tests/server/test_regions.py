@@ -5,6 +5,7 @@ a status naming the field while the server keeps serving."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import threading
@@ -16,6 +17,7 @@ import pytest
 
 from ibpembed.server.regions import VALUE_ALIGN
 from ibpembed_client import (
+    AsyncLookupClient,
     FeatureBatch,
     LookupClient,
     LookupServiceError,
@@ -471,3 +473,27 @@ def test_bad_input_regions(server, client, store, shm):
     with pytest.raises(grpc.RpcError) as err:
         stub.Lookup(missing, timeout=30)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_async_client_regions_and_output_dtype(server, store, shm):
+    features = _features(store, 14, 9, names=["user", "ctx"])
+
+    async def main() -> None:
+        async with AsyncLookupClient(server.target, timeout=30) as c:
+            await c.register_region("async", shm)
+            want = await c.lookup(features, "mean")
+            got = await c.lookup(features, "mean", output_region="async")
+            half = await c.lookup(features, "mean", output_dtype="float16")
+
+            async def requests():
+                yield build_request(features, "mean", output_region=OutputRegion("async", MB))
+
+            streamed = [r async for r in c.lookup_stream(requests())]
+            for name in features:
+                assert _same_bits(got[name], want[name])
+                assert _same_bits(streamed[0][name], want[name])
+                assert np.array_equal(half[name], want[name].astype(np.float16))
+            assert [r.name for r in await c.list_regions()] == ["async"]
+            assert await c.unregister_region() == 1
+
+    asyncio.run(main())

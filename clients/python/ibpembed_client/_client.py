@@ -14,7 +14,6 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ibpembed_client._common import (
-    BFLOAT16,
     DEFAULT_MAX_MESSAGE_BYTES,
     FeatureInput,
     KeepAliveOptions,
@@ -32,6 +31,9 @@ from ibpembed_client._common import (
     call_metadata,
     channel_options,
     decode_response,
+    pooled_bf16,
+    region_of,
+    region_registration,
 )
 from ibpembed_client.regions import OutputRegion, SharedMemoryRegion
 from ibpembed_client.v1 import lookup_pb2 as pb
@@ -194,24 +196,13 @@ class LookupClient:
         """Send a prebuilt :class:`~ibpembed_client.v1.lookup_pb2.LookupRequest`."""
         stub = self._stub(self.router(request) if self.router else None)
         metadata = call_metadata(self._token)
-        region = self._output_region_of(request)
+        region = region_of(self._regions, request)
         response = self._call(
             lambda t: stub.Lookup(request, timeout=t, metadata=metadata),
             timeout,
             request.request_id,
         )
-        return decode_response(response, region, pooled_bf16=_pooled_bf16(request))
-
-    def _output_region_of(self, request: pb.LookupRequest) -> RegisteredRegion | None:
-        if not request.HasField("output_region"):
-            return None
-        region = self._regions.get(request.output_region.name)
-        if region is None:
-            raise ValueError(
-                f"output_region {request.output_region.name!r} was not registered through this "
-                "client (register_region): its memory is needed to view the results"
-            )
-        return region
+        return decode_response(response, region, pooled_bf16=pooled_bf16(request))
 
     # -- shared-memory regions -------------------------------------------------------------
     def register_region(
@@ -225,19 +216,12 @@ class LookupClient:
     ) -> None:
         """Register ``[offset, offset + byte_size)`` of ``memory`` (default: to its end) with
         the server as ``name``, for lookups' ``output_region`` / ``input_region``."""
-        size = memory.size - offset if byte_size is None else byte_size
-        request = pb.RegisterRegionRequest(
-            name=name,
-            kind=pb.REGION_KIND_SYSTEM_SHM,
-            shm_name=memory.shm_name,
-            offset=offset,
-            byte_size=size,
-        )
+        request, registered = region_registration(name, memory, offset, byte_size)
         metadata = call_metadata(self._token)
         self._call(
             lambda t: self._stub().RegisterRegion(request, timeout=t, metadata=metadata), timeout
         )
-        self._regions[name] = RegisteredRegion(memory, offset, size)
+        self._regions[name] = registered
 
     def unregister_region(self, name: str = "", *, timeout: float | None = None) -> int:
         """Release region ``name`` on the server (every region of this caller for ``""``);
@@ -285,7 +269,7 @@ class LookupClient:
 
         def sending() -> Iterator[pb.LookupRequest]:
             for request in requests:
-                sent.append((self._output_region_of(request), _pooled_bf16(request)))
+                sent.append((region_of(self._regions, request), pooled_bf16(request)))
                 yield request
 
         responses = self._stub().LookupStream(
@@ -326,8 +310,3 @@ class LookupClient:
         except grpc.RpcError:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def _pooled_bf16(request: pb.LookupRequest) -> np.dtype | None:
-    """How a request's bfloat16 pooled values come back: ml_dtypes' dtype where installed."""
-    return BFLOAT16 if request.output_dtype == pb.DTYPE_BFLOAT16 else None

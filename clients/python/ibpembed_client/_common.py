@@ -238,6 +238,42 @@ class RegisteredRegion:
     byte_size: int
 
 
+def region_of(
+    regions: Mapping[str, RegisteredRegion], request: pb.LookupRequest
+) -> RegisteredRegion | None:
+    """The registered region a request's outputs go to (None: in the response)."""
+    if not request.HasField("output_region"):
+        return None
+    region = regions.get(request.output_region.name)
+    if region is None:
+        raise ValueError(
+            f"output_region {request.output_region.name!r} was not registered through this "
+            "client (register_region): its memory is needed to view the results"
+        )
+    return region
+
+
+def pooled_bf16(request: pb.LookupRequest) -> np.dtype | None:
+    """How a request's bfloat16 pooled values come back: ml_dtypes' dtype where installed."""
+    return BFLOAT16 if request.output_dtype == pb.DTYPE_BFLOAT16 else None
+
+
+def region_registration(
+    name: str, memory: SharedMemoryRegion, offset: int, byte_size: int | None
+) -> tuple[pb.RegisterRegionRequest, RegisteredRegion]:
+    """The RegisterRegion request for ``[offset, offset + byte_size)`` of ``memory`` (default:
+    to its end), and what the client keeps to view results in it."""
+    size = memory.size - offset if byte_size is None else byte_size
+    request = pb.RegisterRegionRequest(
+        name=name,
+        kind=pb.REGION_KIND_SYSTEM_SHM,
+        shm_name=memory.shm_name,
+        offset=offset,
+        byte_size=size,
+    )
+    return request, RegisteredRegion(memory, offset, size)
+
+
 def decode_response(
     response: pb.LookupResponse,
     region: RegisteredRegion | None = None,
