@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from ibpembed.server.regions import VALUE_ALIGN
+from ibpembed.server.wire import region_response_bytes
 from ibpembed_client import (
     AsyncLookupClient,
     FeatureBatch,
@@ -497,3 +498,15 @@ def test_async_client_regions_and_output_dtype(server, store, shm):
             assert await c.unregister_region() == 1
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("request_id", ["", "r-1"])
+def test_region_response_bytes_are_protobufs(request_id):
+    """The hand-written region response is exactly what protobuf serializes for it."""
+    features = [("a", pb.DTYPE_FLOAT32, (3, 16), 0), ("bb", pb.DTYPE_BFLOAT16, (0, 8), 192)]
+    features.append(("c" * 200, pb.DTYPE_FLOAT16, (70000, 3), 1 << 40))
+    wire = region_response_bytes(request_id, 7, features)
+    want = pb.LookupResponse(request_id=request_id, table_version=7)
+    for name, dtype, shape, offset in features:
+        want.features.add(name=name, dtype=dtype, shape=shape, region_offset=offset)
+    assert wire == want.SerializeToString()
