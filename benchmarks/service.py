@@ -83,10 +83,15 @@ class Config:
     max_rows: int  # rows per demo table cap (DCNv2 cardinalities capped to it)
     seconds: float  # measured seconds per point
     warmup_s: float
+    batches: tuple[int, ...] = BATCHES
+    # Unmeasured load first, past the server's first hot-row refresh.
+    warm_server_s: float = FIRST_REFRESH_S + 1.0
 
 
 FULL = Config(max_rows=100_000, seconds=2.0, warmup_s=0.4)
 QUICK = Config(max_rows=5_000, seconds=0.4, warmup_s=0.1)
+# The smoke test's: every path and load at two batch sizes, no hot-row warm-up.
+SMOKE = Config(max_rows=2_000, seconds=0.2, warmup_s=0.05, batches=(1, 64), warm_server_s=0.0)
 # Requests the in-process engine ranks its hot rows on before a point is timed: later draws
 # of the point's distribution, not the timed requests.
 RANKING_REQUESTS = 8
@@ -232,9 +237,9 @@ def _calls(
     }
 
 
-def _warm_server(client: LookupClient, requests: list[pb.LookupRequest]) -> None:
-    """Unmeasured load past the server's first hot-row refresh (FIRST_REFRESH_S after start)."""
-    stop_at = time.monotonic() + FIRST_REFRESH_S + 1.0
+def _warm_server(client: LookupClient, requests: list[pb.LookupRequest], seconds: float) -> None:
+    """Unmeasured load for ``seconds`` (past the server's first hot-row refresh)."""
+    stop_at = time.monotonic() + seconds
     i = 0
     while time.monotonic() < stop_at:
         client.lookup_request(requests[i % len(requests)])
@@ -254,7 +259,7 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
         hotness = hotness_for(features, "dcnv2")
         server = serve(Path(tmp), workers)
         # Large enough for every thread's window of the largest response.
-        biggest = max(BATCHES) * len(features) * demo.DIM * 4 + len(features) * 64
+        biggest = max(cfg.batches) * len(features) * demo.DIM * 4 + len(features) * 64
         shm = SharedMemoryRegion.create(
             f"/ibpembed-bench-{uuid.uuid4().hex[:8]}", concurrency * biggest
         )
@@ -269,13 +274,13 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
             warm = make_requests(
                 rows, batch_size=64, hotness=hotness, alpha=1.05, pooling="sum", count=8, seed=99
             )
-            _warm_server(client, warm)
+            _warm_server(client, warm, cfg.warm_server_s)
             health = health_pb2_grpc.HealthStub(client._channel(server.target))
             check = health_pb2.HealthCheckRequest()
             row = _point(lambda t, i: health.Check(check, timeout=30), 1, cfg, server.pid)
             results.append({"path": "health", "batch": 0, "load": "one", "concurrency": 1} | row)
             print(json.dumps(results[-1]), flush=True)
-            for batch in BATCHES:
+            for batch in cfg.batches:
                 pool = 2 if batch >= 512 else 8
                 drawn = make_requests(
                     rows,
@@ -466,18 +471,19 @@ def handoff(out: Path) -> list[dict]:
     return report
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small tables, short points")
+    parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--handoff", action="store_true", help="measure the inline rule only")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
     parser.add_argument("--concurrency", type=int, default=None, help="default 2 x workers")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.handoff:
         handoff(args.out)
         return 0
-    cfg = QUICK if args.quick else FULL
+    cfg = SMOKE if args.smoke else QUICK if args.quick else FULL
     report = run(cfg, args.out, args.workers, args.concurrency or 2 * args.workers)
     print(markdown(report))
     return 0
