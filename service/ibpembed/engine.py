@@ -360,6 +360,7 @@ class LookupEngine:
         slot: AdmissionSlot | None = None,
         output_dtype: torch.dtype = torch.float32,
         on_done: Callable[[], None] | None = None,
+        output_window: int | None = None,
     ) -> LookupResult | T:
         """Look up a request off the event loop, or on it for requests of at most
         ``inline_max_ids`` ids (their kernels are shorter than the hand-off to a worker).
@@ -378,6 +379,7 @@ class LookupEngine:
         output_dtype : element type of pooled results (see :meth:`run`).
         on_done : called once the work has ended wherever it ran (also when it failed, was
             refused, or outlived a cancelled caller): when nothing touches what ``then`` uses.
+        output_window : see :meth:`run`.
 
         Raises
         ------
@@ -391,7 +393,11 @@ class LookupEngine:
                 own = self.admit() if slot is None else None
                 try:
                     result = self.run(
-                        features, pooling, deadline=deadline, output_dtype=output_dtype
+                        features,
+                        pooling,
+                        deadline=deadline,
+                        output_dtype=output_dtype,
+                        output_window=output_window,
                     )
                     return result if then is None else then(result)
                 finally:
@@ -408,6 +414,7 @@ class LookupEngine:
                 then=then,
                 slot=slot,
                 output_dtype=output_dtype,
+                output_window=output_window,
             )
         except BaseException:
             if on_done is not None:
@@ -429,6 +436,7 @@ class LookupEngine:
         then: Callable[[LookupResult], T] | None = None,
         slot: AdmissionSlot | None = None,
         output_dtype: torch.dtype = torch.float32,
+        output_window: int | None = None,
     ) -> Future[LookupResult | T]:
         """Admit a request (unless ``slot`` is given) and queue it on the worker threads (see
         :meth:`lookup`)."""
@@ -438,7 +446,13 @@ class LookupEngine:
             slot.hold()
 
         def work() -> LookupResult | T:
-            result = self.run(features, pooling, deadline=deadline, output_dtype=output_dtype)
+            result = self.run(
+                features,
+                pooling,
+                deadline=deadline,
+                output_dtype=output_dtype,
+                output_window=output_window,
+            )
             return result if then is None else then(result)
 
         try:
@@ -456,8 +470,12 @@ class LookupEngine:
         *,
         deadline: float | None = None,
         output_dtype: torch.dtype = torch.float32,
+        output_window: int | None = None,
     ) -> LookupResult:
         """Look up a request on the calling thread (no admission control): the in-process path.
+
+        ``output_window``: the bytes of the shared-memory window the result goes to, which then
+        bounds its size instead of ``max_output_bytes`` (it never enters a message).
 
         ``output_dtype`` float16 or bfloat16 rounds each pooled result once, to nearest even,
         from its fp32 accumulation (a relative error of at most 2**-11 resp. 2**-8 of each
@@ -475,7 +493,8 @@ class LookupEngine:
             )
         with self.store.acquire() as snap:
             if isinstance(features, PackedRequest):
-                values = self._run_in_one_call(snap, features, pooling)
+                limit = self._output_limit(output_window)
+                values = self._run_in_one_call(snap, features, pooling, limit)
                 if values is not None:
                     if output_dtype != torch.float32:
                         values = [v.to(output_dtype) for v in values]
@@ -486,7 +505,7 @@ class LookupEngine:
                         ],
                     )
                 features = features.queries()  # the general path, which names any bad field
-            plan = self._plan(snap, features, pooling)
+            plan = self._plan(snap, features, pooling, output_dtype, output_window)
             if self.hot_rows is not None:
                 self.hot_rows.record(
                     (item.table_name, plan.ids[slice(*item.id_span)], item.table.num_rows)
@@ -516,11 +535,17 @@ class LookupEngine:
             )
 
     def _plan(
-        self, snap: TableSnapshot, features: Sequence[FeatureQuery], pooling: Pooling
+        self,
+        snap: TableSnapshot,
+        features: Sequence[FeatureQuery],
+        pooling: Pooling,
+        output_dtype: torch.dtype = torch.float32,
+        output_window: int | None = None,
     ) -> _RequestPlan:
         """The request checked and grouped by table. Errors, first found first: a repeated or
         unknown feature, a feature's dtypes and shapes (in request order), then lengths and ids
-        (the first bad feature in request order), then a result over ``max_output_bytes``."""
+        (the first bad feature in request order), then a result over ``max_output_bytes`` (or
+        its ``output_window``)."""
         by_table: dict[str, _TableWork] = {}
         seen: set[str] = set()
         output_bytes = 0
@@ -543,7 +568,16 @@ class LookupEngine:
         work = list(by_table.values())
         plan = _concatenate(work)
         _check_values(plan)
-        if self.max_output_bytes is not None and output_bytes > self.max_output_bytes:
+        if pooling != "none":  # sized as fp32 above
+            output_bytes = output_bytes * output_dtype.itemsize // 4
+        limit = self._output_limit(output_window)
+        if limit is not None and output_bytes > limit:
+            if output_window is not None:
+                raise InvalidArgument(
+                    "output_region.byte_size",
+                    f"the result would be {output_bytes} bytes, over the {output_window} bytes"
+                    " of its output window",
+                )
             raise InvalidArgument(
                 "features",
                 f"the result would be {output_bytes} bytes, over this server's limit of "
@@ -678,14 +712,19 @@ class LookupEngine:
                 return pooled, unique.numel()
         return table.lookup(ids, offsets, weights, pooling), nnz  # type: ignore[arg-type]
 
+    def _output_limit(self, output_window: int | None) -> int | None:
+        """Largest result (bytes) a request may produce."""
+        return self.max_output_bytes if output_window is None else output_window
+
     def _run_in_one_call(
-        self, snap: TableSnapshot, request: PackedRequest, pooling: Pooling
+        self, snap: TableSnapshot, request: PackedRequest, pooling: Pooling, limit: int | None
     ) -> list[torch.Tensor] | None:
         """A pooled CPU request's results from one call of the fused kernel, which checks every
         feature's ids against its table as it pools them; None when the request needs the
         general path: NONE, a GPU, a feature it cannot map here (unknown, repeated, not
         poolable, a row shard), ids the decode-once path may take, a result over
-        ``max_output_bytes``, or anything malformed (the general path names the field).
+        ``limit`` (fp32-sized: conservative for fp16 and bf16), or anything malformed (the
+        general path names the field).
 
         NOTE(engine): one row of ``table_bags`` per feature, not per table, so no request-wide
         grouping, concatenation or splitting: at B=1 x 26 those cost more than the kernels.
@@ -704,9 +743,7 @@ class LookupEngine:
             return None
         meta = np.array([e[:2] for e in entries], dtype=np.int64).reshape(count, 2)
         samples = request.sample_counts
-        if self.max_output_bytes is not None and int(samples @ meta[:, 1]) * 4 > (
-            self.max_output_bytes
-        ):
+        if limit is not None and int(samples @ meta[:, 1]) * 4 > limit:
             return None
         offsets = np.zeros(request.lengths.size + 1, dtype=np.int64)
         np.cumsum(request.lengths, dtype=np.int64, out=offsets[1:])

@@ -510,3 +510,33 @@ def test_region_response_bytes_are_protobufs(request_id):
     for name, dtype, shape, offset in features:
         want.features.add(name=name, dtype=dtype, shape=shape, region_offset=offset)
     assert wire == want.SerializeToString()
+
+
+def test_shared_memory_results_are_not_bound_by_the_message_size(store, shm):
+    """A server whose messages are capped at 1 MB writes a bigger result into a region; the
+    window, not the message limit, bounds it (and is checked before any lookup work)."""
+    rng = np.random.default_rng(15)
+    batch = 20_000  # [20000, 16] fp32 = 1.28 MB
+    features = {
+        "user": FeatureBatch(
+            rng.integers(0, 1000, batch).astype(np.int64), np.ones(batch, np.int32)
+        )
+    }
+    with (
+        RunningServer(store, max_message_mb=1) as running,
+        LookupClient(running.target, timeout=30, retry=RetryPolicy(max_attempts=1)) as c,
+    ):
+        with pytest.raises(LookupServiceError) as err:
+            c.lookup(features, "sum")
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        c.register_region("big", shm)
+        got = c.lookup(features, "sum", output_region="big")
+        assert got["user"].shape == (batch, 16)
+        # A window holding exactly the bf16 result is enough for it.
+        exact = OutputRegion("big", offset=0, byte_size=batch * 16 * 2)
+        half = c.lookup(features, "sum", output_dtype="bfloat16", output_region=exact)
+        assert half["user"].shape == (batch, 16)
+        with pytest.raises(LookupServiceError) as err:
+            c.lookup(features, "sum", output_region=OutputRegion("big", 0, batch * 16 * 4 - 1))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details.startswith("output_region.byte_size")

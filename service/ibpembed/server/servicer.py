@@ -398,9 +398,11 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 else:
                     features, pooling = decode_request(request)
             encode: Callable[[LookupResult], bytes]
+            window_bytes = None  # the result's size limit: the message's, or the window's
             if request.HasField("output_region"):
                 window = self._output_window(caller_of(context), request.output_region)
                 uses.append(window.region)
+                window_bytes = window.end - window.start
                 encode = functools.partial(self._write_region, window, request.request_id)
             else:
                 encode = functools.partial(self._encode, request.request_id)
@@ -423,6 +425,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             slot=slot,
             output_dtype=output_dtype,
             on_done=on_done,
+            output_window=window_bytes,
         )
 
     def _output_window(self, caller: str, spec: pb.OutputRegion) -> _OutputWindow:
