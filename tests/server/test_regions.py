@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
+from ibpembed.server.metrics import ServerMetrics
 from ibpembed.server.regions import VALUE_ALIGN
 from ibpembed.server.wire import region_response_bytes
 from ibpembed_client import (
@@ -29,6 +30,7 @@ from ibpembed_client import (
 )
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
+from tests.metrics.helpers import fetch, parse, value
 
 from .helpers import FEATURES, RecordingObserver, RunningServer, make_store
 from .test_security import _tls, pki  # noqa: F401 (pki is a fixture)
@@ -384,7 +386,9 @@ def test_region_bytes_are_counted_apart_from_wire_bytes(client, store, shm, obse
     observer.outputs.clear()
     client.lookup(features, "sum")
     client.lookup(features, "sum", output_region="out")
-    assert observer.outputs == [("wire", 10 * 16 * 4), ("shm", 10 * 16 * 4)]
+    (wire, sent), (shm_, written) = observer.outputs
+    assert (wire, shm_, written) == ("wire", "shm", 10 * 16 * 4)
+    assert 10 * 16 * 4 < sent < 10 * 16 * 4 + 64  # the values and their framing
 
 
 def _open_by_this_process(path: str) -> int:
@@ -540,3 +544,21 @@ def test_shared_memory_results_are_not_bound_by_the_message_size(store, shm):
             c.lookup(features, "sum", output_region=OutputRegion("big", 0, batch * 16 * 4 - 1))
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert err.value.details.startswith("output_region.byte_size")
+
+
+def test_output_bytes_are_exported_by_transport(store, shm):
+    metrics = ServerMetrics(store, device="cpu")
+    features = _features(store, 16, 10, names=["user"])
+    with RunningServer(store, observer=metrics) as running:
+        port = metrics.start_http_server("127.0.0.1", 0)
+        try:
+            with LookupClient(running.target, timeout=30) as c:
+                c.register_region("m", shm)
+                c.lookup(features, "sum", output_region="m")
+                c.lookup(features, "sum", output_region="m")
+                c.lookup(features, "sum")
+            samples = parse(fetch(f"http://127.0.0.1:{port}/metrics"))
+        finally:
+            metrics.stop_http_server()
+    assert value(samples, "ibpembed_output_bytes_total", transport="shm") == 2 * 10 * 16 * 4
+    assert value(samples, "ibpembed_output_bytes_total", transport="wire") > 10 * 16 * 4

@@ -435,8 +435,8 @@ class ServerMetrics:
             self._reloads.inc((result,), 0.0)
         self._output = _Counters(
             f"{NAMESPACE}_output_bytes",
-            "Lookup output values by where they went: wire (in gRPC responses) or shm (written"
-            " into a client's shared-memory region).",
+            "Lookup outputs by where they went: wire (gRPC response bytes: values and framing)"
+            " or shm (value bytes written into a client's shared-memory region).",
             ["transport"],
         )
         for transport in ("wire", "shm"):
@@ -457,8 +457,8 @@ class ServerMetrics:
         self._kernel.add(pooling, calls, self._tables.row_bytes)
 
     def output_written(self, transport: str, nbytes: int) -> None:
-        """One request's output values, in its response or its output region (worker thread
-        or event loop)."""
+        """One request's output, in its response or its output region (worker thread or event
+        loop)."""
         self._output.inc((transport,), float(nbytes))
 
     def reload_done(self, result: ReloadResult) -> None:

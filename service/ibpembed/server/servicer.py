@@ -79,8 +79,8 @@ class OutputObserver(Protocol):
     """Optional metrics hook: where lookup outputs went (worker threads or the event loop)."""
 
     def output_written(self, transport: str, nbytes: int) -> None:
-        """``nbytes`` of one request's output values: ``"wire"`` (in the response) or ``"shm"``
-        (written into an output region)."""
+        """One request's output: ``"wire"``, the response's bytes (values and their framing), or
+        ``"shm"``, the value bytes written into its output region."""
 
 
 def output_dtype_of(request: pb.LookupRequest) -> torch.dtype:
@@ -453,9 +453,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     def _encode(self, request_id: str, result: LookupResult) -> bytes:
         response = encode_response(request_id, result)
         if self.observer is not None:
-            self.observer.output_written(
-                "wire", sum(f.values.numel() * f.values.element_size() for f in result.features)
-            )
+            self.observer.output_written("wire", len(response))
         return response
 
     def _write_region(self, window: _OutputWindow, request_id: str, result: LookupResult) -> bytes:
