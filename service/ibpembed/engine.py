@@ -754,12 +754,6 @@ class LookupEngine:
         table_bags[:, 0] = meta[:, 0]
         table_bags[:, 1] = sample_ends - samples
         table_bags[:, 2] = samples
-        if self.hot_rows is not None:
-            id_ends = np.cumsum(request.id_counts).tolist()
-            self.hot_rows.record(
-                (e[2], request.ids[end - n : end], e[3])
-                for e, n, end in zip(entries, request.id_counts.tolist(), id_ends, strict=True)
-            )
         table_set, _ = snap.pooling_set
         try:
             values, seconds = table_set.lookup(
@@ -771,6 +765,12 @@ class LookupEngine:
             )
         except (IndexError, ValueError):  # an id out of range or a negative length
             return None
+        if self.hot_rows is not None:  # after the kernel: it has checked every id
+            id_ends = np.cumsum(request.id_counts).tolist()
+            self.hot_rows.record(
+                (e[2], request.ids[end - n : end], e[3])
+                for e, n, end in zip(entries, request.id_counts.tolist(), id_ends, strict=True)
+            )
         if self.observer is not None:
             nnz = request.id_counts.tolist()
             self.observer.kernels_done(
