@@ -101,7 +101,7 @@ class SharedMemoryRegion:
         """Unmap (and unlink, for the owner). Arrays still viewing the memory keep the mapping
         alive until they are gone; reading them afterwards is safe, the data stays."""
         # numpy views still exporting the buffer keep it mapped (BufferError) until they go.
-        del self._bytes
+        self._bytes = np.empty(0, dtype=np.uint8)
         with contextlib.suppress(BufferError):
             self._mmap.close()
         if self.owner:
