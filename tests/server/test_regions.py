@@ -489,6 +489,7 @@ def test_async_client_regions_and_output_dtype(server, store, shm):
             want = await c.lookup(features, "mean")
             got = await c.lookup(features, "mean", output_region="async")
             half = await c.lookup(features, "mean", output_dtype="float16")
+            moved = await c.lookup(features, "mean", input_region="async", input_offset=2 * MB)
 
             async def requests():
                 yield build_request(features, "mean", output_region=OutputRegion("async", MB))
@@ -498,6 +499,7 @@ def test_async_client_regions_and_output_dtype(server, store, shm):
                 assert _same_bits(got[name], want[name])
                 assert _same_bits(streamed[0][name], want[name])
                 assert np.array_equal(half[name], want[name].astype(np.float16))
+                assert _same_bits(moved[name], want[name])
             assert [r.name for r in await c.list_regions()] == ["async"]
             assert await c.unregister_region() == 1
 
@@ -562,3 +564,17 @@ def test_output_bytes_are_exported_by_transport(store, shm):
             metrics.stop_http_server()
     assert value(samples, "ibpembed_output_bytes_total", transport="shm") == 2 * 10 * 16 * 4
     assert value(samples, "ibpembed_output_bytes_total", transport="wire") > 10 * 16 * 4
+
+
+def test_client_moves_inputs_into_a_region(client, store, shm):
+    features = _features(store, 17, 12, weighted=True, names=["user", "item", "ctx"])
+    features["user_hist"] = _features(store, 18, 5, names=["user_hist"])["user_hist"]  # unweighted
+    client.register_region("io", shm)
+    want = client.lookup(features, "sum")
+    got = client.lookup(
+        features, "sum", input_region="io", input_offset=MB, output_region=OutputRegion("io", 0, MB)
+    )
+    for name in features:
+        assert _same_bits(got[name], want[name])
+    with pytest.raises(ValueError, match="past the end"):
+        client.lookup(features, "sum", input_region="io", input_offset=4 * MB - 16)

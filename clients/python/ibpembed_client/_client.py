@@ -31,6 +31,7 @@ from ibpembed_client._common import (
     call_metadata,
     channel_options,
     decode_response,
+    move_inputs_to_region,
     pooled_bf16,
     region_of,
     region_registration,
@@ -160,6 +161,8 @@ class LookupClient:
         request_id: str = "",
         output_dtype: OutputDType | None = None,
         output_region: OutputRegion | str | None = None,
+        input_region: str | None = None,
+        input_offset: int = 0,
     ) -> LookupResult:
         """Look up one batch.
 
@@ -176,6 +179,9 @@ class LookupClient:
         output_region : a region registered with :meth:`register_region` (its name, or an
             :class:`OutputRegion` window of it): the server writes the values there and the
             result's arrays are views of that memory (no copy).
+        input_region, input_offset : a registered region that the ids, lengths and weights
+            are copied into, from byte ``input_offset`` of it, for the server to read instead
+            of the request's bytes. Lookups running at once need disjoint parts.
 
         Raises
         ------
@@ -188,6 +194,8 @@ class LookupClient:
             output_dtype=output_dtype,
             output_region=output_region,
         )
+        if input_region is not None:
+            move_inputs_to_region(request, self._regions, input_region, input_offset)
         return self.lookup_request(request, timeout=timeout)
 
     def lookup_request(

@@ -238,6 +238,46 @@ class RegisteredRegion:
     byte_size: int
 
 
+def move_inputs_to_region(
+    request: pb.LookupRequest, regions: Mapping[str, RegisteredRegion], name: str, offset: int = 0
+) -> pb.LookupRequest:
+    """``request`` with its features' ids, lengths and weights moved into registered region
+    ``name`` from ``offset`` (the layout of ``InputRegion``): the request then carries the
+    feature names and counts only. Raises ValueError when they do not fit the region."""
+    region = regions.get(name)
+    if region is None:
+        raise ValueError(f"input_region {name!r} was not registered through this client")
+    features = request.features
+    ids = b"".join([f.ids for f in features])
+    lengths = b"".join([f.lengths for f in features])
+    weighted = any(f.weights for f in features)
+    weights = b""
+    if weighted:
+        weights = b"".join(
+            [f.weights or np.ones(len(f.ids) // 8, dtype="<f4").tobytes() for f in features]
+        )
+    size = len(ids) + len(lengths) + len(weights)
+    if offset < 0 or offset + size > region.byte_size:
+        raise ValueError(
+            f"the inputs are {size} bytes from offset {offset}, past the end of region {name!r}"
+            f" ({region.byte_size} bytes)"
+        )
+    start = region.offset + offset
+    region.memory.write(start, ids)
+    region.memory.write(start + len(ids), lengths)
+    if weights:
+        region.memory.write(start + len(ids) + len(lengths), weights)
+    spec = request.input_region
+    spec.name, spec.offset, spec.weighted = name, offset, weighted
+    spec.num_ids.extend([len(f.ids) // 8 for f in features])
+    spec.batch_sizes.extend([len(f.lengths) // 4 for f in features])
+    for f in features:
+        f.ClearField("ids")
+        f.ClearField("lengths")
+        f.ClearField("weights")
+    return request
+
+
 def region_of(
     regions: Mapping[str, RegisteredRegion], request: pb.LookupRequest
 ) -> RegisteredRegion | None:

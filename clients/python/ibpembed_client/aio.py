@@ -31,6 +31,7 @@ from ibpembed_client._common import (
     call_metadata,
     channel_options,
     decode_response,
+    move_inputs_to_region,
     pooled_bf16,
     region_of,
     region_registration,
@@ -136,11 +137,15 @@ class AsyncLookupClient:
         request_id: str = "",
         output_dtype: OutputDType | None = None,
         output_region: OutputRegion | str | None = None,
+        input_region: str | None = None,
+        input_offset: int = 0,
     ) -> LookupResult:
         """Look up one batch (see :meth:`ibpembed_client.LookupClient.lookup`)."""
         request = build_request(
             features, pooling, request_id, output_dtype=output_dtype, output_region=output_region
         )
+        if input_region is not None:
+            move_inputs_to_region(request, self._regions, input_region, input_offset)
         return await self.lookup_request(request, timeout=timeout)
 
     async def lookup_request(
