@@ -125,3 +125,14 @@ def test_hot_rows_see_only_checked_ids():
         assert copies.coverage == 28 / 32
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_results_of_one_width_round_together_as_one_by_one(engine, store, dtype):
+    """Same-width results take the one-conversion path; each is still its fp32 result rounded."""
+    queries = _queries(store, 23, 6, names=["user", "user_hist"])
+    fp32 = engine.run(_packed(queries), "mean")
+    rounded = engine.run(_packed(queries), "mean", output_dtype=dtype)
+    for got, want in zip(rounded.features, fp32.features, strict=True):
+        assert got.values.dtype == dtype and got.values.is_contiguous()
+        assert torch.equal(got.values, want.values.to(dtype))
