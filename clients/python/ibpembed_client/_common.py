@@ -334,12 +334,15 @@ def decode_response(
         name, dtype = DTYPES[feature.dtype]
         if pooled_bf16 is not None and feature.dtype == pb.DTYPE_BFLOAT16:
             dtype = pooled_bf16
-        shape = tuple(feature.shape)
+        shape = feature.shape
         if region is None:
-            values[feature.name] = np.frombuffer(feature.values, dtype=dtype).reshape(shape)
+            flat = np.frombuffer(feature.values, dtype=dtype)
+            # Two ints, not a tuple of the repeated field: per feature, that conversion cost
+            # as much as the rest of the decoding.
+            array = flat.reshape(shape[0], shape[1]) if len(shape) == 2 else flat.reshape(shape)
         else:
-            offset = region.offset + feature.region_offset
-            values[feature.name] = region.memory.array(offset, dtype, shape)
+            array = region.memory.array(region.offset + feature.region_offset, dtype, tuple(shape))
+        values[feature.name] = array
         dtypes[feature.name] = name
     return result
 
