@@ -62,12 +62,14 @@ class SharedMemoryRegion:
         self._bytes = np.frombuffer(self._mmap, dtype=np.uint8)
 
     @classmethod
-    def create(cls, shm_name: str, size: int) -> SharedMemoryRegion:
-        """A new object of ``size`` bytes (readable and writable by this user only), unlinked
-        again by :meth:`close`."""
+    def create(cls, shm_name: str, size: int, *, mode: int = 0o600) -> SharedMemoryRegion:
+        """A new object of ``size`` bytes, unlinked again by :meth:`close`. ``mode``: its
+        permissions (default this user only; a server running as another user needs its group
+        or others to read and write, e.g. ``0o660`` with a shared group)."""
         if size <= 0:
             raise ValueError(f"size must be > 0, got {size}")
-        fd = os.open(SHM_DIR + shm_name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        fd = os.open(SHM_DIR + shm_name, flags, mode)
         try:
             os.ftruncate(fd, size)
         except BaseException:
