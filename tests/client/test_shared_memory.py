@@ -35,6 +35,12 @@ def test_views_alias_the_object_and_outlive_close():
     assert view.sum() == sum(range(32))  # the view kept its mapping
 
 
+def test_mode_is_exact():
+    name = _name()
+    with SharedMemoryRegion.create(name, 64, mode=0o660):
+        assert os.stat("/dev/shm" + name).st_mode & 0o777 == 0o660
+
+
 def test_bounds_and_names():
     with SharedMemoryRegion.create(_name(), 4096) as shm:
         with pytest.raises(ValueError, match="outside"):

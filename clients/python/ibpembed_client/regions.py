@@ -71,6 +71,7 @@ class SharedMemoryRegion:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         fd = os.open(SHM_DIR + shm_name, flags, mode)
         try:
+            os.fchmod(fd, mode)  # exactly ``mode``: open() applied the umask
             os.ftruncate(fd, size)
         except BaseException:
             os.close(fd)
