@@ -52,8 +52,9 @@ _IOV_MAX = 1024
 
 @dataclass(frozen=True)
 class RegionInfo:
+    """A registered region: POSIX shm (the only kind this server opens)."""
+
     name: str
-    kind: str  # "system_shm" (the only kind this server opens)
     shm_name: str
     offset: int
     byte_size: int
@@ -202,7 +203,7 @@ class RegionRegistry:
                     f"offset {offset} + byte_size {byte_size} is past the end of {shm_name!r}"
                     f" ({st.st_size} bytes)",
                 )
-            info = RegionInfo(name, "system_shm", shm_name, offset, byte_size)
+            info = RegionInfo(name, shm_name, offset, byte_size)
             region = Region(owner, info, fd)
             with self._lock:
                 if name in self._regions:  # registered by a concurrent call meanwhile
@@ -255,9 +256,6 @@ class RegionRegistry:
             self._regions.clear()
         for region in regions:
             region.release()
-
-    def __len__(self) -> int:
-        return len(self._regions)
 
 
 def output_layout(start: int, sizes: Sequence[int]) -> tuple[list[int], int]:
