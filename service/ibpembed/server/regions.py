@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from ibpembed.errors import (
     AlreadyExists,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -76,10 +77,10 @@ class Region:
         self._uses = 0
         self._released = False
 
-    def acquire(self) -> None:
+    def acquire(self, field: str) -> None:
         with self._lock:
             if self._released:
-                raise NotFound(f"region {self.info.name!r} was unregistered")
+                raise NotFound(f"{field}: region {self.info.name!r} was unregistered")
             self._uses += 1
 
     def release_use(self) -> None:
@@ -115,16 +116,21 @@ class Region:
                 f"{st.st_size} bytes; the region needs {end}",
             )
 
-    def write(self, start: int, buffers: Sequence[memoryview | bytes]) -> None:
+    def write(self, start: int, buffers: Sequence[memoryview | bytes], field: str) -> None:
         """``buffers`` (byte-shaped) back to back from byte ``start`` of the region (bounds
         checked by the caller against the region's size)."""
         position = self.info.offset + start
         pending = list(buffers)
         while pending:
             batch = pending[:_IOV_MAX]
-            written = os.pwritev(self._fd, batch, position)
+            try:
+                written = os.pwritev(self._fd, batch, position)
+            except OSError as exc:  # e.g. ENOSPC: /dev/shm full after the object was shrunk
+                raise FailedPrecondition(
+                    f"{field}: writing to shm {self.info.shm_name!r} failed: {exc.strerror}"
+                ) from None
             if written <= 0:
-                raise OSError(f"pwritev wrote {written} bytes")
+                raise FailedPrecondition(f"{field}: shm {self.info.shm_name!r} took no bytes")
             position += written
             # Drop what was written (a short write leaves part of a buffer).
             done = 0
@@ -140,7 +146,12 @@ class Region:
         parts = []
         position, left = self.info.offset + start, size
         while left:
-            chunk = os.pread(self._fd, left, position)
+            try:
+                chunk = os.pread(self._fd, left, position)
+            except OSError as exc:
+                raise FailedPrecondition(
+                    f"{field}: reading shm {self.info.shm_name!r} failed: {exc.strerror}"
+                ) from None
             if not chunk:
                 raise InvalidArgument(
                     field, f"shm {self.info.shm_name!r} ended before the request's inputs"
@@ -222,7 +233,7 @@ class RegionRegistry:
             raise NotFound(f"{field}: no region {name!r} is registered")
         if region.owner != owner:
             raise PermissionDenied(f"{field}: region {name!r} belongs to another caller")
-        region.acquire()
+        region.acquire(field)
         return region
 
     def unregister(self, owner: str, name: str) -> int:

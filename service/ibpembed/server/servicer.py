@@ -274,7 +274,7 @@ class _OutputWindow:
             if size:
                 buffers.append(value_bytes(v))
             position = offset + size
-        self.region.write(self.start, buffers)
+        self.region.write(self.start, buffers, "output_region.name")
         features = [
             (f.name, _DTYPES[v.dtype], tuple(v.shape), offset)
             for f, v, offset in zip(result.features, values, offsets, strict=True)
