@@ -29,6 +29,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ibpembed.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -116,11 +118,14 @@ class Region:
                 f"{st.st_size} bytes; the region needs {end}",
             )
 
-    def write(self, start: int, buffers: Sequence[memoryview | bytes], field: str) -> None:
-        """``buffers`` (byte-shaped) back to back from byte ``start`` of the region (bounds
-        checked by the caller against the region's size)."""
+    def write(
+        self, start: int, buffers: Sequence[bytes | memoryview | np.ndarray], field: str
+    ) -> None:
+        """``buffers`` back to back from byte ``start`` of the region (bounds checked by the
+        caller against the region's size)."""
         position = self.info.offset + start
-        pending = list(buffers)
+        # Byte-shaped, so that lengths below are byte counts (a numpy array's len() is not).
+        pending = [b if isinstance(b, bytes) else memoryview(b).cast("B") for b in buffers]
         while pending:
             batch = pending[:_IOV_MAX]
             try:

@@ -266,7 +266,7 @@ class _OutputWindow:
                 f"{self.region.info.name!r}, the request allows [{self.start}, {self.end})",
             )
         self.region.check("output_region.name")  # again: the lookup may have taken a while
-        buffers: list[memoryview | bytes] = []
+        buffers: list[bytes | np.ndarray] = []
         position = self.start
         for offset, v, size in zip(offsets, values, sizes, strict=True):
             if offset > position:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ibpembed_client.v1 import lookup_pb2 as pb
@@ -106,11 +107,12 @@ def region_response_bytes(
     return b"".join(parts)
 
 
-def value_bytes(values: torch.Tensor) -> memoryview:
-    """The little-endian bytes of a contiguous tensor, without a copy."""
+def value_bytes(values: torch.Tensor) -> np.ndarray:
+    """The little-endian values of a contiguous tensor as a buffer (a numpy view, no copy:
+    ``bytes.join`` and ``os.pwritev`` take it as it is; its ``nbytes`` is its size)."""
     if values.dtype == torch.bfloat16:  # numpy has no bfloat16; the bits are what count
         values = values.view(torch.int16)
-    return memoryview(values.numpy()).cast("B")
+    return values.numpy()
 
 
 def lookup_response_bytes(
@@ -121,7 +123,7 @@ def lookup_response_bytes(
     """Serialized ``LookupResponse``: ``features`` are (name, ``DType`` value, values), the
     values' shape and little-endian bytes (any dtype; made contiguous) becoming the
     ``FeatureOutput``."""
-    parts: list[bytes | memoryview] = []
+    parts: list[bytes | np.ndarray] = []
     if request_id:
         encoded = request_id.encode()
         parts += [_length_delimited(_RESPONSE_REQUEST_ID, len(encoded)), encoded]
