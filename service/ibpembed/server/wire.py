@@ -130,7 +130,7 @@ def lookup_response_bytes(
     for name, dtype, values in features:
         if not values.is_contiguous():
             values = values.contiguous()
-        nbytes = values.numel() * values.element_size()
+        nbytes = values.nbytes
         parts.append(_feature_head(name, dtype, tuple(values.shape), nbytes))
         if nbytes:
             parts.append(value_bytes(values))
