@@ -57,6 +57,14 @@ DEDUPE_MIN_IDS = 32768
 FUSED_MIN_HOT_COVERAGE = 0.5
 # The oldest GPU the CUDA kernels run on (setup.py builds sm_80, sm_90 and compute_90 PTX).
 MIN_CUDA_CAPABILITY = (8, 0)
+# Requests with at most this many ids run on the calling (event-loop) thread instead of a
+# worker: handing a request to a worker thread and back costs more than their kernels
+# (docs/serving.md, *The thread hand-off*, measured with benchmarks.service --handoff).
+INLINE_MAX_IDS = 256
+# Element types a pooled result may be rounded to (fp32 accumulation, one rounding, RNE).
+OUTPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+# Results of at most this many values in all are rounded in one call (see _rounded).
+ROUND_TOGETHER_MAX_VALUES = 65536
 
 
 # One kernel call of a request: (table, nnz ids, unique distinct rows decoded, seconds).
@@ -127,6 +135,42 @@ class FeatureQuery:
     ids: np.ndarray
     lengths: np.ndarray
     weights: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class PackedRequest:
+    """A request's features as one array of each kind, features back to back in request order:
+    what a transport decodes without per-feature numpy work (:meth:`LookupEngine.run` takes it
+    like a list of :class:`FeatureQuery`).
+
+    Parameters
+    ----------
+    names : feature names, in request order.
+    ids : [nnz] int64, writable (shards shift them in place).
+    lengths : [samples] int32.
+    id_counts, sample_counts : [F] int64: each feature's ids and samples.
+    """
+
+    names: list[str]
+    ids: np.ndarray
+    lengths: np.ndarray
+    id_counts: np.ndarray
+    sample_counts: np.ndarray
+
+    def queries(self) -> list[FeatureQuery]:
+        """The same request feature by feature."""
+        id_ends = np.cumsum(self.id_counts).tolist()
+        sample_ends = np.cumsum(self.sample_counts).tolist()
+        out, id_start, sample_start = [], 0, 0
+        for name, id_end, sample_end in zip(self.names, id_ends, sample_ends, strict=True):
+            out.append(
+                FeatureQuery(name, self.ids[id_start:id_end], self.lengths[sample_start:sample_end])
+            )
+            id_start, sample_start = id_end, sample_end
+        return out
+
+
+Request = Sequence[FeatureQuery] | PackedRequest
 
 
 @dataclass(frozen=True)
@@ -254,6 +298,8 @@ class LookupEngine:
         lookups read those copies instead of decoding. 0 = off. Ignored on CUDA, where the
         kernels decode every row on the GPU.
     hot_row_refresh_s : seconds between re-rankings of the hot rows.
+    inline_max_ids : :meth:`lookup` runs CPU requests with at most this many ids on the calling
+        thread (no hand-off to a worker; the event loop waits for their kernels). 0 = never.
     """
 
     def __init__(
@@ -269,6 +315,7 @@ class LookupEngine:
         observer: LookupObserver | None = None,
         hot_row_budget: float = 0.0,
         hot_row_refresh_s: float = 30.0,
+        inline_max_ids: int = INLINE_MAX_IDS,
     ) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
@@ -292,6 +339,12 @@ class LookupEngine:
         self.dedupe_min_ids = dedupe_min_ids
         self.max_output_bytes = max_output_bytes
         self.observer = observer
+        if inline_max_ids < 0:
+            raise ValueError(f"inline_max_ids must be >= 0, got {inline_max_ids}")
+        self.inline_max_ids = inline_max_ids if self.device.type == "cpu" else 0
+        # The last snapshot's features for _run_in_one_call (a snapshot never changes).
+        self._one_call_cache: tuple[TableSnapshot, dict[str, tuple[int, int, str, int]]] | None
+        self._one_call_cache = None
         self.hot_rows: HotRowTracker | None = None
         if hot_row_budget < 0:
             raise ValueError(f"hot_row_budget must be >= 0, got {hot_row_budget}")
@@ -324,15 +377,19 @@ class LookupEngine:
     # -- lookups ---------------------------------------------------------------------------
     async def lookup(
         self,
-        features: Sequence[FeatureQuery],
+        features: Request,
         pooling: Pooling,
         *,
         deadline: float | None = None,
         then: Callable[[LookupResult], T] | None = None,
         slot: AdmissionSlot | None = None,
         table_version: int = 0,
+        output_dtype: torch.dtype = torch.float32,
+        on_done: Callable[[], None] | None = None,
+        output_window: int | None = None,
     ) -> LookupResult | T:
-        """Look up a request off the event loop.
+        """Look up a request off the event loop, or on it for requests of at most
+        ``inline_max_ids`` ids (their kernels are shorter than the hand-off to a worker).
 
         Parameters
         ----------
@@ -346,6 +403,10 @@ class LookupEngine:
             the result's memory past the return (it releases its own hold); None = admit here,
             released when the kernels finish.
         table_version : the table-set version to read (one the store keeps); 0 = the newest.
+        output_dtype : element type of pooled results (see :meth:`run`).
+        on_done : called once the work has ended wherever it ran (also when it failed, was
+            refused, or outlived a cancelled caller): when nothing touches what ``then`` uses.
+        output_window : see :meth:`run`.
 
         Raises
         ------
@@ -355,9 +416,42 @@ class LookupEngine:
         DeadlineExceeded : the deadline passed before a worker thread picked the request up.
         VersionNotHeld : ``table_version`` is not one the store keeps.
         """
-        future = self.submit(
-            features, pooling, deadline=deadline, then=then, slot=slot, table_version=table_version
-        )
+        if self.runs_inline(features):
+            try:
+                own = self.admit() if slot is None else None
+                try:
+                    result = self.run(
+                        features,
+                        pooling,
+                        deadline=deadline,
+                        table_version=table_version,
+                        output_dtype=output_dtype,
+                        output_window=output_window,
+                    )
+                    return result if then is None else then(result)
+                finally:
+                    if own is not None:
+                        own.release()
+            finally:
+                if on_done is not None:
+                    on_done()
+        try:
+            future = self.submit(
+                features,
+                pooling,
+                deadline=deadline,
+                then=then,
+                slot=slot,
+                table_version=table_version,
+                output_dtype=output_dtype,
+                output_window=output_window,
+            )
+        except BaseException:
+            if on_done is not None:
+                on_done()
+            raise
+        if on_done is not None:
+            future.add_done_callback(lambda _: on_done())
         # If the caller is cancelled (client gone, deadline) the thread still finishes its
         # kernel; the work's hold on the admission slot is released by the future's callback,
         # not here, so the bound on in-flight work holds.
@@ -365,13 +459,15 @@ class LookupEngine:
 
     def submit(
         self,
-        features: Sequence[FeatureQuery],
+        features: Request,
         pooling: Pooling,
         *,
         deadline: float | None = None,
         then: Callable[[LookupResult], T] | None = None,
         slot: AdmissionSlot | None = None,
         table_version: int = 0,
+        output_dtype: torch.dtype = torch.float32,
+        output_window: int | None = None,
     ) -> Future[LookupResult | T]:
         """Admit a request (unless ``slot`` is given) and queue it on the worker threads (see
         :meth:`lookup`)."""
@@ -385,7 +481,14 @@ class LookupEngine:
         def work() -> LookupResult | T:
             if self.observer is not None:
                 self.observer.queue_waited(time.perf_counter() - queued)
-            result = self.run(features, pooling, deadline=deadline, table_version=table_version)
+            result = self.run(
+                features,
+                pooling,
+                deadline=deadline,
+                table_version=table_version,
+                output_dtype=output_dtype,
+                output_window=output_window,
+            )
             return result if then is None else then(result)
 
         try:
@@ -398,19 +501,48 @@ class LookupEngine:
 
     def run(
         self,
-        features: Sequence[FeatureQuery],
+        features: Request,
         pooling: Pooling,
         *,
         deadline: float | None = None,
         table_version: int = 0,
+        output_dtype: torch.dtype = torch.float32,
+        output_window: int | None = None,
     ) -> LookupResult:
-        """Look up a request on the calling thread (no admission control): the in-process path."""
+        """Look up a request on the calling thread (no admission control): the in-process path.
+
+        ``output_window``: the bytes of the shared-memory window the result goes to, which then
+        bounds its size instead of ``max_output_bytes`` (it never enters a message).
+
+        ``output_dtype`` float16 or bfloat16 rounds each pooled result once, to nearest even,
+        from its fp32 accumulation (a relative error of at most 2**-11 resp. 2**-8 of each
+        value, plus fp16's overflow to inf past 65504); NONE rows are never converted.
+        """
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExceeded("deadline passed while the request waited for a worker")
         if pooling not in POOLINGS:
             raise InvalidArgument("pooling", f"must be one of {POOLINGS}, got {pooling!r}")
+        if output_dtype not in OUTPUT_DTYPES:
+            raise InvalidArgument("output_dtype", f"must be one of {OUTPUT_DTYPES}")
+        if output_dtype != torch.float32 and pooling == "none":
+            raise InvalidArgument(
+                "output_dtype", "NONE returns rows bit-exact in the table's dtype: leave it unset"
+            )
         with self.store.acquire(table_version) as snap:
-            plan = self._plan(snap, features, pooling)
+            if isinstance(features, PackedRequest):
+                limit = self._output_limit(output_window)
+                values = self._run_in_one_call(snap, features, pooling, limit)
+                if values is not None:
+                    if output_dtype != torch.float32:
+                        values = _rounded(values, output_dtype)
+                    return LookupResult(
+                        version=snap.version,
+                        features=[
+                            FeatureResult(n, v) for n, v in zip(features.names, values, strict=True)
+                        ],
+                    )
+                features = features.queries()  # the general path, which names any bad field
+            plan = self._plan(snap, features, pooling, output_dtype, output_window)
             if self.hot_rows is not None:
                 self.hot_rows.record(
                     (item.table_name, plan.ids[slice(*item.id_span)], item.table.num_rows)
@@ -433,17 +565,25 @@ class LookupEngine:
                         out[pos] = values
             if self.observer is not None:
                 self.observer.kernels_done(pooling, calls)
+            if output_dtype != torch.float32:
+                out = _rounded(out, output_dtype)  # type: ignore[arg-type]
             return LookupResult(
                 version=snap.version,
                 features=[FeatureResult(q.name, v) for q, v in zip(features, out, strict=True)],  # type: ignore[arg-type]
             )
 
     def _plan(
-        self, snap: TableSnapshot, features: Sequence[FeatureQuery], pooling: Pooling
+        self,
+        snap: TableSnapshot,
+        features: Sequence[FeatureQuery],
+        pooling: Pooling,
+        output_dtype: torch.dtype = torch.float32,
+        output_window: int | None = None,
     ) -> _RequestPlan:
         """The request checked and grouped by table. Errors, first found first: a repeated or
         unknown feature, a feature's dtypes and shapes (in request order), then lengths and ids
-        (the first bad feature in request order), then a result over ``max_output_bytes``."""
+        (the first bad feature in request order), then a result over ``max_output_bytes`` (or
+        its ``output_window``)."""
         by_table: dict[str, _TableWork] = {}
         seen: set[str] = set()
         output_bytes = 0
@@ -468,7 +608,16 @@ class LookupEngine:
         work = list(by_table.values())
         plan = _concatenate(work)
         _check_values(plan)
-        if self.max_output_bytes is not None and output_bytes > self.max_output_bytes:
+        if pooling != "none":  # sized as fp32 above
+            output_bytes = output_bytes * output_dtype.itemsize // 4
+        limit = self._output_limit(output_window)
+        if limit is not None and output_bytes > limit:
+            if output_window is not None:
+                raise InvalidArgument(
+                    "output_region.byte_size",
+                    f"the result would be {output_bytes} bytes, over the {output_window} bytes"
+                    " of its output window",
+                )
             raise InvalidArgument(
                 "features",
                 f"the result would be {output_bytes} bytes, over this server's limit of "
@@ -635,6 +784,107 @@ class LookupEngine:
                 return pooled, unique.numel()
         return table.lookup(ids, offsets, weights, pooling), nnz  # type: ignore[arg-type]
 
+    def _output_limit(self, output_window: int | None) -> int | None:
+        """Largest result (bytes) a request may produce."""
+        return self.max_output_bytes if output_window is None else output_window
+
+    def _run_in_one_call(
+        self, snap: TableSnapshot, request: PackedRequest, pooling: Pooling, limit: int | None
+    ) -> list[torch.Tensor] | None:
+        """A pooled CPU request's results from one call of the fused kernel, which checks every
+        feature's ids against its table as it pools them; None when the request needs the
+        general path: NONE, a GPU, a feature it cannot map here (unknown, repeated, not
+        poolable, a row shard), ids the decode-once path may take, a result over
+        ``limit`` (fp32-sized: conservative for fp16 and bf16), or anything malformed (the
+        general path names the field).
+
+        NOTE(engine): one row of ``table_bags`` per feature, not per table, so no request-wide
+        grouping, concatenation or splitting: at B=1 x 26 those cost more than the kernels.
+        """
+        if pooling == "none" or self.device.type != "cpu":
+            return None
+        if self.dedupe_max_unique_fraction > 0 and request.ids.size >= self.dedupe_min_ids:
+            return None
+        features = self._one_call_features(snap)
+        try:
+            entries = [features[name] for name in request.names]
+        except KeyError:
+            return None
+        count = len(entries)
+        if len(set(request.names)) != count:
+            return None
+        meta = np.array([e[:2] for e in entries], dtype=np.int64).reshape(count, 2)
+        samples = request.sample_counts
+        if limit is not None and int(samples @ meta[:, 1]) * 4 > limit:
+            return None
+        offsets = np.zeros(request.lengths.size + 1, dtype=np.int64)
+        np.cumsum(request.lengths, dtype=np.int64, out=offsets[1:])
+        sample_ends = np.cumsum(samples)
+        if not np.array_equal(offsets[sample_ends], np.cumsum(request.id_counts)):
+            return None  # a feature's lengths do not sum to its ids
+        table_bags = np.empty((count, 3), dtype=np.int64)
+        table_bags[:, 0] = meta[:, 0]
+        table_bags[:, 1] = sample_ends - samples
+        table_bags[:, 2] = samples
+        table_set, _ = snap.pooling_set
+        try:
+            values, seconds = table_set.lookup(
+                torch.from_numpy(table_bags),
+                torch.from_numpy(request.ids),
+                torch.from_numpy(offsets),
+                None,
+                pooling,  # type: ignore[arg-type]
+            )
+        except (IndexError, ValueError):  # an id out of range or a negative length
+            return None
+        if self.hot_rows is not None:  # after the kernel: it has checked every id
+            id_ends = np.cumsum(request.id_counts).tolist()
+            self.hot_rows.record(
+                (e[2], request.ids[end - n : end], e[3])
+                for e, n, end in zip(entries, request.id_counts.tolist(), id_ends, strict=True)
+            )
+        if self.observer is not None:
+            nnz = request.id_counts.tolist()
+            self.observer.kernels_done(
+                pooling,
+                [(e[2], n, n, t) for e, n, t in zip(entries, nnz, seconds, strict=True)],
+            )
+        return values
+
+    def _one_call_features(self, snap: TableSnapshot) -> dict[str, tuple[int, int, str, int]]:
+        """Features of ``snap`` that :meth:`_run_in_one_call` serves: (position in the
+        snapshot's pooling set, pooled dim, table, rows). Built once per snapshot."""
+        cached = self._one_call_cache
+        if cached is not None and cached[0] is snap:
+            return cached[1]
+        _, position = snap.pooling_set
+        features = {}
+        for feature, name in snap.features.items():
+            table = snap.tables[name]
+            if name not in position or name in snap.shards:
+                continue
+            dim = (
+                table.dim - INT8_ROWWISE_HEADER_BYTES
+                if table.quant == "int8_rowwise"
+                else table.dim
+            )
+            features[feature] = (position[name], dim, name, table.num_rows)
+        self._one_call_cache = (snap, features)
+        return features
+
+    def runs_inline(self, features: Request) -> bool:
+        """Whether :meth:`lookup` runs this request on the calling thread."""
+        if not self.inline_max_ids:
+            return False
+        if isinstance(features, PackedRequest):
+            return features.ids.size <= self.inline_max_ids
+        ids = 0
+        for query in features:
+            ids += query.ids.size
+            if ids > self.inline_max_ids:
+                return False
+        return True
+
     # -- introspection -----------------------------------------------------------------------
     def describe(self, name: str | None = None) -> list[TableDescription]:
         """Every table (``name=None``) or one table; :class:`NotFound` for an unknown name."""
@@ -692,6 +942,22 @@ def _describe(
         row_start=rows.start,
         row_end=rows.end,
     )
+
+
+def _rounded(values: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Pooled results converted to ``dtype`` (each value rounded once, to nearest even).
+
+    NOTE(engine): a small request's results convert in one call on their concatenation: 26
+    conversions of [1, 128] cost ~130 us, one of the 26 rows ~45 us (development measurement).
+    Larger results convert one by one, which spares the concatenation's extra copy.
+    """
+    if (
+        len(values) > 1
+        and sum(v.numel() for v in values) <= ROUND_TOGETHER_MAX_VALUES
+        and len({v.shape[1:] for v in values}) == 1
+    ):
+        return list(torch.cat(values).to(dtype).split([v.shape[0] for v in values]))
+    return [v.to(dtype) for v in values]
 
 
 def _split(values: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

@@ -25,6 +25,10 @@ class NotFound(ServiceError):
     """An unknown feature or table."""
 
 
+class AlreadyExists(ServiceError):
+    """The named resource exists already (a shared-memory region registered twice)."""
+
+
 class FailedPrecondition(ServiceError):
     """The request is well formed but the server's state cannot serve it (e.g. a version)."""
 
@@ -51,6 +55,11 @@ class PermissionDenied(ServiceError):
 
 class Overloaded(ServiceError):
     """The server is at its in-flight limit; the client should back off and retry."""
+
+
+class ResourceExhausted(ServiceError):
+    """A per-caller quota is used up (not overload: retrying does not help until the caller
+    frees some)."""
 
 
 class Unavailable(ServiceError):

@@ -158,6 +158,7 @@ def test_no_request_values_in_labels(served):
         "le",
         "table",
         "result",
+        "transport",
     }
 
 
@@ -194,6 +195,8 @@ def test_table_gauges_follow_the_store(served):
 
 class GatedMetrics(ServerMetrics):
     """Holds kernel calls until released, so the test knows what is in flight."""
+
+    holds_kernels = True  # on worker threads (see RunningServer)
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)

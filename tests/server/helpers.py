@@ -84,6 +84,10 @@ class RunningServer:
         settings.setdefault("workers", 2)
         # No background hot-row refreshes unless a test asks: sizes must not change under it.
         settings.setdefault("hot_row_budget", 0.0)
+        if getattr(observer, "holds_kernels", False):
+            # A gate holds requests inside their kernels: on worker threads, as small requests
+            # run inline on the event loop otherwise, which the gate would then hold.
+            settings.setdefault("inline_max_ids", 0)
         self.config = ServerConfig(port=0, **settings).validate()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -128,6 +132,7 @@ class RecordingObserver:
         self.abandoned = 0
         self.reloads: list[str] = []
         self.queue_waits: list[float] = []
+        self.outputs: list[tuple[str, int]] = []  # (transport, value bytes) per request
 
     def kernels_done(self, pooling: str, calls: Sequence[KernelCall]) -> None:
         self.kernels += [(table, pooling, nnz, unique) for table, nnz, unique, _ in calls]
@@ -150,6 +155,9 @@ class RecordingObserver:
     def reload_done(self, result: str) -> None:
         self.reloads.append(result)
 
+    def output_written(self, transport: str, nbytes: int) -> None:
+        self.outputs.append((transport, nbytes))
+
 
 class GateObserver(RecordingObserver):
     """Holds every request after its kernel calls until :meth:`open` (so tests control what is
@@ -157,6 +165,8 @@ class GateObserver(RecordingObserver):
 
     ``entered`` counts requests that reached the gate; ``wait_entered(n)`` blocks until n did.
     """
+
+    holds_kernels = True  # see RunningServer
 
     def __init__(self) -> None:
         super().__init__()

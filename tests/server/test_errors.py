@@ -314,15 +314,16 @@ def test_a_stream_cancelled_as_its_answer_arrives_releases_the_slot():
             return None
 
     async def main() -> int:
-        engine = LookupEngine(make_store(), max_workers=1, max_inflight=4)
+        # On a worker: the race needs an answer that becomes ready in a later loop turn.
+        engine = LookupEngine(make_store(), max_workers=1, max_inflight=4, inline_max_ids=0)
         servicer = EmbeddingLookupServicer(engine)
         stream_one = servicer._stream_one
         writer: asyncio.Future | None = None
 
-        async def answer_then_cancel_the_writer(request, deadline):
+        async def answer_then_cancel_the_writer(*args):
             assert writer is not None
             asyncio.current_task().add_done_callback(lambda _task: writer.cancel())
-            return await stream_one(request, deadline)
+            return await stream_one(*args)
 
         servicer._stream_one = answer_then_cancel_the_writer
 

@@ -31,6 +31,7 @@ from ibpembed_client._common import (
     decode_response,
 )
 from ibpembed_client.aio import AsyncLookupClient
+from ibpembed_client.regions import OutputRegion, SharedMemoryRegion
 from ibpembed_client.shard_map import ShardedTable, ShardMap, ShardRange
 from ibpembed_client.shards import AsyncShardedLookupClient, ShardedLookupClient
 
@@ -44,12 +45,14 @@ __all__ = [
     "LookupClient",
     "LookupResult",
     "LookupServiceError",
+    "OutputRegion",
     "RetryPolicy",
     "Router",
     "ShardMap",
     "ShardRange",
     "ShardedLookupClient",
     "ShardedTable",
+    "SharedMemoryRegion",
     "TableInfo",
     "TlsOptions",
     "bf16_to_float32",

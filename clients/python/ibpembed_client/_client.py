@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TypeVar
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ibpembed_client._common import (
@@ -18,7 +20,9 @@ from ibpembed_client._common import (
     KeepAliveOptions,
     LookupResult,
     LookupServiceError,
+    OutputDType,
     Pooling,
+    RegisteredRegion,
     Retrier,
     RetryPolicy,
     Router,
@@ -27,10 +31,15 @@ from ibpembed_client._common import (
     build_request,
     call_metadata,
     decode_response,
+    move_inputs_to_region,
+    pooled_bf16,
+    region_of,
+    region_registration,
 )
 from ibpembed_client._common import (
     channel_options as _channel_options,
 )
+from ibpembed_client.regions import OutputRegion, SharedMemoryRegion
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 
@@ -90,6 +99,8 @@ class LookupClient:
         self._options = _channel_options(max_message_bytes, keepalive, self.retry, channel_options)
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()  # threads' first calls must share one channel
+        # Regions registered through this client, by name: what output_region lookups view.
+        self._regions: dict[str, RegisteredRegion] = {}
 
     # -- channels --------------------------------------------------------------------------
     def _channel(self, target: str) -> grpc.Channel:
@@ -159,6 +170,10 @@ class LookupClient:
         timeout: float | None = None,
         request_id: str = "",
         table_version: int = 0,
+        output_dtype: OutputDType | None = None,
+        output_region: OutputRegion | str | None = None,
+        input_region: str | None = None,
+        input_offset: int = 0,
     ) -> LookupResult:
         """Look up one batch.
 
@@ -170,6 +185,16 @@ class LookupClient:
         request_id : echoed back; the server logs it with failures.
         table_version : serve from this table-set version (see :meth:`versions_held`); 0 =
             the newest. The result's ``table_version`` says which served it.
+        output_dtype : ``"float32"`` (default), ``"float16"`` or ``"bfloat16"`` pooled values,
+            rounded once by the server from its fp32 sums. bfloat16 values come back as
+            ``ml_dtypes.bfloat16`` where ml_dtypes is installed, else as uint16 bit patterns
+            (:func:`bf16_to_float32`). Not with ``"none"``.
+        output_region : a region registered with :meth:`register_region` (its name, or an
+            :class:`OutputRegion` window of it): the server writes the values there and the
+            result's arrays are views of that memory (no copy).
+        input_region, input_offset : a registered region that the ids, lengths and weights
+            are copied into, from byte ``input_offset`` of it, for the server to read instead
+            of the request's bytes. Lookups running at once need disjoint parts.
 
         Raises
         ------
@@ -177,7 +202,16 @@ class LookupClient:
             FAILED_PRECONDITION for a version the server does not hold (``versions_held`` of
             the error lists those it does).
         """
-        request = build_request(features, pooling, request_id, table_version)
+        request = build_request(
+            features,
+            pooling,
+            request_id,
+            table_version,
+            output_dtype=output_dtype,
+            output_region=output_region,
+        )
+        if input_region is not None:
+            move_inputs_to_region(request, self._regions, input_region, input_offset)
         return self.lookup_request(request, timeout=timeout)
 
     def lookup_request(
@@ -186,12 +220,58 @@ class LookupClient:
         """Send a prebuilt :class:`~ibpembed_client.v1.lookup_pb2.LookupRequest`."""
         stub = self._stub(self.router(request) if self.router else None)
         metadata = call_metadata(self._token)
+        region = region_of(self._regions, request)
         response = self._call(
             lambda t: stub.Lookup(request, timeout=t, metadata=metadata),
             timeout,
             request.request_id,
         )
-        return decode_response(response)
+        return decode_response(response, region, pooled_bf16=pooled_bf16(request))
+
+    # -- shared-memory regions -------------------------------------------------------------
+    def register_region(
+        self,
+        name: str,
+        memory: SharedMemoryRegion,
+        *,
+        offset: int = 0,
+        byte_size: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Register ``[offset, offset + byte_size)`` of ``memory`` (default: to its end) with
+        the server as ``name``, for lookups' ``output_region`` / ``input_region``."""
+        request, registered = region_registration(name, memory, offset, byte_size)
+        metadata = call_metadata(self._token)
+        self._call(
+            lambda t: self._stub().RegisterRegion(request, timeout=t, metadata=metadata), timeout
+        )
+        self._regions[name] = registered
+
+    def unregister_region(self, name: str = "", *, timeout: float | None = None) -> int:
+        """Release region ``name`` on the server (every region of this caller for ``""``);
+        returns how many were released."""
+        metadata = call_metadata(self._token)
+        request = pb.UnregisterRegionRequest(name=name)
+        response = self._call(
+            lambda t: self._stub().UnregisterRegion(request, timeout=t, metadata=metadata),
+            timeout,
+        )
+        if name:
+            self._regions.pop(name, None)
+        else:
+            self._regions.clear()
+        return response.released
+
+    def list_regions(self, *, timeout: float | None = None) -> list[pb.RegionInfo]:
+        """This caller's regions as the server holds them."""
+        metadata = call_metadata(self._token)
+        response = self._call(
+            lambda t: self._stub().ListRegions(
+                pb.ListRegionsRequest(), timeout=t, metadata=metadata
+            ),
+            timeout,
+        )
+        return list(response.regions)
 
     def lookup_stream(
         self,
@@ -206,12 +286,23 @@ class LookupClient:
         requests with :func:`build_request`. Not retried (requests may have run).
         """
         timeout = self.timeout if timeout is None else timeout
+        # Responses come back in request order: each is decoded with its request's region.
+        sent: collections.deque[tuple[RegisteredRegion | None, np.dtype | None]] = (
+            collections.deque()
+        )
+
+        def sending() -> Iterator[pb.LookupRequest]:
+            for request in requests:
+                sent.append((region_of(self._regions, request), pooled_bf16(request)))
+                yield request
+
         responses = self._stub().LookupStream(
-            iter(requests), timeout=timeout, metadata=call_metadata(self._token, stream_id)
+            sending(), timeout=timeout, metadata=call_metadata(self._token, stream_id)
         )
         try:
             for response in responses:
-                yield decode_response(response)
+                region, bf16 = sent.popleft()
+                yield decode_response(response, region, pooled_bf16=bf16)
         except grpc.RpcError as err:
             raise LookupServiceError.from_rpc_error(err, stream_id) from None
 

@@ -14,9 +14,23 @@ from typing import Literal, Union
 import grpc
 import numpy as np
 
+from ibpembed_client.regions import OutputRegion, SharedMemoryRegion
 from ibpembed_client.v1 import lookup_pb2 as pb
 
+try:  # optional: numpy's own dtype for bfloat16 values
+    import ml_dtypes
+
+    BFLOAT16: np.dtype | None = np.dtype(ml_dtypes.bfloat16)
+except ImportError:
+    BFLOAT16 = None
+
 Pooling = Literal["sum", "mean", "none"]
+OutputDType = Literal["float32", "float16", "bfloat16"]
+OUTPUT_DTYPES: dict[str, int] = {
+    "float32": pb.DTYPE_FLOAT32,
+    "float16": pb.DTYPE_FLOAT16,
+    "bfloat16": pb.DTYPE_BFLOAT16,
+}
 POOLING: dict[str, int] = {"sum": pb.POOLING_SUM, "mean": pb.POOLING_MEAN, "none": pb.POOLING_NONE}
 # numpy has no bfloat16: bf16 rows come back as their uint16 bit patterns (see bf16_to_float32).
 DTYPES: dict[int, tuple[str, np.dtype]] = {
@@ -149,6 +163,8 @@ def _int_bytes(array: np.ndarray, dtype: str, what: str) -> bytes:
     array = np.asarray(array)
     if array.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {array.shape}")
+    if array.dtype == dtype:  # already the wire's type: nothing a cast could change
+        return array.tobytes()
     # A cast would truncate 1.9 to 1 and look up the wrong row; an empty list is float64 in
     # numpy but holds nothing to truncate.
     if array.size and array.dtype.kind not in "iu":
@@ -168,6 +184,9 @@ def build_request(
     pooling: Pooling = "sum",
     request_id: str = "",
     table_version: int = 0,
+    *,
+    output_dtype: OutputDType | None = None,
+    output_region: OutputRegion | str | None = None,
 ) -> pb.LookupRequest:
     """A ``LookupRequest`` from per-feature batches or per-sample id lists.
 
@@ -178,6 +197,10 @@ def build_request(
     request_id : echoed back and logged by the server on failures; empty = server picks one.
     table_version : the table-set version to be served from (FAILED_PRECONDITION when the
         server does not hold it); 0 = the newest it holds.
+    output_dtype : ``"float32"``, ``"float16"`` or ``"bfloat16"`` pooled outputs (the server
+        rounds its fp32 sums once, to nearest even); None = float32. Not with ``"none"``.
+    output_region : a registered region (its name, or an :class:`OutputRegion` window of it)
+        for the server to write the values into instead of the response.
 
     Raises
     ------
@@ -191,15 +214,25 @@ def build_request(
     request = pb.LookupRequest(
         request_id=request_id, pooling=POOLING[pooling], table_version=table_version
     )
+    if output_dtype is not None:
+        if output_dtype not in OUTPUT_DTYPES:
+            raise ValueError(
+                f"output_dtype must be one of {sorted(OUTPUT_DTYPES)}, got {output_dtype!r}"
+            )
+        request.output_dtype = OUTPUT_DTYPES[output_dtype]
+    if output_region is not None:
+        window = OutputRegion(output_region) if isinstance(output_region, str) else output_region
+        request.output_region.name = window.name
+        request.output_region.offset = window.offset
+        request.output_region.byte_size = window.byte_size
+    add = request.features.add  # in place: append() would copy each message
     for name, value in features.items():
         batch = value if isinstance(value, FeatureBatch) else FeatureBatch.from_lists(value)
-        request.features.append(
-            pb.FeatureInput(
-                name=name,
-                ids=_int_bytes(batch.ids, "<i8", f"feature {name!r}: ids"),
-                lengths=_int_bytes(batch.lengths, "<i4", f"feature {name!r}: lengths"),
-                weights=b"" if batch.weights is None else _le_bytes(batch.weights, "<f4"),
-            )
+        add(
+            name=name,
+            ids=_int_bytes(batch.ids, "<i8", f"feature {name!r}: ids"),
+            lengths=_int_bytes(batch.lengths, "<i4", f"feature {name!r}: lengths"),
+            weights=b"" if batch.weights is None else _le_bytes(batch.weights, "<f4"),
         )
     return request
 
@@ -233,20 +266,121 @@ class LookupResult(Mapping[str, np.ndarray]):
         return len(self.arrays)
 
 
-def decode_response(response: pb.LookupResponse) -> LookupResult:
-    """Arrays from a response (``error`` set for a stream's failed request)."""
+@dataclass(frozen=True)
+class RegisteredRegion:
+    """A region this client registered: its memory and where the region starts in it."""
+
+    memory: SharedMemoryRegion
+    offset: int
+    byte_size: int
+
+
+def move_inputs_to_region(
+    request: pb.LookupRequest, regions: Mapping[str, RegisteredRegion], name: str, offset: int = 0
+) -> pb.LookupRequest:
+    """``request`` with its features' ids, lengths and weights moved into registered region
+    ``name`` from ``offset`` (the layout of ``InputRegion``): the request then carries the
+    feature names and counts only. Raises ValueError when they do not fit the region."""
+    region = regions.get(name)
+    if region is None:
+        raise ValueError(f"input_region {name!r} was not registered through this client")
+    features = request.features
+    ids = b"".join([f.ids for f in features])
+    lengths = b"".join([f.lengths for f in features])
+    weighted = any(f.weights for f in features)
+    weights = b""
+    if weighted:
+        weights = b"".join(
+            [f.weights or np.ones(len(f.ids) // 8, dtype="<f4").tobytes() for f in features]
+        )
+    size = len(ids) + len(lengths) + len(weights)
+    if offset < 0 or offset + size > region.byte_size:
+        raise ValueError(
+            f"the inputs are {size} bytes from offset {offset}, past the end of region {name!r}"
+            f" ({region.byte_size} bytes)"
+        )
+    start = region.offset + offset
+    region.memory.write(start, ids)
+    region.memory.write(start + len(ids), lengths)
+    if weights:
+        region.memory.write(start + len(ids) + len(lengths), weights)
+    spec = request.input_region
+    spec.name, spec.offset, spec.weighted = name, offset, weighted
+    spec.num_ids.extend([len(f.ids) // 8 for f in features])
+    spec.batch_sizes.extend([len(f.lengths) // 4 for f in features])
+    for f in features:
+        f.ClearField("ids")
+        f.ClearField("lengths")
+        f.ClearField("weights")
+    return request
+
+
+def region_of(
+    regions: Mapping[str, RegisteredRegion], request: pb.LookupRequest
+) -> RegisteredRegion | None:
+    """The registered region a request's outputs go to (None: in the response)."""
+    if not request.HasField("output_region"):
+        return None
+    region = regions.get(request.output_region.name)
+    if region is None:
+        raise ValueError(
+            f"output_region {request.output_region.name!r} was not registered through this "
+            "client (register_region): its memory is needed to view the results"
+        )
+    return region
+
+
+def pooled_bf16(request: pb.LookupRequest) -> np.dtype | None:
+    """How a request's bfloat16 pooled values come back: ml_dtypes' dtype where installed."""
+    return BFLOAT16 if request.output_dtype == pb.DTYPE_BFLOAT16 else None
+
+
+def region_registration(
+    name: str, memory: SharedMemoryRegion, offset: int, byte_size: int | None
+) -> tuple[pb.RegisterRegionRequest, RegisteredRegion]:
+    """The RegisterRegion request for ``[offset, offset + byte_size)`` of ``memory`` (default:
+    to its end), and what the client keeps to view results in it."""
+    size = memory.size - offset if byte_size is None else byte_size
+    request = pb.RegisterRegionRequest(
+        name=name,
+        kind=pb.REGION_KIND_SYSTEM_SHM,
+        shm_name=memory.shm_name,
+        offset=offset,
+        byte_size=size,
+    )
+    return request, RegisteredRegion(memory, offset, size)
+
+
+def decode_response(
+    response: pb.LookupResponse,
+    region: RegisteredRegion | None = None,
+    *,
+    pooled_bf16: np.dtype | None = None,
+) -> LookupResult:
+    """Arrays from a response (``error`` set for a stream's failed request): copies of nothing,
+    views of the response's bytes, or of ``region`` for a lookup that named an output region.
+    ``pooled_bf16`` is the numpy dtype bfloat16 values come back as (default uint16 bits)."""
     if response.HasField("error"):
         error = LookupServiceError(
             _code_from_int(response.error.code), response.error.message, response.request_id
         )
         return LookupResult(response.request_id, response.table_version, error=error)
     result = LookupResult(response.request_id, response.table_version)
+    arrays, dtypes = result.arrays, result.dtypes
     for feature in response.features:
         name, dtype = DTYPES[feature.dtype]
-        result.arrays[feature.name] = np.frombuffer(feature.values, dtype=dtype).reshape(
-            tuple(feature.shape)
-        )
-        result.dtypes[feature.name] = name
+        if pooled_bf16 is not None and feature.dtype == pb.DTYPE_BFLOAT16:
+            dtype = pooled_bf16
+        shape = feature.shape
+        if region is None:
+            flat = np.frombuffer(feature.values, dtype=dtype)
+            # Two ints, not a tuple of the repeated field: per feature, that conversion cost
+            # as much as the rest of the decoding.
+            array = flat.reshape(shape[0], shape[1]) if len(shape) == 2 else flat.reshape(shape)
+        else:
+            array = region.memory.array(region.offset + feature.region_offset, dtype, tuple(shape))
+        arrays[feature.name] = array
+        dtypes[feature.name] = name
     return result
 
 

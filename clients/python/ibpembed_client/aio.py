@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import TypeVar
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ibpembed_client._common import (
@@ -18,7 +20,9 @@ from ibpembed_client._common import (
     KeepAliveOptions,
     LookupResult,
     LookupServiceError,
+    OutputDType,
     Pooling,
+    RegisteredRegion,
     Retrier,
     RetryPolicy,
     Router,
@@ -27,10 +31,15 @@ from ibpembed_client._common import (
     build_request,
     call_metadata,
     decode_response,
+    move_inputs_to_region,
+    pooled_bf16,
+    region_of,
+    region_registration,
 )
 from ibpembed_client._common import (
     channel_options as _channel_options,
 )
+from ibpembed_client.regions import OutputRegion, SharedMemoryRegion
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 
@@ -68,6 +77,8 @@ class AsyncLookupClient:
         self._token = token
         self._options = _channel_options(max_message_bytes, keepalive, self.retry, channel_options)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # Regions registered through this client, by name: what output_region lookups view.
+        self._regions: dict[str, RegisteredRegion] = {}
 
     def _channel(self, target: str) -> grpc.aio.Channel:
         channel = self._channels.get(target)
@@ -129,9 +140,22 @@ class AsyncLookupClient:
         timeout: float | None = None,
         request_id: str = "",
         table_version: int = 0,
+        output_dtype: OutputDType | None = None,
+        output_region: OutputRegion | str | None = None,
+        input_region: str | None = None,
+        input_offset: int = 0,
     ) -> LookupResult:
         """Look up one batch (see :meth:`ibpembed_client.LookupClient.lookup`)."""
-        request = build_request(features, pooling, request_id, table_version)
+        request = build_request(
+            features,
+            pooling,
+            request_id,
+            table_version,
+            output_dtype=output_dtype,
+            output_region=output_region,
+        )
+        if input_region is not None:
+            move_inputs_to_region(request, self._regions, input_region, input_offset)
         return await self.lookup_request(request, timeout=timeout)
 
     async def lookup_request(
@@ -140,12 +164,13 @@ class AsyncLookupClient:
         """Send a prebuilt ``LookupRequest``."""
         stub = self._stub(self.router(request) if self.router else None)
         metadata = call_metadata(self._token)
+        region = region_of(self._regions, request)
         response = await self._call(
             lambda t: stub.Lookup(request, timeout=t, metadata=metadata),
             timeout,
             request.request_id,
         )
-        return decode_response(response)
+        return decode_response(response, region, pooled_bf16=pooled_bf16(request))
 
     async def lookup_stream(
         self,
@@ -156,14 +181,72 @@ class AsyncLookupClient:
     ) -> AsyncIterator[LookupResult]:
         """Pipeline many requests on one stream; results in request order (see the sync client)."""
         timeout = self.timeout if timeout is None else timeout
+        # Responses come back in request order: each is decoded with its request's region.
+        sent: collections.deque[tuple[RegisteredRegion | None, np.dtype | None]] = (
+            collections.deque()
+        )
+
+        async def sending() -> AsyncIterator[pb.LookupRequest]:
+            if isinstance(requests, AsyncIterable):
+                async for request in requests:
+                    sent.append((region_of(self._regions, request), pooled_bf16(request)))
+                    yield request
+            else:
+                for request in requests:
+                    sent.append((region_of(self._regions, request), pooled_bf16(request)))
+                    yield request
+
         call = self._stub().LookupStream(
-            requests, timeout=timeout, metadata=call_metadata(self._token, stream_id)
+            sending(), timeout=timeout, metadata=call_metadata(self._token, stream_id)
         )
         try:
             async for response in call:
-                yield decode_response(response)
+                region, bf16 = sent.popleft()
+                yield decode_response(response, region, pooled_bf16=bf16)
         except grpc.RpcError as err:
             raise LookupServiceError.from_rpc_error(err, stream_id) from None
+
+    async def register_region(
+        self,
+        name: str,
+        memory: SharedMemoryRegion,
+        *,
+        offset: int = 0,
+        byte_size: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """See :meth:`ibpembed_client.LookupClient.register_region`."""
+        request, registered = region_registration(name, memory, offset, byte_size)
+        metadata = call_metadata(self._token)
+        await self._call(
+            lambda t: self._stub().RegisterRegion(request, timeout=t, metadata=metadata), timeout
+        )
+        self._regions[name] = registered
+
+    async def unregister_region(self, name: str = "", *, timeout: float | None = None) -> int:
+        """See :meth:`ibpembed_client.LookupClient.unregister_region`."""
+        metadata = call_metadata(self._token)
+        request = pb.UnregisterRegionRequest(name=name)
+        response = await self._call(
+            lambda t: self._stub().UnregisterRegion(request, timeout=t, metadata=metadata),
+            timeout,
+        )
+        if name:
+            self._regions.pop(name, None)
+        else:
+            self._regions.clear()
+        return response.released
+
+    async def list_regions(self, *, timeout: float | None = None) -> list[pb.RegionInfo]:
+        """This caller's regions as the server holds them."""
+        metadata = call_metadata(self._token)
+        response = await self._call(
+            lambda t: self._stub().ListRegions(
+                pb.ListRegionsRequest(), timeout=t, metadata=metadata
+            ),
+            timeout,
+        )
+        return list(response.regions)
 
     async def list_tables(self, *, timeout: float | None = None) -> list[TableInfo]:
         """Every table the server holds."""

@@ -44,8 +44,9 @@ from ibpembed.server.interceptors import (
 )
 from ibpembed.server.memory import keep_freed_memory
 from ibpembed.server.metrics import ServerMetrics
+from ibpembed.server.regions import RegionRegistry
 from ibpembed.server.reload import ReloadObserver, TableSetReloader, in_daemon_thread
-from ibpembed.server.servicer import EmbeddingLookupServicer, add_to_server
+from ibpembed.server.servicer import EmbeddingLookupServicer, OutputObserver, add_to_server
 from ibpembed.tables.store import TableStore
 from ibpembed_client.v1 import lookup_pb2
 
@@ -60,7 +61,7 @@ _DRAIN_QUIET_MAX_S = 1.0
 SERVICE_NAME = lookup_pb2.DESCRIPTOR.services_by_name["EmbeddingLookup"].full_name
 
 
-class ServerObserver(LookupObserver, RpcObserver, ReloadObserver, Protocol):
+class ServerObserver(LookupObserver, RpcObserver, ReloadObserver, OutputObserver, Protocol):
     """The metrics hook of a whole server (issue 6 implements it)."""
 
 
@@ -155,7 +156,11 @@ class LookupServer:
         # Both set by serve_tables; the gate refuses every RPC that would need them before.
         self.engine: LookupEngine | None = None
         self.reloader: TableSetReloader | None = None
-        self.servicer = EmbeddingLookupServicer(None, stream_window=config.stream_window)
+        # Shared-memory regions clients registered; their descriptors close at stop.
+        self.regions = RegionRegistry()
+        self.servicer = EmbeddingLookupServicer(
+            None, stream_window=config.stream_window, regions=self.regions, observer=observer
+        )
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -240,6 +245,7 @@ class LookupServer:
             device=device,
             dedupe_max_unique_fraction=cfg.dedupe_max_unique_fraction,
             dedupe_min_ids=cfg.dedupe_min_ids,
+            inline_max_ids=cfg.inline_max_ids,
             hot_row_budget=cfg.hot_row_budget,
             hot_row_refresh_s=cfg.hot_row_refresh_s,
             # Leave room for the response's framing (names, shapes: ~50 bytes a feature).
@@ -318,6 +324,7 @@ class LookupServer:
             await self._server.stop(max(0.0, give_up - loop.time()))
         # Kernels of cancelled RPCs may still run; wait for them off the loop.
         await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+        self.regions.close()
 
     async def _drained(self) -> None:
         """In-flight RPCs have finished, and no new one has been refused for _DRAIN_QUIET_S (or

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ibpembed.engine import DEDUPE_MIN_IDS
+from ibpembed.engine import DEDUPE_MIN_IDS, INLINE_MAX_IDS
 
 ENV_PREFIX = "IBPEMBED_"
 # gRPC takes message sizes as int32 bytes: 2047 MiB is the most it accepts.
@@ -110,6 +110,11 @@ class ServerConfig:
         "Ids of one table in one request from which pooled lookups consider sorting them (see"
         " `dedupe_max_unique_fraction`); smaller lookups decode most repeats once through the"
         " kernel's bounded per-call cache of decoded rows.",
+    )
+    inline_max_ids: int = _setting(
+        INLINE_MAX_IDS,
+        "CPU requests with at most this many ids run on the event loop's thread instead of a"
+        " worker (their kernels are shorter than the hand-off; 0 = always a worker).",
     )
     hot_row_budget: float = _setting(
         0.01,

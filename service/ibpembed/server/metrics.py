@@ -40,6 +40,7 @@ metric                                                 type       labels
 ``ibpembed_hot_row_misses_total``                      counter    table
 ``ibpembed_loading``                                   gauge      —
 ``ibpembed_loading_progress_ratio``                    gauge      —
+``ibpembed_output_bytes_total``                        counter    transport
 =====================================================  =========  ==================================
 
 The HTTP port serves ``/metrics`` (the exposition), ``/healthz`` (200 while the process runs:
@@ -544,7 +545,15 @@ class ServerMetrics:
         )
         for result in RELOAD_RESULTS:  # every series exists from the start, for rate()
             self._reloads.inc((result,), 0.0)
-        reg.register(_Families(self._requests, self._latency, self._reloads))
+        self._output = _Counters(
+            f"{NAMESPACE}_output_bytes",
+            "Lookup outputs by where they went: wire (gRPC response bytes: values and framing)"
+            " or shm (value bytes written into a client's shared-memory region).",
+            ["transport"],
+        )
+        for transport in ("wire", "shm"):
+            self._output.inc((transport,), 0.0)
+        reg.register(_Families(self._requests, self._latency, self._reloads, self._output))
         self._reload_failing = 0  # event loop only, like _inflight
         prometheus_client.Gauge(
             f"{NAMESPACE}_table_set_reload_failing",
@@ -591,6 +600,11 @@ class ServerMetrics:
     def watch_hot_rows(self, tracker: HotRowTracker) -> None:
         """Export the hot-row tracker's hit and miss counts (the engine's, once it runs)."""
         self.registry.register(_HotRowCollector(tracker))
+
+    def output_written(self, transport: str, nbytes: int) -> None:
+        """One request's output, in its response or its output region (worker thread or event
+        loop)."""
+        self._output.inc((transport,), float(nbytes))
 
     def reload_done(self, result: ReloadResult) -> None:
         """One reload attempt of the table set (event loop)."""

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -23,17 +26,25 @@ from ibpembed.engine import (
     FeatureQuery,
     LookupEngine,
     LookupResult,
+    PackedRequest,
     Pooling,
+    Request,
     TableDescription,
 )
-from ibpembed.errors import InvalidArgument
+from ibpembed.errors import InvalidArgument, Unimplemented
+from ibpembed.server.regions import Region, RegionRegistry, output_layout
 from ibpembed.server.status import (
     MAX_REQUEST_ID_CHARS,
     UndecodableRequest,
     ensure_request_id,
     status_for,
 )
-from ibpembed.server.wire import lookup_response_bytes, serialize_response
+from ibpembed.server.wire import (
+    lookup_response_bytes,
+    region_response_bytes,
+    serialize_response,
+    value_bytes,
+)
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 
@@ -55,6 +66,46 @@ _DTYPES: dict[torch.dtype, int] = {
     torch.int64: pb.DTYPE_INT64,
 }
 
+_OUTPUT_DTYPES: dict[int, torch.dtype] = {
+    pb.DTYPE_UNSPECIFIED: torch.float32,
+    pb.DTYPE_FLOAT32: torch.float32,
+    pb.DTYPE_FLOAT16: torch.float16,
+    pb.DTYPE_BFLOAT16: torch.bfloat16,
+}
+_REGION_KINDS = {pb.REGION_KIND_UNSPECIFIED, pb.REGION_KIND_SYSTEM_SHM, pb.REGION_KIND_CUDA_IPC}
+
+
+class OutputObserver(Protocol):
+    """Optional metrics hook: where lookup outputs went (worker threads or the event loop)."""
+
+    def output_written(self, transport: str, nbytes: int) -> None:
+        """One request's output: ``"wire"``, the response's bytes (values and their framing), or
+        ``"shm"``, the value bytes written into its output region."""
+
+
+def output_dtype_of(request: pb.LookupRequest) -> torch.dtype:
+    """The request's ``output_dtype``: pooled results only, FLOAT32 / FLOAT16 / BFLOAT16."""
+    if request.output_dtype not in _OUTPUT_DTYPES:
+        raise InvalidArgument(
+            "output_dtype", f"{request.output_dtype}: must be FLOAT32, FLOAT16 or BFLOAT16"
+        )
+    if request.output_dtype != pb.DTYPE_UNSPECIFIED and request.pooling == pb.POOLING_NONE:
+        raise InvalidArgument(
+            "output_dtype",
+            "pooling NONE returns rows bit-exact in the table's dtype: leave it unset",
+        )
+    return _OUTPUT_DTYPES[request.output_dtype]
+
+
+def caller_of(context: grpc.aio.ServicerContext) -> str:
+    """Who owns the regions a call registers: its bearer token's fingerprint (checked by the
+    auth interceptor when the server has a token), or ``"anonymous"`` without one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            raw = value.encode() if isinstance(value, str) else value
+            return "token:" + hashlib.sha256(raw).hexdigest()[:16]
+    return "anonymous"
+
 
 def _array(data: bytes, dtype: str, field: str) -> np.ndarray:
     """A read-only little-endian view of ``data``; the byte count must fit the element size."""
@@ -66,8 +117,7 @@ def _array(data: bytes, dtype: str, field: str) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype)
 
 
-def decode_request(request: pb.LookupRequest) -> tuple[list[FeatureQuery], Pooling]:
-    """Features and pooling of a request; :class:`InvalidArgument` for undecodable fields."""
+def _check_request(request: pb.LookupRequest) -> None:
     if isinstance(request, UndecodableRequest):  # a LookupStream message that did not parse
         raise request.error()
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # echoed in the response and the logs
@@ -76,6 +126,11 @@ def decode_request(request: pb.LookupRequest) -> tuple[list[FeatureQuery], Pooli
         )
     if request.pooling not in _POOLING:
         raise InvalidArgument("pooling", f"unknown value {request.pooling}")
+
+
+def decode_request(request: pb.LookupRequest) -> tuple[list[FeatureQuery], Pooling]:
+    """Features and pooling of a request; :class:`InvalidArgument` for undecodable fields."""
+    _check_request(request)
     features = []
     for i, feature in enumerate(request.features):
         if not feature.name:
@@ -94,11 +149,137 @@ def decode_request(request: pb.LookupRequest) -> tuple[list[FeatureQuery], Pooli
     return features, _POOLING[request.pooling]
 
 
+def decode_packed(request: pb.LookupRequest) -> PackedRequest | None:
+    """The request's features as one array each (:class:`PackedRequest`), or None for one that
+    :func:`decode_request` must decode feature by feature: weighted, or malformed (it names the
+    field). Call after :func:`_check_request`.
+
+    NOTE(server): one join per field instead of per-feature arrays and objects: at B=1 x 26
+    decoding the features one by one cost more than their kernels.
+    """
+    features = request.features
+    names = [f.name for f in features]
+    if not all(names) or any(f.weights for f in features):
+        return None
+    ids_parts = [f.ids for f in features]
+    length_parts = [f.lengths for f in features]
+    count = len(names)
+    id_bytes = np.fromiter(map(len, ids_parts), dtype=np.int64, count=count)
+    length_bytes = np.fromiter(map(len, length_parts), dtype=np.int64, count=count)
+    if (id_bytes % 8).any() or (length_bytes % 4).any():
+        return None
+    return PackedRequest(
+        names=names,
+        # bytearray: writable memory the kernels may take (and shards shift).
+        ids=np.frombuffer(bytearray().join(ids_parts), dtype="<i8"),
+        lengths=np.frombuffer(b"".join(length_parts), dtype="<i4"),
+        id_counts=id_bytes // 8,
+        sample_counts=length_bytes // 4,
+    )
+
+
+def decode_region_inputs(
+    request: pb.LookupRequest, region: Region
+) -> tuple[list[FeatureQuery], Pooling]:
+    """Features whose ids, lengths and weights are in ``region`` (``request.input_region``)."""
+    _check_request(request)
+    spec = request.input_region
+    count = len(request.features)
+    if len(spec.num_ids) != count or len(spec.batch_sizes) != count:
+        raise InvalidArgument(
+            "input_region.num_ids",
+            f"num_ids and batch_sizes need one entry per feature ({count}), got "
+            f"{len(spec.num_ids)} and {len(spec.batch_sizes)}",
+        )
+    num_ids = np.asarray(spec.num_ids, dtype=np.int64)
+    batch = np.asarray(spec.batch_sizes, dtype=np.int64)
+    if count and (num_ids.min() < 0 or batch.min() < 0):
+        raise InvalidArgument("input_region.num_ids", "counts must be non-negative")
+    total_ids, total_samples = int(num_ids.sum()), int(batch.sum())
+    size = total_ids * (12 if spec.weighted else 8) + total_samples * 4
+    if spec.offset > region.info.byte_size or size > region.info.byte_size - spec.offset:
+        raise InvalidArgument(
+            "input_region.offset",
+            f"the inputs are {size} bytes from offset {spec.offset}, past the end of region "
+            f"{region.info.name!r} ({region.info.byte_size} bytes)",
+        )
+    for i, feature in enumerate(request.features):
+        if feature.ids or feature.lengths or feature.weights:
+            raise InvalidArgument(
+                f"features[{i}]", "ids, lengths and weights must be empty with input_region"
+            )
+    region.check("input_region.name")
+    data = region.read(spec.offset, size, "input_region.name")
+    ids = np.frombuffer(data, "<i8", total_ids)
+    lengths = np.frombuffer(data, "<i4", total_samples, offset=total_ids * 8)
+    weights = (
+        np.frombuffer(data, "<f4", total_ids, offset=total_ids * 8 + total_samples * 4)
+        if spec.weighted
+        else None
+    )
+    id_ends, sample_ends = np.cumsum(num_ids).tolist(), np.cumsum(batch).tolist()
+    features = []
+    id_start = sample_start = 0
+    for i, feature in enumerate(request.features):
+        if not feature.name:
+            raise InvalidArgument(f"features[{i}].name", "empty feature name")
+        id_end, sample_end = id_ends[i], sample_ends[i]
+        features.append(
+            FeatureQuery(
+                name=feature.name,
+                ids=ids[id_start:id_end],
+                lengths=lengths[sample_start:sample_end],
+                weights=None if weights is None else weights[id_start:id_end],
+            )
+        )
+        id_start, sample_start = id_end, sample_end
+    return features, _POOLING[request.pooling]
+
+
 def encode_response(request_id: str, result: LookupResult) -> bytes:
     """The serialized ``LookupResponse`` (:mod:`ibpembed.server.wire`: raw little-endian values
     per feature, one memory copy)."""
     features = [(f.name, _DTYPES[f.values.dtype], f.values) for f in result.features]
     return lookup_response_bytes(request_id, result.version, features)
+
+
+@dataclass
+class _OutputWindow:
+    """Where a request's outputs go: bytes [start, end) of a registered region."""
+
+    region: Region
+    start: int
+    end: int
+
+    def write(self, request_id: str, result: LookupResult) -> tuple[bytes, int]:
+        """Every feature's values into the window (or an error before any is written); the
+        response bytes and the values' byte count."""
+        values = [
+            f.values if f.values.is_contiguous() else f.values.contiguous() for f in result.features
+        ]
+        sizes = [v.numel() * v.element_size() for v in values]
+        offsets, end = output_layout(self.start, sizes)
+        if end > self.end:
+            raise InvalidArgument(
+                "output_region.byte_size",
+                f"the result needs bytes [{self.start}, {end}) of region "
+                f"{self.region.info.name!r}, the request allows [{self.start}, {self.end})",
+            )
+        self.region.check("output_region.name")  # again: the lookup may have taken a while
+        buffers: list[bytes | np.ndarray] = []
+        position = self.start
+        for offset, v, size in zip(offsets, values, sizes, strict=True):
+            if offset > position:
+                buffers.append(bytes(offset - position))  # alignment padding
+            if size:
+                buffers.append(value_bytes(v))
+            position = offset + size
+        self.region.write(self.start, buffers, "output_region.name")
+        features = [
+            (f.name, _DTYPES[v.dtype], tuple(v.shape), offset)
+            for f, v, offset in zip(result.features, values, offsets, strict=True)
+        ]
+        return region_response_bytes(request_id, result.version, features), sum(sizes)
 
 
 def table_info(desc: TableDescription) -> pb.TableInfo:
@@ -172,24 +353,117 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     overload shows as RESOURCE_EXHAUSTED and in the in-flight gauge. A unary response leaves
     admission when its kernels finish and waits in gRPC's buffers, one per call a client keeps
     open: holding the slot until the call's end cost 15 % of the answered requests of a
-    saturated server (RELIABILITY.md, *Defects* 31).
+    saturated server (docs/known-issues.md).
     """
 
-    def __init__(self, engine: LookupEngine | None, *, stream_window: int = 8) -> None:
+    def __init__(
+        self,
+        engine: LookupEngine | None,
+        *,
+        stream_window: int = 8,
+        regions: RegionRegistry | None = None,
+        observer: OutputObserver | None = None,
+    ) -> None:
         # None while the server loads its tables: the interceptor's gate answers every RPC
         # UNAVAILABLE until the server sets it.
         self.engine = engine
         self.stream_window = stream_window
+        self.regions = RegionRegistry() if regions is None else regions
+        self.observer = observer
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> bytes:
-        features, pooling = decode_request(request)
+        return await self._lookup(request, context, deadline_of(context))
+
+    async def _lookup(
+        self,
+        request: pb.LookupRequest,
+        context: grpc.aio.ServicerContext,
+        deadline: float | None,
+        slot: AdmissionSlot | None = None,
+    ) -> bytes:
+        """One request's response bytes: decoded, looked up and encoded (into the response, or
+        its values into the output region)."""
+        _check_request(request)
+        output_dtype = output_dtype_of(request)
+        uses: list[Region] = []  # regions this request reads or writes, released when it ends
+        features: Request
+        try:
+            if request.HasField("input_region"):
+                caller = caller_of(context)
+                region = self.regions.get(caller, request.input_region.name, "input_region.name")
+                uses.append(region)
+                features, pooling = decode_region_inputs(request, region)
+            else:
+                packed = decode_packed(request) if request.pooling != pb.POOLING_NONE else None
+                if packed is not None:
+                    features, pooling = packed, _POOLING[request.pooling]
+                else:
+                    features, pooling = decode_request(request)
+            encode: Callable[[LookupResult], bytes]
+            window_bytes = None  # the result's size limit: the message's, or the window's
+            if request.HasField("output_region"):
+                window = self._output_window(caller_of(context), request.output_region)
+                uses.append(window.region)
+                window_bytes = window.end - window.start
+                encode = functools.partial(self._write_region, window, request.request_id)
+            else:
+                encode = functools.partial(self._encode, request.request_id)
+        except BaseException:
+            for region in uses:
+                region.release_use()
+            raise
+        on_done = None
+        if uses:
+
+            def on_done() -> None:
+                for region in uses:
+                    region.release_use()
+
         return await self.engine.lookup(
             features,
             pooling,
-            deadline=deadline_of(context),
-            then=functools.partial(encode_response, request.request_id),
+            deadline=deadline,
+            then=encode,
+            slot=slot,
+            output_dtype=output_dtype,
+            on_done=on_done,
+            output_window=window_bytes,
             table_version=request.table_version,
         )
+
+    def _output_window(self, caller: str, spec: pb.OutputRegion) -> _OutputWindow:
+        region = self.regions.get(caller, spec.name, "output_region.name")
+        try:
+            size = region.info.byte_size
+            if spec.offset > size:
+                raise InvalidArgument(
+                    "output_region.offset",
+                    f"{spec.offset} is past the end of region {spec.name!r} ({size} bytes)",
+                )
+            end = size if spec.byte_size == 0 else spec.offset + spec.byte_size
+            if end > size:
+                raise InvalidArgument(
+                    "output_region.byte_size",
+                    f"offset {spec.offset} + byte_size {spec.byte_size} is past the end of "
+                    f"region {spec.name!r} ({size} bytes)",
+                )
+            region.check("output_region.name")
+        except BaseException:
+            region.release_use()
+            raise
+        return _OutputWindow(region, spec.offset, end)
+
+    def _encode(self, request_id: str, result: LookupResult) -> bytes:
+        response = encode_response(request_id, result)
+        if self.observer is not None:
+            self.observer.output_written("wire", len(response))
+        return response
+
+    def _write_region(self, window: _OutputWindow, request_id: str, result: LookupResult) -> bytes:
+        response, written = window.write(request_id, result)
+        if self.observer is not None:
+            self.observer.output_written("shm", written)
+        return response
 
     async def LookupStream(
         self, request_iterator: AsyncIterator[pb.LookupRequest], context: grpc.aio.ServicerContext
@@ -206,7 +480,9 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             try:
                 async for request in request_iterator:
                     await window.acquire()
-                    await queue.put(asyncio.ensure_future(self._stream_one(request, deadline)))
+                    await queue.put(
+                        asyncio.ensure_future(self._stream_one(request, context, deadline))
+                    )
             except Exception as exc:  # handed to the writer, which raises it as the stream status
                 await queue.put(exc)
             else:
@@ -232,23 +508,18 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                     _drop(item)
 
     async def _stream_one(
-        self, request: pb.LookupRequest, deadline: float | None
+        self,
+        request: pb.LookupRequest,
+        context: grpc.aio.ServicerContext,
+        deadline: float | None,
     ) -> tuple[bytes | pb.LookupResponse, AdmissionSlot | None]:
         """One stream request's response, and the admission slot the writer releases once the
         response is written (None for an error reply, which holds nothing)."""
         ensure_request_id(request)
         slot = None
         try:
-            features, pooling = decode_request(request)
             slot = self.engine.admit()
-            response = await self.engine.lookup(
-                features,
-                pooling,
-                deadline=deadline,
-                then=functools.partial(encode_response, request.request_id),
-                slot=slot,
-                table_version=request.table_version,
-            )
+            response = await self._lookup(request, context, deadline, slot)
             return response, slot
         except Exception as exc:
             if slot is not None:
@@ -274,6 +545,44 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self, request: pb.DescribeTableRequest, context: grpc.aio.ServicerContext
     ) -> pb.TableInfo:
         return table_info(self.engine.describe(request.name)[0])
+
+    async def RegisterRegion(
+        self, request: pb.RegisterRegionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterRegionResponse:
+        if request.kind not in _REGION_KINDS:
+            raise InvalidArgument("kind", f"unknown region kind {request.kind}")
+        if request.kind == pb.REGION_KIND_CUDA_IPC:
+            raise Unimplemented(
+                "kind: CUDA_IPC regions need a server whose lookups run on a GPU (they open "
+                f"the frontend's cudaIpcMemHandle on it); this one runs on {self.engine.device}."
+                " Register a SYSTEM_SHM region instead"
+            )
+        self.regions.register(
+            caller_of(context), request.name, request.shm_name, request.offset, request.byte_size
+        )
+        return pb.RegisterRegionResponse()
+
+    async def UnregisterRegion(
+        self, request: pb.UnregisterRegionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnregisterRegionResponse:
+        released = self.regions.unregister(caller_of(context), request.name)
+        return pb.UnregisterRegionResponse(released=released)
+
+    async def ListRegions(
+        self, request: pb.ListRegionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListRegionsResponse:
+        return pb.ListRegionsResponse(
+            regions=[
+                pb.RegionInfo(
+                    name=info.name,
+                    kind=pb.REGION_KIND_SYSTEM_SHM,
+                    shm_name=info.shm_name,
+                    offset=info.offset,
+                    byte_size=info.byte_size,
+                )
+                for info in self.regions.list(caller_of(context))
+            ]
+        )
 
 
 class _GeneratedHandlers:

@@ -16,12 +16,14 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from ibpembed.errors import (
+    AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     Overloaded,
     PermissionDenied,
+    ResourceExhausted,
     ServiceError,
     Unavailable,
     Unimplemented,
@@ -33,6 +35,8 @@ STATUS_CODES: dict[type[ServiceError], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unimplemented: grpc.StatusCode.UNIMPLEMENTED,

@@ -24,6 +24,12 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_INT8: _ClassVar[DType]
     DTYPE_INT32: _ClassVar[DType]
     DTYPE_INT64: _ClassVar[DType]
+
+class RegionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REGION_KIND_UNSPECIFIED: _ClassVar[RegionKind]
+    REGION_KIND_SYSTEM_SHM: _ClassVar[RegionKind]
+    REGION_KIND_CUDA_IPC: _ClassVar[RegionKind]
 POOLING_UNSPECIFIED: Pooling
 POOLING_SUM: Pooling
 POOLING_MEAN: Pooling
@@ -36,6 +42,9 @@ DTYPE_UINT8: DType
 DTYPE_INT8: DType
 DTYPE_INT32: DType
 DTYPE_INT64: DType
+REGION_KIND_UNSPECIFIED: RegionKind
+REGION_KIND_SYSTEM_SHM: RegionKind
+REGION_KIND_CUDA_IPC: RegionKind
 
 class FeatureInput(_message.Message):
     __slots__ = ("name", "ids", "lengths", "weights")
@@ -50,28 +59,60 @@ class FeatureInput(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ids: _Optional[bytes] = ..., lengths: _Optional[bytes] = ..., weights: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("request_id", "pooling", "features", "table_version")
+    __slots__ = ("request_id", "pooling", "features", "output_dtype", "output_region", "input_region", "table_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_REGION_FIELD_NUMBER: _ClassVar[int]
+    INPUT_REGION_FIELD_NUMBER: _ClassVar[int]
     TABLE_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     pooling: Pooling
     features: _containers.RepeatedCompositeFieldContainer[FeatureInput]
+    output_dtype: DType
+    output_region: OutputRegion
+    input_region: InputRegion
     table_version: int
-    def __init__(self, request_id: _Optional[str] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., features: _Optional[_Iterable[_Union[FeatureInput, _Mapping]]] = ..., table_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., features: _Optional[_Iterable[_Union[FeatureInput, _Mapping]]] = ..., output_dtype: _Optional[_Union[DType, str]] = ..., output_region: _Optional[_Union[OutputRegion, _Mapping]] = ..., input_region: _Optional[_Union[InputRegion, _Mapping]] = ..., table_version: _Optional[int] = ...) -> None: ...
+
+class OutputRegion(_message.Message):
+    __slots__ = ("name", "offset", "byte_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    byte_size: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class InputRegion(_message.Message):
+    __slots__ = ("name", "offset", "num_ids", "batch_sizes", "weighted")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_IDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    num_ids: _containers.RepeatedScalarFieldContainer[int]
+    batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    weighted: bool
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., num_ids: _Optional[_Iterable[int]] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., weighted: _Optional[bool] = ...) -> None: ...
 
 class FeatureOutput(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "values")
+    __slots__ = ("name", "dtype", "shape", "values", "region_offset")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    REGION_OFFSET_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     values: bytes
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
+    region_offset: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ..., region_offset: _Optional[int] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message")
@@ -106,6 +147,64 @@ class ListTablesResponse(_message.Message):
     table_version: int
     versions_held: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., table_version: _Optional[int] = ..., versions_held: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RegisterRegionRequest(_message.Message):
+    __slots__ = ("name", "kind", "shm_name", "offset", "byte_size", "cuda_ipc_handle", "device_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: RegionKind
+    shm_name: str
+    offset: int
+    byte_size: int
+    cuda_ipc_handle: bytes
+    device_id: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., shm_name: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class RegisterRegionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnregisterRegionRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnregisterRegionResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class ListRegionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RegionInfo(_message.Message):
+    __slots__ = ("name", "kind", "shm_name", "offset", "byte_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: RegionKind
+    shm_name: str
+    offset: int
+    byte_size: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., shm_name: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class ListRegionsResponse(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[RegionInfo]
+    def __init__(self, regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ...) -> None: ...
 
 class DescribeTableRequest(_message.Message):
     __slots__ = ("name",)

@@ -56,6 +56,21 @@ class EmbeddingLookupStub:
                 request_serializer=ibpembed__client_dot_v1_dot_lookup__pb2.DescribeTableRequest.SerializeToString,
                 response_deserializer=ibpembed__client_dot_v1_dot_lookup__pb2.TableInfo.FromString,
                 _registered_method=True)
+        self.RegisterRegion = channel.unary_unary(
+                '/ibpembed.v1.EmbeddingLookup/RegisterRegion',
+                request_serializer=ibpembed__client_dot_v1_dot_lookup__pb2.RegisterRegionRequest.SerializeToString,
+                response_deserializer=ibpembed__client_dot_v1_dot_lookup__pb2.RegisterRegionResponse.FromString,
+                _registered_method=True)
+        self.UnregisterRegion = channel.unary_unary(
+                '/ibpembed.v1.EmbeddingLookup/UnregisterRegion',
+                request_serializer=ibpembed__client_dot_v1_dot_lookup__pb2.UnregisterRegionRequest.SerializeToString,
+                response_deserializer=ibpembed__client_dot_v1_dot_lookup__pb2.UnregisterRegionResponse.FromString,
+                _registered_method=True)
+        self.ListRegions = channel.unary_unary(
+                '/ibpembed.v1.EmbeddingLookup/ListRegions',
+                request_serializer=ibpembed__client_dot_v1_dot_lookup__pb2.ListRegionsRequest.SerializeToString,
+                response_deserializer=ibpembed__client_dot_v1_dot_lookup__pb2.ListRegionsResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingLookupServicer:
@@ -97,6 +112,33 @@ class EmbeddingLookupServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterRegion(self, request, context):
+        """Same-host shared memory: a region the caller created (POSIX shm) that lookups may write
+        their outputs into (LookupRequest.output_region) and read their inputs from
+        (LookupRequest.input_region), so the values never cross the socket. A region belongs to the
+        caller that registered it (with token auth, the token's identity); other callers get
+        PERMISSION_DENIED. The server never creates, resizes or unlinks a region's memory: the
+        caller does. Regions are released on unregister and when the server stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterRegion(self, request, context):
+        """Releases one region (NOT_FOUND if it is not registered), or every region of the caller
+        when `name` is empty.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRegions(self, request, context):
+        """The caller's regions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingLookupServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -119,6 +161,21 @@ def add_EmbeddingLookupServicer_to_server(servicer, server):
                     servicer.DescribeTable,
                     request_deserializer=ibpembed__client_dot_v1_dot_lookup__pb2.DescribeTableRequest.FromString,
                     response_serializer=ibpembed__client_dot_v1_dot_lookup__pb2.TableInfo.SerializeToString,
+            ),
+            'RegisterRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterRegion,
+                    request_deserializer=ibpembed__client_dot_v1_dot_lookup__pb2.RegisterRegionRequest.FromString,
+                    response_serializer=ibpembed__client_dot_v1_dot_lookup__pb2.RegisterRegionResponse.SerializeToString,
+            ),
+            'UnregisterRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterRegion,
+                    request_deserializer=ibpembed__client_dot_v1_dot_lookup__pb2.UnregisterRegionRequest.FromString,
+                    response_serializer=ibpembed__client_dot_v1_dot_lookup__pb2.UnregisterRegionResponse.SerializeToString,
+            ),
+            'ListRegions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRegions,
+                    request_deserializer=ibpembed__client_dot_v1_dot_lookup__pb2.ListRegionsRequest.FromString,
+                    response_serializer=ibpembed__client_dot_v1_dot_lookup__pb2.ListRegionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -231,6 +288,87 @@ class EmbeddingLookup:
             '/ibpembed.v1.EmbeddingLookup/DescribeTable',
             ibpembed__client_dot_v1_dot_lookup__pb2.DescribeTableRequest.SerializeToString,
             ibpembed__client_dot_v1_dot_lookup__pb2.TableInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ibpembed.v1.EmbeddingLookup/RegisterRegion',
+            ibpembed__client_dot_v1_dot_lookup__pb2.RegisterRegionRequest.SerializeToString,
+            ibpembed__client_dot_v1_dot_lookup__pb2.RegisterRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ibpembed.v1.EmbeddingLookup/UnregisterRegion',
+            ibpembed__client_dot_v1_dot_lookup__pb2.UnregisterRegionRequest.SerializeToString,
+            ibpembed__client_dot_v1_dot_lookup__pb2.UnregisterRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRegions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ibpembed.v1.EmbeddingLookup/ListRegions',
+            ibpembed__client_dot_v1_dot_lookup__pb2.ListRegionsRequest.SerializeToString,
+            ibpembed__client_dot_v1_dot_lookup__pb2.ListRegionsResponse.FromString,
             options,
             channel_credentials,
             insecure,
