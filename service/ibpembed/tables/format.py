@@ -170,8 +170,8 @@ def file_stem(name: str) -> str:
 
 def row_steps(num_rows: int, row_bytes: int, step_bytes: int) -> Iterator[tuple[int, int]]:
     """[begin, end) row ranges of about step_bytes, each starting on a 32-row block."""
-    step = max(_layout.ROWS_PER_BLOCK, step_bytes // max(row_bytes, 1))
-    step -= step % _layout.ROWS_PER_BLOCK
+    step = max(layout.ROWS_PER_BLOCK, step_bytes // max(row_bytes, 1))
+    step -= step % layout.ROWS_PER_BLOCK
     for begin in range(0, num_rows, step):
         yield begin, min(begin + step, num_rows)
 
@@ -188,12 +188,12 @@ class SectionPlan:
     """File offsets of the sections; all but the meta section are known from the shape alone."""
 
     def __init__(self, num_rows: int, num_chunks: int, code_bits: int) -> None:
-        blocks = _layout.num_blocks(num_rows)
+        blocks = layout.num_blocks(num_rows)
         self.lengths: dict[SectionKind, int] = {
             SectionKind.MASK: 8 * num_chunks,
             SectionKind.BITVAL: 8 * codebook_entries(num_chunks, code_bits),
             SectionKind.BLOCK_BASE: 8 * (blocks + 1),
-            SectionKind.ROW_UNITS: blocks * _layout.ROWS_PER_BLOCK,
+            SectionKind.ROW_UNITS: blocks * layout.ROWS_PER_BLOCK,
             SectionKind.BITMASK: 4 * layout.bitmask_words(num_rows),
         }
         self.offsets: dict[SectionKind, int] = {}
@@ -347,7 +347,7 @@ def read_sections(
             )
         expected = plan.lengths.get(kind)
         if (expected is not None and length != expected) or (
-            kind is SectionKind.PAYLOAD and length < _layout.PAYLOAD_PAD
+            kind is SectionKind.PAYLOAD and length < layout.PAYLOAD_PAD
         ):
             raise TableFileError(path, kind.label, f"length {length}, expected {expected}")
         if offset % SECTION_ALIGN or offset < previous_end or offset + length > header.file_bytes:
@@ -391,7 +391,7 @@ def check_index(path: Path, table: CompressedTable) -> None:
         lengths.sum()
     ):
         raise TableFileError(path, "block_base", "block offsets disagree with the row sizes")
-    if int(table.block_base[-1]) + _layout.PAYLOAD_PAD != table.payload.numel():
+    if int(table.block_base[-1]) + layout.PAYLOAD_PAD != table.payload.numel():
         raise TableFileError(
             path,
             "payload",

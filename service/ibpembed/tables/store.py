@@ -571,11 +571,11 @@ class TableStore:
         self, name: str, old: CompressedTable, ids: torch.Tensor, rows: torch.Tensor
     ) -> tuple[CompressedTable, torch.Tensor]:
         """The table with the rows replaced, and the buffer under its payload."""
-        blocks = torch.unique(torch.div(ids, _layout.ROWS_PER_BLOCK, rounding_mode="floor"))
+        blocks = torch.unique(torch.div(ids, layout.ROWS_PER_BLOCK, rounding_mode="floor"))
         # Every row of the affected blocks, in order; only the table's last block can be short,
         # and it sorts last, so these rows form whole blocks of a small table of their own.
         block_rows = (
-            blocks[:, None] * _layout.ROWS_PER_BLOCK + torch.arange(_layout.ROWS_PER_BLOCK)
+            blocks[:, None] * layout.ROWS_PER_BLOCK + torch.arange(layout.ROWS_PER_BLOCK)
         ).flatten()
         block_rows = block_rows[block_rows < old.num_rows]
         decoded = old.gather(block_rows).view(torch.uint8).reshape(block_rows.numel(), -1)
@@ -586,19 +586,19 @@ class TableStore:
             decoded, old.chunk_bits, old.mask, old.bitval, old.unit_bytes
         )
         row_units = old.row_units.clone()
-        row_units.view(-1, _layout.ROWS_PER_BLOCK)[blocks] = units.view(-1, _layout.ROWS_PER_BLOCK)
+        row_units.view(-1, layout.ROWS_PER_BLOCK)[blocks] = units.view(-1, layout.ROWS_PER_BLOCK)
         new_bitmask = old.bitmask.clone()
         new_bitmask[blocks] = bitmask
         added = int(base[-1])
         end = _layout.payload_end(old)
         spill = self._spill.get(name)
-        start = end + _layout.PAYLOAD_PAD  # past the pad the previous version may read ahead into
+        start = end + layout.PAYLOAD_PAD  # past the pad the previous version may read ahead into
         mask, bitval = old.mask, old.bitval
         if (
             spill is not None
             and spill.table is old
             and int(blocks[0]) != 0
-            and start + added + _layout.PAYLOAD_PAD <= spill.buffer.numel()
+            and start + added + layout.PAYLOAD_PAD <= spill.buffer.numel()
         ):
             buffer = spill.buffer
             buffer[start : start + added] = payload[:added]
@@ -611,7 +611,7 @@ class TableStore:
             source[blocks] = 1
             offsets = old.block_base[:-1].clone()
             offsets[blocks] = base[:-1]
-            reserve = max(end // SPILL_FRACTION, 8 * (added + _layout.PAYLOAD_PAD), MIN_SPILL_BYTES)
+            reserve = max(end // SPILL_FRACTION, 8 * (added + layout.PAYLOAD_PAD), MIN_SPILL_BYTES)
             buffer, block_base = _layout.assemble(
                 [old.payload, payload],
                 source,
@@ -625,7 +625,7 @@ class TableStore:
         new_end = int(block_base[-1])
         table = dataclasses.replace(
             old,
-            payload=buffer[: new_end + _layout.PAYLOAD_PAD],
+            payload=buffer[: new_end + layout.PAYLOAD_PAD],
             block_base=block_base,
             row_units=row_units,
             bitmask=new_bitmask,

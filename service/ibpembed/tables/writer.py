@@ -108,7 +108,7 @@ class _TableFileWriter:
         """Write the small sections, the section table and the header; returns
         (header_xxh3, file_bytes). ``table_shape`` is (num_rows, dim, row_bytes, unit_bytes,
         dtype_code, chunk_bits)."""
-        self.write_payload(memoryview(bytes(_layout.PAYLOAD_PAD)))
+        self.write_payload(memoryview(bytes(layout.PAYLOAD_PAD)))
         meta_bytes = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
         file_bytes = self.plan.place_tail(self.payload_bytes, len(meta_bytes))
         hashes = {SectionKind.PAYLOAD: self.payload_hash.intdigest()}
@@ -192,9 +192,9 @@ def _pack_into(
     rows = weight.view(torch.uint8).view(num_rows, -1)
     row_bytes = rows.shape[1]
     bits, mask, bitval, unit = fitted.chunk_bits, fitted.mask, fitted.bitval, fitted.unit_bytes
-    blocks = _layout.num_blocks(num_rows)
+    blocks = layout.num_blocks(num_rows)
     block_base = torch.empty(blocks + 1, dtype=torch.int64)
-    row_units = torch.zeros(blocks * _layout.ROWS_PER_BLOCK, dtype=torch.uint8)
+    row_units = torch.zeros(blocks * layout.ROWS_PER_BLOCK, dtype=torch.uint8)
     bitmask = torch.zeros(layout.bitmask_words(num_rows), dtype=torch.int32)
     writer = _TableFileWriter(file, num_rows, mask.numel(), fitted.code_bits)
     source_hash = xxhash.xxh3_64()
@@ -202,7 +202,7 @@ def _pack_into(
         step = rows[begin:end]
         source_hash.update(as_bytes(step))
         payload, base, units, compressed = ops.ibp_compress(step, bits, mask, bitval, unit)
-        b0, nb = begin // _layout.ROWS_PER_BLOCK, base.numel() - 1
+        b0, nb = begin // layout.ROWS_PER_BLOCK, base.numel() - 1
         block_base[b0 : b0 + nb] = base[:-1] + writer.payload_bytes
         row_units[begin : begin + units.numel()] = units
         bitmask[b0 : b0 + compressed.numel()] = compressed
