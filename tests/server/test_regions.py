@@ -130,7 +130,7 @@ def test_stream_writes_into_regions_bit_identical_to_tcp(client, store, shm):
         tcp.append(client.lookup(features, pooling))
     results = list(client.lookup_stream(requests))
     for got, want in zip(results, tcp, strict=True):
-        for name, values in want.values.items():
+        for name, values in want.items():
             assert _same_bits(got[name], values)
 
 
