@@ -72,7 +72,7 @@ KernelCall = tuple[str, int, int, float]
 
 
 class LookupObserver(Protocol):
-    """Optional hook for metrics (issue 6). Called from the engine's worker threads."""
+    """Optional hook for metrics, called from the engine's worker threads."""
 
     def kernels_done(self, pooling: Pooling, calls: Sequence[KernelCall]) -> None:
         """The kernel calls of one request, one per table it read, before it returns.

@@ -20,7 +20,7 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNTIME = ROOT / "requirements" / "runtime.txt"
-# What the image must not carry (issue: dev/test/bench pins in the runtime image).
+# What the image must not carry: the dev, test and benchmark pins.
 DEV_ONLY = ("pytest", "ruff", "pandas", "fbgemm_gpu", "grpc_tools", "hypothesis", "matplotlib")
 
 

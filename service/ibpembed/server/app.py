@@ -62,7 +62,7 @@ SERVICE_NAME = lookup_pb2.DESCRIPTOR.services_by_name["EmbeddingLookup"].full_na
 
 
 class ServerObserver(LookupObserver, RpcObserver, ReloadObserver, OutputObserver, Protocol):
-    """The metrics hook of a whole server (issue 6 implements it)."""
+    """The metrics hook of a whole server (ServerMetrics implements it)."""
 
 
 def load_store(

@@ -58,7 +58,7 @@ class ServingState:
 
 
 class RpcObserver(Protocol):
-    """Optional hook for RPC metrics (issue 6), called on the event loop.
+    """Optional hook for RPC metrics, called on the event loop.
 
     NOTE(interceptors): the metrics ride on this interceptor instead of one of their own: an
     interceptor costs every RPC a coroutine layer of grpc's handler lookup and one around the

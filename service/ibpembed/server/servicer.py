@@ -599,6 +599,9 @@ def add_to_server(servicer: EmbeddingLookupServicer, server: grpc.aio.Server) ->
     """Register ``ibpembed.v1.EmbeddingLookup`` as the generated
     ``add_EmbeddingLookupServicer_to_server`` does, except that the lookups answer with the bytes
     of :func:`encode_response`, which their serializer passes through."""
+    # Relies on the generated module's shape (grpcio-tools 1.85.1: it registers through
+    # add_generic_rpc_handlers and add_registered_method_handlers, whose handlers are
+    # RpcMethodHandler namedtuples); every server test fails if a regeneration changes that.
     generated = _GeneratedHandlers()
     lookup_pb2_grpc.add_EmbeddingLookupServicer_to_server(servicer, generated)
     handlers = {
