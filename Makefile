@@ -47,7 +47,7 @@ lint: $(DEPS_STAMP)  ## ruff check + ruff format --check
 test: $(BUILD_STAMP) lint  ## lint, then every test (tests/, benchmarks/tests/, reliability/tests/)
 	$(PY) -m pytest -q
 
-bench: $(BUILD_STAMP)  ## every benchmark at full size, then BENCHMARKS.md (about 45 min)
+bench: $(BUILD_STAMP)  ## every benchmark at full size, then BENCHMARKS.md (about 20 min)
 	$(PIP) install --no-deps -r requirements/data.txt
 	$(PY) -m benchmarks
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Run every benchmark, then render BENCHMARKS.md from the results they wrote.
 
-    python -m benchmarks                      # everything, full sizes (about 45 min on 2 cores)
+    python -m benchmarks                      # everything, full sizes (about 20 min on 2 cores)
     python -m benchmarks --quick              # smoke sizes (about 4 min): numbers are not results
     python -m benchmarks --only codec tables  # some benchmarks; the others keep their last results
     python -m benchmarks --render-only        # BENCHMARKS.md from the results already on disk

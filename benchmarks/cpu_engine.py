@@ -264,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table = write_inputs(work / "inputs", args.gib, args.profile, args.batches, args.seed)
         timings = run_rounds(binaries, work / "inputs", args.rounds, args.reps)
     report = {
-        **run_metadata("python -m benchmarks.cpu_engine " + " ".join(argv or sys.argv[1:])),
+        **run_metadata(" ".join(["python -m benchmarks.cpu_engine", *(argv or sys.argv[1:])])),
         "cpu_path": codec.cpu_path(),
         "profile": args.profile,
         "rounds": args.rounds,
