@@ -34,7 +34,7 @@ WORKDIR /src
 COPY requirements/runtime.txt requirements/base.txt requirements/
 RUN python3 -m venv /opt/build \
     && /opt/build/bin/pip install -r requirements/base.txt
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY csrc csrc
 COPY service service
 COPY clients/python clients/python
