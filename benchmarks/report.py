@@ -10,6 +10,7 @@ figures mean. The sentences here carry no numbers; every number comes from a res
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -389,8 +390,17 @@ def _headline(results: Results) -> list[str]:
 
 
 # -- sections -----------------------------------------------------------------------------------
+# A benchmark's own first line names when and at which commit it ran: the setup block says that
+# once for the report, so the sections carry only what they measured and how.
+_RUN_STAMP = re.compile(
+    r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}(?::\d{2})?(?:\+00:00| UTC|Z)?(?:, )?"
+    r"|commit [0-9a-f]{7,}(?:\+dirty)?(?:, )?"
+)
+
+
 def _body(markdown: str) -> str:
-    """A benchmark's own Markdown, its headings nested under the section's."""
+    """A benchmark's own Markdown, its headings nested under the section's, without run stamps."""
+    markdown = _RUN_STAMP.sub("", markdown).replace("()", "")
     lines = []
     for line in markdown.strip().splitlines():
         if line.startswith("## "):
@@ -415,23 +425,22 @@ def _setup(log: dict[str, Any], results: Results) -> list[str]:
         "- Ratios are measured side by side in one process or one run: absolute numbers on a "
         "shared machine drift between runs, ratios much less.",
         "",
-        "| section | command | ran | load average | seconds |",
-        "|---|---|---|---:|---:|",
+        "| section | command | load average | seconds |",
+        "|---|---|---:|---:|",
     ]
     for section in SECTIONS:
         data = results.get(section.name)
         if data is None:
             continue
         entry = log.get(section.name, {})
-        command = data.get("command", f"python -m benchmarks.{section.name}")
-        when = data.get("date", "?")
+        command = data.get("command", f"python -m benchmarks.{section.name}").strip()
         load = data.get("load_average")
         if isinstance(load, list):
             load = max(load)
         load_text = f"{load:.1f}" if isinstance(load, (int, float)) else "—"
         quick = " (quick: not results)" if entry.get("quick") else ""
         lines.append(
-            f"| [{section.name}](#{section.name}) | `{command}`{quick} | {when} | {load_text} | "
+            f"| [{section.name}](#{section.name}) | `{command}`{quick} | {load_text} | "
             f"{entry.get('seconds', '—')} |"
         )
     return lines
