@@ -39,7 +39,7 @@ from benchmarks._harness import RESULTS, run_metadata, write_results
 from ibpembed import reference
 from ibpembed.codec import compress
 from ibpembed.engine import DEDUPE_MIN_IDS, FeatureQuery, LookupEngine
-from ibpembed.hot_rows import DEFAULT_BUDGET
+from ibpembed.engine.tier import DEFAULT_BUDGET
 from ibpembed.server import demo
 from ibpembed.server.servicer import decode_request
 from ibpembed.tables.store import TableStore

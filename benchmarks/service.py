@@ -55,7 +55,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from benchmarks._harness import RESULTS, run_metadata, write_results
 from ibpembed.codec import compress
 from ibpembed.engine import LookupEngine
-from ibpembed.hot_rows import DEFAULT_BUDGET, FIRST_REFRESH_S
+from ibpembed.engine.tier import DEFAULT_BUDGET, FIRST_REFRESH_S
 from ibpembed.server import demo
 from ibpembed.server.servicer import decode_packed
 from ibpembed.tables.pack import save_table_set

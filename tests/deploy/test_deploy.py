@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from ibpembed.cli import build_parser
-from ibpembed.hot_rows import HotRowTracker
+from ibpembed.engine.tier import HotRowTracker
 from ibpembed.server import config as server_config
 from ibpembed.server.app import SERVICE_NAME
 from ibpembed.server.metrics import ServerMetrics

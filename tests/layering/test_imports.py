@@ -15,7 +15,7 @@ import pytest
 CORE_MODULES = [
     "ibpembed.codec",
     "ibpembed.errors",
-    "ibpembed.hot_rows",
+    "ibpembed.engine.tier",
     "ibpembed.tables",
     "ibpembed.tables.store",
     "ibpembed.tables.manifest",

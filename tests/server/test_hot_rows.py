@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from ibpembed import hot_rows
 from ibpembed.codec import compress
 from ibpembed.engine import FeatureQuery, LookupEngine
-from ibpembed.hot_rows import HotRowTracker, directory_bytes, hot_row_ids, rank_hot_rows
+from ibpembed.engine import tier as hot_rows
+from ibpembed.engine.tier import HotRowTracker, directory_bytes, hot_row_ids, rank_hot_rows
 from ibpembed.server.config import ServerConfig
 from ibpembed.server.metrics import ServerMetrics
 from ibpembed.tables.store import TableStore

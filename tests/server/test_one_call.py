@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ibpembed.engine import FeatureQuery, LookupEngine, PackedRequest
+from ibpembed.engine import FeatureQuery, LookupEngine, LookupOptions, PackedRequest
 from ibpembed.errors import InvalidArgument, NotFound
 
 from .helpers import FEATURES, RecordingObserver, make_store
@@ -69,8 +69,8 @@ def test_one_call_matches_the_general_path(engine, store, pooling, batch):
 
 def test_bf16_outputs_from_one_call(engine, store):
     queries = _queries(store, 3, 8)
-    want = engine.run(queries, "sum", output_dtype=torch.bfloat16)
-    got = engine.run(_packed(queries), "sum", output_dtype=torch.bfloat16)
+    want = engine.run(queries, LookupOptions("sum", output_dtype=torch.bfloat16))
+    got = engine.run(_packed(queries), LookupOptions("sum", output_dtype=torch.bfloat16))
     for g, w in zip(got.features, want.features, strict=True):
         assert g.values.dtype == torch.bfloat16 and torch.equal(g.values, w.values)
 
@@ -132,7 +132,7 @@ def test_results_of_one_width_round_together_as_one_by_one(engine, store, dtype)
     """Same-width results take the one-conversion path; each is still its fp32 result rounded."""
     queries = _queries(store, 23, 6, names=["user", "user_hist"])
     fp32 = engine.run(_packed(queries), "mean")
-    rounded = engine.run(_packed(queries), "mean", output_dtype=dtype)
+    rounded = engine.run(_packed(queries), LookupOptions("mean", output_dtype=dtype))
     for got, want in zip(rounded.features, fp32.features, strict=True):
         assert got.values.dtype == dtype and got.values.is_contiguous()
         assert torch.equal(got.values, want.values.to(dtype))

@@ -76,7 +76,7 @@ from prometheus_client.utils import floatToGoString
 
 import ibpembed
 from ibpembed.engine import KernelCall
-from ibpembed.hot_rows import HotRowTracker
+from ibpembed.engine.tier import HotRowTracker
 from ibpembed.server.interceptors import STREAM_METHOD
 from ibpembed.server.reload import RELOAD_RESULTS, ReloadResult
 from ibpembed.tables.store import TableStore
