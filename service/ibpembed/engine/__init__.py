@@ -26,8 +26,9 @@ of queueing.
 The package, one job a module: ``requests`` (what a lookup takes and gives, and its
 :class:`LookupOptions`), ``planning`` (a request checked and grouped into per-table work),
 ``execution`` (the kernel calls), ``cuda`` (the GPU's device choice, streams and copies back),
-``tier`` (which rows the CPU keeps decoded) and ``core`` (:class:`LookupEngine`: admission,
-worker threads, snapshots).
+``sketch`` (a frequency sketch), ``tier`` (which rows the CPU keeps decoded; how many:
+:mod:`ibpembed.tables.tier_budget`) and ``core`` (:class:`LookupEngine`: admission, worker
+threads, snapshots).
 """
 
 from ibpembed.engine.core import INLINE_MAX_IDS, AdmissionSlot, LookupEngine
@@ -47,6 +48,7 @@ from ibpembed.engine.requests import (
     Request,
     TableDescription,
 )
+from ibpembed.tables.tier_budget import TierBudget
 
 __all__ = [
     "DEDUPE_MIN_IDS",
@@ -66,6 +68,7 @@ __all__ = [
     "Pooling",
     "Request",
     "TableDescription",
+    "TierBudget",
     "cuda_kernels_present",
     "resolve_device",
 ]

@@ -26,9 +26,10 @@ from ibpembed.engine.requests import (
     Request,
     TableDescription,
 )
-from ibpembed.engine.tier import HotRowTracker
+from ibpembed.engine.tier import HotTier
 from ibpembed.errors import DeadlineExceeded, NotFound, Overloaded
 from ibpembed.tables.store import TableStore
+from ibpembed.tables.tier_budget import TierBudget
 
 T = TypeVar("T")
 # Requests with at most this many ids run on the calling (event-loop) thread instead of a
@@ -87,7 +88,7 @@ class LookupEngine:
         runs over every id, decoding repeats once as far as its per-call cache of decoded rows
         (512 KiB per thread) reaches. 0 = always fused. NONE lookups always decode each
         distinct row once. Tables whose hot-row copies served at least FUSED_MIN_HOT_COVERAGE
-        of the lookups that chose them take the fused kernel (see ``hot_row_budget``).
+        of the lookups that chose them take the fused kernel (see ``hot_tier``).
     dedupe_min_ids : see ``dedupe_max_unique_fraction``. Measured on CPU (D=128 fp32, one
         thread, per table of the demo set at B=512): the fused kernel is faster up to 13.8k ids
         (distinct fraction 0.36), the decode-once path 1.6x faster at 51k ids (0.26).
@@ -95,11 +96,14 @@ class LookupEngine:
         size); a bigger request fails with :class:`InvalidArgument` before any memory is
         allocated for it. None = no limit.
     observer : optional metrics hook.
-    hot_row_budget : host memory each table may spend on decoded copies of its most frequently
-        looked-up rows, as a fraction of its raw bytes (see :mod:`ibpembed.engine.tier`); CPU
-        lookups read those copies instead of decoding. 0 = off. Ignored on CUDA, where the
-        kernels decode every row on the GPU.
-    hot_row_refresh_s : seconds between re-rankings of the hot rows.
+    hot_tier : the decoded hot tier's budget (``--hot-tier``; a
+        :class:`~ibpembed.tables.tier_budget.TierBudget` or its spelling: ``"off"``, ``"all"``,
+        ``"5%"`` of raw bytes, ``"savings"``, ``"512MiB"``): each table's most looked-up rows,
+        chosen online from the traffic (:mod:`ibpembed.engine.tier`), are kept decoded for CPU
+        lookups. ValueError for a malformed budget. Ignored on CUDA, where the kernels decode
+        every row on the GPU. A table given its tier rows by hand (``with_hot_rows``) keeps
+        them while this is off.
+    hot_tier_refresh_s : seconds between publications of changed tiers.
     inline_max_ids : :meth:`lookup` runs CPU requests with at most this many ids on the calling
         thread (no hand-off to a worker; the event loop waits for their kernels). 0 = never.
     """
@@ -115,8 +119,8 @@ class LookupEngine:
         dedupe_min_ids: int = DEDUPE_MIN_IDS,
         max_output_bytes: int | None = None,
         observer: LookupObserver | None = None,
-        hot_row_budget: float = 0.0,
-        hot_row_refresh_s: float = 30.0,
+        hot_tier: TierBudget | str = "off",
+        hot_tier_refresh_s: float = 30.0,
         inline_max_ids: int = INLINE_MAX_IDS,
     ) -> None:
         if max_workers < 1:
@@ -142,18 +146,17 @@ class LookupEngine:
         if inline_max_ids < 0:
             raise ValueError(f"inline_max_ids must be >= 0, got {inline_max_ids}")
         self.inline_max_ids = inline_max_ids if self.device.type == "cpu" else 0
-        self.hot_rows: HotRowTracker | None = None
-        if hot_row_budget < 0:
-            raise ValueError(f"hot_row_budget must be >= 0, got {hot_row_budget}")
-        if hot_row_budget > 0 and self.device.type == "cpu":
-            self.hot_rows = HotRowTracker(store, budget=hot_row_budget, refresh_s=hot_row_refresh_s)
-            self.hot_rows.start()
+        budget = TierBudget.parse(hot_tier)
+        self.tier: HotTier | None = None
+        if budget.enabled and self.device.type == "cpu":
+            self.tier = HotTier(store, budget=budget, refresh_s=hot_tier_refresh_s)
+            self.tier.start()
         self._executor = Executor(
             self.device,
             dedupe_max_unique_fraction=dedupe_max_unique_fraction,
             dedupe_min_ids=dedupe_min_ids,
             observer=observer,
-            recorder=self.hot_rows,
+            recorder=self.tier,
         )
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="ibpembed-lookup")
         self._lock = threading.Lock()
@@ -336,7 +339,7 @@ class LookupEngine:
             ]
 
     def close(self) -> None:
-        """Wait for running kernels, then stop the worker threads (and the hot-row refresh)."""
+        """Wait for running kernels, then stop the worker threads (and the hot tier's thread)."""
         self._pool.shutdown(wait=True)
-        if self.hot_rows is not None:
-            self.hot_rows.close()
+        if self.tier is not None:
+            self.tier.close()

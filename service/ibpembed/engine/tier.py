@@ -1,69 +1,85 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Which rows the engine keeps decoded: the hot-row policy.
+"""Which rows the CPU keeps decoded: the hot tier's admission policy.
 
-Recommendation traffic is skewed (Zipf-like): a small set of rows serves most lookups. Decoding
-is what makes compressed CPU lookups slower than raw ones, and most of it goes to those same
-rows, again and again. So the engine keeps decoded copies of them
-(``CompressedTable.with_hot_rows``, read by the CPU kernels like raw rows). :class:`HotRowTracker`
-keeps the ids of each table's most recent lookups (a bounded window) and, from a background
-thread, periodically publishes copies of the most frequent of them within a byte budget
-(``TableStore.set_hot_rows``). Lookups return the same rows either way: the policy only moves
-time and memory.
+Recommendation traffic is skewed (Zipf-like): a small set of rows serves most lookups, and
+decoding them again and again is what makes compressed CPU lookups slower than raw ones. So
+each table keeps a tier of decoded rows (``CompressedTable.with_hot_rows``), read like raw rows,
+within the budget of ``--hot-tier`` (:mod:`ibpembed.tables.tier_budget`). Lookups return the same
+rows either way: the policy only moves time and memory.
+
+:class:`HotTier` follows the traffic online, as TinyLFU does:
+
+- **Recording** (the request path): each request's checked ids are copied into a bounded
+  per-table buffer; nothing else. Under more traffic than a buffer holds between steps, the
+  latest ids stand for the rest (a sample).
+- **Steps** (a background thread, every ``step_s``): each table's buffered ids are counted
+  against the tier that is published (hits, misses, the hit ratio of the interval), then into
+  a count-min sketch with periodic halving (:mod:`ibpembed.engine.sketch`), and the tier's
+  target set is re-decided: a row seen lately enters when its estimated frequency beats the
+  coldest resident's (residents win ties, so equal rows do not churn), which leaves.
+- **Publication** (every ``refresh_s``, first after FIRST_REFRESH_S; at once for ``all``): a
+  table whose target set changed gets a new tier built aside from the store's current version
+  (``TableStore.set_hot_rows``) and published with one snapshot swap. Lookups never wait for
+  it; a lookup holding an older snapshot reads that snapshot's tier.
+
+Consistency: a tier is built from the table version it is published into, a row update carries
+the updated rows' new bits into the next version's tier (``TableStore.update_rows``), a reload
+publishes its tables without a tier (the reloader asks for a new one at once), and pinned older
+versions keep the tier they were published with. So no lookup reads a stale tier row.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
+import time
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ibpembed.codec import CompressedTable
+from ibpembed.engine.sketch import FrequencySketch
 from ibpembed.tables.store import TableStore
+from ibpembed.tables.tier_budget import TableSize, TierBudget, TierPlan, capacity_rows
 
 log = logging.getLogger(__name__)
 
-# Host memory a table's copies may take, as a fraction of its raw bytes (the server's default).
+# A share of raw bytes for offline ranking (torchrec's cache_hot_rows, the benchmarks).
 DEFAULT_BUDGET = 0.01
-# Ids of recent lookups remembered per table (8 bytes each): enough to rank the hot set of a Zipf
-# table, cheap to count (torch.unique on 256k ids: ~15 ms) for every table at every refresh.
+# The server's default --hot-tier.
+DEFAULT_TIER = "1%"
+# Ids buffered per table between steps (8 bytes each): a second of a busy table's traffic.
 DEFAULT_WINDOW_IDS = 1 << 18
-# A smaller table gets a window of this many ids per row (at least MIN_WINDOW_IDS): its hot set is
-# ranked as well from fewer lookups.
+# A smaller table buffers this many ids per row (at least MIN_WINDOW_IDS).
 WINDOW_IDS_PER_ROW = 8
 MIN_WINDOW_IDS = 4096
-# Seconds from start to the first refresh: a fresh server should not serve its first
-# ``refresh_s`` without copies.
+# Seconds between steps of the admission policy (and updates of the hit ratio).
+STEP_S = 1.0
+# Seconds from start to the first publication: a fresh server should not serve its first
+# ``refresh_s`` without a tier.
 FIRST_REFRESH_S = 5.0
-
-
-def directory_bytes(table: CompressedTable) -> int:
-    """Fixed cost of a table's hot-row overlay: two 8-byte words per 64 rows."""
-    return 16 * -(-table.num_rows // 64)
+# Sketch counters per tier row, and sketch increments between halvings per tier row (TinyLFU's
+# window is about ten times the cache).
+SKETCH_WIDTH_PER_ROW = 4
+SKETCH_SAMPLE_PER_ROW = 10
 
 
 def hot_row_ids(table: CompressedTable, recent_ids: torch.Tensor, budget: float) -> torch.Tensor:
-    """The rows worth copying (see :func:`rank_hot_rows`), sorted."""
+    """The rows worth decoding offline (see :func:`rank_hot_rows`), sorted."""
     return rank_hot_rows(table, recent_ids, budget)[0]
 
 
 def rank_hot_rows(
     table: CompressedTable, recent_ids: torch.Tensor, budget: float
 ) -> tuple[torch.Tensor, float]:
-    """The rows worth copying and the share of ``recent_ids`` they cover (``HotRows.coverage``):
-    the most frequent compressed rows of ``recent_ids`` (raw rows need no decoding) that fit in
-    ``budget`` x the table's raw bytes, the overlay's directory included. Sorted; empty when
-    nothing qualifies or the budget does not cover the directory.
-
-    Rows seen once qualify too, after every more frequent one: on Zipf traffic (alpha 1.05,
-    8.4M rows, 200k recent ids; a development measurement) they raise the share of later
-    lookups that hit a copy from 67 % to 72 %, and the budget bounds what they cost."""
-    per_row = table.row_bytes + 8  # the copy and its id
-    room = int(budget * table.raw_bytes) - directory_bytes(table)
-    capacity = max(room, 0) // per_row
+    """The exact top of a traffic sample: the most frequent compressed rows of ``recent_ids``
+    (raw rows need no decoding) that fit in ``budget`` x the table's raw bytes, and the share of
+    ``recent_ids`` they cover. Sorted; empty when nothing qualifies or the budget does not cover
+    the tier's fixed cost. For teams that know their traffic offline (and the benchmarks' ideal
+    against which :class:`HotTier` is measured)."""
+    capacity = capacity_rows(table.num_rows, table.row_bytes, int(budget * table.raw_bytes))
     in_range = recent_ids[(recent_ids >= 0) & (recent_ids < table.num_rows)]
     ids, counts = torch.unique(in_range, return_counts=True)
     keep = table.is_compressed(ids)
@@ -81,12 +97,10 @@ class _IdRing:
     growing, and no request's arrays are kept alive. numpy, not torch: recording runs once per
     table of every request, and a torch op's dispatch costs more than the copy itself."""
 
-    def __init__(self, capacity: int, num_rows: int) -> None:
-        self.num_rows = num_rows  # of the table version the ids were recorded against
+    def __init__(self, capacity: int) -> None:
         self.ids = np.zeros(capacity, dtype=np.int64)
         self.next = 0  # where the next id goes
-        self.filled = 0
-        self.unseen = 0  # ids added since the last take_unseen (at most capacity)
+        self.unseen = 0  # ids added since the last take (at most capacity)
 
     def add(self, ids: np.ndarray) -> None:
         capacity = self.ids.size
@@ -96,10 +110,9 @@ class _IdRing:
         self.ids[self.next : self.next + head] = ids[:head]
         self.ids[: n - head] = ids[head:]
         self.next = (self.next + n) % capacity
-        self.filled = min(capacity, self.filled + n)
         self.unseen = min(capacity, self.unseen + n)
 
-    def take_unseen(self) -> np.ndarray:
+    def take(self) -> np.ndarray:
         """A copy of the ids added since the last call (the latest ``capacity`` of them)."""
         n, self.unseen = self.unseen, 0
         start = self.next - n
@@ -107,136 +120,267 @@ class _IdRing:
             return self.ids[start : self.next].copy()
         return np.concatenate([self.ids[start:], self.ids[: self.next]])
 
-    def recent(self) -> torch.Tensor:
-        """A copy of the ids held (order does not matter to the ranking)."""
-        return torch.from_numpy(self.ids[: self.filled].copy())
+
+@dataclass(frozen=True)
+class TierStats:
+    """One table's tier as the policy sees it (for /metrics).
+
+    Attributes
+    ----------
+    rows : rows the policy wants in the tier (published at the next refresh).
+    capacity : rows the budget buys (``num_rows`` when it buys them all).
+    hits, misses : recorded ids found / not found in the published tier, since start.
+    admissions, evictions : rows that entered / left the target set, since start.
+    hit_ratio : hits per recorded id over the last step that saw lookups.
+    """
+
+    rows: int
+    capacity: int
+    hits: int
+    misses: int
+    admissions: int
+    evictions: int
+    hit_ratio: float
 
 
-class HotRowTracker:
-    """Per-table windows of recent lookup ids, turned into hot-row copies now and then.
+class _TableTier:
+    """The admission state of one table (of one shape: a reload that resizes it starts anew)."""
+
+    def __init__(self, num_rows: int, window_ids: int) -> None:
+        self.num_rows = num_rows
+        size = min(window_ids, max(MIN_WINDOW_IDS, WINDOW_IDS_PER_ROW * num_rows))
+        self.pending = _IdRing(size)  # guarded by HotTier._lock
+        # The rest: the policy's thread (HotTier._work) only.
+        self.capacity = 0
+        self.sketch: FrequencySketch | None = None
+        self.residents = np.empty(0, np.int64)  # sorted: the target set
+        self.published: np.ndarray | None = None  # the residents last published
+        self.coverage = 0.0  # share of the last step's ids the residents hold
+        self.hits = self.misses = self.admissions = self.evictions = 0
+        self.hit_ratio = 0.0
+
+    def count(self, ids: np.ndarray, table: CompressedTable) -> None:
+        """Hits and misses of the tier ``table`` serves with."""
+        held = 0
+        if table.hot is not None and ids.size:
+            held = int(_member(ids, table.hot.ids.numpy()).sum())
+        self.hits += held
+        self.misses += ids.size - held
+        if ids.size:
+            self.hit_ratio = held / ids.size
+
+    def admit(self, ids: np.ndarray) -> None:
+        """Update the sketch with ``ids`` and re-decide the target set within ``capacity``."""
+        capacity, residents = self.capacity, self.residents
+        if capacity >= self.num_rows:  # every row: nothing to rank
+            self.coverage = 1.0
+            if residents.size == self.num_rows:
+                return
+            chosen = np.arange(self.num_rows, dtype=np.int64)
+        elif capacity == 0:
+            chosen = residents[:0]
+        else:
+            chosen = self._rank(ids, capacity)
+        kept = int(_member(chosen, residents).sum()) if residents.size else 0
+        self.admissions += chosen.size - kept
+        self.evictions += residents.size - kept
+        if kept != chosen.size or kept != residents.size:  # else unchanged: nothing to publish
+            self.residents = chosen
+        if ids.size:
+            self.coverage = float(_member(ids, chosen).mean())
+
+    def _rank(self, ids: np.ndarray, capacity: int) -> np.ndarray:
+        if self.sketch is None or self.sketch.width < min(capacity, 1 << 22):
+            self.sketch = FrequencySketch(
+                SKETCH_WIDTH_PER_ROW * capacity, SKETCH_SAMPLE_PER_ROW * capacity
+            )
+        residents = self.residents
+        seen, counts = np.unique(ids, return_counts=True)
+        self.sketch.add(seen, counts)
+        candidates = seen[~_member(seen, residents)] if residents.size else seen
+        pool = np.concatenate([residents, candidates])
+        if pool.size <= capacity:
+            return np.sort(pool)
+        # Residents win ties: an estimate of e ranks as 2e + 1 for a resident, 2e for a newcomer.
+        key = np.concatenate(
+            [
+                self.sketch.estimate(residents).astype(np.int64) * 2 + 1,
+                self.sketch.estimate(candidates).astype(np.int64) * 2,
+            ]
+        )
+        top = np.argpartition(key, pool.size - capacity)[pool.size - capacity :]
+        return np.sort(pool[top])
+
+
+def _member(ids: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Bool: whether each of ``ids`` is in ``sorted_set`` (sorted, distinct)."""
+    if sorted_set.size == 0:
+        return np.zeros(ids.size, dtype=bool)
+    at = np.searchsorted(sorted_set, ids).clip(max=sorted_set.size - 1)
+    return sorted_set[at] == ids
+
+
+class HotTier:
+    """Per-table online admission into the decoded hot tier (see the module docstring).
 
     Parameters
     ----------
-    store : the tables; copies are published into it.
-    budget : host memory a table's copies may take, as a fraction of its raw bytes (0.01 = 1 %
-        of the uncompressed table). Must be in (0, 1].
-    refresh_s : seconds between refreshes of the background thread (:meth:`start`).
-    window_ids : recent ids remembered per table at most (8 bytes each, allocated at the
-        table's first lookup); smaller tables remember 8 per row, at least MIN_WINDOW_IDS.
+    store : the tables; tiers are published into it.
+    budget : ``--hot-tier`` (:class:`~ibpembed.tables.tier_budget.TierBudget` or its spelling);
+        must not be ``off``.
+    refresh_s : seconds between publications of changed tiers.
+    step_s : seconds between steps of the admission policy.
+    window_ids : ids buffered per table between steps at most (8 bytes each, allocated at the
+        table's first lookup); smaller tables buffer 8 per row, at least MIN_WINDOW_IDS.
     """
 
     def __init__(
         self,
         store: TableStore,
         *,
-        budget: float,
+        budget: TierBudget | str,
         refresh_s: float = 30.0,
+        step_s: float = STEP_S,
         window_ids: int = DEFAULT_WINDOW_IDS,
     ) -> None:
-        if not 0.0 < budget <= 1.0:
-            raise ValueError(f"hot-row budget must be in (0, 1], got {budget}")
-        if refresh_s <= 0:
-            raise ValueError(f"hot-row refresh interval must be > 0 s, got {refresh_s}")
+        self.budget = TierBudget.parse(budget)
+        if not self.budget.enabled:
+            raise ValueError("a hot tier needs a budget other than off")
+        if not refresh_s > 0 or not step_s > 0:
+            raise ValueError(f"refresh_s and step_s must be > 0, got {refresh_s}, {step_s}")
         if window_ids < 1:
             raise ValueError(f"window_ids must be >= 1, got {window_ids}")
         self.store = store
-        self.budget = budget
         self.refresh_s = refresh_s
+        self.step_s = step_s
         self.window_ids = window_ids
-        self._lock = threading.Lock()  # guards the windows; held for a copy at most
-        self._windows: dict[str, _IdRing] = {}
-        self._fresh: set[str] = set()  # tables with ids recorded since their last refresh
-        # Per table: looked-up ids the tracker saw that its decoded copies held, and did not
-        # (counted at each refresh, against the copies that served them). Refresh thread only.
-        self.hits: collections.Counter[str] = collections.Counter()
-        self.misses: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()  # guards _tables and the buffers; held for a copy at most
+        self._work = threading.Lock()  # one step or publication at a time
+        self._tables: dict[str, _TableTier] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def record(self, lookups: Iterable[tuple[str, np.ndarray, int]]) -> None:
-        """Remember one request's ids: (table, int64 rows of it, the table's ``num_rows``) per
+        """Buffer one request's ids: (table, int64 rows of it, the table's ``num_rows``) per
         table it read; repeats count. One call per request: the lock is taken once."""
         with self._lock:
-            for table, ids, num_rows in lookups:
-                window = self._windows.get(table)
-                # A reload that resized the table restarts its window: the old ids name other
-                # rows.
-                if window is None or window.num_rows != num_rows:
-                    size = min(self.window_ids, max(MIN_WINDOW_IDS, WINDOW_IDS_PER_ROW * num_rows))
-                    window = self._windows[table] = _IdRing(size, num_rows)
-                window.add(ids)
-                self._fresh.add(table)
+            for name, ids, num_rows in lookups:
+                state = self._tables.get(name)
+                # A reload that resized the table starts it anew: the old ids name other rows.
+                if state is None or state.num_rows != num_rows:
+                    state = self._tables[name] = _TableTier(num_rows, self.window_ids)
+                state.pending.add(ids)
 
-    def refresh(self, tables: Collection[str] | None = None) -> dict[str, int]:
-        """Publish fresh copies for every table looked up since its last refresh, where the hot
-        set changed. Returns the rows now cached per table republished.
+    def step(self) -> None:
+        """Count the buffered ids of every table against its published tier, into its sketch,
+        and re-decide its target set (tables without lookups keep theirs)."""
+        with self._work:
+            with self.store.acquire() as snapshot:
+                current = dict(snapshot.tables)
+            total_raw = sum(t.raw_bytes for t in current.values()) or 1
+            with self._lock:
+                for gone in set(self._tables) - set(current):  # dropped by a reload
+                    del self._tables[gone]
+                work = []
+                for name, table in current.items():
+                    state = self._tables.get(name)
+                    if state is None or state.num_rows != table.num_rows:
+                        # Resized by a reload: the buffered ids name rows of the old table.
+                        # Only an "all" tier is built for tables nobody looked up yet.
+                        self._tables.pop(name, None)
+                        if self.budget.kind != "all":
+                            continue
+                        state = self._tables[name] = _TableTier(table.num_rows, self.window_ids)
+                    work.append((state, table, state.pending.take()))
+            for state, table, ids in work:
+                capacity = self.budget.table_rows(TableSize.of(table), table.raw_bytes / total_raw)
+                state.count(ids, table)
+                if ids.size or capacity != state.capacity or capacity >= table.num_rows:
+                    state.capacity = capacity
+                    state.admit(ids)
 
-        ``tables``: refresh these instead, looked up lately or not (a reload replaced them and
-        their copies with them; their windows still hold the traffic's recent ids).
-        """
-        with self._lock:
-            names = set(self._fresh) if tables is None else set(tables)
-            windows = {n: self._windows[n] for n in names if n in self._windows}
-            recent = {n: (w.recent(), w.num_rows) for n, w in windows.items()}
-            unseen = {n: w.take_unseen() for n, w in windows.items()}
-            self._fresh -= names
-        with self.store.acquire() as snapshot:
-            current = dict(snapshot.tables)
-        with self._lock:  # windows of tables a reload dropped (a lookup of an older snapshot may
-            for gone in set(self._windows) - set(current):  # have recorded one meanwhile)
-                del self._windows[gone]
-                self._fresh.discard(gone)
+    def publish(self, tables: Collection[str] | None = None) -> dict[str, int]:
+        """Publish a new tier for every table whose target set changed since its last
+        publication; ``tables``: for these whatever changed (a reload replaced them, and their
+        tiers with them). Returns the tier rows per table published."""
         cached: dict[str, int] = {}
-        for name, (ids, num_rows) in recent.items():
-            table = current.get(name)
-            # Dropped by a reload, or resized: the window's ids name rows of the old table.
-            if table is None or table.num_rows != num_rows:
-                continue
-            self._count(name, table, unseen[name])
-            try:
-                chosen, coverage = rank_hot_rows(table, ids, self.budget)
-                held = table.hot.ids if table.hot is not None else chosen.new_empty(0)
-                if torch.equal(held, chosen):
+        with self._work:
+            with self._lock:
+                states = dict(self._tables)
+            with self.store.acquire() as snapshot:
+                current = dict(snapshot.tables)
+            for name, state in states.items():
+                table = current.get(name)
+                if table is None or table.num_rows != state.num_rows:
                     continue
-                cached[name] = self.store.set_hot_rows(name, chosen, coverage=coverage)
-            except (KeyError, IndexError):  # replaced or reshaped since the snapshot was read
-                continue
-            except Exception:  # e.g. out of memory for the copies: the others still refresh
-                log.exception("hot-row refresh of table %r failed; keeping its copies", name)
-                with self._lock:  # retried at the next refresh, traffic or not
-                    self._fresh.add(name)
+                forced = tables is not None and name in tables
+                if state.published is state.residents and not forced:
+                    continue
+                try:
+                    ids = torch.from_numpy(state.residents)
+                    cached[name] = self.store.set_hot_rows(name, ids, coverage=state.coverage)
+                    state.published = state.residents
+                except (KeyError, IndexError):  # replaced or reshaped since the snapshot
+                    continue
+                except Exception:  # e.g. out of memory for the tier: the others still publish
+                    log.exception("hot tier of table %r failed to build; keeping its tier", name)
         return cached
 
-    def _count(self, name: str, table: CompressedTable, ids: np.ndarray) -> None:
-        """Hits and misses of the copies ``table`` holds (those that served ``ids``)."""
-        held = 0
-        if table.hot is not None and ids.size:
-            held = int(np.isin(ids, table.hot.ids.numpy(), assume_unique=False).sum())
-        self.hits[name] += held
-        self.misses[name] += ids.size - held
+    def refresh(self, tables: Collection[str] | None = None) -> dict[str, int]:
+        """A step, then a publication (see :meth:`publish`)."""
+        self.step()
+        return self.publish(tables)
 
-    # -- background refreshes ------------------------------------------------------------------
+    def plan(self) -> dict[str, TierPlan]:
+        """What the budget buys each table of the current version (rows, host bytes)."""
+        with self.store.acquire() as snapshot:
+            sizes = {name: TableSize.of(t) for name, t in snapshot.tables.items()}
+        return self.budget.plan(sizes)
+
+    def stats(self) -> dict[str, TierStats]:
+        """Every table's tier as the policy sees it."""
+        with self._lock:
+            states = dict(self._tables)
+        return {
+            name: TierStats(
+                int(s.residents.size),
+                s.capacity,
+                s.hits,
+                s.misses,
+                s.admissions,
+                s.evictions,
+                s.hit_ratio,
+            )
+            for name, s in states.items()
+        }
+
+    # -- the background thread -----------------------------------------------------------------
     def start(self) -> None:
-        """Refresh from a daemon thread: first after FIRST_REFRESH_S, then every refresh_s."""
+        """Step every ``step_s`` and publish every ``refresh_s`` from a daemon thread (the first
+        publication after FIRST_REFRESH_S, or at once for an ``all`` budget)."""
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._run, name="ibpembed-hot-rows", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="ibpembed-hot-tier", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        wait = min(FIRST_REFRESH_S, self.refresh_s)
+        first = 0.0 if self.budget.kind == "all" else min(FIRST_REFRESH_S, self.refresh_s)
+        due = time.monotonic() + first
+        wait = min(self.step_s, first)
         while not self._stop.wait(wait):
-            wait = self.refresh_s
             try:
-                cached = self.refresh()
-            except Exception:  # a failed refresh keeps the previous copies; lookups go on
-                log.exception("hot-row refresh failed; keeping the previous copies")
-                continue
-            if cached:
-                log.debug("hot rows refreshed: %s", cached)
+                self.step()
+                if time.monotonic() >= due:
+                    due = time.monotonic() + self.refresh_s
+                    published = self.publish()
+                    if published:
+                        log.debug("hot tier published: %s", published)
+            except Exception:  # a failed step keeps the published tiers; lookups go on
+                log.exception("hot tier step failed; keeping the published tiers")
+            wait = max(0.0, min(self.step_s, due - time.monotonic()))
 
     def close(self) -> None:
-        """Stop the background thread (copies already published stay)."""
+        """Stop the background thread (published tiers stay)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
