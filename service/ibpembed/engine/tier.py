@@ -103,14 +103,18 @@ class _IdRing:
         self.unseen = 0  # ids added since the last take (at most capacity)
 
     def add(self, ids: np.ndarray) -> None:
-        capacity = self.ids.size
+        capacity, start, n = self.ids.size, self.next, ids.size
+        self.unseen = min(capacity, self.unseen + n)
+        if n < capacity - start:  # the common case (one copy): a request's ids fit before the end
+            self.ids[start : start + n] = ids
+            self.next = start + n
+            return
         ids = ids[-capacity:]
         n = ids.size
-        head = min(n, capacity - self.next)
-        self.ids[self.next : self.next + head] = ids[:head]
+        head = min(n, capacity - start)
+        self.ids[start : start + head] = ids[:head]
         self.ids[: n - head] = ids[head:]
-        self.next = (self.next + n) % capacity
-        self.unseen = min(capacity, self.unseen + n)
+        self.next = (start + n) % capacity
 
     def take(self) -> np.ndarray:
         """A copy of the ids added since the last call (the latest ``capacity`` of them)."""
