@@ -77,6 +77,10 @@ def test_the_tier_admits_the_hot_rows_and_publishes_them_without_a_new_version()
     assert tier.refresh() == {}  # no lookups since: nothing changed, nothing published
     with store.acquire() as snap:
         assert snap.tables["t"] is table
+    store.put_table("t", compress(values))  # replaced in process: without its tier
+    assert _tier_ids(store) == []
+    assert tier.publish() == {"t": len(held)}  # the policy puts it back
+    assert set(_tier_ids(store)) == held
 
 
 def test_a_new_hot_set_displaces_the_coldest_residents() -> None:

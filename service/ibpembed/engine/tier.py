@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ibpembed.codec import CompressedTable
-from ibpembed.engine.sketch import FrequencySketch
+from ibpembed.engine.sketch import MAX_WIDTH, FrequencySketch
 from ibpembed.tables.store import TableStore
 from ibpembed.tables.tier_budget import TableSize, TierBudget, TierPlan, capacity_rows
 
@@ -159,6 +159,7 @@ class _TableTier:
         self.sketch: FrequencySketch | None = None
         self.residents = np.empty(0, np.int64)  # sorted: the target set
         self.published: np.ndarray | None = None  # the residents last published
+        self.cached = 0  # rows the last publication put in the tier
         self.coverage = 0.0  # share of the last step's ids the residents hold
         self.hits = self.misses = self.admissions = self.evictions = 0
         self.hit_ratio = 0.0
@@ -194,7 +195,7 @@ class _TableTier:
             self.coverage = float(_member(ids, chosen).mean())
 
     def _rank(self, ids: np.ndarray, capacity: int) -> np.ndarray:
-        if self.sketch is None or self.sketch.width < min(capacity, 1 << 22):
+        if self.sketch is None or self.sketch.width < min(capacity, MAX_WIDTH):  # budget x4
             self.sketch = FrequencySketch(
                 SKETCH_WIDTH_PER_ROW * capacity, SKETCH_SAMPLE_PER_ROW * capacity
             )
@@ -318,12 +319,14 @@ class HotTier:
                 if table is None or table.num_rows != state.num_rows:
                     continue
                 forced = tables is not None and name in tables
-                if state.published is state.residents and not forced:
+                # A table replaced in process (put_table) comes without the tier it had.
+                lost = table.hot is None and state.cached > 0
+                if state.published is state.residents and not forced and not lost:
                     continue
                 try:
                     ids = torch.from_numpy(state.residents)
                     cached[name] = self.store.set_hot_rows(name, ids, coverage=state.coverage)
-                    state.published = state.residents
+                    state.published, state.cached = state.residents, cached[name]
                 except (KeyError, IndexError):  # replaced or reshaped since the snapshot
                     continue
                 except Exception:  # e.g. out of memory for the tier: the others still publish
