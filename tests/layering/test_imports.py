@@ -22,6 +22,7 @@ CORE_MODULES = [
     "ibpembed.tables.pack",
     "ibpembed.tables.shards",
     "ibpembed.tables.importers",
+    "ibpembed.tables.tier_budget",
     "ibpembed.engine",
     "ibpembed.selftest",
     "ibpembed.torchrec",
