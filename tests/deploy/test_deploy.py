@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from ibpembed.cli import build_parser
-from ibpembed.hot_rows import HotRowTracker
+from ibpembed.engine.tier import HotTier
 from ibpembed.server import config as server_config
 from ibpembed.server.app import SERVICE_NAME
 from ibpembed.server.metrics import ServerMetrics
@@ -140,7 +140,7 @@ def exported_names() -> set[str]:
     names = set()
     store = make_store()
     metrics = ServerMetrics(store, device="cpu")
-    metrics.watch_hot_rows(HotRowTracker(store, budget=0.01))
+    metrics.watch_hot_tier(HotTier(store, budget="1%"))
     for family in metrics.registry.collect():
         suffixes = {
             "counter": ("_total",),

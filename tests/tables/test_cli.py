@@ -168,6 +168,38 @@ def test_inspect_directory_and_file(packed: Path, capsys) -> None:
     assert desc["header"]["num_rows"] == 100 and desc["meta"]["name"] == "item"
 
 
+def test_inspect_prices_a_hot_tier(packed: Path, capsys) -> None:
+    """--hot-tier adds each table's tier bytes and the savings net of it (header sizes only)."""
+    assert run(["inspect", str(packed), "--json"]) == 0
+    plain = {s["table"]: s for s in json.loads(capsys.readouterr().out)["summary"]}
+    for budget in ("10%", "savings", "all", "0"):
+        assert run(["inspect", str(packed), "--json", "--hot-tier", budget]) == 0
+        summary = {s["table"]: s for s in json.loads(capsys.readouterr().out)["summary"]}
+        for name, s in summary.items():
+            raw, stored, tier = s["raw_bytes"], s["stored_bytes"], s["tier_bytes"]
+            assert stored == plain[name]["stored_bytes"]
+            assert s["net_savings"] == pytest.approx(1 - (stored + tier) / raw)
+            if budget == "10%":
+                assert 0 < tier <= raw // 10
+            elif budget == "savings":  # the table with its tier stays within its raw bytes
+                assert stored + tier <= max(raw, stored)
+            elif budget == "all":
+                assert tier >= raw  # every row decoded, plus what finds them
+            else:
+                assert tier == 0 and s["net_savings"] == pytest.approx(s["savings"])
+    assert run(["inspect", str(packed), "--hot-tier", "5%"]) == 0
+    text = capsys.readouterr().out
+    assert "tier_bytes" in text and "net_savings" in text and "total" in text
+
+
+@pytest.mark.parametrize("bad", ["-5%", "lots", "5%%"])
+def test_inspect_refuses_a_malformed_budget(packed: Path, bad: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run(["inspect", str(packed), f"--hot-tier={bad}"])
+    assert exit_info.value.code == 2
+    assert "hot tier budget" in capsys.readouterr().err
+
+
 def test_inspect_does_not_decode(packed: Path, capsys) -> None:
     one = next(packed.glob("item.*.ibpt"))
     begin, _ = section_ranges(one)["payload"]

@@ -246,8 +246,8 @@ class LookupServer:
             dedupe_max_unique_fraction=cfg.dedupe_max_unique_fraction,
             dedupe_min_ids=cfg.dedupe_min_ids,
             inline_max_ids=cfg.inline_max_ids,
-            hot_row_budget=cfg.hot_row_budget,
-            hot_row_refresh_s=cfg.hot_row_refresh_s,
+            hot_tier=cfg.hot_tier,
+            hot_tier_refresh_s=cfg.hot_tier_refresh_s,
             # Leave room for the response's framing (names, shapes: ~50 bytes a feature).
             max_output_bytes=cfg.max_message_bytes * 15 // 16,
             observer=self.observer,
@@ -258,7 +258,7 @@ class LookupServer:
             self.reloader = TableSetReloader(
                 store,
                 poll_s=cfg.reload_poll_s,
-                hot_rows=self.engine.hot_rows,
+                hot_rows=self.engine.tier,
                 observer=self.observer,
             )
         self.state.accepting, self.state.reason = True, "serving"
@@ -389,6 +389,17 @@ def example_query(host: str, port: int, feature: str, *, tls: bool, token: bool)
     )
 
 
+def _tier_line(engine: LookupEngine, raw: int, stored: int) -> str:
+    """The hot tier's budget and the savings left net of it (nothing when there is none)."""
+    if engine.tier is None:
+        return ""
+    tier = sum(p.bytes for p in engine.tier.plan().values())
+    return (
+        f"hot tier {engine.tier.budget.describe()}: up to {tier:,} bytes of decoded rows, "
+        f"{1 - (stored + tier) / max(raw, 1):.1%} saved net of it\n"
+    )
+
+
 def _reload_line(config: ServerConfig) -> str:
     when = f"when its manifest changes (checked every {config.reload_poll_s:g} s) and "
     return f"table set reloads {when if config.reload_poll_s else ''}on SIGHUP\n"
@@ -463,8 +474,8 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
         metrics.attach(store, device=device)
     await server.serve_tables(store, device)
     assert server.engine is not None
-    if metrics is not None and server.engine.hot_rows is not None:
-        metrics.watch_hot_rows(server.engine.hot_rows)
+    if metrics is not None and server.engine.tier is not None:
+        metrics.watch_hot_tier(server.engine.tier)
     tables = server.engine.describe()
     first_feature = next((t.features[0] for t in tables if t.features), "cat_0")
     source = config.tables or f"embedded demo ({len(tables)} DLRM-DCNv2-profile tables)"
@@ -474,7 +485,8 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
         f"ibpembed serving {source} on {server.engine.device}: {len(tables)} tables, "
         f"{raw:,} raw bytes stored in {stored:,} ({1 - stored / max(raw, 1):.1%} saved), "
         f"version {server.engine.store.version}\n"
-        f"listening on {config.host}:{port} ({scheme})\n"
+        + _tier_line(server.engine, raw, stored)
+        + f"listening on {config.host}:{port} ({scheme})\n"
         + (_reload_line(config) if config.tables else "")
         + example_query(
             config.host,

@@ -25,6 +25,7 @@ from ibpembed.engine import (
     AdmissionSlot,
     FeatureQuery,
     LookupEngine,
+    LookupOptions,
     LookupResult,
     PackedRequest,
     Pooling,
@@ -419,17 +420,14 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 for region in uses:
                     region.release_use()
 
-        return await self.engine.lookup(
-            features,
+        options = LookupOptions(
             pooling,
-            deadline=deadline,
-            then=encode,
-            slot=slot,
             output_dtype=output_dtype,
-            on_done=on_done,
-            output_window=window_bytes,
             table_version=request.table_version,
+            deadline=deadline,
+            output_window=window_bytes,
         )
+        return await self.engine.lookup(features, options, then=encode, slot=slot, on_done=on_done)
 
     def _output_window(self, caller: str, spec: pb.OutputRegion) -> _OutputWindow:
         region = self.regions.get(caller, spec.name, "output_region.name")

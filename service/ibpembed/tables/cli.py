@@ -22,6 +22,7 @@ from ibpembed.tables import format as tf
 from ibpembed.tables import importers, manifest, pack
 from ibpembed.tables import writer as tw
 from ibpembed.tables.shards import pack_shards
+from ibpembed.tables.tier_budget import TableSize, TierBudget
 
 EXIT_OK = 0
 EXIT_FAULT = 1
@@ -131,6 +132,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     inspect.add_argument("path", type=Path, metavar="FILE|DIR")
     inspect.add_argument("--json", action="store_true")
+    inspect.add_argument(
+        "--hot-tier",
+        metavar="BUDGET",
+        type=_tier_budget,
+        help="also price a decoded hot tier (serve's --hot-tier: 5%%, savings, 512MiB, all): "
+        "its bytes per table and the savings left net of it",
+    )
     inspect.set_defaults(func=_inspect)
 
     verify = subparsers.add_parser(
@@ -314,6 +322,27 @@ def summarize(desc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _tier_budget(text: str) -> TierBudget:
+    """``--hot-tier``'s value; a malformed one is a usage error (exit 2)."""
+    try:
+        return TierBudget.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_tier(summaries: list[dict[str, Any]], budget: TierBudget) -> None:
+    """Each table's hot tier under ``budget`` (``tier_bytes``) and its savings net of it."""
+    sizes = {
+        s["table"]: TableSize(s["rows"], s["raw_bytes"] // max(s["rows"], 1), s["stored_bytes"])
+        for s in summaries
+    }
+    plans = budget.plan(sizes)
+    for s in summaries:
+        s["tier_bytes"] = plans[s["table"]].bytes
+        held = s["stored_bytes"] + s["tier_bytes"]
+        s["net_savings"] = 1 - held / s["raw_bytes"] if s["raw_bytes"] else 0.0
+
+
 def _summary_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The per-table lines and a total, formatted for :func:`_print_table`."""
     raw = sum(s["raw_bytes"] for s in summaries)
@@ -327,9 +356,15 @@ def _summary_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "stored_bytes": stored,
         "savings": 1 - stored / raw if raw else 0.0,
     }
+    if summaries and "tier_bytes" in summaries[0]:
+        tier = sum(s["tier_bytes"] for s in summaries)
+        total |= {"tier_bytes": tier, "net_savings": 1 - (stored + tier) / raw if raw else 0.0}
+    counts = ("raw_bytes", "stored_bytes", "tier_bytes")
+    shares = ("savings", "net_savings")
     return [
-        {**s, "raw_bytes": f"{s['raw_bytes']:,}", "stored_bytes": f"{s['stored_bytes']:,}"}
-        | {"savings": f"{100 * s['savings']:.1f}%"}
+        s
+        | {k: f"{s[k]:,}" for k in counts if k in s}
+        | {k: f"{100 * s[k]:.1f}%" for k in shares if k in s}
         for s in [*summaries, total]
     ]
 
@@ -361,6 +396,10 @@ def _inspect(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         return _fail("inspect", exc)
     summaries = [summarize(desc) for desc in result["tables"]]
+    columns = ("table", "rows", "dim", "dtype", "raw_bytes", "stored_bytes", "savings")
+    if args.hot_tier is not None:
+        _add_tier(summaries, args.hot_tier)
+        columns = (*columns, "tier_bytes", "net_savings")
     if args.json:
         print(json.dumps({**result, "summary": summaries}, indent=1))
         return EXIT_OK
@@ -372,7 +411,6 @@ def _inspect(args: argparse.Namespace) -> int:
     for desc in result["tables"]:
         _print_description(desc)
     print()
-    columns = ("table", "rows", "dim", "dtype", "raw_bytes", "stored_bytes", "savings")
     _print_table(_summary_rows(summaries), columns)
     return EXIT_OK
 
