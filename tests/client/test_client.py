@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -93,6 +94,28 @@ def test_build_request_refuses_ids_a_cast_would_change():
     # numpy makes an empty list float64; nothing in it can be truncated.
     empty = build_request({"f": FeatureBatch(np.array([]), np.array([0, 0]))}).features[0]
     assert empty.ids == b"" and np.frombuffer(empty.lengths, "<i4").tolist() == [0, 0]
+
+
+def test_list_ids_that_are_not_integers_never_reach_the_server():
+    """The README's list form: ``[[1.5]]`` must not be cast to row 1 (as the numpy form is
+    refused too), and the refusal names the feature and the value."""
+    with RunningServer(make_store()) as running, LookupClient(running.target, timeout=30) as c:
+        row_1 = c.lookup({"user": [[1]]}, "none")["user"]
+        cases = {
+            "1.5 (float)": [[1.5]],
+            "2.0 (float)": [[1, 2.0]],
+            "True (bool)": [[True]],
+            "'3' (str)": [["3"]],
+        }
+        for shown, samples in cases.items():
+            with pytest.raises(
+                TypeError, match="feature .user.: ids must be integers, got " + re.escape(shown)
+            ):
+                c.lookup({"user": samples}, "none")
+        with pytest.raises(ValueError, match=r"feature 'user': ids must fit int64"):
+            c.lookup({"user": [[2**63]]}, "none")
+        # numpy integer scalars are integers: the list form still takes them.
+        assert c.lookup({"user": [[np.int32(1)]]}, "none")["user"].tobytes() == row_1.tobytes()
 
 
 def test_decode_response_dtypes():

@@ -13,32 +13,25 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ibpembed_client._common import (
+from ibpembed_client._errors import LookupServiceError
+from ibpembed_client._options import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ChannelOptions,
-    FeatureInput,
     KeepAliveOptions,
-    LookupResult,
-    LookupServiceError,
-    OutputDType,
-    Pooling,
-    RegisteredRegion,
     Retrier,
     RetryPolicy,
-    Router,
-    TableInfo,
     TlsOptions,
-    build_request,
     call_metadata,
-    decode_response,
+)
+from ibpembed_client._options import channel_options as _channel_options
+from ibpembed_client._registered import (
+    RegisteredRegion,
     move_inputs_to_region,
-    pooled_bf16,
     region_of,
     region_registration,
 )
-from ibpembed_client._common import (
-    channel_options as _channel_options,
-)
+from ibpembed_client._request import FeatureInput, OutputDType, Pooling, Router, build_request
+from ibpembed_client._result import LookupResult, TableInfo, decode_response, pooled_bf16
 from ibpembed_client.regions import OutputRegion, SharedMemoryRegion
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc

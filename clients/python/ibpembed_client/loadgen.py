@@ -36,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ibpembed_client._common import LookupServiceError, RetryPolicy, TlsOptions
+from ibpembed_client._errors import LookupServiceError
+from ibpembed_client._options import RetryPolicy, TlsOptions
 from ibpembed_client.aio import AsyncLookupClient
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.workload import hotness_for, make_requests

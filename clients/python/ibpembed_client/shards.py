@@ -59,18 +59,16 @@ from typing import Any
 import grpc
 
 from ibpembed_client._client import LookupClient
-from ibpembed_client._common import (
+from ibpembed_client._errors import LookupServiceError
+from ibpembed_client._options import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ChannelOptions,
-    FeatureInput,
     KeepAliveOptions,
-    LookupResult,
-    LookupServiceError,
-    Pooling,
     RetryPolicy,
     TlsOptions,
-    build_request,
 )
+from ibpembed_client._request import FeatureInput, Pooling, build_request
+from ibpembed_client._result import LookupResult
 from ibpembed_client._split import SplitPlan, merge_results, shard_error, split_request
 from ibpembed_client.aio import AsyncLookupClient
 from ibpembed_client.shard_map import ShardedTable, ShardMap, ShardRange

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ibpembed_client._common import FeatureBatch, Pooling, build_request
+from ibpembed_client._request import FeatureBatch, Pooling, build_request
 from ibpembed_client.v1 import lookup_pb2 as pb
 
 # Ids per sample of each of the 26 features in the MLPerf DLRM-DCNv2 multi-hot dataset.
