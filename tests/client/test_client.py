@@ -21,10 +21,12 @@ from ibpembed_client import (
     KeepAliveOptions,
     LookupClient,
     LookupServiceError,
+    OutlierEjection,
     RetryPolicy,
     bf16_to_float32,
     build_request,
     decode_response,
+    service_config,
 )
 from ibpembed_client.v1 import lookup_pb2 as pb
 from tests.metrics.helpers import free_port
@@ -169,7 +171,10 @@ def test_grpc_retries_unavailable_as_the_policy_says_and_nothing_else():
 
 def test_the_published_service_config_is_the_default_policy():
     published = json.loads((REPO / "proto" / "ibpembed" / "v1" / "service_config.json").read_text())
-    assert published == RetryPolicy().service_config()
+    assert published == service_config(RetryPolicy(), OutlierEjection())
+    assert published["loadBalancingConfig"][0]["outlier_detection_experimental"]["childPolicy"] == [
+        {"round_robin": {}}
+    ]
     assert RetryPolicy(max_attempts=1).service_config() == {}  # gRPC rejects maxAttempts 1
 
 

@@ -20,7 +20,13 @@ from ibpembed_client._errors import (
     VERSIONS_HELD_METADATA_KEY,
     LookupServiceError,
 )
-from ibpembed_client._options import KeepAliveOptions, RetryPolicy, TlsOptions
+from ibpembed_client._options import (
+    KeepAliveOptions,
+    OutlierEjection,
+    RetryPolicy,
+    TlsOptions,
+    service_config,
+)
 from ibpembed_client._request import FeatureBatch, Router, build_request
 from ibpembed_client._result import LookupResult, TableInfo, bf16_to_float32, decode_response
 from ibpembed_client.aio import AsyncLookupClient
@@ -38,6 +44,7 @@ __all__ = [
     "LookupClient",
     "LookupResult",
     "LookupServiceError",
+    "OutlierEjection",
     "OutputRegion",
     "RetryPolicy",
     "Router",
@@ -51,6 +58,7 @@ __all__ = [
     "bf16_to_float32",
     "build_request",
     "decode_response",
+    "service_config",
 ]
 try:  # one source: clients/python/VERSION, read by both packages' builds
     __version__ = version("ibpembed-client")

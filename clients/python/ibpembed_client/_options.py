@@ -161,23 +161,95 @@ class KeepAliveOptions:
 ChannelOptions = Sequence[tuple[str, Union[str, int]]]  # noqa: UP007 (runtime alias on 3.10)
 
 
+@dataclass(frozen=True)
+class OutlierEjection:
+    """Route around a replica that keeps failing calls: gRPC's outlier detection (gRFC A50)
+    over the load-balancing policy, in the service config.
+
+    A hung replica (SIGSTOPped, wedged, on a half-dead node) keeps its connections and takes
+    calls but answers none: each of its calls fails at its deadline, which no retry can fix (the
+    deadline is spent), and ``round_robin`` keeps sending it its share. Every ``interval_s``
+    gRPC counts each address's calls; an address that failed ``failure_percent`` % or more of
+    at least ``request_volume`` calls, while ``minimum_hosts`` addresses had that many, is
+    ejected from the policy for ``base_ejection_s`` (times its ejections in a row, at most
+    ``max_ejection_s``), never more than ``max_ejection_percent`` % of the addresses at once.
+    A hung replica fails calls only where they have a deadline (the client's ``timeout``). One
+    address alone is never ejected. Every non-OK status counts as a failure: a caller sending
+    only invalid requests to two replicas gets one ejected for a while (the other still serves).
+    """
+
+    interval_s: float = 1.0
+    base_ejection_s: float = 30.0
+    max_ejection_s: float = 300.0
+    max_ejection_percent: int = 50
+    failure_percent: int = 50
+    minimum_hosts: int = 2
+    request_volume: int = 2
+
+    def lb_config(self, child: str = "round_robin") -> dict:
+        """The ``loadBalancingConfig`` entry: this ejection over policy ``child``."""
+        return {
+            "outlier_detection_experimental": {
+                "interval": f"{self.interval_s:g}s",
+                "baseEjectionTime": f"{self.base_ejection_s:g}s",
+                "maxEjectionTime": f"{self.max_ejection_s:g}s",
+                "maxEjectionPercent": self.max_ejection_percent,
+                "failurePercentageEjection": {
+                    "threshold": self.failure_percent,
+                    "enforcementPercentage": 100,
+                    "minimumHosts": self.minimum_hosts,
+                    "requestVolume": self.request_volume,
+                },
+                "childPolicy": [{child: {}}],
+            }
+        }
+
+
+# On by default: a replicated target routes around a hung replica without configuration.
+DEFAULT_OUTLIER_EJECTION = OutlierEjection()
+
+
+def service_config(
+    retry: RetryPolicy | None,
+    outlier: OutlierEjection | None,
+    lb_policy: str = "round_robin",
+) -> dict:
+    """The gRPC service config of a client (JSON for any gRPC language): ``retry``'s retries of
+    UNAVAILABLE and ``outlier``'s ejection over ``lb_policy``.
+    ``proto/ibpembed/v1/service_config.json`` is the default client's."""
+    config = retry.service_config() if retry is not None else {}
+    if outlier is not None:
+        config["loadBalancingConfig"] = [outlier.lb_config(lb_policy)]
+    return config
+
+
 def channel_options(
     max_message_bytes: int,
     keepalive: KeepAliveOptions | None,
     retry: RetryPolicy | None = None,
     extra: ChannelOptions = (),
+    outlier: OutlierEjection | None = None,
 ) -> list[tuple[str, str | int]]:
-    """The client's gRPC channel arguments: message limits, keepalive, the retry service config,
-    then ``extra`` (e.g. ``("grpc.lb_policy_name", "round_robin")``), which override the rest."""
+    """The client's gRPC channel arguments: message limits, keepalive, the service config
+    (retries, outlier ejection), then ``extra`` (e.g. ``("grpc.lb_policy_name",
+    "round_robin")``), which override the rest; with ``outlier``, a ``grpc.lb_policy_name`` in
+    ``extra`` becomes the policy under the ejection (as a channel argument it would replace the
+    service config's balancing, the ejection with it)."""
     options: list[tuple[str, str | int]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+    lb_policy = "round_robin"
+    if outlier is not None:
+        for key, value in extra:
+            if key == "grpc.lb_policy_name":
+                lb_policy = str(value)
+        extra = [(k, v) for k, v in extra if k != "grpc.lb_policy_name"]
+    config = service_config(retry, outlier, lb_policy)
     if retry is not None:
-        options += [
-            ("grpc.enable_retries", 1),
-            ("grpc.service_config", json.dumps(retry.service_config())),
-        ]
+        options.append(("grpc.enable_retries", 1))
+    if config:
+        options.append(("grpc.service_config", json.dumps(config)))
     if keepalive is not None:
         options += [
             ("grpc.keepalive_time_ms", keepalive.time_ms),

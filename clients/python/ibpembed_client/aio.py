@@ -16,8 +16,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ibpembed_client._errors import LookupServiceError
 from ibpembed_client._options import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_OUTLIER_EJECTION,
     ChannelOptions,
     KeepAliveOptions,
+    OutlierEjection,
     Retrier,
     RetryPolicy,
     TlsOptions,
@@ -60,6 +62,7 @@ class AsyncLookupClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         router: Router | None = None,
         channel_options: ChannelOptions = (),
+        outlier_ejection: OutlierEjection | None = DEFAULT_OUTLIER_EJECTION,
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -68,7 +71,9 @@ class AsyncLookupClient:
         self.router = router
         self._tls = tls
         self._token = token
-        self._options = _channel_options(max_message_bytes, keepalive, self.retry, channel_options)
+        self._options = _channel_options(
+            max_message_bytes, keepalive, self.retry, channel_options, outlier_ejection
+        )
         self._channels: dict[str, grpc.aio.Channel] = {}
         # Regions registered through this client, by name: what output_region lookups view.
         self._regions: dict[str, RegisteredRegion] = {}

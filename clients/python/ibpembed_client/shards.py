@@ -65,8 +65,10 @@ from ibpembed_client._client import LookupClient
 from ibpembed_client._errors import LookupServiceError
 from ibpembed_client._options import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_OUTLIER_EJECTION,
     ChannelOptions,
     KeepAliveOptions,
+    OutlierEjection,
     RetryPolicy,
     TlsOptions,
 )
@@ -208,6 +210,7 @@ class _ClientArgs:
     token: str | None
     max_message_bytes: int
     channel_options: ChannelOptions
+    outlier_ejection: OutlierEjection | None
 
     def kwargs(self) -> dict[str, Any]:
         return {
@@ -218,6 +221,7 @@ class _ClientArgs:
             "token": self.token,
             "max_message_bytes": self.max_message_bytes,
             "channel_options": self.channel_options,
+            "outlier_ejection": self.outlier_ejection,
         }
 
 
@@ -234,12 +238,12 @@ class ShardedLookupClient:
     Parameters
     ----------
     shard_map : which server holds which rows.
-    timeout, retry, keepalive, tls, token, max_message_bytes, channel_options : as for
-        :class:`LookupClient`, applied to every shard (``channel_options`` with
-        ``("grpc.lb_policy_name", "round_robin")`` spreads each shard's calls over its
-        replicas). The timeout is one deadline for the whole request: each shard call gets the
-        time left when it starts, and a lookup still unanswered at the deadline fails with
-        DEADLINE_EXCEEDED, time spent queued for a pool thread included.
+    timeout, retry, keepalive, tls, token, max_message_bytes, channel_options,
+    outlier_ejection : as for :class:`LookupClient`, applied to every shard
+        (``channel_options`` with ``("grpc.lb_policy_name", "round_robin")`` spreads each
+        shard's calls over its replicas). The timeout is one deadline for the whole request:
+        each shard call gets the time left when it starts, and a lookup still unanswered at the
+        deadline fails with DEADLINE_EXCEEDED, time spent queued for a pool thread included.
     max_workers : threads sending shard calls (default ``DEFAULT_WORKERS_PER_SHARD`` per
         shard); with more calling threads than this allows, their parts queue.
     version_refresh_s : seconds between asking each shard which versions it holds (the pin
@@ -257,13 +261,21 @@ class ShardedLookupClient:
         token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         channel_options: ChannelOptions = (),
+        outlier_ejection: OutlierEjection | None = DEFAULT_OUTLIER_EJECTION,
         max_workers: int | None = None,
         version_refresh_s: float = DEFAULT_VERSION_REFRESH_S,
     ) -> None:
         self.shard_map = shard_map
         self.timeout = timeout
         args = _ClientArgs(
-            timeout, retry, keepalive, tls, token, max_message_bytes, channel_options
+            timeout,
+            retry,
+            keepalive,
+            tls,
+            token,
+            max_message_bytes,
+            channel_options,
+            outlier_ejection,
         )
         self._clients = [LookupClient(a, **args.kwargs()) for a in shard_map.addresses]
         if max_workers is None:
@@ -468,11 +480,19 @@ class AsyncShardedLookupClient:
         token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         channel_options: ChannelOptions = (),
+        outlier_ejection: OutlierEjection | None = DEFAULT_OUTLIER_EJECTION,
         version_refresh_s: float = DEFAULT_VERSION_REFRESH_S,
     ) -> None:
         self.shard_map = shard_map
         args = _ClientArgs(
-            timeout, retry, keepalive, tls, token, max_message_bytes, channel_options
+            timeout,
+            retry,
+            keepalive,
+            tls,
+            token,
+            max_message_bytes,
+            channel_options,
+            outlier_ejection,
         )
         self._clients = [AsyncLookupClient(a, **args.kwargs()) for a in shard_map.addresses]
         self._pin = _VersionPin(shard_map, version_refresh_s)
