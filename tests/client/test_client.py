@@ -47,10 +47,11 @@ def test_import_does_not_pull_torch():
 
 
 def test_generated_stubs_are_fresh(tmp_path):
-    subprocess.run(
-        [sys.executable, str(REPO / "proto" / "generate.py"), "--out", str(tmp_path)],
-        check=True,
-        capture_output=True,
+    generate = [sys.executable, str(REPO / "proto" / "generate.py"), "--out", str(tmp_path)]
+    subprocess.run([*generate, "--typed-out", str(tmp_path)], check=True, capture_output=True)
+    typed = Path("ibpembed") / "v1" / "lookup_typed.proto"
+    assert (tmp_path / typed).read_text() == (REPO / "proto" / "typed" / typed).read_text(), (
+        "the typed mirror is stale: run `python proto/generate.py`"
     )
     fresh = sorted((tmp_path / "ibpembed_client" / "v1").glob("*_pb2*"))
     assert [p.name for p in fresh] == sorted(p.name for p in STUBS.glob("*_pb2*"))
