@@ -30,9 +30,9 @@ asked, so a result never mixes the rows of two versions while the shards reload 
 another (servers keep ``--keep-versions`` of them). Each shard is asked every
 ``version_refresh_s``, on its own thread (or task) and outside the requests' path: a request
 waits only for shards that have never answered; a shard that stops answering keeps its last
-pin, so requests that do not touch it go on, and those that do fail naming it. A shard that answers
-FAILED_PRECONDITION with the versions it holds (a replica behind the shard's address that has not
-reloaded yet, or has dropped the version) narrows what the client believes that shard holds, and
+pin, so requests that do not touch it go on, and those that do fail naming it. A shard that
+answers FAILED_PRECONDITION with the versions it holds (a replica behind the shard's address that
+has not reloaded yet, or has dropped the version) narrows what the client believes that shard holds, and
 the whole request is tried again at the newest version still common, up to ``VERSION_ATTEMPTS``
 times. A request the caller pinned itself is sent as it is.
 
@@ -54,7 +54,7 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -301,7 +301,7 @@ class ShardedLookupClient:
     def close(self) -> None:
         """Close every shard's channel and the fan-out threads."""
         self._pool.shutdown(wait=True)
-        self._asker.shutdown(wait=True)
+        self._asker.shutdown(wait=True, cancel_futures=True)
         for client in self._clients:
             client.close()
 
@@ -338,7 +338,7 @@ class ShardedLookupClient:
                 raise error
             return self._pin.version(shards, "")
 
-    def _ask(self, shards: Iterable[int]) -> dict[int, Future[None]]:
+    def _ask(self, shards: Sequence[int]) -> dict[int, Future[None]]:
         """Start asking each of ``shards`` whose pin is due what it holds, in the background;
         returns the asks of ``shards`` in flight."""
         with self._pin_lock:
@@ -547,7 +547,7 @@ class AsyncShardedLookupClient:
                 self._pin.narrow(err.shard, err.versions_held)  # type: ignore[arg-type]
         raise AssertionError("unreachable")
 
-    def _ask(self, shards: Iterable[int]) -> dict[int, asyncio.Task[None]]:
+    def _ask(self, shards: Sequence[int]) -> dict[int, asyncio.Task[None]]:
         """Start asking each of ``shards`` whose pin is due what it holds, as tasks of their
         own; returns the asks of ``shards`` in flight."""
         for shard in shards:
