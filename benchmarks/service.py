@@ -67,7 +67,7 @@ from ibpembed_client import (
     RetryPolicy,
     SharedMemoryRegion,
 )
-from ibpembed_client._common import move_inputs_to_region
+from ibpembed_client._registered import move_inputs_to_region
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.workload import hotness_for, make_requests
 from tools.serve_process import ServerProcess, proc_cpu_seconds

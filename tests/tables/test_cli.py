@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from ibpembed import cli as main_cli
 from ibpembed.tables import cli
@@ -106,6 +107,27 @@ def test_table_selection_applies_before_other_entries_are_checked(tmp_path: Path
     with TableStore.load(out, verify=True).acquire() as snap:
         assert list(snap.tables) == ["model.emb"]
         assert same_bits(snap.tables["model.emb"].decompress(), emb)
+
+
+def test_an_unknown_table_lists_the_tables_the_sources_hold(
+    tmp_path: Path, sources: Path, capsys
+) -> None:
+    """``pack model.pt --table T_USER`` once answered ``have []``: the selection had already
+    emptied every file."""
+    torch.save({"emb": trained_like(10, 4)}, tmp_path / "m.pt")
+    save_file(
+        {"cat.weight": trained_like(6, 4), "bias": torch.zeros(4)}, sources / "extra.safetensors"
+    )
+    argv = ["pack", str(sources / "ckpt.pt"), "-o", str(tmp_path / "out"), "--no-progress"]
+    assert run([*argv, "--table", "T_USER"]) == 1
+    err = capsys.readouterr().err
+    assert "no table named ['T_USER']; the sources hold ['t_user']" in err, err
+    argv = ["pack", str(sources), str(tmp_path / "m.pt"), "-o", str(tmp_path / "out")]
+    assert run([*argv, "--table", "item", "--table", "nope", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "no table named ['nope']; the sources hold ['cat.weight', 'emb', 'item', 't_user']" in err
+    )
 
 
 @pytest.mark.parametrize(
