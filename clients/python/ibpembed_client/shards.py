@@ -31,10 +31,10 @@ another (servers keep ``--keep-versions`` of them). Each shard is asked every
 ``version_refresh_s``, on its own thread (or task) and outside the requests' path: a request
 waits only for shards that have never answered; a shard that stops answering keeps its last
 pin, so requests that do not touch it go on, and those that do fail naming it. A shard that
-answers FAILED_PRECONDITION with the versions it holds (a replica behind the shard's address that
-has not reloaded yet, or has dropped the version) narrows what the client believes that shard holds, and
-the whole request is tried again at the newest version still common, up to ``VERSION_ATTEMPTS``
-times. A request the caller pinned itself is sent as it is.
+answers FAILED_PRECONDITION with the versions it holds (a replica behind the shard's address
+that has not reloaded yet, or has dropped the version) narrows what the client believes that
+shard holds, and the whole request is tried again at the newest version still common, up to
+``VERSION_ATTEMPTS`` times. A request the caller pinned itself is sent as it is.
 
 Replicas. Each address may name a group of replicas (``dns:///ibpembed-shard-0:50051``, a headless
 Service; or ``ipv4:10.0.0.1:50051,10.0.0.2:50051``); with ``channel_options=[("grpc.lb_policy_name",
