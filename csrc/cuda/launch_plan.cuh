@@ -33,6 +33,17 @@ inline Staging staging_with(int64_t buffer_bytes) {
   return Staging{buffer_bytes, m == "async"};
 }
 
+// IBPEMBED_CUDA_DECODE=copy launches the gather's copy-without-decode mode (gather_kernel.cuh):
+// a timing baseline for gpu_check, never a lookup (its rows are slot bytes, not the table's).
+// Read at every launch, so a process can switch.
+inline bool decode_rows() {
+  const char* mode = std::getenv("IBPEMBED_CUDA_DECODE");
+  const std::string_view m = mode != nullptr ? mode : "decode";
+  TORCH_CHECK(m == "decode" || m == "copy", "IBPEMBED_CUDA_DECODE must be 'decode' or 'copy', got '",
+              m, "'");
+  return m == "decode";
+}
+
 inline Staging staging_for(const TableView& t) {
   return staging_with(stage_buffer_bytes(t.row_bytes, t.unit_bytes));
 }

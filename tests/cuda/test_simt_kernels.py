@@ -307,3 +307,29 @@ def test_unsupported_grid_is_refused(kernels) -> None:
     c = compress(make_table(torch.float32, 8, 4, "trained_like", seed=0))
     with pytest.raises(EmulationError, match="multiple of 32"):
         kernels.gather(c, torch.arange(4), Grid(1, 0))
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+def test_copy_without_decode_moves_each_slot_verbatim(kernels, grid) -> None:
+    # IBPEMBED_CUDA_DECODE=copy, gpu_check's "ideal transfer" baseline: the same slots cross the
+    # bus as in the gather, a compressed one lands undecoded at the front of its output row and a
+    # raw row lands whole.
+    table = make_table(torch.float32, 200, 40, "trained_like", seed=13)
+    table[::9] = torch.from_numpy(np.random.default_rng(1).standard_normal((23, 40)) * 1e30).float()
+    c = compress(table, chunk_bits=32, align=8)
+    ids = request_ids(np.random.default_rng(2), c.num_rows, 150)
+    rows, error = kernels.gather(c, ids, grid, decode=False)
+    assert error == 0
+    units = c.row_units.to(torch.int64) * c.unit_bytes
+    compressed = 0
+    for i, r in enumerate(ids.tolist()):
+        first = r - r % 32
+        offset = int(c.block_base[r // 32]) + int(units[first:r].sum())
+        size = min(int(units[r]), c.row_bytes)
+        slot = c.payload[offset : offset + size]
+        if int(c.bitmask[r // 32]) >> (r % 32) & 1:
+            compressed += 1
+            assert torch.equal(rows[i, :size], slot), f"row {r}"
+        else:
+            assert torch.equal(rows[i], table[r].view(torch.uint8)), f"raw row {r}"
+    assert 0 < compressed < ids.numel()  # both kinds of row were moved
