@@ -244,3 +244,32 @@ def running_in_group(pgid: int) -> list[int]:
         if group == pgid and state != "Z":
             found.append(int(stat.parent.name))
     return found
+
+
+def test_a_gpu_report_renders_into_the_gpu_section(tmp_path: Path) -> None:
+    from benchmarks import report
+
+    rows = [fake_row(n, ibp_s=1e-3, raw_s=1.1e-3) for n in (1024, 65536)]
+    h2d = {"wall": 50.0, "event": 55.0}
+    data = {
+        "machine": {
+            "gpu": "NVIDIA H200",
+            "date": "2026-12-01T15:00:00+00:00",
+            "nvidia_smi": {"driver_version": "580.159.04", "pcie.link.gen.max": "5"},
+        },
+        "command": "python -m benchmarks.gpu_check --deadline-s 490 --out /out/gpu_check.json",
+        "phases": {"h2d": {"h2d_gbps": h2d, "child_wall_s": 9.0}},
+        "targets": summary.summarise(rows, h2d),
+        "results": rows,
+        "failed_phases": [],
+    }
+    (tmp_path / "gpu_check.json").write_text(json.dumps(data))
+    text = report.render(tmp_path, {})
+    gpu = text[text.index('<a id="gpu_check">') :]
+    assert "**NVIDIA H200**" in gpu and "2026-12-01T15:00:00+00:00" in gpu
+    assert "`python -m benchmarks.gpu_check --deadline-s 490" in gpu
+    assert "driver 580.159.04, PCIe Gen5" in gpu and "55.0 GB/s by CUDA events" in gpu
+    assert "| 512 | 65536 | uniform |" in gpu  # the GB/s table
+    assert "Not measured" not in gpu
+    headline = text[text.index("## Headline") : text.index('<a id="codec">')]
+    assert "(512 B, 64k ids, NVIDIA H200) | 33.6 GB/s | 30.5 GB/s | 1.10× |" in headline
