@@ -333,3 +333,25 @@ def test_copy_without_decode_moves_each_slot_verbatim(kernels, grid) -> None:
         else:
             assert torch.equal(rows[i], table[r].view(torch.uint8)), f"raw row {r}"
     assert 0 < compressed < ids.numel()  # both kinds of row were moved
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+@pytest.mark.parametrize(("dtype", "dim"), [(torch.float32, 128), (torch.bfloat16, 72)])
+def test_a_line_aware_layout_reads_bit_exact(kernels, grid, dtype, dim) -> None:
+    # gpu_layout.line_aware: slots moved to 32-byte boundaries, the slot before each move
+    # padded with zeros. The kernels read it as the CPU ops do, gather and pooled.
+    from ibpembed.tables.gpu_layout import line_aware
+
+    compact = compress(make_table(dtype, 300, dim, "trained_like", seed=dim), align=8)
+    c = line_aware(compact)
+    assert int(c.block_base[-1]) > int(compact.block_base[-1])  # some slots were moved
+    ids = request_ids(np.random.default_rng(dim), c.num_rows, 200)
+    rows, error = kernels.gather(c, ids, grid)
+    assert error == 0
+    assert torch.equal(rows, _cpu_rows(c, ids))
+    rng = np.random.default_rng(dim + 1)
+    bag_ids, offsets = _bags(rng, c.num_rows, 20)
+    got, error = kernels.pooled(c, bag_ids, offsets, None, c._dtype_code(), POOLING["sum"], grid)
+    assert error == 0
+    want = c.lookup(bag_ids, offsets, None, "sum")
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
