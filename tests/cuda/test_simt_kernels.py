@@ -355,3 +355,35 @@ def test_a_line_aware_layout_reads_bit_exact(kernels, grid, dtype, dim) -> None:
     assert error == 0
     want = c.lookup(bag_ids, offsets, None, "sum")
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_blocks_are_sized_to_the_work(kernels) -> None:
+    # H200: 132 SMs; a plan of 8-warp blocks, 3 resident per SM.
+    sms, resident = 132, 3 * 132
+    assert kernels.launch_shape(8, resident, sms, 64) == (1, 64)  # a 1k-id call, 64 bags
+    assert kernels.launch_shape(8, resident, sms, 300) == (2, 150)
+    assert kernels.launch_shape(8, resident, sms, 1024) == (4, 256)
+    assert kernels.launch_shape(8, resident, sms, 8 * sms) == (8, sms)  # enough work: full blocks
+    assert kernels.launch_shape(8, resident, sms, 1 << 20) == (8, resident)  # grid stride
+    assert kernels.launch_shape(1, 10, sms, 5) == (1, 5)
+    assert kernels.launch_shape(8, resident, sms, 0) == (1, 1)
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+def test_two_tables_pooling_the_same_bags_resolve_their_own_rows(kernels, grid) -> None:
+    # The lanes resolve a bag's rows per part: the same ids positions read through another
+    # table must be resolved again, against that table's index.
+    a = compress(make_table(torch.float32, 80, 24, "trained_like", seed=31), chunk_bits=16)
+    b = compress(make_table(torch.bfloat16, 90, 40, "trained_like", seed=32), chunk_bits=16)
+    tables = [(a, a._dtype_code()), (b, b._dtype_code())]
+    lengths = np.array([40, 3, 0, 33])
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
+    ids = torch.from_numpy(np.random.default_rng(3).integers(0, 80, int(lengths.sum())))
+    parts = [(0, 0, 4), (1, 0, 4), (0, 1, 2)]
+    got, error = kernels.pooled_tables(tables, parts, ids, offsets, None, POOLING["sum"], grid)
+    assert error == 0
+    want, _ = CompressedTableSet([a, b]).lookup(
+        torch.tensor(parts, dtype=torch.int64), ids, offsets, None, "sum"
+    )
+    for g, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(g, expected, rtol=0, atol=0, equal_nan=True)

@@ -109,6 +109,8 @@ class EmulatedKernels:
             *_LAUNCH_ARGS,
         ]
         self.lib.simt_selftest.argtypes = [_I, ctypes.c_char_p, _I]
+        self.lib.simt_launch_shape.argtypes = [_I, _I64, _I, _I64, ctypes.POINTER(_I)]
+        self.lib.simt_launch_shape.restype = _I64
 
     @staticmethod
     def _table_args(c: CompressedTable) -> list:
@@ -262,6 +264,16 @@ class EmulatedKernels:
         if rc < 0:
             raise EmulationError(message.value.decode())
         return outs, rc
+
+    def launch_shape(
+        self, max_warps: int, resident_blocks: int, sms: int, work_items: int
+    ) -> tuple[int, int]:
+        """(warps per block, blocks) the CUDA launchers pick (csrc/cuda/launch_shape.h)."""
+        warps = _I(0)
+        blocks = self.lib.simt_launch_shape(
+            max_warps, resident_blocks, sms, work_items, ctypes.byref(warps)
+        )
+        return warps.value, blocks
 
     def selftest(self, case: int) -> tuple[int, str]:
         """Runs one of simt_selftest.cpp's toy kernels: (its result, the emulator's failure)."""

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../../../csrc/cuda/gather_kernel.cuh"
+#include "../../../csrc/cuda/launch_shape.h"
 #include "../../../csrc/cuda/pooled_kernel.cuh"
 
 namespace {
@@ -59,6 +60,15 @@ std::string run(const Args& a, const Staging& st, int blocks, int warps, int64_t
 }  // namespace
 
 extern "C" {
+
+// launch_shape.h's choice for a kernel plan and an amount of work: the blocks, and the warps per
+// block in *warps.
+int64_t simt_launch_shape(int max_warps, int64_t resident_blocks, int sms, int64_t work_items,
+                          int* warps) {
+  const WorkShape shape = shape_for_work(max_warps, resident_blocks, sms, work_items);
+  *warps = shape.warps_per_block;
+  return shape.blocks;
+}
 
 // out[perm[i]] = row(ids[i]) for ascending ids (perm may be null: out[i]); ids null: row i.
 // decode == 0: the copy-without-decode mode (a compressed row's slot bytes, verbatim).
