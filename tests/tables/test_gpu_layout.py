@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import data
 from ibpembed import compress
 from ibpembed.cli import main as cli_main
 from ibpembed.tables import format as tf
@@ -23,6 +22,10 @@ from ibpembed.tables.store import TableStore
 from tests.codec.tables import make_table, same_bits
 
 
+def trained(rows: int, dim: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return make_table(dtype, rows, dim, "trained_like", seed)
+
+
 def all_rows(t) -> torch.Tensor:
     return t.gather(torch.arange(t.num_rows))
 
@@ -31,7 +34,7 @@ def all_rows(t) -> torch.Tensor:
     ("dtype", "dim"), [(torch.float32, 64), (torch.float32, 128), (torch.bfloat16, 200)]
 )
 def test_line_aware_placement_keeps_every_row_and_touches_no_more_lines(dtype, dim) -> None:
-    c = compress(data.dlrm_table(3000, dim, seed=dim).to(dtype))
+    c = compress(trained(3000, dim, dim, dtype))
     padded = gpu_layout.line_aware(c)
     assert same_bits(all_rows(padded), all_rows(c))
     before, after = gpu_layout.wire_cost(c), gpu_layout.wire_cost(padded)
@@ -64,12 +67,12 @@ def test_the_file_format_accepts_a_line_aware_layout(tmp_path: Path) -> None:
 
 
 def test_narrow_fp32_rows_are_stored_raw_and_wide_ones_line_aware() -> None:
-    narrow = data.dlrm_table(4000, 16, seed=1)  # 64-byte rows
+    narrow = trained(4000, 16, 1)  # 64-byte rows
     table, decision = gpu_layout.for_gpu(compress(narrow), lambda: compress(narrow, method="raw"))
     assert decision["layout"] == "raw" and decision["sector_ratio"] < 1
     assert "stored raw" in decision["reason"] and int(table.bitmask.sum()) == 0
     assert same_bits(all_rows(table), narrow)
-    wide = data.dlrm_table(4000, 128, seed=2)  # 512-byte rows
+    wide = trained(4000, 128, 2)  # 512-byte rows
     table, decision = gpu_layout.for_gpu(compress(wide), lambda: compress(wide, method="raw"))
     assert decision["layout"] == "line-aware" and decision["sector_ratio"] >= 1
     assert decision["line_ratio"] > decision["compact_line_ratio"]
@@ -77,14 +80,14 @@ def test_narrow_fp32_rows_are_stored_raw_and_wide_ones_line_aware() -> None:
 
 
 def test_raw_rows_cost_what_raw_rows_cost() -> None:
-    t = data.dlrm_table(1000, 32, seed=4)
+    t = trained(1000, 32, 4)
     cost = gpu_layout.wire_cost(compress(t, method="raw"))
     assert cost.sector_ratio == 1.0 and cost.line_ratio == 1.0
 
 
 def test_pack_for_gpu_records_the_layout_and_inspect_says_why(tmp_path: Path, capsys) -> None:
-    user = data.dlrm_table(3000, 128, seed=5)
-    item = data.dlrm_table(2000, 16, seed=6)
+    user = trained(3000, 128, 5)
+    item = trained(2000, 16, 6)
     sources = (TableSource("user", user), TableSource("item", item))
     pack_table_set(tmp_path, TableSet(sources), sample_rows=None, for_gpu=True)
     store = TableStore.load(tmp_path, verify=True)
