@@ -7,9 +7,19 @@ from __future__ import annotations
 from typing import Any
 
 HEADLINE_BATCH = 65536
-COLUMNS = ("ibp_none", "ibp_copy", "raw_none", "uva", "torch_uva", "h2d_batch", "cpu_h2d")
+COLUMNS = (
+    "ibp_none",
+    "ibp_line",
+    "ibp_copy",
+    "raw_none",
+    "uva",
+    "torch_uva",
+    "h2d_batch",
+    "cpu_h2d",
+)
 TARGETS = {
     "compressed_vs_raw": "compressed gather >= 0.95 x sector ratio x raw gather (>= 16k ids)",
+    "line_aware_vs_raw_512": "line-aware compressed gather >= raw gather at 512 B (>= 16k ids)",
     "raw_vs_h2d": "raw gather of 512 B rows >= 60 % of pinned H2D (64k ids)",
     "pooled_vs_cpu": "pooled SUM faster than CPU index_select + H2D",
     "pooled_1k_call": "pooled call of 1k ids <= 20 us (errors deferred, wall clock)",
@@ -80,7 +90,7 @@ def _memory_lines(phases: dict[str, Any]) -> list[str]:
 
 
 def _results_lines(rows: list[dict[str, Any]]) -> list[str]:
-    head = ["R", "batch", "ids", *COLUMNS, "bytes×", "sectors×", "ibp/raw", "decode"]
+    head = ["R", "batch", "ids", *COLUMNS, "bytes×", "sectors×", "ibp/raw", "line/raw", "decode"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * 2 + "---|" + "---:|" * (len(head) - 3)]
     for row in rows:
         g = row.get("raw_equiv_gbps", {})
@@ -93,6 +103,7 @@ def _results_lines(rows: list[dict[str, Any]]) -> list[str]:
             _fmt(row.get("byte_ratio"), ".3f"),
             _fmt(row.get("sector_ratio"), ".3f"),
             _fmt(row.get("ibp_vs_raw"), ".3f"),
+            _fmt(row.get("line_vs_raw"), ".3f"),
             _fmt(row.get("decode_cost"), ".3f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")

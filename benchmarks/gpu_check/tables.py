@@ -37,6 +37,37 @@ class BigTable:
     source: str  # where the tile's rows come from
     plain_alias: torch.Tensor | None  # the plain rows' device alias (registered), else None
     anonymous_added: int  # RssAnon the registrations added
+    # The same rows in gpu_layout.line_aware's layout (slots moved to 32-byte boundaries where
+    # that saves lines), host and placed; None for the real table.
+    line_cpu: tuple | None = None
+    line: tuple | None = None
+
+
+def tiled(c, tile_rows: int, reps: int, pinned: Pinned) -> tuple[torch.Tensor, tuple, int]:
+    """Table ``c``'s first ``tile_rows`` rows (whole blocks) repeated ``reps`` times at memcpy
+    cost: the payload buffer (written, not yet registered), the small tensors, and one tile's
+    payload bytes. Tiling keeps the layout exact: block i of copy r starts at tile base + r *
+    used."""
+    blocks_per_tile = tile_rows // 32
+    used = int(c.block_base[blocks_per_tile])
+    payload = pinned.empty(reps * used + 16)
+    payload[: reps * used].view(reps, used).copy_(c.payload[:used].expand(reps, used))
+    payload[reps * used :].zero_()
+    shifts = torch.arange(reps, dtype=torch.int64).mul_(used).unsqueeze(1)
+    block_base = torch.cat(
+        [
+            (c.block_base[:blocks_per_tile].unsqueeze(0) + shifts).flatten(),
+            torch.tensor([reps * used]),
+        ]
+    )
+    small = (
+        block_base,
+        c.row_units[:tile_rows].repeat(reps),
+        c.bitmask[:blocks_per_tile].repeat(reps),
+        c.mask,
+        c.bitval,
+    )
+    return payload, small, used
 
 
 def build_big(
@@ -71,27 +102,14 @@ def build_big(
         source = f"synthetic {profile}"
     reps = max(1, total_bytes // (tile_rows * row_bytes))
     n = tile_rows * reps
-    blocks_per_tile = tile_rows // 32
-    used = int(c.block_base[blocks_per_tile])
-    # Tiling keeps the layout exact: block i of copy r starts at tile base + r * used.
-    payload = pinned.empty(reps * used + 16)
-    payload[: reps * used].view(reps, used).copy_(c.payload[:used].expand(reps, used))
-    payload[reps * used :].zero_()
-    shifts = torch.arange(reps, dtype=torch.int64).mul_(used).unsqueeze(1)
-    block_base = torch.cat(
-        [
-            (c.block_base[:blocks_per_tile].unsqueeze(0) + shifts).flatten(),
-            torch.tensor([reps * used]),
-        ]
-    )
-    small = (
-        block_base,
-        c.row_units[:tile_rows].repeat(reps),
-        c.bitmask[:blocks_per_tile].repeat(reps),
-        c.mask,
-        c.bitval,
-    )
+    payload, small, used = tiled(c, tile_rows, reps, pinned)
+    block_base = small[0]
     ints = (c.chunk_bits, row_bytes, c.unit_bytes, n)
+    line_payload, line_small = None, None
+    if not real:  # the synthetic tile is whole blocks: c is the tile itself
+        from ibpembed.tables.gpu_layout import line_aware
+
+        line_payload, line_small, _ = tiled(line_aware(c), tile_rows, reps, pinned)
     plain_buf = pinned.empty(n * row_bytes + 16)
     plain_buf[n * row_bytes :].zero_()
     plain = plain_buf[: n * row_bytes].view(n, row_bytes)
@@ -101,6 +119,8 @@ def build_big(
     anonymous_before = pinned.anonymous_added
     pinned.place(payload)  # registered once written: the pins hold these pages
     pinned.place(plain_buf)
+    if line_payload is not None:
+        pinned.place(line_payload)
     # Raw layout over the very same bytes: every slot is the row itself (unit 8 divides it).
     unit = ibpembed.codec.slot_unit_bytes(row_bytes, 8)
     blocks = n // 32
@@ -130,6 +150,10 @@ def build_big(
         source=source,
         plain_alias=alias[: n * row_bytes].view(n, row_bytes) if alias.is_cuda else None,
         anonymous_added=pinned.anonymous_added - anonymous_before,
+        line_cpu=None if line_small is None else (line_payload, *line_small, *ints),
+        line=None
+        if line_small is None
+        else (pinned.on_device(line_payload), *to_gpu(line_small), *ints),
     )
 
 
@@ -163,11 +187,17 @@ def check_big(ops, big: BigTable, gpu: bool, checks: Checks, rng) -> None:
     r = big.row_bytes
     checks.record(same_bits(ops.ibp_gather(*big.comp_cpu, ids), want), f"tiled R={r} (CPU)")
     checks.record(same_bits(ops.ibp_gather(*big.raw_cpu, ids), want), f"raw layout R={r} (CPU)")
+    if big.line_cpu is not None:
+        line = ops.ibp_gather(*big.line_cpu, ids)
+        checks.record(same_bits(line, want), f"line-aware layout R={r} (CPU)")
     if not gpu:
         return
     gids = ids.cuda()
     checks.record(same_bits(ops.ibp_gather(*big.comp, gids).cpu(), want), f"big gather R={r}")
     checks.record(same_bits(ops.ibp_gather(*big.raw, gids).cpu(), want), f"big raw gather R={r}")
+    if big.line is not None:
+        line = ops.ibp_gather(*big.line, gids).cpu()
+        checks.record(same_bits(line, want), f"big line-aware gather R={r}")
     with sort_min_ids(0):  # the sorted path, whatever the default rule picks at 4096 ids
         sorted_rows = ops.ibp_gather(*big.comp, gids).cpu()
     checks.record(same_bits(sorted_rows, want), f"big sorted gather R={r}")

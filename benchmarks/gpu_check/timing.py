@@ -6,6 +6,7 @@ the wall clock (synchronised) and by CUDA events (the GPU's own span of the call
   ibp_none          compressed zero-copy gather (torch.ops.ibpembed.ibp_gather, default sort rule)
   ibp_none_sync     the same with IBPEMBED_CUDA_STAGING=sync: does cp.async staging pay?
   ibp_none_sorted / ibp_none_nosort  ids always / never sorted: the sort rule's A/B
+  ibp_line          ibp_none over the same rows in gpu_layout.line_aware's layout (pack --for-gpu)
   ibp_copy          the same kernel with IBPEMBED_CUDA_DECODE=copy: the same slots over PCIe,
                     copied undecoded (the "ideal transfer": ibp_none against it is the decode)
   ibp_sum           compressed pooled lookup, SUM over bags of 16 ids (lookup_pooled)
@@ -79,9 +80,11 @@ def timed(fn: Callable[[], object], gpu: bool, budget_s: float = 0.25) -> Timing
     return Timing(statistics.median(walls), statistics.median(events) if events else None)
 
 
-def slot_sectors(big: BigTable, ids: torch.Tensor) -> int:
-    """32-byte sectors the compressed slots of rows ``ids`` touch (format.h's offsets)."""
-    _, block_base, row_units = big.comp_cpu[:3]
+def slot_sectors(big: BigTable, ids: torch.Tensor, layout: tuple | None = None) -> int:
+    """32-byte sectors the compressed slots of rows ``ids`` touch (format.h's offsets), in the
+    compact layout or ``layout`` (host op arguments of the same rows, e.g. ``big.line_cpu``):
+    what the kernel copies, a padded slot's padding included."""
+    _, block_base, row_units = (layout or big.comp_cpu)[:3]
     sizes = row_units.view(-1, 32)[ids // 32].to(torch.int64) * big.unit_bytes  # [k, 32]
     before = torch.cumsum(sizes, 1) - sizes
     pick = (ids % 32).unsqueeze(1)
@@ -133,6 +136,9 @@ def time_table(
                     # Raw rows lie at multiples of row_bytes, itself a multiple of 32.
                     "raw_wire_sectors": unique.numel() * (r // SECTOR_BYTES),
                     "ibp_wire_sectors": slot_sectors(big, unique),
+                    "line_wire_sectors": None
+                    if big.line_cpu is None
+                    else slot_sectors(big, unique, big.line_cpu),
                 }
             )
     return rows
@@ -167,6 +173,9 @@ def gpu_times(
         "ibp_sum_deferred": deferred,
         "raw_sum": timed(lambda: ops.lookup_pooled(*big.raw, ids, offsets, None, 0, 0), gpu),
     }
+    if big.line is not None:
+        line = big.line
+        times["ibp_line"] = timed(lambda: ops.ibp_gather(*line, ids), gpu)
     if has_baseline():
         uva = torch.ops.ibpembed_bench.uva_gather
         times["uva"] = timed(lambda: uva(big.plain, ids), gpu)
