@@ -57,14 +57,14 @@ class Driver:
         self.out = out
         self.gpu = gpu
         self.deadline = time.monotonic() + args.deadline_s
-        CACHE.mkdir(parents=True, exist_ok=True)
-        self.phase_dir = Path(tempfile.mkdtemp(prefix="gpu_check_phases.", dir=CACHE))
         self.extra: list[str] = []  # options every later phase gets (--pin copy, --load-extension)
         self.child: subprocess.Popen | None = None
         self.only = set(args.only.split(",")) if args.only else set(DRIVER_PHASES)
         unknown = self.only - set(DRIVER_PHASES)
         if unknown:
             raise SystemExit(f"--only: unknown phases {sorted(unknown)}; of {DRIVER_PHASES}")
+        CACHE.mkdir(parents=True, exist_ok=True)
+        self.phase_dir = Path(tempfile.mkdtemp(prefix="gpu_check_phases.", dir=CACHE))
         self.report: dict[str, Any] = {
             "machine": machine(gpu),
             "command": " ".join(["python -m benchmarks.gpu_check", *sys.argv[1:]]),
