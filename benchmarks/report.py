@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gpu_check import markdown as gpu_markdown
+
 Results = dict[str, dict[str, Any]]
 
 
@@ -132,8 +134,8 @@ SECTIONS = (
         "GPU: zero-copy gather over PCIe",
         "On a GPU, how fast is the zero-copy gather of compressed rows against raw rows, "
         "`index_select` + copy and the pinned H2D bandwidth?",
-        "Measured only by `python -m benchmarks.gpu_check` on a GPU machine (docs/cuda.md); "
-        "its results file is rendered here when one is present.",
+        "Measured only on a GPU machine by `scripts/gpu_run.sh` (`python -m benchmarks.gpu_check`; "
+        "docs/cuda.md); its gpu_check.json is rendered here when one is among the results.",
         None,
     ),
 )
@@ -381,7 +383,10 @@ def _headline(results: Results) -> list[str]:
         for row in make(results):
             *cells, section = row
             lines.append("| " + " | ".join([*cells, f"[{section}](#{section})"]) + " |")
-    if "gpu_check" not in results:
+    gpu_rows = gpu_markdown.headline_rows(results["gpu_check"]) if "gpu_check" in results else []
+    for *cells, section in gpu_rows:
+        lines.append("| " + " | ".join([*cells, f"[{section}](#{section})"]) + " |")
+    if not gpu_rows:
         lines.append(
             "| zero-copy GPU gather, compressed vs raw rows | not measured | | | "
             "[gpu_check](#gpu_check) |"
@@ -470,6 +475,8 @@ def render(out: Path, log: dict[str, Any]) -> str:
         lines += [f"*{section.question}*", ""]
         if section.name in markdown:
             lines += [_body(markdown[section.name]), ""]
+        elif section.name == "gpu_check" and section.name in results:
+            lines += [gpu_markdown.section(results[section.name]), ""]
         else:
             run = "`python -m benchmarks.gpu_check` on a GPU" if section.args is None else (
                 f"`python -m benchmarks --only {section.name}`"

@@ -120,6 +120,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "these; without it DIR's new manifest lists only the packed tables (a running server "
         "reloads it and drops the rest)",
     )
+    pack.add_argument(
+        "--for-gpu",
+        action="store_true",
+        help="lay tables out for a GPU's zero-copy reads: slots on 32-byte boundaries where that "
+        "saves PCIe lines, raw rows where compression would cost sectors (inspect says which)",
+    )
     pack.add_argument("--no-progress", action="store_true", help="no progress bar")
     pack.add_argument("--json", action="store_true", help="print the report as JSON")
     pack.set_defaults(func=_pack)
@@ -231,6 +237,7 @@ def _pack(args: argparse.Namespace) -> int:
             "code_bits": args.code_bits,
             "progress": _progress_factory(not args.no_progress),
             "merge": args.merge,
+            "for_gpu": args.for_gpu,
         }
         if args.shards is None:
             if args.shard_address is not None:
@@ -379,6 +386,9 @@ def _print_description(desc: dict[str, Any]) -> None:
             f"    {s['kind']:<11} offset {s['offset']:>12}  length {s['length']:>12}  "
             f"xxh3 {s['xxh3']}"
         )
+    gpu = desc["meta"].get("gpu_layout")
+    if gpu:
+        print(f"  gpu layout: {gpu['reason']}")
     print(f"  meta: {json.dumps(desc['meta'], sort_keys=True)}")
 
 
