@@ -8,7 +8,7 @@
 
 Each benchmark runs in its own process (a crash or an out-of-memory kill loses one section, not
 the run) and writes ``<name>.json`` + ``<name>.md`` into the results directory
-(benchmarks/.cache/results by default); the report is rendered from those files alone.
+(benchmarks/results/ by default, committed); the report is rendered from those files alone.
 """
 
 from __future__ import annotations
