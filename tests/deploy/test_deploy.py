@@ -23,19 +23,18 @@ from ibpembed.server import config as server_config
 from ibpembed.server.app import SERVICE_NAME
 from ibpembed.server.metrics import ServerMetrics
 from ibpembed_client import LookupClient, ShardMap
+from tests.deploy.kustomize import K8S, by_kind, container, env_of, render, shard_deployments
 from tests.metrics.helpers import PROMTOOL, free_port, needs_promtool
 from tests.server.helpers import RunningServer, make_store
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-K8S = DEPLOY / "k8s"
 PROMETHEUS = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "ibpembed.json"
 DOCKERFILE = ROOT / "Dockerfile"
 HADOLINT = shutil.which("hadolint") or shutil.which(
     "hadolint", path=str(Path(sys.executable).parent)
 )
-KUBECTL = shutil.which("kubectl")
 # Oldest Kubernetes the manifests target (the pod-index label) and the newest bundled schema.
 K8S_VERSIONS = ("1.28.0", "1.37.0")
 # Values for the dashboard's template variables when its queries are checked.
@@ -53,36 +52,6 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [PROMTOOL, *args], capture_output=True, text=True, timeout=60, cwd=PROMETHEUS
     )
-
-
-def render(directory: Path = K8S) -> list[dict]:
-    """``kubectl kustomize DIR``: every object ``kubectl apply -k DIR`` would send, in order."""
-    if KUBECTL is None:
-        pytest.skip("kubectl (with kustomize) not installed")
-    result = subprocess.run(
-        [KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-
-
-def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
-    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
-
-
-def container(deployment: dict) -> dict:
-    (only,) = deployment["spec"]["template"]["spec"]["containers"]
-    return only
-
-
-def env_of(c: dict) -> dict[str, dict]:
-    return {e["name"]: e for e in c["env"]}
-
-
-def shard_deployments(objects: list[dict]) -> list[dict]:
-    """The shards' Deployments, in shard order (ibpembed-shard-<k>)."""
-    deployments = by_kind(objects, "Deployment")
-    return [deployments[f"ibpembed-shard-{k}"] for k in range(len(deployments))]
 
 
 # -- Prometheus -------------------------------------------------------------------------------
@@ -322,7 +291,8 @@ def test_the_monitoring_overlay_adds_a_pod_monitor_of_every_replica():
     assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
-    assert monitor["spec"]["podTargetLabels"] == ["ibpembed.dev/shard"]
+    # The labels it gives the series: tests/deploy/test_alert_labels.py.
+    assert monitor["spec"]["jobLabel"] == "app.kubernetes.io/name"
 
 
 def test_server_settings_ports_and_probes_agree(tmp_path):
