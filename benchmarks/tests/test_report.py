@@ -28,8 +28,9 @@ def test_a_real_run_is_rendered_with_its_command_and_tables(tmp_path: Path) -> N
     text = (tmp_path / "B.md").read_text()
     meta = json.loads((tmp_path / "engine_paths.json").read_text())
     assert meta["commit"] and meta["machine"]
-    # The setup block names the section's command; the section carries the benchmark's table.
-    assert "| [engine_paths](#engine_paths) | `python -m benchmarks.engine_paths --quick` |" in text
+    # The setup block names the section's command and commit; the section carries its table.
+    row = "| [engine_paths](#engine_paths) | `python -m benchmarks.engine_paths --quick` | "
+    assert row + meta["commit"] in text
     section = text.split("## Engine paths")[1].split("\n## ")[0]
     assert "| case | B |" in section
     assert "Not measured" not in section
