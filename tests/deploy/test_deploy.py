@@ -210,10 +210,11 @@ def test_kustomization_puts_the_namespace_first_and_everything_in_it():
     }
 
 
+@pytest.mark.parametrize("overlay", ["", "gpu"])
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-def test_manifests_validate(version):
+def test_manifests_validate(version, overlay):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
-    for obj in render():
+    for obj in render(K8S / overlay):
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -316,14 +317,50 @@ def test_server_settings_ports_and_probes_agree(tmp_path):
         assert env_of(c)["IBPEMBED_CONFIG"]["value"] == f"/etc/ibpembed/{settings.name}"
 
 
-def test_pods_request_a_gpu_and_run_unprivileged():
+def test_pods_run_unprivileged():
     for deployment in shard_deployments(render()):
         c = container(deployment)
-        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
         pod_security = deployment["spec"]["template"]["spec"]["securityContext"]
         assert pod_security["runAsNonRoot"] and pod_security["runAsUser"] != 0
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def _gpus(deployment: dict) -> tuple[str | None, str | None, list[dict]]:
+    resources = container(deployment)["resources"]
+    return (
+        resources.get("requests", {}).get("nvidia.com/gpu"),
+        resources.get("limits", {}).get("nvidia.com/gpu"),
+        deployment["spec"]["template"]["spec"].get("tolerations", []),
+    )
+
+
+def test_the_default_manifests_run_on_cpus_and_request_no_gpu():
+    for overlay in (K8S, K8S / "monitoring"):
+        objects = render(overlay)
+        assert "nvidia.com/gpu" not in yaml.safe_dump_all(objects), overlay
+        for deployment in shard_deployments(objects):
+            assert _gpus(deployment) == (None, None, [])
+
+
+def test_the_gpu_overlay_adds_one_gpu_per_replica_and_changes_nothing_else():
+    default, gpu = render(), render(K8S / "gpu")
+    assert [(o["kind"], o["metadata"]["name"]) for o in gpu] == [
+        (o["kind"], o["metadata"]["name"]) for o in default
+    ]
+    for cpu_deployment, gpu_deployment in zip(
+        shard_deployments(default), shard_deployments(gpu), strict=True
+    ):
+        requests, limits, tolerations = _gpus(gpu_deployment)
+        assert requests == limits == "1"
+        assert tolerations == [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+        ]
+        stripped = copy.deepcopy(gpu_deployment)
+        resources = container(stripped)["resources"]
+        del resources["requests"]["nvidia.com/gpu"], resources["limits"]["nvidia.com/gpu"]
+        del stripped["spec"]["template"]["spec"]["tolerations"]
+        assert stripped == cpu_deployment
 
 
 # -- Dockerfile -------------------------------------------------------------------------------
