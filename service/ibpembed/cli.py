@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Iterable, Sequence
 
@@ -35,6 +36,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+EXIT_BROKEN_PIPE = 141
+
+
 def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
     """The ``ibpembed`` parser: every command's full parser, or only those of ``commands`` (the
     others listed with their summaries, their modules not imported)."""
@@ -55,7 +59,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The first word that is not an option names the command (the top level has only options).
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser([command] if command else []).parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`ibpembed inspect DIR | head`): stop quietly, as `cat` does,
+        # instead of a traceback. Python's own flush at exit would raise again: point stdout
+        # at /dev/null first. 128 + SIGPIPE is the status a shell shows for such a writer.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    return code
 
 
 if __name__ == "__main__":

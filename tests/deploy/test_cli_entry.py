@@ -74,6 +74,22 @@ def test_every_summary_is_the_one_its_module_registers() -> None:
     assert registered == {name: summary for name, (_, summary) in COMMANDS.items()}
 
 
+def test_a_closed_pipe_ends_inspect_quietly(tmp_path: Path) -> None:
+    make_store(seed=1).save(tmp_path / "tables")
+    # `ibpembed inspect DIR | head -0`: the reader is gone before the first line is written.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ibpembed.cli", "inspect", str(tmp_path / "tables")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def _get(url: str) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
