@@ -138,3 +138,29 @@ def test_triton_serve_answers_like_the_engine_and_stops_on_sigterm(tmp_path: Pat
         proc.send_signal(signal.SIGTERM)
         log = proc.communicate(timeout=90)[0]
     assert proc.returncode == 0, log[-3000:]
+
+
+def test_serve_prints_its_load_progress_between_bound_and_listening(tmp_path: Path) -> None:
+    make_store(seed=1).save(tmp_path / "tables")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ibpembed.cli", "serve", "--tables", str(tmp_path / "tables"),
+         "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("listening on"):
+                break
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    text = "".join(lines)
+    assert text.startswith("bound "), text
+    progress = [line for line in lines if line.startswith("loading: ")]
+    assert progress, text
+    total = len(set(FEATURES.values()))
+    assert progress[-1].startswith(f"loading: {total}/{total} tables"), text
+    assert text.index("loading: ") < text.index("listening on")
