@@ -160,6 +160,20 @@ def test_dashboard_structure():
     assert {"datasource", "job", "instance", "table"} <= variables
 
 
+def test_dashboard_legends_name_labels_as_grafana_expands_them():
+    # Grafana expands {{label}}; a doubled brace (an escaped format string) shows literally.
+    legends = [
+        target["legendFormat"]
+        for panel in json.loads(DASHBOARD.read_text())["panels"]
+        for target in panel.get("targets", [])
+        if target.get("legendFormat")
+    ]
+    assert legends
+    for legend in legends:
+        assert "{{{" not in legend and "}}}" not in legend, legend
+        assert legend.count("{{") == legend.count("}}"), legend
+
+
 def test_dashboard_queries_use_exported_metrics():
     exported = exported_names()
     for title, expr in dashboard_queries():
