@@ -53,9 +53,12 @@ def _cuda_cells(r: Report) -> tuple[str, str]:
 
 def _rpc_cells(r: Report) -> tuple[str, str]:
     v = r["verdict"]
+    seen = sorted({f"{u['category']} → {u['code']}" for u in r.get("unexpected", [])})
+    which = f" ({', '.join(seen)})" if seen else ""
     return (
         f"{r['cases']:,} calls and streams",
-        f"{v['unexpected']} replies outside the allowed codes; RSS {v['rss_growth']:+.1%}; "
+        f"{v['unexpected']} replies outside the allowed codes{which}; "
+        f"RSS {v['rss_growth']:+.1%}; "
         f"descriptors {v['fds_after_warmup']} → {v['fds_end']}",
     )
 
