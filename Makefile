@@ -54,13 +54,8 @@ bench: $(BUILD_STAMP)  ## every benchmark at full size, then BENCHMARKS.md (abou
 bench-quick: $(BUILD_STAMP)  ## every benchmark at smoke size (minutes; not results)
 	$(PY) -m benchmarks --quick --out benchmarks/.cache/quick --report benchmarks/.cache/quick/BENCHMARKS.md
 
-reliability: $(BUILD_STAMP)  ## the campaigns at their documented sizes (reliability/README.md)
-	$(PY) -m reliability.fuzz_codec --cases 100000 --jobs 2
-	$(PY) -m reliability.fuzz_cuda_kernels --seconds 300
-	$(PY) -m reliability.fuzz_rpc --cases 20000
-	$(PY) -m reliability.soak
-	$(PY) -m reliability.faults
-	$(PY) -m reliability.security
+reliability: $(BUILD_STAMP)  ## the campaigns at their documented sizes, then reliability/README.md's figures
+	$(PY) -m reliability
 
 proto: $(DEPS_STAMP)  ## regenerate the gRPC stubs in clients/python from proto/
 	$(PY) proto/generate.py

@@ -148,7 +148,7 @@ def section(data: dict[str, Any]) -> str:
     return "\n".join(lines).strip()
 
 
-def headline_rows(data: dict[str, Any]) -> list[list[str]]:
+def headline_rows(data: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """Compressed against raw zero-copy gather at 512 B x 64k uniform ids, by kernel time."""
     for row in data.get("results") or []:
         if (
@@ -161,12 +161,11 @@ def headline_rows(data: dict[str, Any]) -> list[list[str]]:
             g = row["raw_equiv_gbps"]
             gpu = data.get("machine", {}).get("gpu", "GPU")
             return [
-                [
+                (
                     f"zero-copy GPU gather, compressed vs raw rows (512 B, 64k ids, {gpu})",
                     f"{g['ibp_none']:.1f} GB/s",
                     f"{g['raw_none']:.1f} GB/s",
                     f"{g['ibp_none'] / g['raw_none']:.2f}×",
-                    "gpu_check",
-                ]
+                )
             ]
     return []

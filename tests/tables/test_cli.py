@@ -259,7 +259,7 @@ def test_verify_ok_then_each_fault(packed: Path, capsys) -> None:
 
 
 def test_commands_are_registered_with_the_ibpembed_command(packed: Path) -> None:
-    assert "ibpembed.tables.cli" in main_cli.COMMAND_MODULES
+    assert main_cli.COMMANDS["verify"][0] == "ibpembed.tables.cli"
     done = subprocess.run(
         [sys.executable, "-m", "ibpembed.cli", "verify", str(packed)],
         cwd=REPO,
@@ -295,3 +295,21 @@ def test_inspect_reports_sizes_and_savings_per_table_and_in_total(packed: Path, 
     assert total[4] == f"{100 * (1 - stored / raw):.1f}%"
     dtypes = {line.split()[0]: line.split()[3] for line in lines[header + 1 : -1]}
     assert dtypes == {name: s["dtype"] for name, s in summary.items()}
+
+
+def test_verify_json_reports_every_table_and_the_fault(packed: Path, capsys) -> None:
+    assert run(["verify", str(packed), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True and len(report["tables"]) == 2
+    assert all(t["ok"] and t["rows"] > 0 for t in report["tables"])
+    victim = next(packed.glob("t_user.*.ibpt"))
+    begin, end = section_ranges(victim)["payload"]
+    flip_bit(victim, (begin + end) // 2)
+    assert run(["verify", str(packed), "--json"]) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # stdout holds the JSON alone
+    (bad,) = [t for t in report["tables"] if not t["ok"]]
+    assert report["ok"] is False and bad["file"] == str(victim)
+    assert "section 'payload'" in bad["error"]
+    assert run(["verify", str(packed / "nothing-here"), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["ok"] is False

@@ -22,6 +22,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TextIO
@@ -54,6 +55,8 @@ log = logging.getLogger(__name__)
 
 # How often a draining server checks whether its in-flight RPCs are done.
 _DRAIN_POLL_S = 0.05
+# The console's load progress: a line at most this often, plus the first and the last.
+_PROGRESS_EVERY_S = 2.0
 # The drain ends once no RPC has been refused for this long, or this long after the last
 # in-flight RPC finished while calls keep coming (see LookupServer._drained).
 _DRAIN_QUIET_S = 0.1
@@ -412,6 +415,24 @@ async def _shut_down_unloaded(server: LookupServer, metrics: ServerMetrics | Non
         metrics.stop_http_server()
 
 
+class _LoadProgress:
+    """Tables loaded so far, to the console and to the loading gauge (called by the load thread):
+    a multi-minute load otherwise prints nothing between "bound" and "listening"."""
+
+    def __init__(self, out: TextIO, metrics: ServerMetrics | None) -> None:
+        self._out, self._metrics = out, metrics
+        self._start = time.monotonic()
+        self._last = -_PROGRESS_EVERY_S
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._metrics is not None:
+            self._metrics.loading_progress(done, total)
+        elapsed = time.monotonic() - self._start
+        if done == total or elapsed - self._last >= _PROGRESS_EVERY_S:
+            self._last = elapsed
+            print(f"loading: {done}/{total} tables ({elapsed:.1f} s)", file=self._out, flush=True)
+
+
 async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     """Run until SIGTERM/SIGINT, then drain and return 0 (also when the signal comes while the
     tables load: nothing is in flight then, and the load is abandoned)."""
@@ -451,7 +472,7 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     )
     log.info("loading %s", config.tables or "the embedded demo table set")
     loading = in_daemon_thread(
-        lambda: load_and_check(config, metrics.loading_progress if metrics else None),
+        lambda: load_and_check(config, _LoadProgress(out, metrics)),
         name=LOAD_THREAD,
     )
     loop.add_signal_handler(signal.SIGHUP, server.request_reload)

@@ -154,6 +154,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "hash recorded at pack time. Exit code 1 on any fault.",
     )
     verify.add_argument("path", type=Path, metavar="FILE|DIR")
+    verify.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON report (every table's result) instead of a line per table",
+    )
     verify.set_defaults(func=_verify)
 
 
@@ -429,7 +434,6 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    faults = 0
     try:
         if args.path.is_dir():
             found = manifest.read_manifest(args.path)
@@ -437,15 +441,29 @@ def _verify(args: argparse.Namespace) -> int:
         else:
             targets = [(None, args.path, None)]
     except (ValueError, OSError) as exc:
+        if args.json:
+            print(
+                json.dumps({"path": str(args.path), "ok": False, "error": str(exc), "tables": []})
+            )
         return _fail("verify", exc)
+    results = []
     for name, path, entry in targets:
         try:
             loaded = tf.verify_file(path)
             if entry is not None:  # the checks a load makes: checksum, name, shape, row range
                 manifest.check_entry(args.path / manifest.MANIFEST, name, entry, loaded)
         except (ValueError, OSError) as exc:
-            faults += 1
-            print(f"FAIL {exc}", file=sys.stderr)
+            results.append({"table": name, "file": str(path), "ok": False, "error": str(exc)})
+            if not args.json:
+                print(f"FAIL {exc}", file=sys.stderr, flush=True)
             continue
-        print(f"OK   {path}  {loaded.name}  [{loaded.header.num_rows}, {loaded.header.dim}]")
-    return EXIT_FAULT if faults else EXIT_OK
+        rows, dim = loaded.header.num_rows, loaded.header.dim
+        results.append(
+            {"table": loaded.name, "file": str(path), "ok": True, "rows": rows, "dim": dim}
+        )
+        if not args.json:  # one line per table as it is checked: the progress of a long verify
+            print(f"OK   {path}  {loaded.name}  [{rows}, {dim}]", flush=True)
+    ok = all(r["ok"] for r in results)
+    if args.json:
+        print(json.dumps({"path": str(args.path), "ok": ok, "tables": results}, indent=1))
+    return EXIT_OK if ok else EXIT_FAULT
