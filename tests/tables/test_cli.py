@@ -112,8 +112,8 @@ def test_table_selection_applies_before_other_entries_are_checked(tmp_path: Path
 def test_an_unknown_table_lists_the_tables_the_sources_hold(
     tmp_path: Path, sources: Path, capsys
 ) -> None:
-    """``pack model.pt --table T_USER`` once answered ``have []``: the selection had already
-    emptied every file."""
+    """An unknown ``--table`` is named with the tables every source holds, read before the
+    selection (which leaves none of them)."""
     torch.save({"emb": trained_like(10, 4)}, tmp_path / "m.pt")
     save_file(
         {"cat.weight": trained_like(6, 4), "bias": torch.zeros(4)}, sources / "extra.safetensors"

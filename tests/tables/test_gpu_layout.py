@@ -19,6 +19,7 @@ from ibpembed.tables import gpu_layout
 from ibpembed.tables.importers import TableSet, TableSource
 from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.store import TableStore
+from ibpembed.tables.writer import pack_table
 from tests.codec.tables import make_table, same_bits
 
 
@@ -98,3 +99,12 @@ def test_pack_for_gpu_records_the_layout_and_inspect_says_why(tmp_path: Path, ca
     out = capsys.readouterr().out
     assert "gpu layout: line-aware: slots moved to 32-byte boundaries" in out
     assert "gpu layout: stored raw: its best compressed layout" in out
+
+
+def test_pack_for_gpu_reports_every_row_to_the_progress_callback(tmp_path: Path) -> None:
+    """A progress bar of ``pack --for-gpu`` reaches its total (and closes) like any pack's."""
+    weight = trained(1000, 32, 7)
+    done: list[int] = []
+    packed = pack_table(tmp_path / "t.ibpt", weight, name="t", for_gpu=True, progress=done.append)
+    assert sum(done) == 1000
+    assert packed.num_rows == 1000 and packed.raw_bytes == weight.numel() * 4

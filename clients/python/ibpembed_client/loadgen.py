@@ -41,6 +41,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -300,7 +301,7 @@ def summarize(cfg: LoadConfig, tally: _Tally, window: tuple[float, float]) -> di
 PNG_NEEDS = "--png needs matplotlib: pip install 'ibpembed-client[loadgen]'"
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")

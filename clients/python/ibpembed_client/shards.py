@@ -56,7 +56,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import grpc
@@ -203,6 +203,8 @@ def _repinnable(err: LookupServiceError) -> bool:
 
 @dataclass(frozen=True)
 class _ClientArgs:
+    """The settings every shard's client is built with."""
+
     timeout: float | None
     retry: RetryPolicy | None
     keepalive: KeepAliveOptions | None
@@ -213,16 +215,9 @@ class _ClientArgs:
     outlier_ejection: OutlierEjection | None
 
     def kwargs(self) -> dict[str, Any]:
-        return {
-            "timeout": self.timeout,
-            "retry": self.retry,
-            "keepalive": self.keepalive,
-            "tls": self.tls,
-            "token": self.token,
-            "max_message_bytes": self.max_message_bytes,
-            "channel_options": self.channel_options,
-            "outlier_ejection": self.outlier_ejection,
-        }
+        """The fields as keyword arguments of each shard's client (not copied: a TlsOptions
+        stays one)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class ShardedLookupClient:

@@ -170,7 +170,7 @@ def from_state_dict(
             raise SourceError(f"{origin}: no entries {missing}")
         chosen = {k: k for k in keys}
     else:
-        chosen = _default_entries(flat)
+        chosen = _default_entries(_ndims(flat))
     if tables is not None:
         wanted = set(tables)
         chosen = {k: name for k, name in chosen.items() if name in wanted}
@@ -184,13 +184,17 @@ def from_state_dict(
     )
 
 
-def _default_entries(flat: Mapping[str, Any]) -> dict[str, str]:
+def _ndims(flat: Mapping[str, Any]) -> dict[str, int | None]:
+    """Each entry's number of dimensions (None for what is not a tensor)."""
+    return {k: v.dim() if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
+
+
+def _default_entries(ndims: Mapping[str, int | None]) -> dict[str, str]:
     """key -> table name of the entries a state dict contributes by default (see
-    ``from_state_dict``)."""
-    torchrec = {k: m["table"] for k in flat if (m := _EBC_KEY.search(k))}
-    return torchrec or {
-        k: k for k, v in flat.items() if isinstance(v, torch.Tensor) and v.dim() == 2
-    }
+    ``from_state_dict``), from each entry's number of dimensions: a safetensors file gives
+    them without reading any data."""
+    torchrec = {k: m["table"] for k in ndims if (m := _EBC_KEY.search(k))}
+    return torchrec or {k: k for k, n in ndims.items() if n == 2}
 
 
 # -- torchrec --------------------------------------------------------------------------------
@@ -397,10 +401,7 @@ def from_pt(
     Loaded with ``weights_only=True`` (no pickled code runs) and ``mmap=True`` (no copy).
     """
     path = Path(path)
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # torch raises many types for a bad file; the cause stays chained
-        raise SourceError(f"{path}: cannot load with torch.load: {exc}") from exc
+    obj = _torch_load(path)
     if isinstance(obj, torch.Tensor):
         if tables is not None and path.stem not in set(tables):
             return TableSet(())
@@ -469,13 +470,20 @@ def table_names(path: Path) -> list[str]:
 
         with safe_open(str(path), framework="pt") as f:
             names = f.keys()
-            flat = {k: f.get_slice(k) for k in names}  # shapes only, no data read
-        torchrec = {k: m["table"] for k in flat if (m := _EBC_KEY.search(k))}
-        return list(torchrec.values()) or [k for k, v in flat.items() if len(v.get_shape()) == 2]
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # as in from_pt
-        raise SourceError(f"{path}: cannot load with torch.load: {exc}") from exc
+            ndims = {k: len(f.get_slice(k).get_shape()) for k in names}  # shapes only, no data
+        return list(_default_entries(ndims).values())
+    obj = _torch_load(path)
     if isinstance(obj, torch.Tensor):
         return [path.stem]
-    return list(_default_entries(_flatten(obj)).values()) if isinstance(obj, Mapping) else []
+    if isinstance(obj, Mapping):
+        return list(_default_entries(_ndims(_flatten(obj))).values())
+    return []
+
+
+def _torch_load(path: Path) -> Any:
+    """``torch.load`` with ``weights_only=True`` (no pickled code runs) and ``mmap=True`` (no
+    copy); a file it cannot load is a SourceError."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # torch raises many types for a bad file; the cause stays chained
+        raise SourceError(f"{path}: cannot load with torch.load: {exc}") from exc

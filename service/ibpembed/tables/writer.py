@@ -9,6 +9,7 @@ either the old file or the new one under the final name, never a mix.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -325,6 +326,7 @@ def pack_table(
     -------
     PackedTable: sizes, checksum and wall time.
     """
+    start = time.perf_counter()
     if for_gpu:
         from ibpembed.tables import gpu_layout
 
@@ -336,14 +338,17 @@ def pack_table(
             compressed, lambda: codec.compress(weight, method="raw", align=align, **args)
         )
         fit = {"method": method, "align": align, "sample_rows": sample_rows, "seed": seed}
-        return write_table(
+        written = write_table(
             path,
             table,
             name=name,
             content_named=content_named,
             meta={**fit, **(meta or {}), "gpu_layout": decision},
         )
-    start = time.perf_counter()
+        if progress is not None:  # in one step: the whole table is compressed at once
+            progress(table.num_rows)
+        # The wall time of the whole pack, compression and layout included, as without for_gpu.
+        return dataclasses.replace(written, seconds=time.perf_counter() - start)
     directory, final_path = _destination(path, name, content_named)
     with AtomicWriter(directory, file_stem(name)) as writer:
         written = _pack_into(
