@@ -39,7 +39,12 @@ from ibpembed_client._common import (
 from ibpembed_client._common import (
     channel_options as _channel_options,
 )
-from ibpembed_client.regions import OutputRegion, SharedMemoryRegion
+from ibpembed_client.regions import (
+    OutputRegion,
+    SharedMemoryRegion,
+    challenge_request,
+    prove_write_access,
+)
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 
@@ -218,6 +223,12 @@ class AsyncLookupClient:
         """See :meth:`ibpembed_client.LookupClient.register_region`."""
         request, registered = region_registration(name, memory, offset, byte_size)
         metadata = call_metadata(self._token)
+        challenge = challenge_request(request)
+        answer = await self._call(
+            lambda t: self._stub().ChallengeRegion(challenge, timeout=t, metadata=metadata),
+            timeout,
+        )
+        request.nonce = prove_write_access(memory, offset, answer.nonce)
         await self._call(
             lambda t: self._stub().RegisterRegion(request, timeout=t, metadata=metadata), timeout
         )

@@ -36,6 +36,7 @@ from ibpembed.selftest import choose_device
 from ibpembed.server import demo
 from ibpembed.server.cli import LOAD_THREAD
 from ibpembed.server.config import ServerConfig
+from ibpembed.server.identity import CallerIdentities, read_tokens
 from ibpembed.server.interceptors import (
     BearerTokenInterceptor,
     RpcObserver,
@@ -156,10 +157,18 @@ class LookupServer:
         # Both set by serve_tables; the gate refuses every RPC that would need them before.
         self.engine: LookupEngine | None = None
         self.reloader: TableSetReloader | None = None
+        # Who a call is (its token's identity, or anonymous without tokens): owns regions.
+        self.identities = CallerIdentities(
+            read_tokens(config.auth_token_file, config.auth_tokens_file)
+        )
         # Shared-memory regions clients registered; their descriptors close at stop.
-        self.regions = RegionRegistry()
+        self.regions = RegionRegistry(config.max_regions)
         self.servicer = EmbeddingLookupServicer(
-            None, stream_window=config.stream_window, regions=self.regions, observer=observer
+            None,
+            stream_window=config.stream_window,
+            regions=self.regions,
+            identities=self.identities,
+            observer=observer,
         )
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
@@ -168,9 +177,8 @@ class LookupServer:
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         interceptors: list[grpc.aio.ServerInterceptor] = []
-        if self.config.auth_token_file is not None:
-            token = _read(self.config.auth_token_file).decode().strip()
-            interceptors.append(BearerTokenInterceptor(token, self.observer))
+        if self.identities.enabled:
+            interceptors.append(BearerTokenInterceptor(self.identities, self.observer))
         interceptors.append(ServiceInterceptor(self.state, self.observer))
         return interceptors
 
@@ -481,7 +489,7 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
             port,
             first_feature,
             tls=config.tls_cert is not None,
-            token=config.auth_token_file is not None,
+            token=server.identities.enabled,
         ),
         file=out,
         flush=True,

@@ -136,7 +136,20 @@ class ServerConfig:
         None, "PEM CA bundle; when set clients must present a certificate it signed (mTLS)."
     )
     auth_token_file: str | None = _setting(
-        None, "File holding the bearer token clients must send (`authorization: Bearer ...`)."
+        None,
+        "File holding the bearer token clients must send (`authorization: Bearer ...`);"
+        " its callers share the identity `token`.",
+    )
+    auth_tokens_file: str | None = _setting(
+        None,
+        "File of bearer tokens, one `<identity> <token>` a line (`#` comments): each token is"
+        " its own identity, whose shared-memory regions no other identity can see, use or"
+        " release. Without any token file every caller is one identity, `anonymous`.",
+    )
+    max_regions: int = _setting(
+        512,
+        "Shared-memory regions registered at once, all callers together (each holds a file"
+        " descriptor; one identity holds at most 256).",
     )
     reflection: bool = _setting(True, "Register gRPC server reflection (for grpcurl).")
     log_level: str = _setting(
@@ -166,6 +179,7 @@ class ServerConfig:
             "max_inflight",
             "max_message_mb",
             "stream_window",
+            "max_regions",
             "keep_versions",
             "dedupe_min_ids",
             "demo_max_rows",

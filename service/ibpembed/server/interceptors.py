@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
 import inspect
 import logging
 import time
@@ -24,6 +23,7 @@ from typing import Any, Protocol
 import grpc
 
 from ibpembed.errors import Overloaded, ServiceError, Unavailable, VersionNotHeld
+from ibpembed.server.identity import CallerIdentities
 from ibpembed.server.status import (
     MAX_REQUEST_ID_CHARS,
     UndecodableRequest,
@@ -301,15 +301,16 @@ def _decode_guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED unless the call carries ``authorization: Bearer <token>``.
+    """UNAUTHENTICATED unless the call carries ``authorization: Bearer <token>`` with one of the
+    configured tokens (:class:`~ibpembed.server.identity.CallerIdentities`).
 
     Health checks are exempt: Kubernetes gRPC probes cannot send credentials.
     """
 
-    def __init__(self, token: str, observer: RpcObserver | None = None) -> None:
-        if not token:
-            raise ValueError("empty bearer token")
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, identities: CallerIdentities, observer: RpcObserver | None = None) -> None:
+        if not identities.enabled:
+            raise ValueError("no bearer tokens configured")
+        self.identities = identities
         self.observer = observer  # told of rejected ibpembed.v1 calls (requests by code)
 
     async def intercept_service(
@@ -318,19 +319,15 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(HEALTH_PREFIX) or self._authorized(details):
+        if (
+            handler is None
+            or details.method.startswith(HEALTH_PREFIX)
+            or self.identities.check(details.invocation_metadata) is not None
+        ):
             return handler
         if self.observer is not None and details.method.startswith(SERVICE_PREFIX):
             self.observer.rpc_done(details.method, grpc.StatusCode.UNAUTHENTICATED)
         return _rejecting_handler(handler)
-
-    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                got = value.encode() if isinstance(value, str) else value
-                # Constant-time compare: the token must not leak through response timing.
-                return hmac.compare_digest(got, self._expected)
-        return False
 
 
 def _rejecting_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

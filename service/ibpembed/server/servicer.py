@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,7 +31,8 @@ from ibpembed.engine import (
     TableDescription,
 )
 from ibpembed.errors import InvalidArgument, Unimplemented
-from ibpembed.server.regions import Region, RegionRegistry, output_layout
+from ibpembed.server.identity import CallerIdentities
+from ibpembed.server.regions import NONCE_TTL_S, Region, RegionRegistry, output_layout
 from ibpembed.server.status import (
     MAX_REQUEST_ID_CHARS,
     UndecodableRequest,
@@ -95,16 +95,6 @@ def output_dtype_of(request: pb.LookupRequest) -> torch.dtype:
             "pooling NONE returns rows bit-exact in the table's dtype: leave it unset",
         )
     return _OUTPUT_DTYPES[request.output_dtype]
-
-
-def caller_of(context: grpc.aio.ServicerContext) -> str:
-    """Who owns the regions a call registers: its bearer token's fingerprint (checked by the
-    auth interceptor when the server has a token), or ``"anonymous"`` without one."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            raw = value.encode() if isinstance(value, str) else value
-            return "token:" + hashlib.sha256(raw).hexdigest()[:16]
-    return "anonymous"
 
 
 def _array(data: bytes, dtype: str, field: str) -> np.ndarray:
@@ -195,7 +185,9 @@ def decode_region_inputs(
     batch = np.asarray(spec.batch_sizes, dtype=np.int64)
     if count and (num_ids.min() < 0 or batch.min() < 0):
         raise InvalidArgument("input_region.num_ids", "counts must be non-negative")
-    total_ids, total_samples = int(num_ids.sum()), int(batch.sum())
+    # Python integers: an int64 sum of huge counts wraps (to 0, even), and the size check below
+    # would pass.
+    total_ids, total_samples = sum(spec.num_ids), sum(spec.batch_sizes)
     size = total_ids * (12 if spec.weighted else 8) + total_samples * 4
     if spec.offset > region.info.byte_size or size > region.info.byte_size - spec.offset:
         raise InvalidArgument(
@@ -234,6 +226,22 @@ def decode_region_inputs(
         )
         id_start, sample_start = id_end, sample_end
     return features, _POOLING[request.pooling]
+
+
+# Fields whose values an input_region request reads from the region.
+_REGION_VALUE_FIELDS = (".ids", ".lengths", ".weights")
+
+
+def _region_values_invalid(field: str, request: pb.LookupRequest) -> InvalidArgument:
+    """The refusal of inputs read from a region. It names the field only: the engine's own
+    message quotes the bad value (an id, a sum of lengths), and a message quoting bytes of a
+    region would let a caller read memory it could only name."""
+    return InvalidArgument(
+        field,
+        f"the inputs read from region {request.input_region.name!r} are not valid here: each"
+        " feature's lengths must be >= 0 and sum to its num_ids, and its ids must be rows of its"
+        " table (ListTables); the values are not quoted",
+    )
 
 
 def encode_response(request_id: str, result: LookupResult) -> bytes:
@@ -362,6 +370,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         *,
         stream_window: int = 8,
         regions: RegionRegistry | None = None,
+        identities: CallerIdentities | None = None,
         observer: OutputObserver | None = None,
     ) -> None:
         # None while the server loads its tables: the interceptor's gate answers every RPC
@@ -369,7 +378,12 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self.engine = engine
         self.stream_window = stream_window
         self.regions = RegionRegistry() if regions is None else regions
+        self.identities = CallerIdentities() if identities is None else identities
         self.observer = observer
+
+    def caller_of(self, context: grpc.aio.ServicerContext) -> str:
+        """Who owns the regions a call registers (:mod:`ibpembed.server.identity`)."""
+        return self.identities.of(context.invocation_metadata())
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> bytes:
         return await self._lookup(request, context, deadline_of(context))
@@ -389,7 +403,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         features: Request
         try:
             if request.HasField("input_region"):
-                caller = caller_of(context)
+                caller = self.caller_of(context)
                 region = self.regions.get(caller, request.input_region.name, "input_region.name")
                 uses.append(region)
                 features, pooling = decode_region_inputs(request, region)
@@ -402,7 +416,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             encode: Callable[[LookupResult], bytes]
             window_bytes = None  # the result's size limit: the message's, or the window's
             if request.HasField("output_region"):
-                window = self._output_window(caller_of(context), request.output_region)
+                window = self._output_window(self.caller_of(context), request.output_region)
                 uses.append(window.region)
                 window_bytes = window.end - window.start
                 encode = functools.partial(self._write_region, window, request.request_id)
@@ -419,17 +433,22 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 for region in uses:
                     region.release_use()
 
-        return await self.engine.lookup(
-            features,
-            pooling,
-            deadline=deadline,
-            then=encode,
-            slot=slot,
-            output_dtype=output_dtype,
-            on_done=on_done,
-            output_window=window_bytes,
-            table_version=request.table_version,
-        )
+        try:
+            return await self.engine.lookup(
+                features,
+                pooling,
+                deadline=deadline,
+                then=encode,
+                slot=slot,
+                output_dtype=output_dtype,
+                on_done=on_done,
+                output_window=window_bytes,
+                table_version=request.table_version,
+            )
+        except InvalidArgument as exc:
+            if request.HasField("input_region") and exc.field.endswith(_REGION_VALUE_FIELDS):
+                raise _region_values_invalid(exc.field, request) from None
+            raise
 
     def _output_window(self, caller: str, spec: pb.OutputRegion) -> _OutputWindow:
         region = self.regions.get(caller, spec.name, "output_region.name")
@@ -558,14 +577,25 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 " Register a SYSTEM_SHM region instead"
             )
         self.regions.register(
-            caller_of(context), request.name, request.shm_name, request.offset, request.byte_size
+            self.caller_of(context),
+            request.name,
+            request.shm_name,
+            request.offset,
+            request.byte_size,
+            request.nonce,
         )
         return pb.RegisterRegionResponse()
+
+    async def ChallengeRegion(
+        self, request: pb.ChallengeRegionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ChallengeRegionResponse:
+        nonce = self.regions.challenge(self.caller_of(context), request.shm_name, request.offset)
+        return pb.ChallengeRegionResponse(nonce=nonce, expires_in_s=NONCE_TTL_S)
 
     async def UnregisterRegion(
         self, request: pb.UnregisterRegionRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnregisterRegionResponse:
-        released = self.regions.unregister(caller_of(context), request.name)
+        released = self.regions.unregister(self.caller_of(context), request.name)
         return pb.UnregisterRegionResponse(released=released)
 
     async def ListRegions(
@@ -580,7 +610,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                     offset=info.offset,
                     byte_size=info.byte_size,
                 )
-                for info in self.regions.list(caller_of(context))
+                for info in self.regions.list(self.caller_of(context))
             ]
         )
 
