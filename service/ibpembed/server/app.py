@@ -34,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from ibpembed.engine import LookupEngine, LookupObserver, resolve_device
 from ibpembed.selftest import choose_device
 from ibpembed.server import demo
+from ibpembed.server.backlog import StreamBacklog
 from ibpembed.server.cli import LOAD_THREAD
 from ibpembed.server.config import ServerConfig
 from ibpembed.server.identity import CallerIdentities, read_tokens
@@ -163,11 +164,18 @@ class LookupServer:
         )
         # Shared-memory regions clients registered; their descriptors close at stop.
         self.regions = RegionRegistry(config.max_regions)
+        # Stream requests read and not yet answered: at most max_inflight in all (the memory
+        # their responses hold), half of it per caller, so stalled streams leave others room.
+        backlog = StreamBacklog(
+            config.max_inflight,
+            min(config.max_inflight, max(config.stream_window, config.max_inflight // 2)),
+        )
         self.servicer = EmbeddingLookupServicer(
             None,
             stream_window=config.stream_window,
             regions=self.regions,
             identities=self.identities,
+            backlog=backlog,
             observer=observer,
         )
         self.health = health.aio.HealthServicer()
@@ -179,7 +187,11 @@ class LookupServer:
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self.identities.enabled:
             interceptors.append(BearerTokenInterceptor(self.identities, self.observer))
-        interceptors.append(ServiceInterceptor(self.state, self.observer))
+        interceptors.append(
+            ServiceInterceptor(
+                self.state, self.observer, write_timeout_s=self.config.stream_write_timeout_s
+            )
+        )
         return interceptors
 
     def _credentials(self) -> grpc.ServerCredentials | None:

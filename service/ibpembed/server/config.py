@@ -82,8 +82,9 @@ class ServerConfig:
     )
     max_inflight: int = _setting(
         64,
-        "Lookups admitted at once (running, waiting for a worker, or a LookupStream response"
-        " waiting to be written); more get RESOURCE_EXHAUSTED.",
+        "Lookups admitted at once (running or waiting for a worker); more get"
+        " RESOURCE_EXHAUSTED. Also the LookupStream requests read and not yet answered, all"
+        " streams together (one caller's at most half): a full backlog stops a stream reading.",
     )
     max_message_mb: int = _setting(
         64,
@@ -94,6 +95,12 @@ class ServerConfig:
         8,
         "Requests of one LookupStream running or waiting to be written at once (responses"
         " stay in order).",
+    )
+    stream_write_timeout_s: float = _setting(
+        30.0,
+        "Seconds a LookupStream response may wait for its client to read it; then the server"
+        " cancels the stream and frees what it held (the client, not reading, learns nothing"
+        " until its own deadline or keepalive).",
     )
     grace_s: float = _setting(
         20.0,
@@ -193,6 +200,7 @@ class ServerConfig:
             )
         for name in (
             "grace_s",
+            "stream_write_timeout_s",
             "reload_poll_s",
             "dedupe_max_unique_fraction",
             "hot_row_budget",
@@ -204,6 +212,10 @@ class ServerConfig:
             raise ValueError(f"hot_row_budget must be in [0, 1], got {self.hot_row_budget}")
         if self.hot_row_refresh_s <= 0:
             raise ValueError(f"hot_row_refresh_s must be > 0, got {self.hot_row_refresh_s}")
+        if self.stream_write_timeout_s <= 0:
+            raise ValueError(
+                f"stream_write_timeout_s must be > 0, got {self.stream_write_timeout_s}"
+            )
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.reload_poll_s < 0:

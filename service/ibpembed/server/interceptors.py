@@ -106,9 +106,16 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
     """Readiness gate, request ids, the exception -> status map and the RPC observer's timings
     for ``ibpembed.v1``."""
 
-    def __init__(self, state: ServingState, observer: RpcObserver | None = None) -> None:
+    def __init__(
+        self,
+        state: ServingState,
+        observer: RpcObserver | None = None,
+        *,
+        write_timeout_s: float = 30.0,
+    ) -> None:
         self.state = state
         self.observer = observer
+        self.write_timeout_s = write_timeout_s
 
     def _done(self, method: str, code: grpc.StatusCode) -> None:
         if self.observer is not None:
@@ -198,7 +205,9 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         return unary
 
     def _wrap_stream(self, method: str, behavior: Callable) -> Callable:
-        async def stream(request_iterator: AsyncIterator, context: grpc.aio.ServicerContext):
+        async def stream(
+            request_iterator: AsyncIterator, context: grpc.aio.ServicerContext
+        ) -> None:
             # Per-request ids live in the messages; a stream-level failure is logged under the
             # stream's own id (the client's x-request-id metadata, or a fresh one), cut to the
             # length a message's request_id may have: metadata may hold kilobytes.
@@ -220,7 +229,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                         if observer is not None:
                             arrived, token = arrivals.popleft()
                             observer.lookup_done(token, time.perf_counter() - arrived, response)
-                        yield response
+                        await self._write(context, response)
                 finally:
                     self.state.active -= 1
                     if observer is not None and arrivals:
@@ -230,11 +239,48 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             except asyncio.CancelledError:
                 self._done(method, _cancelled_code(context))
                 raise
+            except _WriteTimedOut as exc:
+                # No status can follow a send still queued behind flow control (gRPC refuses the
+                # second batch): the stream is cancelled, which frees it in gRPC too.
+                log.info("%s %s: %s", method, stream_id, exc)
+                self._done(method, grpc.StatusCode.CANCELLED)
+                raise asyncio.CancelledError from None
             except Exception as exc:
                 await self._fail(context, method, stream_id, exc)
             self._done(method, grpc.StatusCode.OK)
 
         return stream
+
+    async def _write(self, context: grpc.aio.ServicerContext, response: Any) -> None:
+        """Send one stream response; a client that does not take it within the write timeout
+        ends its stream, which frees what the stream holds instead of keeping it for a reader
+        that may never come back."""
+        write = asyncio.ensure_future(context.write(response))
+        # A write abandoned below may still end in an error: retrieved here, not logged by asyncio.
+        write.add_done_callback(lambda task: task.cancelled() or task.exception())
+        try:
+            done, _ = await asyncio.wait({write}, timeout=self.write_timeout_s)
+        except asyncio.CancelledError:
+            write.cancel()
+            raise
+        if not done:
+            write.cancel()
+            raise _WriteTimedOut(self.write_timeout_s)
+        try:
+            write.result()
+        except Exception:
+            if context.cancelled():  # the client left while the response was being sent
+                raise asyncio.CancelledError from None
+            raise
+
+
+class _WriteTimedOut(Exception):
+    """A LookupStream response nobody took within the write timeout."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(
+            f"a response waited {seconds:g} s for the client to read it: stream cancelled"
+        )
 
 
 async def _arriving(

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from ibpembed.engine import (
-    AdmissionSlot,
     FeatureQuery,
     LookupEngine,
     LookupResult,
@@ -31,6 +30,7 @@ from ibpembed.engine import (
     TableDescription,
 )
 from ibpembed.errors import InvalidArgument, Unimplemented
+from ibpembed.server.backlog import StreamBacklog
 from ibpembed.server.identity import CallerIdentities
 from ibpembed.server.regions import NONCE_TTL_S, Region, RegionRegistry, output_layout
 from ibpembed.server.status import (
@@ -313,37 +313,6 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
-# A LookupStream request's task: its response, and the admission slot the writer releases.
-_Answer = asyncio.Future[tuple[bytes | pb.LookupResponse, AdmissionSlot | None]]
-
-
-async def _answer(item: _Answer) -> tuple[bytes | pb.LookupResponse, AdmissionSlot | None]:
-    """A LookupStream request's answer, awaited by the writer.
-
-    NOTE(server): a cancel of the writer (client gone, deadline) that lands in the loop turn in
-    which ``item`` finishes raises CancelledError here and drops its result: asyncio's Task
-    cancels on its next wakeup even when the future it awaited is done. The answer's slot is
-    then released here, or no one would (the item has left the queue): one leaked slot per such
-    race, until max_inflight of them refuse every request.
-    """
-    try:
-        return await item
-    except BaseException:
-        _drop(item)
-        raise
-
-
-def _drop(item: _Answer) -> None:
-    """Discard a LookupStream answer that will never be written: release the slot it holds, or
-    cancel it if it is still running (``_stream_one`` then releases what it holds)."""
-    if not item.done():
-        item.cancel()
-    elif not item.cancelled() and item.exception() is None:
-        _, slot = item.result()
-        if slot is not None:
-            slot.release()
-
-
 class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     """``ibpembed.v1.EmbeddingLookup`` over a :class:`LookupEngine`.
 
@@ -354,14 +323,14 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         once; the stream stops reading (gRPC flow control pushes back on the client) while the
         window is full.
 
-    A LookupStream request keeps its engine admission slot until its response is written, not
-    just until its kernels finish: a client that stops reading leaves computed responses waiting
-    in the stream on HTTP/2 flow control, and they count against ``max_inflight`` like running
-    work, so the memory such streams hold is bounded (``max_inflight`` responses in all) and the
-    overload shows as RESOURCE_EXHAUSTED and in the in-flight gauge. A unary response leaves
-    admission when its kernels finish and waits in gRPC's buffers, one per call a client keeps
-    open: holding the slot until the call's end cost 15 % of the answered requests of a
-    saturated server (docs/known-issues.md).
+    backlog : places for LookupStream requests read and not yet answered, per caller and in
+        all (:mod:`ibpembed.server.backlog`).
+
+    A LookupStream request, like a unary one, leaves engine admission when its kernels finish;
+    until its response is written it holds a place of the stream backlog instead. A client that
+    stops reading so leaves computed responses waiting in the server on HTTP/2 flow control
+    without taking capacity from anyone else's lookups, the memory they hold stays bounded by
+    the backlog, and one caller's stalled streams take at most its share of it.
     """
 
     def __init__(
@@ -371,6 +340,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         stream_window: int = 8,
         regions: RegionRegistry | None = None,
         identities: CallerIdentities | None = None,
+        backlog: StreamBacklog | None = None,
         observer: OutputObserver | None = None,
     ) -> None:
         # None while the server loads its tables: the interceptor's gate answers every RPC
@@ -379,6 +349,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self.stream_window = stream_window
         self.regions = RegionRegistry() if regions is None else regions
         self.identities = CallerIdentities() if identities is None else identities
+        self.backlog = StreamBacklog(64, 32) if backlog is None else backlog
         self.observer = observer
 
     def caller_of(self, context: grpc.aio.ServicerContext) -> str:
@@ -393,7 +364,6 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         request: pb.LookupRequest,
         context: grpc.aio.ServicerContext,
         deadline: float | None,
-        slot: AdmissionSlot | None = None,
     ) -> bytes:
         """One request's response bytes: decoded, looked up and encoded (into the response, or
         its values into the output region)."""
@@ -439,7 +409,6 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 pooling,
                 deadline=deadline,
                 then=encode,
-                slot=slot,
                 output_dtype=output_dtype,
                 on_done=on_done,
                 output_window=window_bytes,
@@ -488,10 +457,13 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self, request_iterator: AsyncIterator[pb.LookupRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes | pb.LookupResponse]:
         deadline = deadline_of(context)
+        # The backlog's unit of fairness: an identity shares one place per connection.
+        caller = (self.caller_of(context), context.peer())
+        backlog = self.backlog
         # Reader task -> queue of per-request tasks -> this generator, which yields them in order.
         # A queue item is a task, None (client done) or the reader's exception. A request holds
-        # one of stream_window places from when it is read until its response is written, so at
-        # most stream_window requests are running or waiting to be written.
+        # one of stream_window places and one of the backlog's from when it is read until its
+        # response is written.
         queue: asyncio.Queue = asyncio.Queue()
         window = asyncio.Semaphore(self.stream_window)
 
@@ -499,59 +471,57 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             try:
                 async for request in request_iterator:
                     await window.acquire()
-                    await queue.put(
+                    try:
+                        await backlog.acquire(caller)
+                    except BaseException:
+                        window.release()
+                        raise
+                    # No await between taking the place and queueing what gives it back.
+                    queue.put_nowait(
                         asyncio.ensure_future(self._stream_one(request, context, deadline))
                     )
             except Exception as exc:  # handed to the writer, which raises it as the stream status
-                await queue.put(exc)
+                queue.put_nowait(exc)
             else:
-                await queue.put(None)
+                queue.put_nowait(None)
 
         reader = asyncio.create_task(read())
         try:
             while (item := await queue.get()) is not None:
                 if isinstance(item, Exception):
                     raise item
-                response, slot = await _answer(item)
                 try:
+                    # A cancel landing as the answer completes drops it: it holds no slot.
+                    response = await item
                     yield response  # resumes once gRPC has taken the message (flow control)
                 finally:
-                    if slot is not None:
-                        slot.release()
+                    item.cancel()
+                    backlog.release(caller)
                     window.release()
         finally:
             reader.cancel()
             while not queue.empty():
                 item = queue.get_nowait()
                 if isinstance(item, asyncio.Future):
-                    _drop(item)
+                    item.cancel()
+                    backlog.release(caller)
 
     async def _stream_one(
         self,
         request: pb.LookupRequest,
         context: grpc.aio.ServicerContext,
         deadline: float | None,
-    ) -> tuple[bytes | pb.LookupResponse, AdmissionSlot | None]:
-        """One stream request's response, and the admission slot the writer releases once the
-        response is written (None for an error reply, which holds nothing)."""
+    ) -> bytes | pb.LookupResponse:
+        """One stream request's response: the lookup's bytes, or an ``Error`` reply."""
         ensure_request_id(request)
-        slot = None
         try:
-            slot = self.engine.admit()
-            response = await self._lookup(request, context, deadline, slot)
-            return response, slot
+            return await self._lookup(request, context, deadline)
         except Exception as exc:
-            if slot is not None:
-                slot.release()
             code, message = status_for(exc, request.request_id)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("LookupStream request %s failed", request.request_id)
             error = pb.Error(code=code.value[0], message=message)
-            return pb.LookupResponse(request_id=request.request_id, error=error), None
-        except BaseException:  # cancelled: the stream ended before this response was written
-            if slot is not None:
-                slot.release()
-            raise
+            return pb.LookupResponse(request_id=request.request_id, error=error)
 
     async def ListTables(
         self, request: pb.ListTablesRequest, context: grpc.aio.ServicerContext
