@@ -29,7 +29,7 @@ from ibpembed.engine import (
     Request,
     TableDescription,
 )
-from ibpembed.errors import InvalidArgument, Unimplemented
+from ibpembed.errors import InvalidArgument, ServiceError, Unimplemented, VersionNotHeld
 from ibpembed.server.backlog import StreamBacklog
 from ibpembed.server.identity import CallerIdentities
 from ibpembed.server.regions import NONCE_TTL_S, Region, RegionRegistry, output_layout
@@ -350,6 +350,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self.regions = RegionRegistry() if regions is None else regions
         self.identities = CallerIdentities() if identities is None else identities
         self.backlog = StreamBacklog(64, 32) if backlog is None else backlog
+        self._served: tuple[tuple[int, ...], int] = ((), 0)  # versions held -> features served
         self.observer = observer
 
     def caller_of(self, context: grpc.aio.ServicerContext) -> str:
@@ -368,6 +369,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         """One request's response bytes: decoded, looked up and encoded (into the response, or
         its values into the output region)."""
         _check_request(request)
+        self._check_feature_count(request)
         output_dtype = output_dtype_of(request)
         uses: list[Region] = []  # regions this request reads or writes, released when it ends
         features: Request
@@ -414,10 +416,53 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 output_window=window_bytes,
                 table_version=request.table_version,
             )
-        except InvalidArgument as exc:
-            if request.HasField("input_region") and exc.field.endswith(_REGION_VALUE_FIELDS):
+        except ServiceError as exc:
+            # The error comes through the engine's futures, which its traceback's frames hold:
+            # a cycle that keeps every buffer of the request until a full garbage collection.
+            # Without the traceback (and the errors it was raised from, with theirs) they go
+            # with the request; the client sees none of them.
+            exc.__traceback__ = exc.__context__ = exc.__cause__ = None
+            if (
+                isinstance(exc, InvalidArgument)
+                and request.HasField("input_region")
+                and exc.field.endswith(_REGION_VALUE_FIELDS)
+            ):
                 raise _region_values_invalid(exc.field, request) from None
             raise
+
+    def _check_feature_count(self, request: pb.LookupRequest) -> None:
+        """Refuse what cannot be valid before any per-feature work: more features than any held
+        version serves, or a feature named twice (a request naming a million features otherwise
+        cost seconds of decoding before the engine refused it)."""
+        count = len(request.features)
+        served = self._features_served()
+        if count > served:
+            raise InvalidArgument(
+                "features", f"{count} features; this server serves {served} (each at most once)"
+            )
+        seen: set[str] = set()
+        for i, feature in enumerate(request.features):
+            if feature.name in seen:
+                raise InvalidArgument(f"features[{i}].name", f"feature {feature.name!r} repeated")
+            seen.add(feature.name)
+
+    def _features_served(self) -> int:
+        """The most features any held table-set version serves (counted once per version)."""
+        store = self.engine.store
+        held = store.versions_held()
+        if self._served[0] == held:
+            return self._served[1]
+        counts = []
+        for version in held:
+            try:
+                with store.acquire(version) as snap:
+                    counts.append(len(snap.features))
+            except VersionNotHeld:  # dropped by a reload meanwhile: counted at the next request
+                held = ()
+        served = max(counts, default=0)
+        if held:
+            self._served = (held, served)
+        return served
 
     def _output_window(self, caller: str, spec: pb.OutputRegion) -> _OutputWindow:
         region = self.regions.get(caller, spec.name, "output_region.name")
