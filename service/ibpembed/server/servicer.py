@@ -29,7 +29,13 @@ from ibpembed.engine import (
     Request,
     TableDescription,
 )
-from ibpembed.errors import InvalidArgument, ServiceError, Unimplemented, VersionNotHeld
+from ibpembed.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ServiceError,
+    Unimplemented,
+    VersionNotHeld,
+)
 from ibpembed.server.backlog import StreamBacklog
 from ibpembed.server.identity import CallerIdentities
 from ibpembed.server.regions import NONCE_TTL_S, Region, RegionRegistry, output_layout
@@ -441,10 +447,13 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 "features", f"{count} features; this server serves {served} (each at most once)"
             )
         seen: set[str] = set()
+        refused = self.engine.store.refused
         for i, feature in enumerate(request.features):
             if feature.name in seen:
                 raise InvalidArgument(f"features[{i}].name", f"feature {feature.name!r} repeated")
             seen.add(feature.name)
+            if feature.name in refused:
+                raise FailedPrecondition(f"features[{i}].name: {refused[feature.name]}")
 
     def _features_served(self) -> int:
         """The most features any held table-set version serves (counted once per version)."""
