@@ -62,7 +62,7 @@ def victim() -> Iterator[str]:
 
 
 def _attack(target: str, victim: str, token: str | None) -> dict[str, str]:
-    command = [sys.executable, "-m", "tests.server.shm_attacker", target, victim]
+    command = [sys.executable, "-m", "reliability.shm_attacker", target, victim]
     if token is not None:
         command += ["--token", token]
     done = subprocess.run(

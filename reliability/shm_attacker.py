@@ -2,7 +2,7 @@
 """A hostile caller in a process of its own: it drops to an unprivileged user, then tries to
 register, read and overwrite another process's shm object through a server that can open it.
 
-    python -m tests.server.shm_attacker TARGET VICTIM_SHM [--token T] [--uid 65534]
+    python -m reliability.shm_attacker TARGET VICTIM_SHM [--token T] [--uid 65534]
 
 Prints one JSON object: the status code of each attempt (or what the kernel said locally).
 """
