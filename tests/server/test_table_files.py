@@ -53,10 +53,11 @@ def test_a_table_file_truncated_in_place_is_withdrawn_and_the_server_lives(tmp_p
         ServerProcess(*flags) as server,
         LookupClient(server.target, timeout=30, retry=NO_RETRY) as client,
     ):
-        assert_serves(client, 1)
         os.truncate(path, len(original) // 2)  # what `truncate`, or `cp` over it, does first
-        # Withdrawn at the next poll: refused, never read (every row would be past the end).
-        assert _until(lambda: _refused(client) == grpc.StatusCode.FAILED_PRECONDITION)
+        # Withdrawn at the next poll, then refused, never read (every row is past the end). No
+        # lookup before: the first the server sees is of a withdrawn table.
+        assert "withdrawn" in server.wait_for("table emb withdrawn", timeout=30)
+        assert _refused(client) == grpc.StatusCode.FAILED_PRECONDITION
         with pytest.raises(LookupServiceError) as err:
             client.lookup({"item": [[0]]}, pooling="none")
         assert "withdrawn" in err.value.details and "changed size in place" in err.value.details

@@ -356,7 +356,8 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self.regions = RegionRegistry() if regions is None else regions
         self.identities = CallerIdentities() if identities is None else identities
         self.backlog = StreamBacklog(64, 32) if backlog is None else backlog
-        self._served: tuple[tuple[int, ...], int] = ((), 0)  # versions held -> features served
+        # (versions held, withdrawn features) -> features served
+        self._served: tuple[tuple[tuple[int, ...], int], int] = (((), 0), 0)
         self.observer = observer
 
     def caller_of(self, context: grpc.aio.ServicerContext) -> str:
@@ -456,21 +457,22 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 raise FailedPrecondition(f"features[{i}].name: {refused[feature.name]}")
 
     def _features_served(self) -> int:
-        """The most features any held table-set version serves (counted once per version)."""
+        """The most features any held table-set version serves, withdrawn ones included (they
+        are refused by name); counted once per set of versions and withdrawals."""
         store = self.engine.store
-        held = store.versions_held()
-        if self._served[0] == held:
+        key = (store.versions_held(), len(store.refused))
+        if self._served[0] == key:
             return self._served[1]
         counts = []
-        for version in held:
+        for version in key[0]:
             try:
                 with store.acquire(version) as snap:
                     counts.append(len(snap.features))
             except VersionNotHeld:  # dropped by a reload meanwhile: counted at the next request
-                held = ()
-        served = max(counts, default=0)
-        if held:
-            self._served = (held, served)
+                key = ((), 0)
+        served = max(counts, default=0) + key[1]
+        if key[0]:
+            self._served = (key, served)
         return served
 
     def _output_window(self, caller: str, spec: pb.OutputRegion) -> _OutputWindow:
