@@ -229,10 +229,10 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             # in order, so arrivals and answers pair up first in, first out.
             observer = self.observer if method == STREAM_METHOD else None
             arrivals: collections.deque[tuple[float, object]] = collections.deque()
+            requests = request_iterator
             try:
                 self._check_state()
                 self.state.active += 1
-                requests = request_iterator
                 if observer is not None:
                     requests = _arriving(request_iterator, method, observer, arrivals)
                 try:
