@@ -57,9 +57,10 @@ def test_a_fresh_client_is_served_while_eight_stalled_streams_stay_open():
         backlog = running.server.servicer.backlog
         channel, stalled = _stalled_streams(running.target, streams=8, requests=6)
         try:
-            # The stalled caller fills its share of the backlog (half of it) and stops there.
-            assert _wait_for(lambda: backlog.held == backlog.share)
-            assert running.server.engine.inflight == 0  # unwritten responses hold no slot
+            # The stalled caller fills its share of the backlog (half of it) and stops there;
+            # once their kernels are done, its unwritten responses hold no admission slot.
+            engine = running.server.engine
+            assert _wait_for(lambda: backlog.held == backlog.share and engine.inflight == 0)
             with LookupClient(
                 running.target, timeout=30, retry=RetryPolicy(max_attempts=1)
             ) as fresh:
