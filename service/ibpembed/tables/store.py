@@ -165,6 +165,12 @@ class TableSnapshot:
         return name, self.tables[name]
 
 
+def _mapping(table: CompressedTable) -> int:
+    """What a table reads its rows from: its payload's memory, shared by the versions of the
+    table that hot-row copies make (another object each) and distinct for a fresh buffer."""
+    return table.payload.untyped_storage().data_ptr()
+
+
 def _without(snap: TableSnapshot, tables: set[str]) -> TableSnapshot:
     """``snap`` under its number without ``tables`` and the features they serve."""
     return TableSnapshot(
@@ -498,8 +504,8 @@ class TableStore:
                 self._spill.clear()
             if not unchanged:
                 # Files of tables no held version serves any more are not watched (nor kept).
-                held = {id(t) for snap in self._kept for t in snap.tables.values()}
-                self._files = {p: w for p, w in self._files.items() if id(w[0]) in held}
+                held = {_mapping(t) for snap in self._kept for t in snap.tables.values()}
+                self._files = {p: w for p, w in self._files.items() if _mapping(w[0]) in held}
                 self._watch_files(target, manifest.tables, fresh)
                 served = manifest.features
                 self.refused = {f: why for f, why in self.refused.items() if f not in served}
@@ -535,20 +541,20 @@ class TableStore:
         can still fault (docs/known-issues.md).
         """
         with self._write_lock:
-            damaged: dict[int, tuple[str, str]] = {}  # id(table) -> (file, why)
+            damaged: dict[int, str] = {}  # mapping -> why
             for path, (table, stamp) in list(self._files.items()):
                 why = stamp.change()
                 if why is not None:
-                    damaged[id(table)] = (str(path), why)
+                    damaged[_mapping(table)] = why
                     del self._files[path]
             if not damaged:
                 return {}
             withdrawn: dict[str, str] = {}
             kept = []
             for snap in self._kept:
-                gone = {n for n, t in snap.tables.items() if id(t) in damaged}
+                gone = {n for n, t in snap.tables.items() if _mapping(t) in damaged}
                 for name in gone:
-                    withdrawn[name] = damaged[id(snap.tables[name])][1]
+                    withdrawn[name] = damaged[_mapping(snap.tables[name])]
                 kept.append(_without(snap, gone) if gone else snap)
             for feature, name in self._current.features.items():
                 if name in withdrawn:
