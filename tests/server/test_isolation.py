@@ -18,6 +18,8 @@ import grpc
 import numpy as np
 import pytest
 
+from ibpembed.server.app import LookupServer
+from ibpembed.server.config import ServerConfig
 from ibpembed.server.regions import MAX_REGIONS_PER_OWNER
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, SharedMemoryRegion
 from ibpembed_client.v1 import lookup_pb2 as pb
@@ -190,11 +192,19 @@ def test_tokens_file_identities_are_isolated_and_share_a_server_wide_cap(tmp_pat
                 client.close()
 
 
-def test_a_bad_tokens_file_stops_the_server_naming_the_line(tmp_path):
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("fe-a token-a\nfe-b token-a\n", r"tokens:2: this token is already given to 'fe-a'"),
+        ("fe-a token-a\nfe-a token-b\n", r"tokens:2: identity 'fe-a' given twice"),
+        ("fe-a\n", r"tokens:1: expected '<identity> <token>' \(1 fields\)"),
+        ("anonymous token-a\n", r"tokens:1: 'anonymous' is reserved"),
+    ],
+)
+def test_a_bad_tokens_file_stops_the_server_naming_the_line(tmp_path, text, message):
     tokens = tmp_path / "tokens"
-    tokens.write_text("fe-a token-a\nfe-b token-a\n")
-    with pytest.raises(ValueError, match=r"tokens:2: this token is already given to 'fe-a'"):
-        RunningServer(make_store(), auth_tokens_file=str(tokens))
-    tokens.write_text("fe-a\n")
-    with pytest.raises(ValueError, match=r"tokens:1: expected '<identity> <token>'"):
-        RunningServer(make_store(), auth_tokens_file=str(tokens))
+    tokens.write_text(text)
+    config = ServerConfig(port=0, auth_tokens_file=str(tokens)).validate()
+    with pytest.raises(ValueError, match=message) as err:
+        LookupServer(config, make_store())
+    assert "token-a" not in str(err.value) and "token-b" not in str(err.value)
