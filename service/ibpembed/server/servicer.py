@@ -122,7 +122,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         """One request's response bytes: decoded, looked up and encoded (into the response, or
         its values into the output region)."""
         check_request(request)
-        self._check_feature_count(request)
+        names = self._check_features(request)
         output_dtype = output_dtype_of(request)
         uses: list[Region] = []  # regions this request reads or writes, released when it ends
         features: Request
@@ -133,7 +133,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 uses.append(region)
                 features, pooling = decode_region_inputs(request, region)
             else:
-                features, pooling = decode_features(request)
+                features, pooling = decode_features(request, names)
             encode: Callable[[LookupResult], bytes]
             window_bytes = None  # the result's size limit: the message's, or the window's
             if request.HasField("output_region"):
@@ -179,24 +179,30 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 raise region_values_invalid(exc.field, request) from None
             raise
 
-    def _check_feature_count(self, request: pb.LookupRequest) -> None:
+    def _check_features(self, request: pb.LookupRequest) -> list[str]:
         """Refuse what cannot be valid before any per-feature work: more features than any held
-        version serves, or a feature named twice (a request naming a million features otherwise
-        cost seconds of decoding before the engine refused it)."""
+        version serves (a request naming a million features otherwise cost seconds of decoding
+        before the engine refused it); then a feature named twice, or one whose table was
+        withdrawn. Returns the features' names (the decoding reuses them)."""
         count = len(request.features)
         served = self._features_served()
         if count > served:
             raise InvalidArgument(
                 "features", f"{count} features; this server serves {served} (each at most once)"
             )
-        seen: set[str] = set()
+        names = [feature.name for feature in request.features]
+        if len(set(names)) != count:
+            seen: set[str] = set()
+            for i, name in enumerate(names):
+                if name in seen:
+                    raise InvalidArgument(f"features[{i}].name", f"feature {name!r} repeated")
+                seen.add(name)
         refused = self.engine.store.refused
-        for i, feature in enumerate(request.features):
-            if feature.name in seen:
-                raise InvalidArgument(f"features[{i}].name", f"feature {feature.name!r} repeated")
-            seen.add(feature.name)
-            if feature.name in refused:
-                raise FailedPrecondition(f"features[{i}].name: {refused[feature.name]}")
+        if refused:
+            for i, name in enumerate(names):
+                if name in refused:
+                    raise FailedPrecondition(f"features[{i}].name: {refused[name]}")
+        return names
 
     def _features_served(self) -> int:
         """The most features any held table-set version serves, withdrawn ones included (they
