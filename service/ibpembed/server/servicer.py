@@ -73,9 +73,11 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     stream_window : requests of one LookupStream in the engine or waiting to be written at
         once; the stream stops reading (gRPC flow control pushes back on the client) while the
         window is full.
-
+    regions : the shared-memory regions callers registered.
+    identities : who a call is (:mod:`ibpembed.server.identity`): owns its regions.
     backlog : places for LookupStream requests read and not yet answered, per caller and in
         all (:mod:`ibpembed.server.backlog`).
+    observer : optional metrics hook for where outputs went.
 
     A LookupStream request, like a unary one, leaves engine admission when its kernels finish;
     until its response is written it holds a place of the stream backlog instead. A client that
