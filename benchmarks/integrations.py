@@ -144,7 +144,7 @@ def run(cfg: Config, out: Path, command: str) -> dict:
         triton = TritonProcess(Path(tmp) / "repo", wait=False, env=one_thread)
         server = ServerProcess(
             *("--tables", str(tables), "--workers", "1", "--torch-threads", "1"),
-            *("--device", "cpu", "--hot-row-budget", "0", "--log-level", "warning"),
+            *("--device", "cpu", "--hot-tier", "off", "--log-level", "warning"),
             env=one_thread,
         )
         store = TableStore.load(tables)

@@ -523,7 +523,7 @@ def check_table_files(work: Path) -> tuple[dict, list[str]]:
     rows = torch.randn(300, 16, generator=torch.Generator().manual_seed(0))
     pack_table_set(directory, TableSet((TableSource("emb", rows, feature_names=("item",)),)))
     path = directory / read_manifest(directory).tables["emb"].file
-    flags = ("--tables", str(directory), "--reload-poll-s", "0.2", "--hot-row-budget", "0")
+    flags = ("--tables", str(directory), "--reload-poll-s", "0.2", "--hot-tier", "off")
     results: dict = {}
     with (
         ServerProcess(*flags, "--device", "cpu") as server,

@@ -48,7 +48,7 @@ def test_a_table_file_truncated_in_place_is_withdrawn_and_the_server_lives(tmp_p
     pack(directory, 1)
     path = directory / read_manifest(directory).tables["emb"].file
     original = path.read_bytes()
-    flags = ("--tables", str(directory), "--reload-poll-s", "0.1", "--hot-row-budget", "0")
+    flags = ("--tables", str(directory), "--reload-poll-s", "0.1", "--hot-tier", "off")
     with (
         ServerProcess(*flags) as server,
         LookupClient(server.target, timeout=30, retry=NO_RETRY) as client,
@@ -116,20 +116,20 @@ def test_input_counts_past_int64_are_invalid_arguments(num_ids):
         assert client.lookup({"user": [[1]]})["user"].shape == (1, 16)
 
 
-def test_a_table_with_hot_row_copies_is_withdrawn_too(tmp_path: Path):
-    """Hot-row copies make a new table object over the same mapped payload: the file check
+def test_a_table_with_a_hot_tier_is_withdrawn_too(tmp_path: Path):
+    """A hot tier makes a new table object over the same mapped payload: the file check
     must still find it (in process, the check called directly: no lookup while it is stale)."""
     directory = tmp_path / "set"
     pack(directory, 1)
     path = directory / read_manifest(directory).tables["emb"].file
     store = TableStore.load(directory)
     with (
-        RunningServer(store, hot_row_budget=0.5, reload_poll_s=0) as running,
+        RunningServer(store, hot_tier="50%", reload_poll_s=0) as running,
         LookupClient(running.target, timeout=30, retry=NO_RETRY) as client,
     ):
         for _ in range(20):
             client.lookup({"item": [[1, 2, 3, 4]]})
-        assert running.server.engine.hot_rows.refresh()["emb"] > 0
+        assert running.server.engine.tier.refresh()["emb"] > 0
         with store.acquire() as snap:
             assert snap.tables["emb"].hot is not None  # another object than the one loaded
         os.truncate(path, path.stat().st_size // 2)

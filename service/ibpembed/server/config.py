@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ibpembed.engine import DEDUPE_MIN_IDS, INLINE_MAX_IDS
+from ibpembed.engine import DEDUPE_MIN_IDS, INLINE_MAX_IDS, TierBudget
+from ibpembed.engine.tier import DEFAULT_TIER
 
 ENV_PREFIX = "IBPEMBED_"
 # gRPC takes message sizes as int32 bytes: 2047 MiB is the most it accepts.
@@ -123,12 +124,17 @@ class ServerConfig:
         "CPU requests with at most this many ids run on the event loop's thread instead of a"
         " worker (their kernels are shorter than the hand-off; 0 = always a worker).",
     )
-    hot_row_budget: float = _setting(
-        0.01,
-        "Memory per table for decoded copies of its most looked-up rows, as a fraction of its"
-        " raw bytes; CPU lookups read them instead of decoding (0 = off).",
+    hot_tier: str = _setting(
+        DEFAULT_TIER,
+        "Host memory per table for its decoded hot tier (most looked-up rows, chosen online),"
+        " read by CPU lookups instead of decoding: `N%` of its raw bytes, `savings` or"
+        " `N%savings` (of raw - stored bytes: `savings` keeps each table within its raw bytes),"
+        " bytes for the whole set split by raw size (`512MiB`, `2GB`), `all` (every row) or"
+        " `0`/`off`; a budget past the whole table is `all`.",
     )
-    hot_row_refresh_s: float = _setting(30.0, "Seconds between re-rankings of the hot rows.")
+    hot_tier_refresh_s: float = _setting(
+        30.0, "Seconds between publications of changed hot tiers (built aside, swapped in)."
+    )
     malloc_retain_mb: int = _setting(
         256,
         "glibc: MiB of freed memory kept for reuse, so multi-MB responses are not mapped and"
@@ -203,15 +209,16 @@ class ServerConfig:
             "stream_write_timeout_s",
             "reload_poll_s",
             "dedupe_max_unique_fraction",
-            "hot_row_budget",
-            "hot_row_refresh_s",
+            "hot_tier_refresh_s",
         ):
             if not math.isfinite(getattr(self, name)):  # nan passes every comparison below
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if not 0.0 <= self.hot_row_budget <= 1.0:
-            raise ValueError(f"hot_row_budget must be in [0, 1], got {self.hot_row_budget}")
-        if self.hot_row_refresh_s <= 0:
-            raise ValueError(f"hot_row_refresh_s must be > 0, got {self.hot_row_refresh_s}")
+        try:
+            TierBudget.parse(self.hot_tier)
+        except ValueError as exc:
+            raise ValueError(f"hot_tier: {exc}") from None
+        if self.hot_tier_refresh_s <= 0:
+            raise ValueError(f"hot_tier_refresh_s must be > 0, got {self.hot_tier_refresh_s}")
         if self.stream_write_timeout_s <= 0:
             raise ValueError(
                 f"stream_write_timeout_s must be > 0, got {self.stream_write_timeout_s}"

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import grpc
 
-from ibpembed.engine import LookupEngine, LookupResult, Request
+from ibpembed.engine import LookupEngine, LookupOptions, LookupResult, Request
 from ibpembed.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -156,17 +156,15 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 for region in uses:
                     region.release_use()
 
+        options = LookupOptions(
+            pooling,
+            output_dtype=output_dtype,
+            table_version=request.table_version,
+            deadline=deadline,
+            output_window=window_bytes,
+        )
         try:
-            return await self.engine.lookup(
-                features,
-                pooling,
-                deadline=deadline,
-                then=encode,
-                output_dtype=output_dtype,
-                on_done=on_done,
-                output_window=window_bytes,
-                table_version=request.table_version,
-            )
+            return await self.engine.lookup(features, options, then=encode, on_done=on_done)
         except ServiceError as exc:
             # The error comes through the engine's futures, which its traceback's frames hold:
             # a cycle that keeps every buffer of the request until a full garbage collection.

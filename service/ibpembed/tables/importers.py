@@ -170,10 +170,7 @@ def from_state_dict(
             raise SourceError(f"{origin}: no entries {missing}")
         chosen = {k: k for k in keys}
     else:
-        torchrec = {k: m["table"] for k in flat if (m := _EBC_KEY.search(k))}
-        chosen = torchrec or {
-            k: k for k, v in flat.items() if isinstance(v, torch.Tensor) and v.dim() == 2
-        }
+        chosen = _default_entries(flat)
     if tables is not None:
         wanted = set(tables)
         chosen = {k: name for k, name in chosen.items() if name in wanted}
@@ -185,6 +182,15 @@ def from_state_dict(
             for key, name in chosen.items()
         )
     )
+
+
+def _default_entries(flat: Mapping[str, Any]) -> dict[str, str]:
+    """key -> table name of the entries a state dict contributes by default (see
+    ``from_state_dict``)."""
+    torchrec = {k: m["table"] for k in flat if (m := _EBC_KEY.search(k))}
+    return torchrec or {
+        k: k for k, v in flat.items() if isinstance(v, torch.Tensor) and v.dim() == 2
+    }
 
 
 # -- torchrec --------------------------------------------------------------------------------
@@ -443,4 +449,33 @@ def load_sources(
             raise SourceError(f"{path}: unknown source type (expected {_SOURCE_SUFFIXES})")
         sources.extend(found.tables)
     table_set = TableSet(tuple(sources))
-    return table_set if tables is None else table_set.select(tables)
+    if tables is None:
+        return table_set
+    found_names = {s.name for s in table_set.tables}
+    missing = [name for name in tables if name not in found_names]
+    if missing:
+        held = sorted({name for path in files for name in table_names(path)})
+        raise SourceError(f"no table named {missing}; the sources hold {held}")
+    return table_set.select(tables)
+
+
+def table_names(path: Path) -> list[str]:
+    """The tables ``load_sources`` would import from ``path`` with no selection (nothing is
+    checked): for naming them when a selection finds nothing."""
+    if path.suffix == ".npy":
+        return [path.stem]
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            names = f.keys()
+            flat = {k: f.get_slice(k) for k in names}  # shapes only, no data read
+        torchrec = {k: m["table"] for k in flat if (m := _EBC_KEY.search(k))}
+        return list(torchrec.values()) or [k for k, v in flat.items() if len(v.get_shape()) == 2]
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # as in from_pt
+        raise SourceError(f"{path}: cannot load with torch.load: {exc}") from exc
+    if isinstance(obj, torch.Tensor):
+        return [path.stem]
+    return list(_default_entries(_flatten(obj)).values()) if isinstance(obj, Mapping) else []

@@ -70,7 +70,7 @@ from ibpembed.tables import writer as tw
 from ibpembed.tables.manifest import ManifestEntry, RowRange, load_table_set_meta
 from ibpembed.tables.mapped_files import FileStamp
 from ibpembed.tables.pack import save_table_set
-from ibpembed.tables.placement import HostAliases, cuda_register, place_table
+from ibpembed.tables.placement import HostAliases, cuda_register, maps_shared, place_table
 
 # Spare payload bytes a compaction reserves for later spills: this fraction of the payload, and
 # at least enough for a few updates like the one that triggered it.
@@ -307,7 +307,11 @@ class TableStore:
         """
         directory = Path(directory)
         manifest, tables, metas = load_table_set_meta(
-            directory, verify=verify, prefetch=prefetch, progress=progress
+            directory,
+            verify=verify,
+            prefetch=prefetch,
+            shared=maps_shared(torch.device(device)),
+            progress=progress,
         )
         return cls(
             tables,
@@ -484,7 +488,11 @@ class TableStore:
                 return current.get(name) if kept and name not in self._spill else None
 
             manifest, tables, metas = load_table_set_meta(
-                target, verify=self._verify, prefetch=self._prefetch, reuse=reuse
+                target,
+                verify=self._verify,
+                prefetch=self._prefetch,
+                shared=maps_shared(self.device),
+                reuse=reuse,
             )
             fresh = {n: t for n, t in tables.items() if t is not current.get(n)}
             shards = _shards(manifest.tables)

@@ -300,6 +300,7 @@ def pack_table(
     code_bits: int | None = None,
     meta: Mapping[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
+    for_gpu: bool = False,
 ) -> PackedTable:
     """Compress ``weight`` and write it as one table file, atomically, in bounded memory.
 
@@ -316,11 +317,32 @@ def pack_table(
     quant, method, sample_rows, seed, align, chunk_bits, code_bits : as for ``codec.compress``.
     meta : extra JSON-serialisable fields for the meta section (features, pooling, origin).
     progress : called with the number of rows done after each step.
+    for_gpu : lay the table out for a GPU's zero-copy reads (``gpu_layout.for_gpu``: slots on
+        32-byte boundaries where that saves PCIe lines, or raw rows where compression would cost
+        sectors), its decision in the meta's ``gpu_layout``. Compresses the table in memory.
 
     Returns
     -------
     PackedTable: sizes, checksum and wall time.
     """
+    if for_gpu:
+        from ibpembed.tables import gpu_layout
+
+        args = {"quant": quant, "seed": seed, "chunk_bits": chunk_bits, "code_bits": code_bits}
+        compressed = codec.compress(
+            weight, method=method, sample_rows=sample_rows, align=align, **args
+        )
+        table, decision = gpu_layout.for_gpu(
+            compressed, lambda: codec.compress(weight, method="raw", align=align, **args)
+        )
+        fit = {"method": method, "align": align, "sample_rows": sample_rows, "seed": seed}
+        return write_table(
+            path,
+            table,
+            name=name,
+            content_named=content_named,
+            meta={**fit, **(meta or {}), "gpu_layout": decision},
+        )
     start = time.perf_counter()
     directory, final_path = _destination(path, name, content_named)
     with AtomicWriter(directory, file_stem(name)) as writer:
