@@ -256,8 +256,9 @@ class TableStore:
         )
         # Published snapshots still served on request, oldest first; the last is _current.
         self._kept: list[TableSnapshot] = [self._current]
-        # The files mapped tables were read from, as they were then (check_files).
-        self._files: dict[Path, tuple[CompressedTable, FileStamp]] = {}
+        # The files mapped tables were read from, as they were then, with the memory each table
+        # reads (_mapping): not the table itself, which would keep its mapping alive.
+        self._files: dict[Path, tuple[int, FileStamp]] = {}
         # Feature -> why the table serving it was withdrawn (its file changed under it).
         self.refused: dict[str, str] = {}
         if directory is not None:
@@ -512,8 +513,6 @@ class TableStore:
                 self._spill.clear()
             if not unchanged:
                 # Files of tables no held version serves any more are not watched (nor kept).
-                held = {_mapping(t) for snap in self._kept for t in snap.tables.values()}
-                self._files = {p: w for p, w in self._files.items() if _mapping(w[0]) in held}
                 self._watch_files(target, manifest.tables, fresh)
                 served = manifest.features
                 self.refused = {f: why for f, why in self.refused.items() if f not in served}
@@ -536,7 +535,10 @@ class TableStore:
             entry = entries.get(name)
             stamp = FileStamp.of(directory / entry.file) if entry is not None else None
             if stamp is not None:
-                self._files[stamp.path] = (table, stamp)
+                key = _mapping(table)
+                # Memory of a table no longer held may be mapped again for this one.
+                self._files = {p: w for p, w in self._files.items() if w[0] != key}
+                self._files[stamp.path] = (key, stamp)
 
     def check_files(self) -> dict[str, str]:
         """Withdraw every held table whose file was changed in place since it was mapped
@@ -549,11 +551,15 @@ class TableStore:
         can still fault (docs/known-issues.md).
         """
         with self._write_lock:
+            held = {_mapping(t) for snap in self._kept for t in snap.tables.values()}
+            # Files no held version reads any more (replaced by a reload, compacted by a row
+            # update) are not watched.
+            self._files = {p: w for p, w in self._files.items() if w[0] in held}
             damaged: dict[int, str] = {}  # mapping -> why
-            for path, (table, stamp) in list(self._files.items()):
+            for path, (key, stamp) in list(self._files.items()):
                 why = stamp.change()
                 if why is not None:
-                    damaged[_mapping(table)] = why
+                    damaged[key] = why
                     del self._files[path]
             if not damaged:
                 return {}
