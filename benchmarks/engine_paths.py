@@ -41,7 +41,7 @@ from ibpembed.codec import compress
 from ibpembed.engine import DEDUPE_MIN_IDS, FeatureQuery, LookupEngine
 from ibpembed.engine.tier import DEFAULT_TIER
 from ibpembed.server import demo
-from ibpembed.server.servicer import decode_request
+from ibpembed.server.wire import decode_request
 from ibpembed.tables.store import TableStore
 from ibpembed_client.workload import hotness_for, make_requests
 

@@ -39,7 +39,7 @@ from benchmarks._harness import RESULTS, run_metadata, write_results
 from ibpembed.codec import compress
 from ibpembed.engine import LookupEngine
 from ibpembed.server import demo
-from ibpembed.server.servicer import decode_request
+from ibpembed.server.wire import decode_request
 from ibpembed.tables.pack import save_table_set
 from ibpembed.tables.store import TableStore
 from ibpembed.triton.repo import write_repository

@@ -57,7 +57,7 @@ from ibpembed.codec import compress
 from ibpembed.engine import LookupEngine
 from ibpembed.engine.tier import DEFAULT_TIER, FIRST_REFRESH_S
 from ibpembed.server import demo
-from ibpembed.server.servicer import decode_packed
+from ibpembed.server.wire import decode_packed
 from ibpembed.tables.pack import save_table_set
 from ibpembed.tables.store import TableStore
 from ibpembed_client import (

@@ -98,11 +98,24 @@ def _faults_cells(r: Report) -> tuple[str, str]:
 def _security_cells(r: Report) -> tuple[str, str]:
     wrong = [name for name in r["tokens"] if name != "right token"]
     methods = len(r["tokens"]["right token"])
-    return (
-        f"{len(wrong)} wrong authorizations × {methods} methods, TLS, mTLS, probes, reflection, "
-        "logs",
-        "all as documented" if not _failures(r) else f"{_failures(r)} failures",
+    cases = (
+        f"{len(wrong)} wrong authorizations × {methods} methods, TLS, mTLS, probes, reflection,"
+        " logs"
     )
+    result = "all as documented" if not _failures(r) else f"{_failures(r)} failures"
+    if "request_sizes" in r:  # the isolation and overload probes
+        cases += (
+            "; another process's shm (with and without auth), region quotas, 8 stalled streams,"
+            " 16 refused 60 MiB requests, a million features, a truncated table file, a deep"
+            " manifest, int64 counts"
+        )
+        fresh = r["stalled_streams"]["fresh client lookups (20)"].get("OK", 0)
+        before, peak = r["request_sizes"]["RSS before / peak over 16 refused 60 MiB requests, MiB"]
+        result += (
+            f"; a fresh client {fresh}/20 OK beside the stalled streams; RSS {before} → {peak} MiB"
+            " over the refused requests"
+        )
+    return cases, result
 
 
 @dataclass(frozen=True)

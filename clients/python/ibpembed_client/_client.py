@@ -34,7 +34,12 @@ from ibpembed_client._registered import (
 )
 from ibpembed_client._request import FeatureInput, OutputDType, Pooling, Router, build_request
 from ibpembed_client._result import LookupResult, TableInfo, decode_response, pooled_bf16
-from ibpembed_client.regions import OutputRegion, SharedMemoryRegion
+from ibpembed_client.regions import (
+    OutputRegion,
+    SharedMemoryRegion,
+    challenge_request,
+    prove_write_access,
+)
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 
@@ -242,9 +247,19 @@ class LookupClient:
         timeout: float | None = None,
     ) -> None:
         """Register ``[offset, offset + byte_size)`` of ``memory`` (default: to its end) with
-        the server as ``name``, for lookups' ``output_region`` / ``input_region``."""
+        the server as ``name``, for lookups' ``output_region`` / ``input_region``.
+
+        The server registers only memory the caller proves it can write: this asks it for a
+        nonce, writes the nonce at the region's first bytes, and sends it back with the
+        registration (see :func:`ibpembed_client.regions.challenge_request`)."""
         request, registered = region_registration(name, memory, offset, byte_size)
         metadata = call_metadata(self._token)
+        challenge = challenge_request(request)
+        answer = self._call(
+            lambda t: self._stub().ChallengeRegion(challenge, timeout=t, metadata=metadata),
+            timeout,
+        )
+        request.nonce = prove_write_access(memory, offset, answer.nonce)
         self._call(
             lambda t: self._stub().RegisterRegion(request, timeout=t, metadata=metadata), timeout
         )

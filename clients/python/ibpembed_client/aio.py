@@ -34,7 +34,12 @@ from ibpembed_client._registered import (
 )
 from ibpembed_client._request import FeatureInput, OutputDType, Pooling, Router, build_request
 from ibpembed_client._result import LookupResult, TableInfo, decode_response, pooled_bf16
-from ibpembed_client.regions import OutputRegion, SharedMemoryRegion
+from ibpembed_client.regions import (
+    OutputRegion,
+    SharedMemoryRegion,
+    challenge_request,
+    prove_write_access,
+)
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 
@@ -216,6 +221,12 @@ class AsyncLookupClient:
         """See :meth:`ibpembed_client.LookupClient.register_region`."""
         request, registered = region_registration(name, memory, offset, byte_size)
         metadata = call_metadata(self._token)
+        challenge = challenge_request(request)
+        answer = await self._call(
+            lambda t: self._stub().ChallengeRegion(challenge, timeout=t, metadata=metadata),
+            timeout,
+        )
+        request.nonce = prove_write_access(memory, offset, answer.nonce)
         await self._call(
             lambda t: self._stub().RegisterRegion(request, timeout=t, metadata=metadata), timeout
         )

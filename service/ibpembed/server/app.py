@@ -35,8 +35,10 @@ from grpc_reflection.v1alpha import reflection
 from ibpembed.engine import LookupEngine, LookupObserver, resolve_device
 from ibpembed.selftest import choose_device
 from ibpembed.server import demo
+from ibpembed.server.backlog import StreamBacklog
 from ibpembed.server.cli import LOAD_THREAD
 from ibpembed.server.config import ServerConfig
+from ibpembed.server.identity import CallerIdentities, read_tokens
 from ibpembed.server.interceptors import (
     BearerTokenInterceptor,
     RpcObserver,
@@ -159,10 +161,25 @@ class LookupServer:
         # Both set by serve_tables; the gate refuses every RPC that would need them before.
         self.engine: LookupEngine | None = None
         self.reloader: TableSetReloader | None = None
+        # Who a call is (its token's identity, or anonymous without tokens): owns regions.
+        self.identities = CallerIdentities(
+            read_tokens(config.auth_token_file, config.auth_tokens_file)
+        )
         # Shared-memory regions clients registered; their descriptors close at stop.
-        self.regions = RegionRegistry()
+        self.regions = RegionRegistry(config.max_regions)
+        # Stream requests read and not yet answered: at most max_inflight in all (the memory
+        # their responses hold), half of it per caller, so stalled streams leave others room.
+        backlog = StreamBacklog(
+            config.max_inflight,
+            min(config.max_inflight, max(config.stream_window, config.max_inflight // 2)),
+        )
         self.servicer = EmbeddingLookupServicer(
-            None, stream_window=config.stream_window, regions=self.regions, observer=observer
+            None,
+            stream_window=config.stream_window,
+            regions=self.regions,
+            identities=self.identities,
+            backlog=backlog,
+            observer=observer,
         )
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
@@ -171,10 +188,13 @@ class LookupServer:
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         interceptors: list[grpc.aio.ServerInterceptor] = []
-        if self.config.auth_token_file is not None:
-            token = _read(self.config.auth_token_file).decode().strip()
-            interceptors.append(BearerTokenInterceptor(token, self.observer))
-        interceptors.append(ServiceInterceptor(self.state, self.observer))
+        if self.identities.enabled:
+            interceptors.append(BearerTokenInterceptor(self.identities, self.observer))
+        interceptors.append(
+            ServiceInterceptor(
+                self.state, self.observer, write_timeout_s=self.config.stream_write_timeout_s
+            )
+        )
         return interceptors
 
     def _credentials(self) -> grpc.ServerCredentials | None:
@@ -514,7 +534,7 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
             port,
             first_feature,
             tls=config.tls_cert is not None,
-            token=config.auth_token_file is not None,
+            token=server.identities.enabled,
         ),
         file=out,
         flush=True,

@@ -83,8 +83,9 @@ class ServerConfig:
     )
     max_inflight: int = _setting(
         64,
-        "Lookups admitted at once (running, waiting for a worker, or a LookupStream response"
-        " waiting to be written); more get RESOURCE_EXHAUSTED.",
+        "Lookups admitted at once (running or waiting for a worker); more get"
+        " RESOURCE_EXHAUSTED. Also the LookupStream requests read and not yet answered, all"
+        " streams together (one caller's at most half): a full backlog stops a stream reading.",
     )
     max_message_mb: int = _setting(
         64,
@@ -95,6 +96,12 @@ class ServerConfig:
         8,
         "Requests of one LookupStream running or waiting to be written at once (responses"
         " stay in order).",
+    )
+    stream_write_timeout_s: float = _setting(
+        30.0,
+        "Seconds a LookupStream response may wait for its client to read it; then the server"
+        " cancels the stream and frees what it held (the client, not reading, learns nothing"
+        " until its own deadline or keepalive).",
     )
     grace_s: float = _setting(
         20.0,
@@ -142,7 +149,20 @@ class ServerConfig:
         None, "PEM CA bundle; when set clients must present a certificate it signed (mTLS)."
     )
     auth_token_file: str | None = _setting(
-        None, "File holding the bearer token clients must send (`authorization: Bearer ...`)."
+        None,
+        "File holding the bearer token clients must send (`authorization: Bearer ...`);"
+        " its callers share the identity `token`.",
+    )
+    auth_tokens_file: str | None = _setting(
+        None,
+        "File of bearer tokens, one `<identity> <token>` a line (`#` comments): each token is"
+        " its own identity, whose shared-memory regions no other identity can see, use or"
+        " release. Without any token file every caller is one identity, `anonymous`.",
+    )
+    max_regions: int = _setting(
+        512,
+        "Shared-memory regions registered at once, all callers together (each holds a file"
+        " descriptor; one identity holds at most 256).",
     )
     reflection: bool = _setting(True, "Register gRPC server reflection (for grpcurl).")
     log_level: str = _setting(
@@ -172,6 +192,7 @@ class ServerConfig:
             "max_inflight",
             "max_message_mb",
             "stream_window",
+            "max_regions",
             "keep_versions",
             "dedupe_min_ids",
             "demo_max_rows",
@@ -185,6 +206,7 @@ class ServerConfig:
             )
         for name in (
             "grace_s",
+            "stream_write_timeout_s",
             "reload_poll_s",
             "dedupe_max_unique_fraction",
             "hot_tier_refresh_s",
@@ -197,6 +219,10 @@ class ServerConfig:
             raise ValueError(f"hot_tier: {exc}") from None
         if self.hot_tier_refresh_s <= 0:
             raise ValueError(f"hot_tier_refresh_s must be > 0, got {self.hot_tier_refresh_s}")
+        if self.stream_write_timeout_s <= 0:
+            raise ValueError(
+                f"stream_write_timeout_s must be > 0, got {self.stream_write_timeout_s}"
+            )
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.reload_poll_s < 0:
