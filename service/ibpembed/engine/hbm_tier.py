@@ -130,9 +130,10 @@ def build_tier(table: CompressedTable, rows: torch.Tensor, form: TierForm) -> Ti
     slot_of[rows] = torch.arange(n, dtype=torch.int32)
     if form == "decoded":
         stride = _round16(table.row_bytes)
-        decoded = table.gather(rows) if n else torch.empty(0, table.row_bytes, dtype=torch.uint8)
         payload = torch.zeros(n * stride + PAYLOAD_PAD, dtype=torch.uint8)
-        payload[: n * stride].view(n, stride)[:, : table.row_bytes] = decoded.cpu()
+        if n:
+            decoded = table.gather(rows).cpu().contiguous().view(torch.uint8)
+            payload[: n * stride].view(n, stride)[:, : table.row_bytes] = decoded.view(n, -1)
         slot_offset = torch.arange(n + 1, dtype=torch.int64) * stride
         return TierArrays(slot_of, slot_offset, payload, True, rows)
     offset, size = slot_spans(table, rows)
