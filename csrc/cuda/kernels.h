@@ -81,10 +81,10 @@ inline constexpr int kMaxPooledParts = 48;
 struct PooledArgs {
   const PooledTable* tables;  // device array, or nullptr: every part reads `single`
   PooledTable single;
-  // The tables' HBM tiers: a device array parallel to `tables` (nullptr: no table has one), and
-  // the tier of `single`.
+  // The tables' HBM tiers: a device array parallel to `tables` (nullptr: no table has one;
+  // `single` has none). Device memory, not a parameter: a pointer into the kernel's parameters
+  // would make the compiler copy all of them to local memory.
   const DeviceTier* tiers;
-  DeviceTier single_tier;
   int num_parts;
   int32_t part_table[kMaxPooledParts];
   int64_t first_bag[kMaxPooledParts];

@@ -76,8 +76,7 @@ __device__ __forceinline__ const PooledTable& part_table(const PooledArgs& a, in
 
 // The HBM tier of a part's table, or nullptr.
 __device__ __forceinline__ const DeviceTier* part_tier(const PooledArgs& a, int part) {
-  if (a.tables == nullptr) return &a.single_tier;
-  return a.tiers == nullptr ? nullptr : &a.tiers[a.part_table[part]];
+  return a.tables == nullptr || a.tiers == nullptr ? nullptr : &a.tiers[a.part_table[part]];
 }
 
 // Where a warp stands in its sequence of (bag, id) pairs: launch bags g, g + stride, ...; ids in

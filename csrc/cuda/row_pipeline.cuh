@@ -153,8 +153,8 @@ __device__ __forceinline__ TierSlot locate_tier_slot(const TableView& t, const D
                                                      int64_t r, int32_t slot) {
   if (slot >= tier.num_slots) return TierSlot{0, 0, false, false};
   const int64_t offset = tier.slot_offset[slot];
-  return TierSlot{offset, tier.slot_offset[slot + 1] - offset,
-                  tier.decoded == 0 && row_is_compressed(t, r), true};
+  const int64_t bytes = tier.slot_offset[slot + 1] - offset;
+  return TierSlot{offset, bytes, tier.decoded == 0 && row_is_compressed(t, r), bytes >= 0};
 }
 
 // Warp-uniform r. Finds row r's slot, in `tier` (may be null) when it holds the row, else in the

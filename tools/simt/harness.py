@@ -224,7 +224,7 @@ class EmulatedKernels:
         tier: Tier | None = None,
     ) -> tuple[torch.Tensor, int]:
         """Pooled rows [B, D] float32 and the kernel's error word: one table, passed by value,
-        as the op of one table launches the kernel."""
+        as the op of one table launches the kernel; with a ``tier``, as a set of one table."""
         bags = offsets.numel() - 1
         outs, error = self.pooled_tables(
             [(c, dtype_code)],
@@ -234,7 +234,8 @@ class EmulatedKernels:
             weights,
             pooling_code,
             grid,
-            single=True,
+            # The op of one table reads no tier: a tier comes with a set's launch.
+            single=tier is None,
             tiers=None if tier is None else [tier],
         )
         return outs[0], error

@@ -110,7 +110,7 @@ int simt_gather(const uint8_t* payload, int64_t payload_bytes, const int64_t* bl
 // entry per table; part k pools `bag_count[k]` bags from `first_bag[k]` with table
 // `part_table[k]` into out[k], [bag_count[k], pooled_dim]. `single` != 0: one table, passed
 // by value (PooledArgs::single), as the op of one table launches it. tiers: one per table (a null
-// residency map: none), or null.
+// residency map: none), or null; not with `single` (the op of one table reads no tier).
 int simt_pooled(int num_tables, const uint8_t* const* payload, const int64_t* payload_bytes,
                 const int64_t* const* block_base, const uint8_t* const* row_units,
                 const int32_t* const* bitmask, const uint64_t* const* mask,
@@ -121,7 +121,7 @@ int simt_pooled(int num_tables, const uint8_t* const* payload, const int64_t* pa
                 int pooling, const int64_t* ids, const int64_t* offsets, int64_t num_offset_bags,
                 int64_t nnz, const float* weights, int blocks, int warps, int async,
                 char* message, int message_len) {
-  if (num_parts > kMaxPooledParts || (single != 0 && num_tables != 1)) {
+  if (num_parts > kMaxPooledParts || (single != 0 && (num_tables != 1 || tiers != nullptr))) {
     std::snprintf(message, static_cast<size_t>(message_len), "bad launch");
     return -1;
   }
@@ -145,8 +145,7 @@ int simt_pooled(int num_tables, const uint8_t* const* payload, const int64_t* pa
   PooledArgs a{};
   a.tables = single != 0 ? nullptr : tables.data();
   a.single = tables[0];
-  a.tiers = single != 0 ? nullptr : tiers;
-  a.single_tier = tier_or_none(single != 0 ? tiers : nullptr);
+  a.tiers = tiers;
   a.num_parts = num_parts;
   a.bag_start[0] = 0;
   for (int k = 0; k < num_parts; ++k) {

@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ibpembed.codec import CompressedTable
+from ibpembed.codec import CompressedTable, CompressedTableSet, Pooling
 from ibpembed.engine.tier import AdmissionPolicy
 from ibpembed.tables.store import TableStore
 from ibpembed.tables.tier_budget import TableSize, TierBudget, TierPlan
@@ -214,6 +214,68 @@ class HbmTiers:
         return self._tiers
 
 
+def gather(table: CompressedTable, ids: torch.Tensor, tier: DeviceTier | None) -> torch.Tensor:
+    """``table.gather(ids)`` on the GPU, rows the tier holds read from it (one launch)."""
+    if tier is None:
+        return table.gather(ids)
+    a = tier.arrays
+    raw = torch.ops.ibpembed.ibp_gather_hbm(
+        *table._args(),
+        ids.to(torch.int64).contiguous(),
+        a.slot_of,
+        a.slot_offset,
+        a.payload,
+        a.decoded,
+        tier.counters.device_counts,
+    )
+    return table._as_rows(raw)
+
+
+class TieredTableSet:
+    """A GPU :class:`~ibpembed.codec.CompressedTableSet` whose tables are read through their
+    HBM tiers (``None``: that table has none): one launch per chunk width, as the set's."""
+
+    def __init__(self, table_set: CompressedTableSet, tiers: list[DeviceTier | None]) -> None:
+        self.table_set = table_set
+        self.tiers = tiers  # kept alive with the handle that points into them
+        self._handle = torch.classes.ibpembed.TierSet()
+        for tier in tiers:
+            if tier is None:
+                self._handle.add(table_set._handle, None, None, None, False, None)
+                continue
+            a = tier.arrays
+            self._handle.add(
+                table_set._handle,
+                a.slot_of,
+                a.slot_offset,
+                a.payload,
+                a.decoded,
+                tier.counters.device_counts,
+            )
+
+    def lookup(
+        self,
+        table_bags: torch.Tensor,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        pooling: Pooling = "sum",
+    ) -> tuple[list[torch.Tensor], list[float]]:
+        """As :meth:`CompressedTableSet.lookup` (the same arguments, checks and results)."""
+        if pooling not in ("sum", "mean"):
+            raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
+        values, seconds = torch.ops.ibpembed.lookup_pooled_tables_hbm(
+            self.table_set._handle,
+            self._handle,
+            ids.to(torch.int64).contiguous(),
+            offsets.to(torch.int64).contiguous(),
+            table_bags.to(torch.int64).contiguous(),
+            None if weights is None else weights.contiguous(),
+            0 if pooling == "sum" else 1,
+        )
+        return values, seconds.tolist()
+
+
 class HbmTier(AdmissionPolicy):
     """Online admission into the HBM tier (the CPU hot tier's policy, see
     :class:`~ibpembed.engine.tier.AdmissionPolicy`), publishing :class:`DeviceTier` s into
@@ -243,6 +305,8 @@ class HbmTier(AdmissionPolicy):
         self.tiers = HbmTiers()
         # Per table, across publications: the counts a tier's kernels add up only ever grow.
         self._counters: dict[str, TierCounters] = {}
+        # The last pooling set made (a snapshot's, with the tiers then published).
+        self._sets: tuple[tuple[int, int], CompressedTableSet, object] | None = None
 
     def capacity(self, table: CompressedTable, share: float) -> int:
         if self.budget.kind == "all":
@@ -286,6 +350,27 @@ class HbmTier(AdmissionPolicy):
             )
             out[name] = TierPlan(rows, nbytes)
         return out
+
+    def gather(self, name: str, table: CompressedTable, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of ``table`` (the snapshot's version of table ``name``)."""
+        return gather(table, ids, self.tiers.get(name, table))
+
+    def table_set(
+        self, table_set: CompressedTableSet, names: list[str]
+    ) -> CompressedTableSet | TieredTableSet:
+        """A snapshot's pooling set (``names``: its tables' names by position) read through the
+        tiers published for those very table versions; the set itself when none is."""
+        current = self.tiers.current()
+        key = (id(table_set), id(current))
+        cached = self._sets
+        if cached is not None and cached[0] == key and cached[1] is table_set:
+            return cached[2]
+        tiers = [self.tiers.get(n, t) for n, t in zip(names, table_set.tables, strict=True)]
+        made: CompressedTableSet | TieredTableSet = table_set
+        if any(t is not None for t in tiers):
+            made = TieredTableSet(table_set, tiers)
+        self._sets = (key, table_set, made)
+        return made
 
     def counts(self, names: Collection[str] | None = None) -> dict[str, tuple[int, int]]:
         """(hits, misses) the kernels counted per table's published tier (see
