@@ -16,6 +16,7 @@ from ibpembed.engine.hbm_tier import (
     build_tier,
     parse_form,
     slot_spans,
+    tier_bytes,
     tier_capacity,
 )
 from ibpembed.engine.tier import HotTier
@@ -88,6 +89,9 @@ def test_capacity_pays_the_map_first_and_the_compressed_form_holds_more_rows() -
     c = _table(3000)
     map_bytes = MAP_BYTES_PER_ROW * c.num_rows
     assert tier_capacity(c, "decoded", map_bytes) == 0
+    one = tier_bytes(c, "decoded", 1)
+    assert tier_capacity(c, "decoded", one) == 1 and tier_capacity(c, "decoded", one - 1) == 0
+    assert build_tier(c, torch.tensor([5]), "decoded").nbytes == one
     budget = map_bytes + 64 * 1024
     decoded = tier_capacity(c, "decoded", budget)
     compressed = tier_capacity(c, "compressed", budget)

@@ -69,9 +69,23 @@ def slot_bytes_per_row(table: CompressedTable, form: TierForm) -> float:
     return table.payload_bytes / max(table.num_rows, 1) + OFFSET_BYTES_PER_ROW
 
 
+def _fixed_bytes(table: CompressedTable) -> int:
+    """GPU bytes of a tier of ``table`` whatever its rows: the residency map, the pad and the
+    slot offsets' closing entry."""
+    return MAP_BYTES_PER_ROW * table.num_rows + PAYLOAD_PAD + OFFSET_BYTES_PER_ROW
+
+
+def tier_bytes(table: CompressedTable, form: TierForm, rows: int) -> int:
+    """GPU bytes of a tier of ``rows`` rows (0 for none): exact for the decoded form, the
+    table's mean slot for the compressed one."""
+    if rows <= 0:
+        return 0
+    return _fixed_bytes(table) + int(rows * slot_bytes_per_row(table, form))
+
+
 def tier_capacity(table: CompressedTable, form: TierForm, budget_bytes: int) -> int:
     """Rows of ``table`` a tier of ``budget_bytes`` holds (the residency map paid first)."""
-    left = budget_bytes - MAP_BYTES_PER_ROW * table.num_rows - PAYLOAD_PAD
+    left = budget_bytes - _fixed_bytes(table)
     if left <= 0:
         return 0
     return min(table.num_rows, int(left // slot_bytes_per_row(table, form)))
@@ -321,6 +335,22 @@ class HbmTier(AdmissionPolicy):
         # A row update or a reload made a new table version: its tier is built from it.
         return self.tiers.get(name, table) is None
 
+    def step(self) -> None:
+        """A step of the policy, then a new tier at once for every table whose version
+        changed (a row update, a reload): until it is built that version reads host memory."""
+        super().step()
+        with self.store.acquire() as snapshot:
+            current = dict(snapshot.tables)
+        with self._lock:
+            states = dict(self._tables)
+        lost = [
+            name
+            for name, state in states.items()
+            if state.cached > 0 and name in current and self.lost(name, current[name])
+        ]
+        if lost:
+            self.publish(lost)
+
     def install(self, name: str, table: CompressedTable, rows: np.ndarray, coverage: float) -> int:
         if rows.size == 0:
             self.tiers.publish(name, None)
@@ -341,14 +371,7 @@ class HbmTier(AdmissionPolicy):
         out = {}
         for name, table in tables.items():
             rows = self.capacity(table, table.raw_bytes / total)
-            nbytes = (
-                0
-                if rows == 0
-                else int(
-                    MAP_BYTES_PER_ROW * table.num_rows + rows * slot_bytes_per_row(table, self.form)
-                )
-            )
-            out[name] = TierPlan(rows, nbytes)
+            out[name] = TierPlan(rows, tier_bytes(table, self.form, rows))
         return out
 
     def gather(self, name: str, table: CompressedTable, ids: torch.Tensor) -> torch.Tensor:

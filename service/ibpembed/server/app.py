@@ -248,6 +248,8 @@ class LookupServer:
             inline_max_ids=cfg.inline_max_ids,
             hot_tier=cfg.hot_tier,
             hot_tier_refresh_s=cfg.hot_tier_refresh_s,
+            hbm_tier=cfg.hbm_tier,
+            hbm_tier_form=cfg.hbm_tier_form,
             # Leave room for the response's framing (names, shapes: ~50 bytes a feature).
             max_output_bytes=cfg.max_message_bytes * 15 // 16,
             observer=self.observer,
@@ -476,6 +478,8 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     assert server.engine is not None
     if metrics is not None and server.engine.tier is not None:
         metrics.watch_hot_tier(server.engine.tier)
+    if metrics is not None and server.engine.hbm is not None:
+        metrics.watch_hbm_tier(server.engine.hbm)
     tables = server.engine.describe()
     first_feature = next((t.features[0] for t in tables if t.features), "cat_0")
     source = config.tables or f"embedded demo ({len(tables)} DLRM-DCNv2-profile tables)"
