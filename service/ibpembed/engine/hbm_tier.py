@@ -49,6 +49,8 @@ PAYLOAD_PAD = 16
 MAP_BYTES_PER_ROW = 4
 # Bytes per tier row besides its slot: its slot offset.
 OFFSET_BYTES_PER_ROW = 8
+# Slots copied per step of a compressed tier's build.
+BUILD_CHUNK_ROWS = 1 << 16
 
 
 def parse_form(form: str) -> TierForm:
@@ -155,13 +157,19 @@ def build_tier(table: CompressedTable, rows: torch.Tensor, form: TierForm) -> Ti
     torch.cumsum(size, 0, out=slot_offset[1:])
     total = int(slot_offset[-1])
     payload = torch.zeros(total + PAYLOAD_PAD, dtype=torch.uint8)
-    if total:
-        # Byte i of slot s comes from payload byte offset[s] + i: one gather of every slot.
-        within = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(
-            slot_offset[:-1], size
+    source_payload = table.payload.cpu()
+    # Byte i of slot s comes from payload byte offset[s] + i: one gather per chunk of slots
+    # (its byte index, 8 bytes per byte copied, stays small).
+    for first in range(0, n, BUILD_CHUNK_ROWS):
+        part = slice(first, min(n, first + BUILD_CHUNK_ROWS))
+        start, end = int(slot_offset[part.start]), int(slot_offset[part.stop])
+        if end == start:
+            continue
+        sizes = size[part]
+        within = torch.arange(start, end, dtype=torch.int64) - torch.repeat_interleave(
+            slot_offset[part], sizes
         )
-        source = torch.repeat_interleave(offset, size) + within
-        payload[:total] = table.payload.cpu()[source]
+        payload[start:end] = source_payload[torch.repeat_interleave(offset[part], sizes) + within]
     return TierArrays(slot_of, slot_offset, payload, False, rows)
 
 
