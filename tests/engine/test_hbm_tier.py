@@ -21,6 +21,7 @@ from ibpembed.engine.hbm_tier import (
 )
 from ibpembed.engine.tier import HotTier
 from ibpembed.tables.store import TableStore
+from ibpembed.tables.tier_budget import tier_cost
 from tests.codec.tables import make_table
 
 DIM = 24
@@ -142,9 +143,11 @@ def test_the_hbm_and_host_tiers_share_one_admission_policy() -> None:
     # The same traffic and the same capacity: the same rows, whichever tier holds them.
     store = TableStore.from_tables({"t": _table()})
     hbm = HbmTier(store, budget="20%", device="cpu")
-    host = HotTier(store, budget="20%")
-    capacity = hbm.capacity(_current(store), 1.0)
-    host.capacity = lambda table, share: capacity  # type: ignore[method-assign]
+    table = _current(store)
+    capacity = hbm.capacity(table, 1.0)
+    # The host budget, in bytes, that buys as many rows.
+    host = HotTier(store, budget=str(tier_cost(table.num_rows, table.row_bytes, capacity)))
+    assert host.capacity(table, 1.0) == capacity
     ids = _zipf(4000, 300, seed=3)
     for policy in (hbm, host):
         policy.record([("t", ids, 300)])

@@ -167,7 +167,7 @@ class Executor:
                 if batched:
                     self._run_tables(snap, batch, batched, pooling, calls, out)
             for item in rest:
-                results = self._run_table(plan, batch, item, pooling, calls)
+                results = self._run_table(snap, plan, batch, item, pooling, calls)
                 for pos, values in zip(item.positions, results, strict=True):
                     out[pos] = values
         if self.observer is not None:
@@ -208,15 +208,12 @@ class Executor:
         launch per chunk width; see :class:`~ibpembed.codec.CompressedTableSet`), every
         feature's result put in ``out``."""
         table_set, position = snap.pooling_set
+        lookup_set = table_set if self.hbm is None else self.hbm.table_set(snap)
         # (set position, first bag, bag count) per table
         table_bags = np.array(
             [(position[item.table_name], *item.sample_span) for item in items], dtype=np.int64
         ).reshape(-1, 3)
         table_bags[:, 2] -= table_bags[:, 1]
-        lookup_set = table_set
-        if self.hbm is not None:
-            names = [name for name, _ in sorted(position.items(), key=lambda kv: kv[1])]
-            lookup_set = self.hbm.table_set(table_set, names)  # type: ignore[assignment]
         values, seconds = lookup_set.lookup(
             torch.from_numpy(table_bags),  # on the host, also for a GPU set
             batch.ids,
@@ -235,6 +232,7 @@ class Executor:
 
     def _run_table(
         self,
+        snap: TableSnapshot,
         plan: RequestPlan,
         batch: _Batch,
         item: TableWork,
@@ -259,7 +257,7 @@ class Executor:
             # The GPU gather sorts the ids itself and decodes each run of equal ids once: a
             # torch.unique here (a sync) and its second sort would only add to it.
             if self.hbm is not None:
-                values = self.hbm.gather(item.table_name, table, ids)
+                values = self.hbm.gather(snap, item.table_name, ids)
             else:
                 values = table.gather(ids)
             sizes = [q.ids.size for q in qs]

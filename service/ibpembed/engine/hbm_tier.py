@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from ibpembed.codec import CompressedTable, CompressedTableSet, Pooling
-from ibpembed.engine.tier import AdmissionPolicy
-from ibpembed.tables.store import TableStore
+from ibpembed.engine.tier import DEFAULT_WINDOW_IDS, STEP_S, AdmissionPolicy
+from ibpembed.tables.store import TableSnapshot, TableStore
 from ibpembed.tables.tier_budget import TableSize, TierBudget, TierPlan
 
 TierForm = Literal["decoded", "compressed"]
@@ -185,6 +185,7 @@ class TierCounters:
         self._host = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)
         self._event = torch.cuda.Event() if pinned else None
         self._copied = False
+        self._last = (0, 0)
 
     def poll(self) -> tuple[int, int]:
         """(hits, misses) as of the previous poll's copy, and queue the next copy."""
@@ -197,8 +198,6 @@ class TierCounters:
         self._event.record()
         self._copied = True
         return self._last
-
-    _last: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -310,6 +309,7 @@ class HbmTier(AdmissionPolicy):
         table set); must not be ``off``.
     form : ``--hbm-tier-form``.
     device : the GPU the tiers live on (the CPU in tests).
+    refresh_s, step_s, window_ids : the policy's (:class:`AdmissionPolicy`).
     """
 
     def __init__(
@@ -319,16 +319,28 @@ class HbmTier(AdmissionPolicy):
         budget: TierBudget | str,
         form: str = DEFAULT_FORM,
         device: torch.device | str = "cuda",
-        **policy: float,
+        refresh_s: float = 30.0,
+        step_s: float = STEP_S,
+        window_ids: int = DEFAULT_WINDOW_IDS,
     ) -> None:
-        super().__init__(store, budget=budget, thread_name="ibpembed-hbm-tier", **policy)
+        super().__init__(
+            store,
+            budget=budget,
+            refresh_s=refresh_s,
+            step_s=step_s,
+            window_ids=window_ids,
+            thread_name="ibpembed-hbm-tier",
+        )
         self.form = parse_form(form)
         self.device = torch.device(device)
         self.tiers = HbmTiers()
         # Per table, across publications: the counts a tier's kernels add up only ever grow.
         self._counters: dict[str, TierCounters] = {}
         # The last pooling set made (a snapshot's, with the tiers then published).
-        self._sets: tuple[tuple[int, int], CompressedTableSet, object] | None = None
+        self._sets: (
+            tuple[CompressedTableSet, Mapping[str, DeviceTier], CompressedTableSet | TieredTableSet]
+            | None
+        ) = None
 
     def capacity(self, table: CompressedTable, share: float) -> int:
         if self.budget.kind == "all":
@@ -382,25 +394,26 @@ class HbmTier(AdmissionPolicy):
             out[name] = TierPlan(rows, tier_bytes(table, self.form, rows))
         return out
 
-    def gather(self, name: str, table: CompressedTable, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of ``table`` (the snapshot's version of table ``name``)."""
-        return gather(table, ids, self.tiers.get(name, table))
+    def gather(self, snap: TableSnapshot, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of table ``name`` of ``snap``, through the tier of that very version
+        (tiers are keyed by the host table; the kernels read its placed copy)."""
+        tier = self.tiers.get(name, snap.tables[name])
+        return gather(snap.kernel_table(name), ids, tier)
 
-    def table_set(
-        self, table_set: CompressedTableSet, names: list[str]
-    ) -> CompressedTableSet | TieredTableSet:
-        """A snapshot's pooling set (``names``: its tables' names by position) read through the
-        tiers published for those very table versions; the set itself when none is."""
+    def table_set(self, snap: TableSnapshot) -> CompressedTableSet | TieredTableSet:
+        """``snap``'s pooling set read through the tiers published for its very table versions;
+        the set itself when none is."""
+        table_set, position = snap.pooling_set
         current = self.tiers.current()
-        key = (id(table_set), id(current))
         cached = self._sets
-        if cached is not None and cached[0] == key and cached[1] is table_set:
+        if cached is not None and cached[0] is table_set and cached[1] is current:
             return cached[2]
-        tiers = [self.tiers.get(n, t) for n, t in zip(names, table_set.tables, strict=True)]
+        names = sorted(position, key=position.__getitem__)
+        tiers = [self.tiers.get(n, snap.tables[n]) for n in names]
         made: CompressedTableSet | TieredTableSet = table_set
         if any(t is not None for t in tiers):
             made = TieredTableSet(table_set, tiers)
-        self._sets = (key, table_set, made)
+        self._sets = (table_set, current, made)
         return made
 
     def counts(self, names: Collection[str] | None = None) -> dict[str, tuple[int, int]]:

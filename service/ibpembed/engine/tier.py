@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
@@ -225,7 +226,7 @@ def _member(ids: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
     return sorted_set[at] == ids
 
 
-class AdmissionPolicy:
+class AdmissionPolicy(ABC):
     """Per-table online admission into a tier of hot rows (see the module docstring): what the
     host's decoded tier (:class:`HotTier`) and the GPU's HBM tier
     (:class:`ibpembed.engine.hbm_tier.HbmTier`) share. A tier says what its budget buys
@@ -273,25 +274,25 @@ class AdmissionPolicy:
         self._thread: threading.Thread | None = None
 
     # -- what a tier decides -------------------------------------------------------------------
+    @abstractmethod
     def capacity(self, table: CompressedTable, share: float) -> int:
         """Rows the budget buys ``table``; ``share``: its part of the set's raw bytes."""
-        raise NotImplementedError
 
+    @abstractmethod
     def held(self, name: str, table: CompressedTable) -> np.ndarray | None:
         """The sorted rows of the tier ``table`` serves with now, or None."""
-        raise NotImplementedError
 
+    @abstractmethod
     def lost(self, name: str, table: CompressedTable) -> bool:
         """Whether ``table`` came without the tier published for it (replaced since)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def install(self, name: str, table: CompressedTable, rows: np.ndarray, coverage: float) -> int:
         """Publish a tier of ``rows`` (sorted) for ``table``; returns the rows it holds."""
-        raise NotImplementedError
 
+    @abstractmethod
     def plan(self) -> dict[str, TierPlan]:
         """What the budget buys each table of the current version (rows, bytes)."""
-        raise NotImplementedError
 
     def record(self, lookups: Iterable[tuple[str, np.ndarray, int]]) -> None:
         """Buffer one request's ids: (table, int64 rows of it, the table's ``num_rows``) per
