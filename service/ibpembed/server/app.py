@@ -402,6 +402,17 @@ def _tier_line(engine: LookupEngine, raw: int, stored: int) -> str:
     )
 
 
+def _hbm_tier_line(engine: LookupEngine) -> str:
+    """The HBM tier's budget (nothing when there is none: off, or not on a GPU)."""
+    if engine.hbm is None:
+        return ""
+    tier = sum(p.bytes for p in engine.hbm.plan().values())
+    return (
+        f"hbm tier {engine.hbm.budget.describe()} ({engine.hbm.form}): up to {tier:,} bytes of "
+        "GPU memory\n"
+    )
+
+
 def _reload_line(config: ServerConfig) -> str:
     when = f"when its manifest changes (checked every {config.reload_poll_s:g} s) and "
     return f"table set reloads {when if config.reload_poll_s else ''}on SIGHUP\n"
@@ -490,6 +501,7 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
         f"{raw:,} raw bytes stored in {stored:,} ({1 - stored / max(raw, 1):.1%} saved), "
         f"version {server.engine.store.version}\n"
         + _tier_line(server.engine, raw, stored)
+        + _hbm_tier_line(server.engine)
         + f"listening on {config.host}:{port} ({scheme})\n"
         + (_reload_line(config) if config.tables else "")
         + example_query(
