@@ -695,6 +695,8 @@ int64_t TierSet::add(const c10::intrusive_ptr<TableSet>& tables,
   const int64_t position = size_;
   const TableSet::Entry& e = tables->at(position);  // the set's table of the same position
   const c10::Device device = tables->device();
+  TORCH_CHECK_VALUE(device.is_cuda(), "a TierSet is for a TableSet of GPU tables; this one's are "
+                    "on ", device);
   DeviceTier tier = kNoTier;
   if (slot_of.has_value()) {
     TORCH_CHECK_VALUE(slot_offset.has_value() && payload.has_value() && counters.has_value(),
