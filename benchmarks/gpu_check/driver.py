@@ -36,12 +36,22 @@ EXPECTED_S = {
     "correctness": 60,
     "served": 20,
     "h2d": 10,
+    "hbm_tier": 60,
     "timing": 60,
     "sanitizer": 45,
 }
 # The row size the raw-vs-H2D target is defined at goes first.
 TIMING_ORDER = (512, 64, 1024, 256)
-DRIVER_PHASES = ("build", "preflight", "correctness", "served", "h2d", "timing", "sanitizer")
+DRIVER_PHASES = (
+    "build",
+    "preflight",
+    "correctness",
+    "served",
+    "h2d",
+    "hbm_tier",
+    "timing",
+    "sanitizer",
+)
 
 
 def phases_tarball(out: Path) -> Path:
@@ -195,6 +205,8 @@ class Driver:
             self.run("served", "served")
         if "h2d" in self.only:
             self.run("h2d", "h2d")
+        if "hbm_tier" in self.only:
+            self.run("hbm_tier", "hbm_tier")
         # The row sweep before the sanitizer: the sanitizer is the first thing to cut when time
         # runs short.
         if "timing" in self.only:
@@ -311,6 +323,10 @@ def run_checks(args: argparse.Namespace, gpu: bool) -> dict[str, Any]:
         gbps = h2d_bandwidth(pinned, gpu)
         pinned.release()
         return {"h2d_gbps": gbps}
+    if args.phase == "hbm_tier":
+        from benchmarks.gpu_check.hbm_tier import phase_hbm_tier
+
+        return phase_hbm_tier(args, gpu)
     from benchmarks.gpu_check.timing import phase_timing
 
     return phase_timing(ibpembed, ops, args, gpu)

@@ -167,6 +167,11 @@ def zipf_ids(rng: np.random.Generator, num_rows: int, size: int, alpha: float) -
         a = 1.0 - alpha
         ranks = (((num_rows + 1.0) ** a - 1.0) * u + 1.0) ** (1.0 / a) - 1.0
     ranks = np.clip(np.floor(ranks), 0, num_rows - 1).astype(np.int64)
+    return zipf_rows(ranks, num_rows)
+
+
+def zipf_rows(ranks: np.ndarray, num_rows: int) -> np.ndarray:
+    """The rows of Zipf ranks (0: the most frequent) in :func:`zipf_ids`' tables."""
     mult = 2654435761
     while math.gcd(mult, num_rows) != 1:
         mult += 2

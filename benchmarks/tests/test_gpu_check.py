@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import ibpembed
-from benchmarks.gpu_check import build, driver, summary, tables, timing
+from benchmarks.gpu_check import build, driver, hbm_tier, markdown, summary, tables, timing
 from benchmarks.gpu_check.common import ROW_BYTES
 from benchmarks.gpu_check.correctness import small_cases
 from benchmarks.gpu_check.device import Pinned
@@ -37,8 +37,8 @@ def test_dry_run_runs_every_phase_and_reports(tmp_path: Path) -> None:
     phases = report["phases"]
     timings = [*(f"timing_{r}" for r in driver.TIMING_ORDER), "timing_real", "timing_512_thp"]
     # In this order: the row sweep before the sanitizer, which the deadline cuts first.
-    assert list(phases) == ["build", "preflight", "correctness", "served", "h2d", *timings,
-                            "sanitizer"]  # fmt: skip
+    assert list(phases) == ["build", "preflight", "correctness", "served", "h2d", "hbm_tier",
+                            *timings, "sanitizer"]  # fmt: skip
     assert phases["sanitizer"] == {"skipped": "no GPU"}
     assert report["failed_phases"] == []
     built = phases["build"]  # planned up to the compilers, for the GPU machine's sm_90
@@ -60,6 +60,22 @@ def test_dry_run_runs_every_phase_and_reports(tmp_path: Path) -> None:
         "errors": 3,
     }
     assert correctness["passed"] == sum(correctness["passed_by_kind"].values())
+    tier = phases["hbm_tier"]  # every Zipf x budget x form, emulated against the CPU op
+    cases = len(hbm_tier.ZIPF) * (len(hbm_tier.BUDGETS) - 1) * len(hbm_tier.FORMS)
+    assert tier["checks"] == {"passed": cases, "failures": []} and tier["rc"] == 0
+    for row in tier["hbm_tier"]:
+        assert 0 < row["hit_share"] < 1 and row["tier_rows"] > 0
+    by_case = {(r["ids"], r["budget"], r["form"]): r for r in tier["hbm_tier"]}
+    for alpha in hbm_tier.ZIPF:  # more budget holds more rows and serves more reads
+        shares = [
+            by_case[(f"zipf{alpha}", b, "decoded")]["hit_share"] for b in hbm_tier.BUDGETS[1:]
+        ]
+        assert shares == sorted(shares)
+        # The compressed form holds more rows in the same bytes.
+        for b in hbm_tier.BUDGETS[1:]:
+            decoded, compressed = (by_case[(f"zipf{alpha}", b, f)] for f in hbm_tier.FORMS)
+            assert compressed["tier_rows"] > decoded["tier_rows"]
+    assert "HBM tier (`--hbm-tier`)" in markdown.section(report)
     served = phases["served"]
     assert served["failures"] == [] and served["passed"] == 3 * 3 * 3  # steps x poolings x B
     for key in timings:

@@ -93,14 +93,14 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
 
   int64_t cur = next_head(a, static_cast<int64_t>(blockIdx.x) * warps + warp, stride);
   StagedRow s_cur{};
-  if (cur < a.n) s_cur = stage_row(a.table, row_at(a, cur), mine, st, lane, a.error);
+  if (cur < a.n) s_cur = stage_row(a.table, &a.tier, row_at(a, cur), mine, st, lane, a.error);
   for (int k = 0; cur < a.n; ++k) {
     // Issue the next row before waiting for this one: two rows in flight per warp.
     const int64_t nxt = next_head(a, cur + stride, stride);
     StagedRow s_nxt{};
     if (nxt < a.n) {
-      s_nxt = stage_row(a.table, row_at(a, nxt), mine + ((k + 1) & 1) * stage_bytes, st, lane,
-                        a.error);
+      s_nxt = stage_row(a.table, &a.tier, row_at(a, nxt), mine + ((k + 1) & 1) * stage_bytes, st,
+                        lane, a.error);
     } else {
       cp_async_commit();
     }

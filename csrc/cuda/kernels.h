@@ -31,10 +31,30 @@ struct DeviceTable {
   int64_t payload_bytes;  // readable bytes at view.payload
 };
 
+// A table's HBM tier (service/ibpembed/engine/hbm_tier.py): copies of its hottest rows in device
+// memory, found through a residency map. A row with a slot is read from `payload` (HBM), every
+// other row from the table's payload (zero-copy over PCIe), in the same launch. slot_of ==
+// nullptr: no tier. The slots are exact copies of what the table serves for the rows, so results
+// do not depend on the tier.
+struct DeviceTier {
+  const int32_t* slot_of;      // [num_rows]: the row's slot, or -1
+  const int64_t* slot_offset;  // [num_slots + 1]: slot s is payload bytes [slot_offset[s], [s + 1])
+  const uint8_t* payload;      // device memory, 16-byte aligned
+  int64_t payload_bytes;       // readable bytes at payload (kPayloadPad past the last slot)
+  int64_t num_slots;
+  int32_t decoded;             // 1: every slot holds the decoded row; 0: the row's slot as stored
+  // [2] on the device: ids the residency map sent to the tier, and to host memory (a sorted
+  // gather resolves a run of equal ids once); nullptr: not counted.
+  unsigned long long* counters;
+};
+
+enum TierCounter : int { kTierHits = 0, kTierMisses = 1 };
+
 // out[dst(i)] = row(ids[i]) for i < n, where ids is sorted ascending and dst(i) = perm[i]
 // (perm == nullptr: dst(i) = i). ids == nullptr means ids[i] = i (whole-table decompress).
 struct GatherArgs {
   DeviceTable table;
+  DeviceTier tier;
   const int64_t* ids;
   const int64_t* perm;
   int64_t n;
@@ -61,6 +81,10 @@ inline constexpr int kMaxPooledParts = 48;
 struct PooledArgs {
   const PooledTable* tables;  // device array, or nullptr: every part reads `single`
   PooledTable single;
+  // The tables' HBM tiers: a device array parallel to `tables` (nullptr: no table has one;
+  // `single` has none). Device memory, not a parameter: a pointer into the kernel's parameters
+  // would make the compiler copy all of them to local memory.
+  const DeviceTier* tiers;
   int num_parts;
   int32_t part_table[kMaxPooledParts];
   int64_t first_bag[kMaxPooledParts];

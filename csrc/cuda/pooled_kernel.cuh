@@ -74,6 +74,11 @@ __device__ __forceinline__ const PooledTable& part_table(const PooledArgs& a, in
   return a.tables == nullptr ? a.single : a.tables[a.part_table[part]];
 }
 
+// The HBM tier of a part's table, or nullptr.
+__device__ __forceinline__ const DeviceTier* part_tier(const PooledArgs& a, int part) {
+  return a.tables == nullptr || a.tiers == nullptr ? nullptr : &a.tiers[a.part_table[part]];
+}
+
 // Where a warp stands in its sequence of (bag, id) pairs: launch bags g, g + stride, ...; ids in
 // order.
 struct Cursor {
@@ -225,11 +230,19 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
     if (nxt.part != window->part || nxt.idx < window->begin || nxt.idx >= window->end) {
       const int64_t begin = nxt.idx;
       const int64_t end = std::min<int64_t>(nxt.end, nxt.idx + kWarpSize);
+      const DeviceTier* tier = part_tier(a, nxt.part);
       __syncwarp();  // every lane is done reading the previous window
+      int32_t source = kRowOutOfRange;
       if (begin + lane < end) {
         const int64_t id = a.ids[begin + lane];
         window->ids[lane] = id;
-        window->rows[lane] = resolve_row(t, id);
+        window->rows[lane] = resolve_row(t, tier, id);
+        source = window->rows[lane].source;
+      }
+      if (tier != nullptr && tier->slot_of != nullptr) {
+        const unsigned hits = __popc(__ballot_sync(kFullWarp, source == kRowInTier));
+        const unsigned misses = __popc(__ballot_sync(kFullWarp, source == kRowInTable));
+        count_tier_reads(tier, hits, misses, lane);
       }
       if (lane == 0) {
         window->begin = begin;
@@ -246,8 +259,8 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
     if (reuse) {
       cp_async_commit();
     } else {
-      s = stage_resolved(pt.table, row, stages + (k % kPooledStages) * stage_bytes, st, lane,
-                         a.error);
+      s = stage_resolved(pt.table, part_tier(a, nxt.part), row,
+                         stages + (k % kPooledStages) * stage_bytes, st, lane, a.error);
     }
     prev_id = id;
     prev_part = nxt.part;

@@ -80,29 +80,43 @@ struct StagedRow {
   bool ok;          // in range and consistent: only then was anything copied
 };
 
-// Issues the copies of the slot at `offset` (`slot_bytes`, warp-uniform) into `stage` and commits
-// one cp.async group (also when nothing is copied, so every thread's group count stays in step).
-__device__ __forceinline__ StagedRow stage_slot(const DeviceTable& dt, int64_t offset,
-                                                int64_t slot_bytes, bool compressed,
-                                                uint8_t* stage, const Staging& st, int lane,
-                                                int32_t* error) {
-  const TableView& t = dt.view;
+// Where a slot's bytes live: the table's payload (host memory, zero-copy) or its HBM tier's.
+struct SlotSource {
+  const uint8_t* payload;
+  int64_t payload_bytes;
+};
+
+__device__ __forceinline__ SlotSource table_source(const DeviceTable& dt) {
+  return SlotSource{dt.view.payload, dt.payload_bytes};
+}
+
+__device__ __forceinline__ SlotSource tier_source(const DeviceTier& tier) {
+  return SlotSource{tier.payload, tier.payload_bytes};
+}
+
+// Issues the copies of the slot at `offset` of `src` (`slot_bytes`, warp-uniform) into `stage`
+// and commits one cp.async group (also when nothing is copied, so every thread's group count
+// stays in step).
+__device__ __forceinline__ StagedRow stage_slot(const SlotSource& src, int64_t row_bytes,
+                                                int64_t offset, int64_t slot_bytes,
+                                                bool compressed, uint8_t* stage,
+                                                const Staging& st, int lane, int32_t* error) {
   StagedRow s{slot_bytes, 0, compressed, false};
   const Window w = stage_window(offset, s.slot_bytes);
   s.shift = w.shift;
   // A raw slot must hold the row; any slot must fit the buffer and the payload. Checked before
   // the copy so a corrupt index cannot make the warp read out of bounds.
-  s.ok = offset >= 0 && w.first + int64_t{kVecBytes} * w.vecs <= dt.payload_bytes &&
+  s.ok = offset >= 0 && w.first + int64_t{kVecBytes} * w.vecs <= src.payload_bytes &&
          int64_t{kVecBytes} * w.vecs + 2 * kVecBytes <= st.buffer_bytes &&
-         (s.compressed || s.slot_bytes >= t.row_bytes);
+         (s.compressed || s.slot_bytes >= row_bytes);
   if (s.ok) {
     for (int v = lane; v < w.vecs; v += kWarpSize) {
       uint8_t* dst = stage + kVecBytes * v;
-      const uint8_t* src = t.payload + w.first + int64_t{kVecBytes} * v;
+      const uint8_t* from = src.payload + w.first + int64_t{kVecBytes} * v;
       if (st.async) {
-        cp_async16(dst, src);
+        cp_async16(dst, from);
       } else {
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(from);
       }
     }
   } else {
@@ -112,15 +126,60 @@ __device__ __forceinline__ StagedRow stage_slot(const DeviceTable& dt, int64_t o
   return s;
 }
 
-// Warp-uniform r. Finds row r's slot (the warp's lanes load its block's sizes together), issues
-// its window's copies into `stage` and commits one cp.async group.
-__device__ __forceinline__ StagedRow stage_row(const DeviceTable& dt, int64_t r, uint8_t* stage,
-                                               const Staging& st, int lane, int32_t* error) {
+// The tier slot of row r (in range), or -1 when the tier does not hold it (or there is no tier).
+__device__ __forceinline__ int32_t tier_slot(const DeviceTier* tier, int64_t r) {
+  return tier == nullptr || tier->slot_of == nullptr ? -1 : tier->slot_of[r];
+}
+
+// Adds a warp's tier hits and misses to the device counters (lane 0, one atomic each).
+__device__ __forceinline__ void count_tier_reads(const DeviceTier* tier, unsigned hits,
+                                                 unsigned misses, int lane) {
+  if (lane != 0 || tier == nullptr || tier->counters == nullptr) return;
+  if (hits != 0) atomicAdd(tier->counters + kTierHits, static_cast<unsigned long long>(hits));
+  if (misses != 0) {
+    atomicAdd(tier->counters + kTierMisses, static_cast<unsigned long long>(misses));
+  }
+}
+
+// Where row r's copy in tier slot `slot` lies, as resolve_row() finds a slot of the table.
+struct TierSlot {
+  int64_t offset;
+  int64_t slot_bytes;
+  bool compressed;
+  bool ok;  // a slot of the tier: a corrupt residency map is reported, never read through
+};
+
+__device__ __forceinline__ TierSlot locate_tier_slot(const TableView& t, const DeviceTier& tier,
+                                                     int64_t r, int32_t slot) {
+  if (slot >= tier.num_slots) return TierSlot{0, 0, false, false};
+  const int64_t offset = tier.slot_offset[slot];
+  const int64_t bytes = tier.slot_offset[slot + 1] - offset;
+  return TierSlot{offset, bytes, tier.decoded == 0 && row_is_compressed(t, r), bytes >= 0};
+}
+
+// Warp-uniform r. Finds row r's slot, in `tier` (may be null) when it holds the row, else in the
+// table (the warp's lanes load its block's sizes together), issues its window's copies into
+// `stage` and commits one cp.async group.
+__device__ __forceinline__ StagedRow stage_row(const DeviceTable& dt, const DeviceTier* tier,
+                                               int64_t r, uint8_t* stage, const Staging& st,
+                                               int lane, int32_t* error) {
   const TableView& t = dt.view;
   if (r < 0 || r >= t.num_rows) {
     report(error, kErrIndex, lane);
     cp_async_commit();
     return StagedRow{0, 0, false, false};
+  }
+  const int32_t slot = tier_slot(tier, r);
+  count_tier_reads(tier, slot >= 0, slot < 0, lane);
+  if (slot >= 0) {
+    const TierSlot x = locate_tier_slot(t, *tier, r, slot);
+    if (!x.ok) {
+      report(error, kErrTable, lane);
+      cp_async_commit();
+      return StagedRow{0, 0, false, false};
+    }
+    return stage_slot(tier_source(*tier), t.row_bytes, x.offset, x.slot_bytes, x.compressed,
+                      stage, st, lane, error);
   }
   // row_units is padded to whole blocks of 32, so every lane may load its byte.
   const int64_t b = r >> 5;
@@ -129,43 +188,56 @@ __device__ __forceinline__ StagedRow stage_row(const DeviceTable& dt, int64_t r,
   const uint32_t before = __reduce_add_sync(kFullWarp, units_before_term(u, lane, in_block));
   const uint32_t units = __shfl_sync(kFullWarp, u, in_block);
   const int64_t offset = t.block_base[b] + t.unit_bytes * before;
-  return stage_slot(dt, offset, t.unit_bytes * units, row_is_compressed(t, r), stage, st, lane,
-                    error);
+  return stage_slot(table_source(dt), t.row_bytes, offset, t.unit_bytes * units,
+                    row_is_compressed(t, r), stage, st, lane, error);
 }
 
 // A row's slot found by one lane on its own (each lane its own row, no collective): what
 // stage_row() finds warp-wide, so that a warp resolves up to 32 rows with one round of loads.
+enum RowSource : int32_t {
+  kRowOutOfRange = 0,
+  kRowInTable = 1,  // offset is in the table's payload
+  kRowInTier = 2,   // offset is in the tier's payload
+  kRowBadSlot = 3,  // the residency map names a slot the tier does not have
+};
+
 struct ResolvedRow {
   int64_t offset;
   int64_t slot_bytes;
   int32_t compressed;
-  int32_t in_range;
+  int32_t source;  // RowSource
 };
 
-__device__ __forceinline__ ResolvedRow resolve_row(const TableView& t, int64_t r) {
-  ResolvedRow x{0, 0, 0, r >= 0 && r < t.num_rows};
-  if (!x.in_range) return x;
+__device__ __forceinline__ ResolvedRow resolve_row(const TableView& t, const DeviceTier* tier,
+                                                   int64_t r) {
+  if (r < 0 || r >= t.num_rows) return ResolvedRow{0, 0, 0, kRowOutOfRange};
+  const int32_t slot = tier_slot(tier, r);
+  if (slot >= 0) {
+    const TierSlot x = locate_tier_slot(t, *tier, r, slot);
+    return ResolvedRow{x.offset, x.slot_bytes, x.compressed, x.ok ? kRowInTier : kRowBadSlot};
+  }
   const int64_t b = r >> 5;
   const int in_block = static_cast<int>(r & 31);
   const uint8_t* units = t.row_units + b * kRowsPerBlock;
   uint32_t before = 0;
   for (int j = 0; j < in_block; ++j) before += units[j];
-  x.offset = t.block_base[b] + t.unit_bytes * before;
-  x.slot_bytes = t.unit_bytes * units[in_block];
-  x.compressed = row_is_compressed(t, r);
-  return x;
+  return ResolvedRow{t.block_base[b] + t.unit_bytes * before, t.unit_bytes * units[in_block],
+                     row_is_compressed(t, r), kRowInTable};
 }
 
 // stage_row() for a row a lane resolved: only the copies are left to issue.
-__device__ __forceinline__ StagedRow stage_resolved(const DeviceTable& dt, const ResolvedRow& x,
-                                                    uint8_t* stage, const Staging& st, int lane,
+__device__ __forceinline__ StagedRow stage_resolved(const DeviceTable& dt, const DeviceTier* tier,
+                                                    const ResolvedRow& x, uint8_t* stage,
+                                                    const Staging& st, int lane,
                                                     int32_t* error) {
-  if (!x.in_range) {
-    report(error, kErrIndex, lane);
+  if (x.source == kRowOutOfRange || x.source == kRowBadSlot) {
+    report(error, x.source == kRowOutOfRange ? kErrIndex : kErrTable, lane);
     cp_async_commit();
     return StagedRow{0, 0, false, false};
   }
-  return stage_slot(dt, x.offset, x.slot_bytes, x.compressed != 0, stage, st, lane, error);
+  const SlotSource src = x.source == kRowInTier ? tier_source(*tier) : table_source(dt);
+  return stage_slot(src, dt.view.row_bytes, x.offset, x.slot_bytes, x.compressed != 0, stage, st,
+                    lane, error);
 }
 
 // Stream bit where the exception area of every compressed row of the table starts (format.h's

@@ -60,6 +60,8 @@
 namespace ibpembed::gpu {
 namespace {
 
+constexpr DeviceTier kNoTier{nullptr, nullptr, nullptr, 0, 0, 0, nullptr};
+
 void check_device_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
                          const c10::Device& device) {
   TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device,
@@ -317,12 +319,14 @@ void report(ErrorWord& w, const c10::Device& device, Diagnose diagnose) {
   pending.push_back(std::move(diagnose));
 }
 
-at::Tensor gather(const DeviceTable& table, const at::Tensor& ids, const at::Tensor& perm,
-                  int64_t n, const at::Tensor* request_ids, const c10::Device& device) {
+at::Tensor gather(const DeviceTable& table, const DeviceTier& tier, const at::Tensor& ids,
+                  const at::Tensor& perm, int64_t n, const at::Tensor* request_ids,
+                  const c10::Device& device) {
   at::Tensor out = at::empty({n, table.view.row_bytes}, at::TensorOptions(device).dtype(at::kByte));
   if (n == 0) return out;
   ErrorWord error = error_word(device);
   const GatherArgs args{table,
+                        tier,
                         ids.defined() ? ids.data_ptr<int64_t>() : nullptr,
                         perm.defined() ? perm.data_ptr<int64_t>() : nullptr,
                         n,
@@ -413,12 +417,13 @@ at::Tensor ibp_gather_cuda(const at::Tensor& payload, const at::Tensor& block_ba
   if (indices.numel() < sort_min_ids()) {
     // Unsorted ids are correct too: runs form only on adjacent equal ids, and no perm means
     // position i's row goes to output row i.
-    return gather(table, indices, at::Tensor(), indices.numel(), &indices, block_base.device());
+    return gather(table, kNoTier, indices, at::Tensor(), indices.numel(), &indices,
+                  block_base.device());
   }
   // Sorted ids let neighbouring warps fetch neighbouring rows and put duplicates side by side;
   // perm sends each row back to its request position.
   auto [sorted, perm] = sort_by_row(indices, num_rows);
-  return gather(table, sorted, perm, indices.numel(), &indices, block_base.device());
+  return gather(table, kNoTier, sorted, perm, indices.numel(), &indices, block_base.device());
 }
 
 at::Tensor ibp_decompress_cuda(const at::Tensor& payload, const at::Tensor& block_base,
@@ -430,7 +435,8 @@ at::Tensor ibp_decompress_cuda(const at::Tensor& payload, const at::Tensor& bloc
   const DeviceTable table = device_table(payload, block_base, row_units, bitmask, mask, bitval,
                                          chunk_bits, row_bytes, unit_bytes, num_rows);
   // Undefined ids and perm: row i goes to output row i, with no index tensor at all.
-  return gather(table, at::Tensor(), at::Tensor(), num_rows, nullptr, block_base.device());
+  return gather(table, kNoTier, at::Tensor(), at::Tensor(), num_rows, nullptr,
+                block_base.device());
 }
 
 at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block_base,
@@ -521,9 +527,13 @@ at::Tensor upload_entries(const std::vector<TableSet::Entry>& entries, const c10
   return out;
 }
 
-std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cuda(
-    const c10::intrusive_ptr<TableSet>& tables, const at::Tensor& indices,
-    const at::Tensor& offsets, const at::Tensor& table_bags,
+namespace {
+
+// lookup_pooled_tables on a GPU set, each table read through its HBM tier in `tiers` (a device
+// array parallel to the set, or nullptr: none).
+std::tuple<std::vector<at::Tensor>, at::Tensor> pooled_tables(
+    const c10::intrusive_ptr<TableSet>& tables, const DeviceTier* tiers,
+    const at::Tensor& indices, const at::Tensor& offsets, const at::Tensor& table_bags,
     const std::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
   const auto start = std::chrono::steady_clock::now();
   const c10::Device device = tables->device();
@@ -570,6 +580,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cuda(
   for (const int width : {16, 32, 64}) {
     PooledArgs args = batch_args(indices, offsets, weights, pooling, error.get());
     args.tables = device_entries;
+    args.tiers = tiers;
     PooledShape shape{0, 0, 0};
     auto flush = [&] {
       if (args.num_parts == 0) return;
@@ -611,6 +622,114 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cuda(
                                      static_cast<double>(all_bags);
   }
   return {std::move(out), seconds};
+}
+
+// A tier's tensors checked against a table of `num_rows` on `device`: the kernels then read the
+// residency map and offsets in bounds; the slots' bounds they check as they read.
+DeviceTier device_tier(const at::Tensor& slot_of, const at::Tensor& slot_offset,
+                       const at::Tensor& payload, bool decoded, const at::Tensor& counters,
+                       int64_t num_rows, const c10::Device& device) {
+  check_device_tensor(slot_of, "tier slot_of", at::kInt, device);
+  check_device_tensor(slot_offset, "tier slot_offset", at::kLong, device);
+  check_device_tensor(payload, "tier payload", at::kByte, device);
+  check_device_tensor(counters, "tier counters", at::kLong, device);
+  TORCH_CHECK_VALUE(slot_of.dim() == 1 && slot_of.numel() == num_rows,
+                    "tier slot_of must hold one int32 per row of the table (", num_rows,
+                    "), got ", slot_of.sizes());
+  TORCH_CHECK_VALUE(slot_offset.dim() == 1 && slot_offset.numel() >= 1 &&
+                        slot_offset.numel() - 1 <= std::numeric_limits<int32_t>::max(),
+                    "tier slot_offset must be 1-D with slots + 1 entries, got ",
+                    slot_offset.sizes());
+  TORCH_CHECK_VALUE(payload.dim() == 1 && payload.numel() >= kPayloadPad &&
+                        reinterpret_cast<uintptr_t>(payload.data_ptr()) % 16 == 0,
+                    "tier payload must be 1-D, 16-byte aligned, with its ", kPayloadPad,
+                    " pad bytes");
+  TORCH_CHECK_VALUE(counters.dim() == 1 && counters.numel() == 2,
+                    "tier counters must be int64 [2] (hits, misses), got ", counters.sizes());
+  return DeviceTier{slot_of.data_ptr<int32_t>(),
+                    slot_offset.data_ptr<int64_t>(),
+                    payload.data_ptr<uint8_t>(),
+                    payload.numel(),
+                    slot_offset.numel() - 1,
+                    decoded ? 1 : 0,
+                    reinterpret_cast<unsigned long long*>(counters.data_ptr<int64_t>())};
+}
+
+}  // namespace
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cuda(
+    const c10::intrusive_ptr<TableSet>& tables, const at::Tensor& indices,
+    const at::Tensor& offsets, const at::Tensor& table_bags,
+    const std::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
+  return pooled_tables(tables, nullptr, indices, offsets, table_bags, per_sample_weights,
+                       pooling);
+}
+
+at::Tensor ibp_gather_hbm_cuda(const at::Tensor& payload, const at::Tensor& block_base,
+                               const at::Tensor& row_units, const at::Tensor& bitmask,
+                               const at::Tensor& mask, const at::Tensor& bitval,
+                               int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
+                               int64_t num_rows, const at::Tensor& indices,
+                               const at::Tensor& tier_slot_of, const at::Tensor& tier_slot_offset,
+                               const at::Tensor& tier_payload, bool tier_decoded,
+                               const at::Tensor& tier_counters) {
+  const c10::Device device = block_base.device();
+  const c10::cuda::CUDAGuard guard(device);
+  DeviceTable table = device_table(payload, block_base, row_units, bitmask, mask, bitval,
+                                   chunk_bits, row_bytes, unit_bytes, num_rows);
+  const DeviceTier tier = device_tier(tier_slot_of, tier_slot_offset, tier_payload, tier_decoded,
+                                      tier_counters, num_rows, device);
+  check_indices_tensor(indices, device);
+  if (indices.numel() < sort_min_ids()) {
+    return gather(table, tier, indices, at::Tensor(), indices.numel(), &indices, device);
+  }
+  auto [sorted, perm] = sort_by_row(indices, num_rows);
+  return gather(table, tier, sorted, perm, indices.numel(), &indices, device);
+}
+
+int64_t TierSet::add(const c10::intrusive_ptr<TableSet>& tables,
+                     const std::optional<at::Tensor>& slot_of,
+                     const std::optional<at::Tensor>& slot_offset,
+                     const std::optional<at::Tensor>& payload, bool decoded,
+                     const std::optional<at::Tensor>& counters) {
+  const int64_t position = size_;
+  const TableSet::Entry& e = tables->at(position);  // the set's table of the same position
+  const c10::Device device = tables->device();
+  TORCH_CHECK_VALUE(device.is_cuda(), "a TierSet is for a TableSet of GPU tables; this one's are "
+                    "on ", device);
+  DeviceTier tier = kNoTier;
+  if (slot_of.has_value()) {
+    TORCH_CHECK_VALUE(slot_offset.has_value() && payload.has_value() && counters.has_value(),
+                      "a tier needs slot_of, slot_offset, payload and counters together");
+    tier = device_tier(*slot_of, *slot_offset, *payload, decoded, *counters, e.view.num_rows,
+                       device);
+    owned_.insert(owned_.end(), {*slot_of, *slot_offset, *payload, *counters});
+  }
+  const auto* bytes_of = reinterpret_cast<const uint8_t*>(&tier);
+  host_.insert(host_.end(), bytes_of, bytes_of + sizeof(DeviceTier));
+  ++size_;
+  const auto bytes = static_cast<int64_t>(host_.size());
+  device_tiers_ = at::empty({bytes}, at::TensorOptions(device).dtype(at::kByte));
+  // As upload_entries: on the current stream, waited for, so every stream sees it in place.
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  C10_CUDA_CHECK(cudaMemcpyAsync(device_tiers_.data_ptr(), host_.data(),
+                                 static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream));
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return position;
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_hbm_cuda(
+    const c10::intrusive_ptr<TableSet>& tables, const c10::intrusive_ptr<TierSet>& tiers,
+    const at::Tensor& indices, const at::Tensor& offsets, const at::Tensor& table_bags,
+    const std::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
+  TORCH_CHECK_VALUE(tiers->size() == tables->size(), "a TierSet has one tier (or none) per "
+                    "table of its TableSet: ", tiers->size(), " for ", tables->size(), " tables");
+  const auto* device_tiers =
+      tiers->size() == 0 ? nullptr
+                         : reinterpret_cast<const DeviceTier*>(tiers->device_tiers().data_ptr());
+  return pooled_tables(tables, device_tiers, indices, offsets, table_bags, per_sample_weights,
+                       pooling);
 }
 
 void set_defer_errors(bool defer) { t_defer_errors = defer; }

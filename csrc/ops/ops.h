@@ -162,6 +162,45 @@ TableSet::Entry table_set_entry(const at::Tensor& payload, const at::Tensor& blo
 // The entries as the kernels read them, copied into memory of `device`.
 at::Tensor upload_entries(const std::vector<TableSet::Entry>& entries, const c10::Device& device);
 
+// The HBM tiers of a TableSet's tables (service/ibpembed/engine/hbm_tier.py), one per position
+// (or none), for lookup_pooled_tables_hbm: each tier's residency map, slot offsets, payload
+// and counters, checked against its table as they are added, and uploaded as the kernels read
+// them (kernels.h DeviceTier). Built per tier publication; a TableSet per table version.
+class TierSet : public torch::CustomClassHolder {
+ public:
+  // Adds the tier of table `size()` of `tables` (no tensors: that table has none).
+  int64_t add(const c10::intrusive_ptr<TableSet>& tables,
+              const std::optional<at::Tensor>& slot_of,
+              const std::optional<at::Tensor>& slot_offset,
+              const std::optional<at::Tensor>& payload, bool decoded,
+              const std::optional<at::Tensor>& counters);
+  int64_t size() const { return size_; }
+  const at::Tensor& device_tiers() const { return device_tiers_; }
+
+ private:
+  std::vector<uint8_t> host_;  // the tiers as the kernels read them, back to back
+  int64_t size_ = 0;
+  std::vector<at::Tensor> owned_;  // keeps every tensor a tier points into alive
+  at::Tensor device_tiers_;
+};
+
+// ibp_gather of a table read through its HBM tier: rows the residency map holds from the tier's
+// payload, the others from the table's, in one launch; the kernels count hits and misses into
+// tier_counters (int64 [2]).
+at::Tensor ibp_gather_hbm_cuda(const at::Tensor& payload, const at::Tensor& block_base,
+                               const at::Tensor& row_units, const at::Tensor& bitmask,
+                               const at::Tensor& mask, const at::Tensor& bitval,
+                               int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
+                               int64_t num_rows, const at::Tensor& indices,
+                               const at::Tensor& tier_slot_of, const at::Tensor& tier_slot_offset,
+                               const at::Tensor& tier_payload, bool tier_decoded,
+                               const at::Tensor& tier_counters);
+// lookup_pooled_tables with each table read through its tier in `tiers`.
+std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_hbm_cuda(
+    const c10::intrusive_ptr<TableSet>& tables, const c10::intrusive_ptr<TierSet>& tiers,
+    const at::Tensor& indices, const at::Tensor& offsets, const at::Tensor& table_bags,
+    const std::optional<at::Tensor>& per_sample_weights, int64_t pooling);
+
 // A CUDA uint8 tensor aliasing all of `host` (a CPU tensor over its whole storage), registered
 // with cudaHostRegister (read-only where asked and the device supports it); the registration
 // lasts, and keeps the host storage alive, as long as any view of the alias does.

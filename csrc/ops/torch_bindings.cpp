@@ -62,7 +62,23 @@ TORCH_LIBRARY_IMPL(ibpembed, CPU, m) {
 }
 
 #ifdef IBPEMBED_WITH_CUDA
+// The HBM tier's ops exist in CUDA builds only (a tier lives in GPU memory).
+TORCH_LIBRARY_FRAGMENT(ibpembed, m) {
+  m.def(
+      "ibp_gather_hbm(Tensor payload, Tensor block_base, Tensor row_units, Tensor bitmask, "
+      "Tensor mask, Tensor bitval, int chunk_bits, int row_bytes, int unit_bytes, int num_rows, "
+      "Tensor indices, Tensor tier_slot_of, Tensor tier_slot_offset, Tensor tier_payload, "
+      "bool tier_decoded, Tensor tier_counters) -> Tensor");
+  m.class_<gpu::TierSet>("TierSet").def(torch::init<>()).def("add", &gpu::TierSet::add);
+  m.def(
+      "lookup_pooled_tables_hbm(__torch__.torch.classes.ibpembed.TableSet tables, "
+      "__torch__.torch.classes.ibpembed.TierSet tiers, Tensor indices, Tensor offsets, "
+      "Tensor table_bags, Tensor? per_sample_weights, int pooling) -> (Tensor[], Tensor)");
+}
+
 TORCH_LIBRARY_IMPL(ibpembed, CUDA, m) {
+  m.impl("ibp_gather_hbm", &gpu::ibp_gather_hbm_cuda);
+  m.impl("lookup_pooled_tables_hbm", &gpu::lookup_pooled_tables_hbm_cuda);
   m.impl("ibp_decompress", &gpu::ibp_decompress_cuda);
   m.impl("ibp_gather", &gpu::ibp_gather_cuda);
   m.impl("lookup_pooled", &gpu::lookup_pooled_cuda);

@@ -67,11 +67,22 @@ def test_an_empty_environment_variable_counts_as_unset(tmp_path):
         ((), {"IBPEMBED_DEDUPE_MIN_IDS": "0"}, "dedupe_min_ids must be >= 1"),
         (("--reload-poll-s", "-1"), {}, "reload_poll_s must be >= 0"),
         (("--reload-poll-s", "nan"), {}, "reload_poll_s must be a finite"),
+        (("--hbm-tier=-5%",), {}, "hbm_tier: .*negative"),
+        ((), {"IBPEMBED_HBM_TIER": "lots"}, "hbm_tier: .*not one of"),
+        ((), {"IBPEMBED_HBM_TIER_FORM": "raw"}, "hbm_tier_form must be one of"),
     ],
 )
 def test_invalid_settings_are_named(argv, env, message):
     with pytest.raises(ValueError, match=message):
         config.load(_args(*argv), environ=env)
+
+
+def test_the_hbm_tier_is_off_and_decoded_by_default_and_takes_the_hot_tier_spellings():
+    cfg = config.load(_args(), environ={})
+    assert (cfg.hbm_tier, cfg.hbm_tier_form) == ("off", "decoded")
+    cfg = config.load(_args("--hbm-tier", "5%", "--hbm-tier-form", "compressed"), environ={})
+    assert (cfg.hbm_tier, cfg.hbm_tier_form) == ("5%", "compressed")
+    assert config.load(_args(), environ={"IBPEMBED_HBM_TIER": "2GiB"}).hbm_tier == "2GiB"
 
 
 def test_log_level_has_choices():

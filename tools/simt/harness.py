@@ -34,6 +34,45 @@ _LAUNCH_ARGS = [_I, _I, _I, ctypes.c_char_p, _I]
 _MESSAGE_BYTES = 1024
 
 
+class _DeviceTier(ctypes.Structure):
+    """csrc/cuda/kernels.h's DeviceTier."""
+
+    _fields_ = [
+        ("slot_of", _P),
+        ("slot_offset", _P),
+        ("payload", _P),
+        ("payload_bytes", _I64),
+        ("num_slots", _I64),
+        ("decoded", ctypes.c_int32),
+        ("counters", _P),
+    ]
+
+
+@dataclass(frozen=True)
+class Tier:
+    """An HBM tier as the kernels read it (host tensors here): the residency map, the slots'
+    offsets and payload (``ibpembed.engine.hbm_tier.TierArrays``), and an int64 [2] tensor the
+    kernels add their hits and misses to."""
+
+    slot_of: torch.Tensor
+    slot_offset: torch.Tensor
+    payload: torch.Tensor
+    decoded: bool
+    counters: torch.Tensor
+
+    def struct(self) -> _DeviceTier:
+        assert self.payload.data_ptr() % 16 == 0, "a tier's payload must be 16-byte aligned"
+        return _DeviceTier(
+            self.slot_of.data_ptr(),
+            self.slot_offset.data_ptr(),
+            self.payload.data_ptr(),
+            self.payload.numel(),
+            self.slot_offset.numel() - 1,
+            int(self.decoded),
+            self.counters.data_ptr(),
+        )
+
+
 def build(out_dir: Path) -> Path:
     """Compiles the emulator library into out_dir; raises with the compiler's output on failure."""
     lib = out_dir / "libibpembed_simt.so"
@@ -86,13 +125,14 @@ class EmulatedKernels:
 
     def __init__(self, lib_path: Path) -> None:
         self.lib = ctypes.CDLL(str(lib_path))
-        self.lib.simt_gather.argtypes = [*_TABLE_ARGS, _P, _P, _I64, _P, _I, *_LAUNCH_ARGS]
+        self.lib.simt_gather.argtypes = [*_TABLE_ARGS, _P, _P, _P, _I64, _P, _I, *_LAUNCH_ARGS]
         # Per-table arrays (payload .. unit_bytes), chunk_bits, dtypes, single, the parts, the
         # batch, then the launch.
         self.lib.simt_pooled.argtypes = [
             _I,
             *([_P] * 11),
             _I,
+            _P,
             _P,
             _I,
             _I,
@@ -151,12 +191,13 @@ class EmulatedKernels:
         *,
         sort: bool = True,
         decode: bool = True,
+        tier: Tier | None = None,
     ) -> tuple[torch.Tensor, int]:
         """Rows [n, row_bytes] uint8 and the kernel's error word; ids None: the whole table.
         ``sort=False`` passes the ids as they come and no perm, as the CUDA op does for
         gathers below IBPEMBED_CUDA_SORT_MIN_IDS ids. ``decode=False``: the copy-without-decode
         mode (IBPEMBED_CUDA_DECODE=copy), a compressed row's slot bytes at the front of its
-        output row (the rest stays zero)."""
+        output row (the rest stays zero). ``tier``: the table's HBM tier."""
         if ids is None:
             sorted_ids, perm, n = None, None, c.num_rows
         elif not sort:
@@ -165,7 +206,9 @@ class EmulatedKernels:
             sorted_ids, perm = torch.sort(ids.to(torch.int64).contiguous())
             n = ids.numel()
         out = torch.zeros(n, c.row_bytes, dtype=torch.uint8)
-        args = (_ptr(sorted_ids), _ptr(perm), n, _ptr(out), int(decode))
+        tier_struct = None if tier is None else tier.struct()
+        tier_arg = None if tier_struct is None else ctypes.cast(ctypes.pointer(tier_struct), _P)
+        args = (tier_arg, _ptr(sorted_ids), _ptr(perm), n, _ptr(out), int(decode))
         return out, self._launch(self.lib.simt_gather, c, args, grid)
 
     def pooled(
@@ -177,9 +220,11 @@ class EmulatedKernels:
         dtype_code: int,
         pooling_code: int,
         grid: Grid = Grid(),
+        *,
+        tier: Tier | None = None,
     ) -> tuple[torch.Tensor, int]:
         """Pooled rows [B, D] float32 and the kernel's error word: one table, passed by value,
-        as the op of one table launches the kernel."""
+        as the op of one table launches the kernel; with a ``tier``, as a set of one table."""
         bags = offsets.numel() - 1
         outs, error = self.pooled_tables(
             [(c, dtype_code)],
@@ -189,7 +234,9 @@ class EmulatedKernels:
             weights,
             pooling_code,
             grid,
-            single=True,
+            # The op of one table reads no tier: a tier comes with a set's launch.
+            single=tier is None,
+            tiers=None if tier is None else [tier],
         )
         return outs[0], error
 
@@ -204,10 +251,12 @@ class EmulatedKernels:
         grid: Grid = Grid(),
         *,
         single: bool = False,
+        tiers: list[Tier | None] | None = None,
     ) -> tuple[list[torch.Tensor], int]:
         """One launch over several tables of one chunk width (``tables``: (table, dtype code)),
         as lookup_pooled_tables launches it: part k = (table index, first bag, bag count) pools
-        those bags of the batch. Returns each part's [bag count, D] float32 and the error word."""
+        those bags of the batch. ``tiers``: each table's HBM tier (or None). Returns each
+        part's [bag count, D] float32 and the error word."""
         ids = ids.to(torch.int64).contiguous()
         offsets = offsets.to(torch.int64).contiguous()
         chunk_bits = {c.chunk_bits for c, _ in tables}
@@ -230,6 +279,12 @@ class EmulatedKernels:
             return (ctypes.c_int64 * len(values))(*values)
 
         cs = [c for c, _ in tables]
+        tier_array = None
+        if tiers is not None:
+            none = _DeviceTier(None, None, None, 0, 0, 0, None)
+            tier_array = (_DeviceTier * len(tiers))(
+                *(none if t is None else t.struct() for t in tiers)
+            )
         args = (
             len(tables),
             pointers([c.payload for c in cs]),
@@ -244,6 +299,7 @@ class EmulatedKernels:
             int64s([c.row_bytes for c in cs]),
             int64s([c.unit_bytes for c in cs]),
             chunk_bits.pop(),
+            None if tier_array is None else ctypes.cast(tier_array, _P),
             (ctypes.c_int * len(tables))(*(code for _, code in tables)),
             int(single),
             len(parts),

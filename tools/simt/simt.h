@@ -293,6 +293,12 @@ inline int atomicOr(int32_t* address, int32_t value) {
   return __atomic_fetch_or(address, value, __ATOMIC_SEQ_CST);
 }
 
+inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+}
+
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+
 // Round-to-nearest float arithmetic; the harness is built with -ffp-contract=off, so no FMA.
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }

@@ -34,6 +34,16 @@ DeviceTable table_of(const uint8_t* payload, int64_t payload_bytes, const int64_
                      payload_bytes};
 }
 
+// The tier `tier` points at, or none (a null residency map).
+DeviceTier tier_or_none(const DeviceTier* tier) {
+  return tier != nullptr ? *tier : DeviceTier{nullptr, nullptr, nullptr, 0, 0, 0, nullptr};
+}
+
+// What cp.async may read besides the tables' payloads: a tier's payload.
+void add_readable(std::vector<simt::Region>& readable, const DeviceTier& tier) {
+  if (tier.slot_of != nullptr) readable.push_back({tier.payload, tier.payload + tier.payload_bytes});
+}
+
 int finish(const std::string& failure, const int32_t* error, char* message, int message_len) {
   if (failure.empty()) return *error;
   std::snprintf(message, static_cast<size_t>(message_len), "%s", failure.c_str());
@@ -42,13 +52,14 @@ int finish(const std::string& failure, const int32_t* error, char* message, int 
 
 // Runs the kernel of the table's chunk width (k16, k32 or k64) on `blocks` blocks of `warps`
 // warps, each warp with the shared memory the launchers of csrc/cuda give it; cp.async may read
-// the payload only.
+// the payload and the tier's payload only.
 template <class Args, class Kernel16, class Kernel32, class Kernel64>
 std::string run(const Args& a, const Staging& st, int blocks, int warps, int64_t smem_per_warp,
                 Kernel16 k16, Kernel32 k32, Kernel64 k64) {
   const auto smem = static_cast<size_t>(warps * smem_per_warp);
   const uint8_t* payload = a.table.view.payload;
-  const std::vector<simt::Region> readable{{payload, payload + a.table.payload_bytes}};
+  std::vector<simt::Region> readable{{payload, payload + a.table.payload_bytes}};
+  add_readable(readable, a.tier);
   const int threads = warps * kWarpSize;
   switch (a.table.view.chunk_bits) {
     case 16: return simt::launch(blocks, threads, smem, readable, k16, a, st);
@@ -71,18 +82,19 @@ int64_t simt_launch_shape(int max_warps, int64_t resident_blocks, int sms, int64
 }
 
 // out[perm[i]] = row(ids[i]) for ascending ids (perm may be null: out[i]); ids null: row i.
-// decode == 0: the copy-without-decode mode (a compressed row's slot bytes, verbatim).
+// decode == 0: the copy-without-decode mode (a compressed row's slot bytes, verbatim). tier: the
+// table's HBM tier (host memory here), or null.
 int simt_gather(const uint8_t* payload, int64_t payload_bytes, const int64_t* block_base,
                 const uint8_t* row_units, const int32_t* bitmask, const uint64_t* mask,
                 const uint64_t* bitval, int64_t bitval_len, int64_t num_rows, int64_t row_bytes,
-                int64_t unit_bytes, int chunk_bits, const int64_t* ids, const int64_t* perm,
-                int64_t n, uint8_t* out, int decode, int blocks, int warps, int async,
-                char* message, int message_len) {
+                int64_t unit_bytes, int chunk_bits, const DeviceTier* tier, const int64_t* ids,
+                const int64_t* perm, int64_t n, uint8_t* out, int decode, int blocks, int warps,
+                int async, char* message, int message_len) {
   int32_t error = 0;
   const DeviceTable table = table_of(payload, payload_bytes, block_base, row_units, bitmask, mask,
                                      bitval, bitval_len, num_rows, row_bytes, unit_bytes,
                                      chunk_bits);
-  const GatherArgs a{table, ids, perm, n, out, &error};
+  const GatherArgs a{table, tier_or_none(tier), ids, perm, n, out, &error};
   const Staging st{stage_buffer_bytes(row_bytes, unit_bytes), async != 0};
   const int64_t per_warp = gather_smem_per_warp(st.buffer_bytes);
   const std::string failure =
@@ -97,18 +109,19 @@ int simt_gather(const uint8_t* payload, int64_t payload_bytes, const int64_t* bl
 // width, in one launch (pooled_kernel.cuh's PooledArgs): the tables' arguments are arrays, one
 // entry per table; part k pools `bag_count[k]` bags from `first_bag[k]` with table
 // `part_table[k]` into out[k], [bag_count[k], pooled_dim]. `single` != 0: one table, passed
-// by value (PooledArgs::single), as the op of one table launches it.
+// by value (PooledArgs::single), as the op of one table launches it. tiers: one per table (a null
+// residency map: none), or null; not with `single` (the op of one table reads no tier).
 int simt_pooled(int num_tables, const uint8_t* const* payload, const int64_t* payload_bytes,
                 const int64_t* const* block_base, const uint8_t* const* row_units,
                 const int32_t* const* bitmask, const uint64_t* const* mask,
                 const uint64_t* const* bitval, const int64_t* bitval_len, const int64_t* num_rows,
                 const int64_t* row_bytes, const int64_t* unit_bytes, int chunk_bits,
-                const int* dtype, int single, int num_parts, const int32_t* part_table,
+                const DeviceTier* tiers, const int* dtype, int single, int num_parts, const int32_t* part_table,
                 const int64_t* first_bag, const int64_t* bag_count, float* const* out,
                 int pooling, const int64_t* ids, const int64_t* offsets, int64_t num_offset_bags,
                 int64_t nnz, const float* weights, int blocks, int warps, int async,
                 char* message, int message_len) {
-  if (num_parts > kMaxPooledParts || (single != 0 && num_tables != 1)) {
+  if (num_parts > kMaxPooledParts || (single != 0 && (num_tables != 1 || tiers != nullptr))) {
     std::snprintf(message, static_cast<size_t>(message_len), "bad launch");
     return -1;
   }
@@ -127,10 +140,12 @@ int simt_pooled(int num_tables, const uint8_t* const* payload, const int64_t* pa
     shape.rowbuf_bytes = std::max(shape.rowbuf_bytes, rowbuf_bytes(table.view));
     shape.dim = std::max(shape.dim, tables.back().dim);
     readable.push_back({payload[k], payload[k] + payload_bytes[k]});
+    if (tiers != nullptr) add_readable(readable, tiers[k]);
   }
   PooledArgs a{};
   a.tables = single != 0 ? nullptr : tables.data();
   a.single = tables[0];
+  a.tiers = tiers;
   a.num_parts = num_parts;
   a.bag_start[0] = 0;
   for (int k = 0; k < num_parts; ++k) {

@@ -15,6 +15,7 @@ import torch
 
 from ibpembed.engine.cuda import resolve_device
 from ibpembed.engine.execution import DEDUPE_MIN_IDS, Executor, rounded
+from ibpembed.engine.hbm_tier import DEFAULT_FORM, HbmTier
 from ibpembed.engine.planning import describe_table, output_limit, plan_request
 from ibpembed.engine.requests import (
     FeatureResult,
@@ -103,7 +104,12 @@ class LookupEngine:
         lookups. ValueError for a malformed budget. Ignored on CUDA, where the kernels decode
         every row on the GPU. A table given its tier rows by hand (``with_hot_rows``) keeps
         them while this is off.
-    hot_tier_refresh_s : seconds between publications of changed tiers.
+    hot_tier_refresh_s : seconds between publications of changed tiers (host and HBM).
+    hbm_tier : on CUDA, the HBM tier's budget of GPU memory (``--hbm-tier``, the same spellings
+        as ``hot_tier``): each table's most looked-up rows, chosen by the same policy, copied
+        into GPU memory and read there by the kernels instead of over PCIe
+        (:mod:`ibpembed.engine.hbm_tier`). Ignored on the CPU.
+    hbm_tier_form : ``"decoded"`` or ``"compressed"`` tier rows (``--hbm-tier-form``).
     inline_max_ids : :meth:`lookup` runs CPU requests with at most this many ids on the calling
         thread (no hand-off to a worker; the event loop waits for their kernels). 0 = never.
     """
@@ -121,6 +127,8 @@ class LookupEngine:
         observer: LookupObserver | None = None,
         hot_tier: TierBudget | str = "off",
         hot_tier_refresh_s: float = 30.0,
+        hbm_tier: TierBudget | str = "off",
+        hbm_tier_form: str = DEFAULT_FORM,
         inline_max_ids: int = INLINE_MAX_IDS,
     ) -> None:
         if max_workers < 1:
@@ -151,12 +159,24 @@ class LookupEngine:
         if budget.enabled and self.device.type == "cpu":
             self.tier = HotTier(store, budget=budget, refresh_s=hot_tier_refresh_s)
             self.tier.start()
+        hbm_budget = TierBudget.parse(hbm_tier)
+        self.hbm: HbmTier | None = None
+        if hbm_budget.enabled and self.device.type == "cuda":
+            self.hbm = HbmTier(
+                store,
+                budget=hbm_budget,
+                form=hbm_tier_form,
+                device=self.device,
+                refresh_s=hot_tier_refresh_s,
+            )
+            self.hbm.start()
         self._executor = Executor(
             self.device,
             dedupe_max_unique_fraction=dedupe_max_unique_fraction,
             dedupe_min_ids=dedupe_min_ids,
             observer=observer,
-            recorder=self.tier,
+            recorder=self.tier if self.tier is not None else self.hbm,
+            hbm=self.hbm,
         )
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="ibpembed-lookup")
         self._lock = threading.Lock()
@@ -343,3 +363,5 @@ class LookupEngine:
         self._pool.shutdown(wait=True)
         if self.tier is not None:
             self.tier.close()
+        if self.hbm is not None:
+            self.hbm.close()

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 # The oldest GPU the CUDA kernels run on (setup.py builds sm_80, sm_90 and compute_90 PTX).
@@ -42,12 +43,68 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cuda" if device != "cpu" and has_cuda_kernels else "cpu")
 
 
+# Where each array of an upload starts in the staging buffer: 16-byte aligned, so every
+# array's view has its dtype's alignment and the kernels' vector loads stay aligned.
+_ALIGN = 16
+
+
+def _packed(arrays: Sequence[np.ndarray | None]) -> tuple[list[int], int]:
+    """Byte offset of each array in a buffer holding them back to back, and its size."""
+    starts, end = [], 0
+    for a in arrays:
+        starts.append(end)
+        if a is not None:
+            end += -(-a.nbytes // _ALIGN) * _ALIGN
+    return starts, end
+
+
+class _Staging:
+    """A worker thread's page-locked staging buffer, grown as requests need, and the event of
+    its last copy (the buffer is rewritten only once that copy has read it)."""
+
+    def __init__(self) -> None:
+        self.host = torch.empty(0, dtype=torch.uint8)
+        self.copied: torch.cuda.Event | None = None
+
+
 class CudaStreams:
     """One CUDA stream per worker thread of an engine on ``device`` (made on first use)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._local = threading.local()
+
+    def upload(self, arrays: Sequence[np.ndarray | None]) -> list[torch.Tensor | None]:
+        """A request's arrays (ids, offsets, weights; None stays None) on the GPU with one
+        host-to-device copy from this thread's page-locked staging buffer, on its stream,
+        asynchronous: three pageable copies would each stage through a driver buffer and wait
+        for it. On the CPU, the arrays as tensors (no copy)."""
+        if self.device.type != "cuda":
+            return [None if a is None else torch.from_numpy(a) for a in arrays]
+        starts, total = _packed(arrays)
+        staging = getattr(self._local, "staging", None)
+        if staging is None:
+            staging = self._local.staging = _Staging()
+        if staging.copied is not None:
+            staging.copied.synchronize()  # the previous request's copy has read the buffer
+        if staging.host.numel() < total:
+            staging.host = torch.empty(max(total, 2 * staging.host.numel()), dtype=torch.uint8)
+            staging.host = staging.host.pin_memory()
+        host = staging.host.numpy()
+        for a, start in zip(arrays, starts, strict=True):
+            if a is not None:
+                host[start : start + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).ravel()
+        device = staging.host[:total].to(self.device, non_blocking=True)
+        staging.copied = torch.cuda.Event()
+        staging.copied.record()
+        out: list[torch.Tensor | None] = []
+        for a, start in zip(arrays, starts, strict=True):
+            if a is None:
+                out.append(None)
+                continue
+            dtype = _TORCH_DTYPES[a.dtype]
+            out.append(device[start : start + a.nbytes].view(dtype).view(a.shape))
+        return out
 
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:
@@ -76,6 +133,13 @@ class CudaStreams:
             finally:
                 _C.set_defer_cuda_errors(False)
             _C.check_cuda_errors()
+
+
+_TORCH_DTYPES = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+}
 
 
 def to_host(values: list[torch.Tensor]) -> list[torch.Tensor]:

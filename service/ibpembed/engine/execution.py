@@ -15,6 +15,7 @@ import torch
 
 from ibpembed.codec import CompressedTable
 from ibpembed.engine.cuda import CudaStreams, to_host
+from ibpembed.engine.hbm_tier import HbmTier
 from ibpembed.engine.planning import RequestPlan, TableWork, pooled_dim
 from ibpembed.engine.requests import KernelCall, LookupObserver, PackedRequest, Pooling
 from ibpembed.tables.store import TableSnapshot
@@ -53,8 +54,10 @@ class Executor:
         dedupe_min_ids: int,
         observer: LookupObserver | None,
         recorder: IdRecorder | None,
+        hbm: HbmTier | None = None,
     ) -> None:
         self.device = device
+        self.hbm = hbm  # the HBM tier on a GPU: the tables' hottest rows in GPU memory
         self.dedupe_max_unique_fraction = dedupe_max_unique_fraction
         self.dedupe_min_ids = dedupe_min_ids
         self.observer = observer
@@ -155,15 +158,16 @@ class Executor:
         calls: list[KernelCall] = []
         rest = plan.work
         with self.streams.request():
+            batch = _Batch(*self.streams.upload([plan.ids, plan.offsets, plan.weights]))
             if pooling != "none":
                 batched: list[TableWork] = []
                 rest = []
                 for item in plan.work:
                     (rest if self.dedupes(item) else batched).append(item)
                 if batched:
-                    self._run_tables(snap, plan, batched, pooling, calls, out)
+                    self._run_tables(snap, batch, batched, pooling, calls, out)
             for item in rest:
-                results = self._run_table(plan, item, pooling, calls)
+                results = self._run_table(snap, plan, batch, item, pooling, calls)
                 for pos, values in zip(item.positions, results, strict=True):
                     out[pos] = values
         if self.observer is not None:
@@ -194,7 +198,7 @@ class Executor:
     def _run_tables(
         self,
         snap: TableSnapshot,
-        plan: RequestPlan,
+        batch: _Batch,
         items: list[TableWork],
         pooling: Pooling,
         calls: list[KernelCall],
@@ -204,16 +208,17 @@ class Executor:
         launch per chunk width; see :class:`~ibpembed.codec.CompressedTableSet`), every
         feature's result put in ``out``."""
         table_set, position = snap.pooling_set
+        lookup_set = table_set if self.hbm is None else self.hbm.table_set(snap)
         # (set position, first bag, bag count) per table
         table_bags = np.array(
             [(position[item.table_name], *item.sample_span) for item in items], dtype=np.int64
         ).reshape(-1, 3)
         table_bags[:, 2] -= table_bags[:, 1]
-        values, seconds = table_set.lookup(
+        values, seconds = lookup_set.lookup(
             torch.from_numpy(table_bags),  # on the host, also for a GPU set
-            self._tensor(plan.ids),
-            self._tensor(plan.offsets),
-            None if plan.weights is None else self._tensor(plan.weights),
+            batch.ids,
+            batch.offsets,
+            batch.weights,
             pooling,  # type: ignore[arg-type]
         )
         if self.device.type != "cpu":
@@ -226,34 +231,49 @@ class Executor:
                 out[pos] = part
 
     def _run_table(
-        self, plan: RequestPlan, item: TableWork, pooling: Pooling, calls: list[KernelCall]
+        self,
+        snap: TableSnapshot,
+        plan: RequestPlan,
+        batch: _Batch,
+        item: TableWork,
+        pooling: Pooling,
+        calls: list[KernelCall],
     ) -> list[torch.Tensor]:
         """One kernel call for every feature of the request that reads this table (appended to
         ``calls``)."""
         start = time.perf_counter()
         table = item.table
         qs = item.queries
-        ids = self._tensor(plan.ids[slice(*item.id_span)])
+        span = slice(*item.id_span)
+        ids = batch.ids[span]
         nnz = ids.numel()
         unique_count = nnz
-        if pooling == "none":
+        if pooling == "none" and self.device.type == "cpu":
             unique, inverse = torch.unique(ids, return_inverse=True)
             unique_count = unique.numel()
             values = table.gather(unique).index_select(0, inverse)
             sizes = [q.ids.size for q in qs]
+        elif pooling == "none":
+            # The GPU gather sorts the ids itself and decodes each run of equal ids once: a
+            # torch.unique here (a sync) and its second sort would only add to it.
+            if self.hbm is not None:
+                values = self.hbm.gather(snap, item.table_name, ids)
+            else:
+                values = table.gather(ids)
+            sizes = [q.ids.size for q in qs]
         else:
             first, end = item.sample_span
-            offsets_np = plan.offsets[first : end + 1]
-            if offsets_np[0]:  # the table's bags counted from its first id
-                offsets_np = offsets_np - offsets_np[0]
+            offsets = batch.offsets[first : end + 1]
+            if plan.offsets[first]:  # the table's bags counted from its first id
+                offsets = offsets - int(plan.offsets[first])
             weights = None
-            if plan.weights is not None and any(q.weights is not None for q in qs):
-                weights = self._tensor(plan.weights[slice(*item.id_span)])
+            if batch.weights is not None and any(q.weights is not None for q in qs):
+                weights = batch.weights[span]
             values, unique_count = self._pool_table(
                 table,
                 ids,
                 plan.lengths[first:end],
-                self._tensor(offsets_np),
+                offsets,
                 weights,
                 pooling,
                 dedupe=self.dedupes(item),
@@ -296,6 +316,18 @@ class Executor:
                     pooled *= counts.reciprocal().unsqueeze(1)
                 return pooled, unique.numel()
         return table.lookup(ids, offsets, weights, pooling), nnz  # type: ignore[arg-type]
+
+
+class _Batch:
+    """A request's ids, offsets and weights where its kernels read them (uploaded together)."""
+
+    def __init__(
+        self, ids: torch.Tensor | None, offsets: torch.Tensor | None, weights: torch.Tensor | None
+    ) -> None:
+        assert ids is not None and offsets is not None
+        self.ids = ids
+        self.offsets = offsets
+        self.weights = weights
 
 
 def rounded(values: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:

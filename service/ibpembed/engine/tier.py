@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
@@ -164,11 +165,11 @@ class _TableTier:
         self.hits = self.misses = self.admissions = self.evictions = 0
         self.hit_ratio = 0.0
 
-    def count(self, ids: np.ndarray, table: CompressedTable) -> None:
-        """Hits and misses of the tier ``table`` serves with."""
+    def count(self, ids: np.ndarray, tier_rows: np.ndarray | None) -> None:
+        """Hits and misses of the published tier (its sorted rows, or None)."""
         held = 0
-        if table.hot is not None and ids.size:
-            held = int(_member(ids, table.hot.ids.numpy()).sum())
+        if tier_rows is not None and ids.size:
+            held = int(_member(ids, tier_rows).sum())
         self.hits += held
         self.misses += ids.size - held
         if ids.size:
@@ -225,18 +226,23 @@ def _member(ids: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
     return sorted_set[at] == ids
 
 
-class HotTier:
-    """Per-table online admission into the decoded hot tier (see the module docstring).
+class AdmissionPolicy(ABC):
+    """Per-table online admission into a tier of hot rows (see the module docstring): what the
+    host's decoded tier (:class:`HotTier`) and the GPU's HBM tier
+    (:class:`ibpembed.engine.hbm_tier.HbmTier`) share. A tier says what its budget buys
+    (:meth:`capacity`), which rows it serves with now (:meth:`held`), whether a table lost its
+    tier (:meth:`lost`) and how a target set is published (:meth:`install`).
 
     Parameters
     ----------
-    store : the tables; tiers are published into it.
-    budget : ``--hot-tier`` (:class:`~ibpembed.tables.tier_budget.TierBudget` or its spelling);
-        must not be ``off``.
+    store : the tables; tiers are published for its current version.
+    budget : the tier's budget (:class:`~ibpembed.tables.tier_budget.TierBudget` or its
+        spelling); must not be ``off``.
     refresh_s : seconds between publications of changed tiers.
     step_s : seconds between steps of the admission policy.
     window_ids : ids buffered per table between steps at most (8 bytes each, allocated at the
         table's first lookup); smaller tables buffer 8 per row, at least MIN_WINDOW_IDS.
+    thread_name : the background thread's name.
     """
 
     def __init__(
@@ -247,6 +253,7 @@ class HotTier:
         refresh_s: float = 30.0,
         step_s: float = STEP_S,
         window_ids: int = DEFAULT_WINDOW_IDS,
+        thread_name: str = "ibpembed-hot-tier",
     ) -> None:
         self.budget = TierBudget.parse(budget)
         if not self.budget.enabled:
@@ -258,12 +265,34 @@ class HotTier:
         self.store = store
         self.refresh_s = refresh_s
         self.step_s = step_s
-        self.window_ids = window_ids
+        self.window_ids = int(window_ids)
+        self.thread_name = thread_name
         self._lock = threading.Lock()  # guards _tables and the buffers; held for a copy at most
         self._work = threading.Lock()  # one step or publication at a time
         self._tables: dict[str, _TableTier] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    # -- what a tier decides -------------------------------------------------------------------
+    @abstractmethod
+    def capacity(self, table: CompressedTable, share: float) -> int:
+        """Rows the budget buys ``table``; ``share``: its part of the set's raw bytes."""
+
+    @abstractmethod
+    def held(self, name: str, table: CompressedTable) -> np.ndarray | None:
+        """The sorted rows of the tier ``table`` serves with now, or None."""
+
+    @abstractmethod
+    def lost(self, name: str, table: CompressedTable) -> bool:
+        """Whether ``table`` came without the tier published for it (replaced since)."""
+
+    @abstractmethod
+    def install(self, name: str, table: CompressedTable, rows: np.ndarray, coverage: float) -> int:
+        """Publish a tier of ``rows`` (sorted) for ``table``; returns the rows it holds."""
+
+    @abstractmethod
+    def plan(self) -> dict[str, TierPlan]:
+        """What the budget buys each table of the current version (rows, bytes)."""
 
     def record(self, lookups: Iterable[tuple[str, np.ndarray, int]]) -> None:
         """Buffer one request's ids: (table, int64 rows of it, the table's ``num_rows``) per
@@ -296,10 +325,10 @@ class HotTier:
                         if self.budget.kind != "all":
                             continue
                         state = self._tables[name] = _TableTier(table.num_rows, self.window_ids)
-                    work.append((state, table, state.pending.take()))
-            for state, table, ids in work:
-                capacity = self.budget.table_rows(TableSize.of(table), table.raw_bytes / total_raw)
-                state.count(ids, table)
+                    work.append((name, state, table, state.pending.take()))
+            for name, state, table, ids in work:
+                capacity = self.capacity(table, table.raw_bytes / total_raw)
+                state.count(ids, self.held(name, table))
                 if ids.size or capacity != state.capacity or capacity >= table.num_rows:
                     state.capacity = capacity
                     state.admit(ids)
@@ -319,13 +348,11 @@ class HotTier:
                 if table is None or table.num_rows != state.num_rows:
                     continue
                 forced = tables is not None and name in tables
-                # A table replaced in process (put_table) comes without the tier it had.
-                lost = table.hot is None and state.cached > 0
+                lost = state.cached > 0 and self.lost(name, table)
                 if state.published is state.residents and not forced and not lost:
                     continue
                 try:
-                    ids = torch.from_numpy(state.residents)
-                    cached[name] = self.store.set_hot_rows(name, ids, coverage=state.coverage)
+                    cached[name] = self.install(name, table, state.residents, state.coverage)
                     state.published, state.cached = state.residents, cached[name]
                 except (KeyError, IndexError):  # replaced or reshaped since the snapshot
                     continue
@@ -337,12 +364,6 @@ class HotTier:
         """A step, then a publication (see :meth:`publish`)."""
         self.step()
         return self.publish(tables)
-
-    def plan(self) -> dict[str, TierPlan]:
-        """What the budget buys each table of the current version (rows, host bytes)."""
-        with self.store.acquire() as snapshot:
-            sizes = {name: TableSize.of(t) for name, t in snapshot.tables.items()}
-        return self.budget.plan(sizes)
 
     def stats(self) -> dict[str, TierStats]:
         """Every table's tier as the policy sees it."""
@@ -367,7 +388,7 @@ class HotTier:
         publication after FIRST_REFRESH_S, or at once for an ``all`` budget)."""
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._run, name="ibpembed-hot-tier", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -381,7 +402,7 @@ class HotTier:
                     due = time.monotonic() + self.refresh_s
                     published = self.publish()
                     if published:
-                        log.debug("hot tier published: %s", published)
+                        log.debug("%s published: %s", self.thread_name, published)
             except Exception:  # a failed step keeps the published tiers; lookups go on
                 log.exception("hot tier step failed; keeping the published tiers")
             wait = max(0.0, min(self.step_s, due - time.monotonic()))
@@ -392,3 +413,26 @@ class HotTier:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+
+class HotTier(AdmissionPolicy):
+    """Online admission into the host's decoded hot tier (``--hot-tier``): tiers are published
+    into the store's tables (``TableStore.set_hot_rows``). See :class:`AdmissionPolicy`."""
+
+    def capacity(self, table: CompressedTable, share: float) -> int:
+        return self.budget.table_rows(TableSize.of(table), share)
+
+    def held(self, name: str, table: CompressedTable) -> np.ndarray | None:
+        return None if table.hot is None else table.hot.ids.numpy()
+
+    def lost(self, name: str, table: CompressedTable) -> bool:
+        # A table replaced in process (put_table) comes without the tier it had.
+        return table.hot is None
+
+    def install(self, name: str, table: CompressedTable, rows: np.ndarray, coverage: float) -> int:
+        return self.store.set_hot_rows(name, torch.from_numpy(rows), coverage=coverage)
+
+    def plan(self) -> dict[str, TierPlan]:
+        with self.store.acquire() as snapshot:
+            sizes = {name: TableSize.of(t) for name, t in snapshot.tables.items()}
+        return self.budget.plan(sizes)

@@ -271,6 +271,8 @@ class LookupServer:
             inline_max_ids=cfg.inline_max_ids,
             hot_tier=cfg.hot_tier,
             hot_tier_refresh_s=cfg.hot_tier_refresh_s,
+            hbm_tier=cfg.hbm_tier,
+            hbm_tier_form=cfg.hbm_tier_form,
             # Leave room for the response's framing (names, shapes: ~50 bytes a feature).
             max_output_bytes=cfg.max_message_bytes * 15 // 16,
             observer=self.observer,
@@ -423,6 +425,17 @@ def _tier_line(engine: LookupEngine, raw: int, stored: int) -> str:
     )
 
 
+def _hbm_tier_line(engine: LookupEngine) -> str:
+    """The HBM tier's budget (nothing when there is none: off, or not on a GPU)."""
+    if engine.hbm is None:
+        return ""
+    tier = sum(p.bytes for p in engine.hbm.plan().values())
+    return (
+        f"hbm tier {engine.hbm.budget.describe()} ({engine.hbm.form}): up to {tier:,} bytes of "
+        "GPU memory\n"
+    )
+
+
 def _reload_line(config: ServerConfig) -> str:
     when = f"when its manifest changes (checked every {config.reload_poll_s:g} s) and "
     return f"table set reloads {when if config.reload_poll_s else ''}on SIGHUP\n"
@@ -517,6 +530,8 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     assert server.engine is not None
     if metrics is not None and server.engine.tier is not None:
         metrics.watch_hot_tier(server.engine.tier)
+    if metrics is not None and server.engine.hbm is not None:
+        metrics.watch_hbm_tier(server.engine.hbm)
     tables = server.engine.describe()
     first_feature = next((t.features[0] for t in tables if t.features), "cat_0")
     source = config.tables or f"embedded demo ({len(tables)} DLRM-DCNv2-profile tables)"
@@ -527,6 +542,7 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
         f"{raw:,} raw bytes stored in {stored:,} ({1 - stored / max(raw, 1):.1%} saved), "
         f"version {server.engine.store.version}\n"
         + _tier_line(server.engine, raw, stored)
+        + _hbm_tier_line(server.engine)
         + f"listening on {config.host}:{port} ({scheme})\n"
         + (_reload_line(config) if config.tables else "")
         + example_query(

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ibpembed.engine import DEDUPE_MIN_IDS, INLINE_MAX_IDS, TierBudget
+from ibpembed.engine.hbm_tier import DEFAULT_FORM, FORMS
 from ibpembed.engine.tier import DEFAULT_TIER
 
 ENV_PREFIX = "IBPEMBED_"
@@ -135,6 +136,18 @@ class ServerConfig:
     hot_tier_refresh_s: float = _setting(
         30.0, "Seconds between publications of changed hot tiers (built aside, swapped in)."
     )
+    hbm_tier: str = _setting(
+        "off",
+        "GPU only: GPU memory per table for its HBM tier (most looked-up rows, chosen by the"
+        " hot tier's policy), read by the kernels from HBM instead of over PCIe; the"
+        " `hot_tier` spellings (`5%` of raw bytes, `2GiB` for the set, `all`, `off`).",
+    )
+    hbm_tier_form: str = _setting(
+        DEFAULT_FORM,
+        "GPU only: HBM tier rows stored `decoded` (no decode on a hit) or `compressed` (more"
+        " rows in the same bytes); a GPU measurement decides the default.",
+        choices=FORMS,
+    )
     malloc_retain_mb: int = _setting(
         256,
         "glibc: MiB of freed memory kept for reuse, so multi-MB responses are not mapped and"
@@ -217,6 +230,10 @@ class ServerConfig:
             TierBudget.parse(self.hot_tier)
         except ValueError as exc:
             raise ValueError(f"hot_tier: {exc}") from None
+        try:
+            TierBudget.parse(self.hbm_tier)
+        except ValueError as exc:
+            raise ValueError(f"hbm_tier: {exc}") from None
         if self.hot_tier_refresh_s <= 0:
             raise ValueError(f"hot_tier_refresh_s must be > 0, got {self.hot_tier_refresh_s}")
         if self.stream_write_timeout_s <= 0:

@@ -80,6 +80,7 @@ from prometheus_client.utils import floatToGoString
 
 import ibpembed
 from ibpembed.engine import KernelCall
+from ibpembed.engine.hbm_tier import HbmTier
 from ibpembed.engine.tier import HotTier
 from ibpembed.server.interceptors import STREAM_METHOD
 from ibpembed.server.reload import RELOAD_RESULTS, ReloadResult
@@ -443,6 +444,45 @@ class _HotTierCollector(Collector):
         yield from families.values()
 
 
+class _HbmTierCollector(Collector):
+    """The HBM tier, table by table: the hits and misses its kernels counted on the GPU (read
+    at each scrape with an asynchronous copy, so a scrape shows the previous scrape's copy and
+    no request waits), the rows of its published tier and the bytes the budget buys."""
+
+    def __init__(self, tier: HbmTier) -> None:
+        self.tier = tier
+
+    def collect(self) -> Iterator[Metric]:
+        doc = (
+            "Ids the kernels resolved {} the table's HBM tier (--hbm-tier), counted on the GPU"
+            " (a run of equal ids in a sorted gather counts once); as of the previous scrape."
+        )
+        hits = CounterMetricFamily(
+            f"{NAMESPACE}_hbm_tier_hits", doc.format("to rows in"), labels=["table"]
+        )
+        misses = CounterMetricFamily(
+            f"{NAMESPACE}_hbm_tier_misses", doc.format("to host memory, not in"), labels=["table"]
+        )
+        rows = GaugeMetricFamily(
+            f"{NAMESPACE}_hbm_tier_rows",
+            "Rows of the table's published HBM tier.",
+            labels=["table"],
+        )
+        budget = GaugeMetricFamily(
+            f"{NAMESPACE}_table_hbm_tier_budget_bytes",
+            "GPU bytes the --hbm-tier budget buys the table (residency map and slots, once full).",
+            labels=["table"],
+        )
+        for name, (hit, miss) in sorted(self.tier.counts().items()):
+            hits.add_metric([name], hit)
+            misses.add_metric([name], miss)
+        for name, tier in sorted(self.tier.tiers.current().items()):
+            rows.add_metric([name], tier.arrays.num_slots)
+        for name, plan in sorted(self.tier.plan().items()):
+            budget.add_metric([name], plan.bytes)
+        yield from (hits, misses, rows, budget)
+
+
 class _VersionCollector(Collector):
     """The table-set versions the store keeps, and the memory only older ones hold."""
 
@@ -634,6 +674,10 @@ class ServerMetrics:
     def watch_hot_tier(self, tier: HotTier) -> None:
         """Export the hot tier's policy (the engine's, once it runs)."""
         self.registry.register(_HotTierCollector(tier))
+
+    def watch_hbm_tier(self, tier: HbmTier) -> None:
+        """Export the HBM tier (the engine's, on a GPU)."""
+        self.registry.register(_HbmTierCollector(tier))
 
     def output_written(self, transport: str, nbytes: int) -> None:
         """One request's output, in its response or its output region (worker thread or event
