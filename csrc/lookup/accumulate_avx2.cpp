@@ -24,13 +24,15 @@ __m256 load8(const uint8_t* row, int64_t d) {
   }
 }
 
-// Columns [d0, d0 + 8 * kVecs) of every row, the accumulators held in registers.
+// Columns [d0, d0 + 8 * kVecs) of every row, the accumulators held in registers; the first
+// block of a run issues its prefetches, one row's lines per row pooled.
 template <DType kDType, int kVecs>
 void pool_block(const uint8_t* const* rows, const float* weights, int64_t count, int64_t d0,
-                float* acc) {
+                float* acc, const PrefetchAhead& ahead) {
   __m256 sum[kVecs];
   for (int v = 0; v < kVecs; ++v) sum[v] = _mm256_loadu_ps(acc + d0 + 8 * v);
   for (int64_t k = 0; k < count; ++k) {
+    prefetch_ahead(ahead, k);
     const __m256 w = _mm256_set1_ps(weights != nullptr ? weights[k] : 1.0f);
     for (int v = 0; v < kVecs; ++v) {
       sum[v] = _mm256_add_ps(sum[v], _mm256_mul_ps(w, load8<kDType>(rows[k], d0 + 8 * v)));
@@ -41,11 +43,19 @@ void pool_block(const uint8_t* const* rows, const float* weights, int64_t count,
 
 template <DType kDType>
 void pool(const uint8_t* const* rows, const float* weights, int64_t count, int64_t dim,
-          float* acc) {
+          float* acc, const PrefetchAhead& ahead) {
+  const PrefetchAhead none{};
   int64_t d = 0;
-  for (; d + 64 <= dim; d += 64) pool_block<kDType, 8>(rows, weights, count, d, acc);
-  for (; d + 8 <= dim; d += 8) pool_block<kDType, 1>(rows, weights, count, d, acc);
+  for (; d + 64 <= dim; d += 64) {
+    pool_block<kDType, 8>(rows, weights, count, d, acc, d == 0 ? ahead : none);
+  }
+  for (; d + 8 <= dim; d += 8) {
+    pool_block<kDType, 1>(rows, weights, count, d, acc, d == 0 ? ahead : none);
+  }
   if (d == dim) return;
+  if (d == 0) {
+    for (int64_t k = 0; k < count; ++k) prefetch_ahead(ahead, k);
+  }
   constexpr int64_t kElemBytes = kDType == DType::kFloat32 ? 4 : 2;
   for (int64_t k = 0; k < count; ++k) {
     accumulate_row(kDType, rows[k] + kElemBytes * d, dim - d,
@@ -56,12 +66,13 @@ void pool(const uint8_t* const* rows, const float* weights, int64_t count, int64
 }  // namespace
 
 void pool_rows_avx2(DType dtype, const uint8_t* const* rows, const float* weights, int64_t count,
-                    int64_t dim, float* acc) {
+                    int64_t dim, float* acc, const PrefetchAhead& ahead) {
   switch (dtype) {
-    case DType::kFloat32: return pool<DType::kFloat32>(rows, weights, count, dim, acc);
-    case DType::kBFloat16: return pool<DType::kBFloat16>(rows, weights, count, dim, acc);
+    case DType::kFloat32: return pool<DType::kFloat32>(rows, weights, count, dim, acc, ahead);
+    case DType::kBFloat16: return pool<DType::kBFloat16>(rows, weights, count, dim, acc, ahead);
     default:
       for (int64_t k = 0; k < count; ++k) {
+        prefetch_ahead(ahead, k);
         accumulate_row(dtype, rows[k], dim, weights != nullptr ? weights[k] : 1.0f, acc);
       }
   }
