@@ -112,9 +112,9 @@ def _passes(engines: Sequence[Engine]) -> dict[str, Callable[[], None]]:
     return {e.name: make(e) for e in engines}
 
 
-def _check(engines: Sequence[Engine], exact: Sequence[str]) -> None:
-    """ibpembed's engines give the raw rows' sums bit for bit; the peers agree within fp32
-    rounding of another summation order (fp32 tables; bf16 peers sum in bf16, unchecked)."""
+def _check(engines: Sequence[Engine], exact: Sequence[str], peers_too: bool) -> None:
+    """ibpembed's engines give the raw rows' sums bit for bit; on fp32 tables the peers agree
+    within fp32 rounding of another summation order (on bf16 tables they round differently)."""
     with torch.inference_mode():
         outputs = {e.name: e.run(e.inputs[0]) for e in engines}
     reference = outputs[RAW]
@@ -122,7 +122,7 @@ def _check(engines: Sequence[Engine], exact: Sequence[str]) -> None:
         if not torch.equal(outputs[name], reference):
             raise AssertionError(f"{name} differs from the raw rows' sums")
     for name, out in outputs.items():
-        if name not in exact and out.dtype == torch.float32:
+        if peers_too and name not in exact and name != RAW:
             torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4, msg=name)
 
 
@@ -180,7 +180,7 @@ def bench_dtype(cfg: Config, dtype_name: str, seed: int = 0) -> list[dict[str, A
         if tbe is not None:
             inputs = [(b.ids.int(), b.offsets.int()) for b in batches]
             engines.append(Engine("fbgemm TBE FP32", lambda a: tbe(a[0], a[1]), inputs))
-        _check(engines, [COMPRESSED, *tiered])
+        _check(engines, [COMPRESSED, *tiered], dtype == torch.float32)
         host = {COMPRESSED: ours.stored_bytes, RAW: raw.stored_bytes}
         host.update({label: t.stored_bytes + t.tier_bytes for label, t in tiered.items()})
         lookups = int(ids.numel())
