@@ -156,7 +156,9 @@ at::Tensor ibp_gather_cpu(const at::Tensor& payload, const at::Tensor& block_bas
                            row_bytes, unit_bytes, num_rows);
   attach_tier(t, tier_slots, tier_rows);
   check_indices(indices, num_rows);
+  // On huge pages: the rows may become a decoded tier, read at random (codec.with_hot_rows).
   at::Tensor out = at::empty({indices.numel(), row_bytes}, at::kByte);
+  advise_huge_pages(out);
   read_rows([&] {
     gather_rows_cpu(active_kernels(), t, indices.data_ptr<int64_t>(), indices.numel(),
                     out.data_ptr<uint8_t>());
