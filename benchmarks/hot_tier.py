@@ -60,7 +60,7 @@ class Config:
     threads: int  # torch threads (every engine's)
 
 
-FULL = Config(2.0, (0.0, 0.8, 1.05, 1.2), ("fp32", "bf16"), 8, 39, 3, 2)
+FULL = Config(2.0, (0.0, 0.8, 1.05, 1.2), ("fp32", "bf16"), 8, 39, 5, 2)
 QUICK = Config(1 / 64, (0.0, 1.05), ("fp32", "bf16"), 2, 39, 1, 1)
 
 

@@ -40,7 +40,11 @@ void pool_rows_avx2(DType dtype, const uint8_t* const* rows, const float* weight
   for (int64_t b = 0; b < ahead.bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
 }
 
-// pool_rows_avx2 where the CPU reports AVX2, else the portable loop.
+// The AVX-512 loop (accumulate_avx512.cpp): the same, 16 lanes wide.
+void pool_rows_avx512(DType dtype, const uint8_t* const* rows, const float* weights,
+                      int64_t count, int64_t dim, float* acc, const PrefetchAhead& ahead);
+
+// The widest of those the CPU runs, else the portable loop.
 PoolRowsFn select_pool_rows();
 
 }  // namespace ibpembed

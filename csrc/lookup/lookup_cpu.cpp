@@ -204,6 +204,7 @@ void scale_mean(const int64_t* offsets, int64_t bag_begin, int64_t bag_end, int6
 
 PoolRowsFn select_pool_rows() {
 #if defined(__x86_64__)
+  if (cpu_has_avx512()) return &pool_rows_avx512;
   if (__builtin_cpu_supports("avx2")) return &pool_rows_avx2;
 #endif
   return &pool_rows_portable;
