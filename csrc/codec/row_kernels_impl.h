@@ -14,6 +14,7 @@
 
 #include "ibpembed/codec.h"
 #include "ibpembed/row_codec.h"
+#include "ibpembed/tier.h"
 
 namespace ibpembed::detail {
 namespace {
@@ -46,7 +47,7 @@ using LocalVector = std::vector<T, LocalAllocator<T>>;
 [[gnu::always_inline]] inline void prefetch_index(const TableView& t, int64_t r) {
   __builtin_prefetch(t.row_units + r, 0, 3);
   __builtin_prefetch(t.block_base + r / kRowsPerBlock, 0, 3);
-  if (t.tier_slot != nullptr) __builtin_prefetch(t.tier_slot + r, 0, 3);
+  if (t.tier_dir != nullptr) __builtin_prefetch(t.tier_dir + 2 * (r >> 6), 0, 3);
 }
 
 // NOTE(codec): slot lines are prefetched into L2, not L1 (prefetcht1): a round's lines are more

@@ -14,6 +14,7 @@
 #include "accumulate.h"
 #include "ibpembed/lookup.h"
 #include "ibpembed/numeric.h"
+#include "ibpembed/tier.h"
 
 namespace ibpembed {
 namespace {
@@ -171,15 +172,16 @@ struct LeanPooler {
 };
 
 // Resolves ids[0, n) to tier rows: rows[i] for a hit, null and a miss entry otherwise. The
-// tier_slot entries are prefetched kTierAhead ids ahead (Zipf keeps the hot ones cached).
+// directory entries are prefetched kTierAhead ids ahead (16 bytes per 64 rows: a few MiB at
+// most, and Zipf keeps the hot ones cached).
 void resolve_tier(const TableView& t, const int64_t* ids, int64_t n, TierBuffers& b) {
-  if (t.tier_slot == nullptr) {
+  if (t.tier_dir == nullptr) {
     for (int64_t i = 0; i < n; ++i) b.rows[i] = t.tier_rows + ids[i] * t.tier_stride;
     return;
   }
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kTierAhead < n) __builtin_prefetch(t.tier_slot + ids[i + kTierAhead], 0, 3);
-    const int32_t slot = t.tier_slot[ids[i]];
+    if (i + kTierAhead < n) __builtin_prefetch(t.tier_dir + 2 * (ids[i + kTierAhead] >> 6), 0, 3);
+    const int64_t slot = tier_slot(t, ids[i]);
     if (slot >= 0) {
       b.rows[i] = t.tier_rows + slot * t.tier_stride;
     } else {
@@ -212,7 +214,7 @@ PoolRowsFn select_pool_rows() {
 
 void gather_rows_cpu(const RowKernels& k, const TableView& t, const int64_t* indices, int64_t n,
                      uint8_t* out) {
-  if (t.tier_rows != nullptr && t.tier_slot == nullptr) {  // every row in the tier: copies
+  if (t.tier_rows != nullptr && t.tier_dir == nullptr) {  // every row in the tier: copies
     at::parallel_for(0, n, kGatherGrain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         std::memcpy(out + i * t.row_bytes, t.tier_rows + indices[i] * t.tier_stride,
@@ -233,7 +235,7 @@ void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
   const int64_t dim = pooled_dim(dtype, t.row_bytes);
   // Misses are read through the index alone: the decoder never looks at the tier again.
   TableView cold = t;
-  cold.tier_slot = nullptr;
+  cold.tier_dir = nullptr;
   cold.tier_rows = nullptr;
   at::parallel_for(0, num_bags, kBagGrain, [&](int64_t bag_begin, int64_t bag_end) {
     std::fill(out + bag_begin * dim, out + bag_end * dim, 0.0f);

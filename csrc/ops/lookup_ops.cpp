@@ -5,7 +5,6 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 
-#include <algorithm>
 #include <chrono>
 #include <string>
 #include <vector>
@@ -52,31 +51,41 @@ TableView table_view(const at::Tensor& payload, const at::Tensor& block_base,
 }
 
 // Attaches the optional decoded tier (format.h) to a table view: both tensors or neither. Like
-// the index, the slots are trusted past their shape here (ibpembed.codec builds them from the
-// table; checking N entries would cost a large table's lookup more than its rows);
-// TableSet::add, which runs once per table version, checks every slot.
-void attach_tier(TableView& t, const std::optional<at::Tensor>& tier_slots,
+// the index, the directory is trusted past its shape and its total here (checking every word
+// would cost a B = 1 lookup of a large table more than its rows); TableSet::add, which runs once
+// per table version, checks every word.
+void attach_tier(TableView& t, const std::optional<at::Tensor>& tier_dir,
                  const std::optional<at::Tensor>& tier_rows) {
-  check_tier_shape(tier_slots, tier_rows, t.num_rows, t.row_bytes);
-  if (!tier_slots.has_value()) return;
-  check_cpu_contiguous(*tier_slots, "tier_slots", at::kInt);
+  check_tier_shape(tier_dir, tier_rows, t.num_rows, t.row_bytes);
+  if (!tier_dir.has_value()) return;
+  check_cpu_contiguous(*tier_dir, "tier_dir", at::kLong);
   check_cpu_contiguous(*tier_rows, "tier_rows", at::kByte);
-  t.tier_slot = tier_slots->numel() == 0 ? nullptr : tier_slots->data_ptr<int32_t>();
   t.tier_rows = tier_rows->data_ptr<uint8_t>();
   t.tier_stride = tier_rows->size(1);
+  if (tier_dir->numel() == 0) return;
+  const int64_t words = (t.num_rows + 63) / 64;
+  const auto* dir = reinterpret_cast<const uint64_t*>(tier_dir->data_ptr<int64_t>());
+  const auto held = static_cast<int64_t>(dir[2 * words - 1]) + popcount64(dir[2 * words - 2]);
+  TORCH_CHECK_VALUE(held == tier_rows->size(0), "tier_dir lists ", held,
+                    " tier rows but tier_rows holds ", tier_rows->size(0));
+  t.tier_dir = dir;
 }
 
-// Every slot of a tier in [-1, tier rows).
-void check_tier_slots(const TableView& t, int64_t tier_rows) {
-  if (t.tier_slot == nullptr) return;
-  int32_t low = 0;
-  int32_t high = -1;
-  for (int64_t r = 0; r < t.num_rows; ++r) {
-    low = std::min(low, t.tier_slot[r]);
-    high = std::max(high, t.tier_slot[r]);
+// Every word of a tier directory: its count is the rows of the words before it, and no bit
+// lies past the table's last row.
+void check_tier_dir(const TableView& t) {
+  if (t.tier_dir == nullptr) return;
+  const int64_t words = (t.num_rows + 63) / 64;
+  uint64_t before = 0;
+  for (int64_t w = 0; w < words; ++w) {
+    TORCH_CHECK_VALUE(t.tier_dir[2 * w + 1] == before, "tier_dir[", 2 * w + 1, "] counts ",
+                      static_cast<int64_t>(t.tier_dir[2 * w + 1]), " rows before word ", w,
+                      ", the words before it hold ", before);
+    before += static_cast<uint64_t>(popcount64(t.tier_dir[2 * w]));
   }
-  TORCH_CHECK_VALUE(low >= -1 && high < tier_rows, "tier_slots must lie in [-1, ", tier_rows,
-                    "), got values in [", low, ", ", high, "]");
+  const int tail = static_cast<int>(t.num_rows - 64 * (words - 1));
+  TORCH_CHECK_VALUE(tail == 64 || (t.tier_dir[2 * words - 2] >> tail) == 0,
+                    "tier_dir marks rows past the table's ", t.num_rows);
 }
 
 // ids[begin, end) all in [0, num_rows); `call_table` >= 0 names, in the error, the row of
@@ -150,11 +159,11 @@ at::Tensor ibp_gather_cpu(const at::Tensor& payload, const at::Tensor& block_bas
                           const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
                           int64_t row_bytes, int64_t unit_bytes, int64_t num_rows,
                           const at::Tensor& indices,
-                          const std::optional<at::Tensor>& tier_slots,
+                          const std::optional<at::Tensor>& tier_dir,
                           const std::optional<at::Tensor>& tier_rows) {
   TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
                            row_bytes, unit_bytes, num_rows);
-  attach_tier(t, tier_slots, tier_rows);
+  attach_tier(t, tier_dir, tier_rows);
   check_indices(indices, num_rows);
   // On huge pages: the rows may become a decoded tier, read at random (codec.with_hot_rows).
   at::Tensor out = at::empty({indices.numel(), row_bytes}, at::kByte);
@@ -184,11 +193,11 @@ at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& blo
                                 const at::Tensor& offsets,
                                 const std::optional<at::Tensor>& per_sample_weights,
                                 int64_t dtype, int64_t pooling,
-                                const std::optional<at::Tensor>& tier_slots,
+                                const std::optional<at::Tensor>& tier_dir,
                                 const std::optional<at::Tensor>& tier_rows) {
   TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
                            row_bytes, unit_bytes, num_rows);
-  attach_tier(t, tier_slots, tier_rows);
+  attach_tier(t, tier_dir, tier_rows);
   const int64_t dim = check_pooling_args(dtype, pooling, row_bytes);
   const auto dt = static_cast<DType>(dtype);
   check_indices(indices, num_rows);
@@ -266,7 +275,7 @@ int64_t TableSet::add(const at::Tensor& payload, const at::Tensor& block_base,
                       const at::Tensor& row_units, const at::Tensor& bitmask,
                       const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
                       int64_t row_bytes, int64_t unit_bytes, int64_t num_rows, int64_t dtype,
-                      const std::optional<at::Tensor>& tier_slots,
+                      const std::optional<at::Tensor>& tier_dir,
                       const std::optional<at::Tensor>& tier_rows) {
   const c10::Device device = block_base.device();
   TORCH_CHECK_VALUE(entries_.empty() || device == device_, "a TableSet holds tables of one "
@@ -275,7 +284,7 @@ int64_t TableSet::add(const at::Tensor& payload, const at::Tensor& block_base,
 #ifdef IBPEMBED_WITH_CUDA
     entries_.push_back(gpu::table_set_entry(payload, block_base, row_units, bitmask, mask, bitval,
                                             chunk_bits, row_bytes, unit_bytes, num_rows, dtype,
-                                            tier_slots, tier_rows));
+                                            tier_dir, tier_rows));
     device_ = device;
     device_entries_ = gpu::upload_entries(entries_, device);
     return static_cast<int64_t>(entries_.size()) - 1;
@@ -285,12 +294,12 @@ int64_t TableSet::add(const at::Tensor& payload, const at::Tensor& block_base,
   }
   TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
                            row_bytes, unit_bytes, num_rows);
-  attach_tier(t, tier_slots, tier_rows);
-  if (tier_rows.has_value()) check_tier_slots(t, tier_rows->size(0));
+  attach_tier(t, tier_dir, tier_rows);
+  check_tier_dir(t);
   const int64_t dim = check_pooling_args(dtype, 0, row_bytes);
   std::vector<at::Tensor> owned{payload, block_base, row_units, bitmask, mask, bitval};
-  if (tier_slots.has_value()) {
-    owned.push_back(*tier_slots);
+  if (tier_dir.has_value()) {
+    owned.push_back(*tier_dir);
     owned.push_back(*tier_rows);
   }
   entries_.push_back(Entry{t, payload.numel(), static_cast<DType>(dtype), dim, std::move(owned)});

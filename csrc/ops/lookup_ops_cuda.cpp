@@ -17,7 +17,7 @@
 //   block_base, row_units, bitmask, mask, bitval: CUDA tensors on one device, the op's device.
 //                bitval is the codebook, V * (2^C - 1) entries; its length gives the code width C.
 //   indices / offsets (int64), per_sample_weights (float32): CUDA tensors on that device.
-//   hot_dir / hot_rows: the CPU lookups' decoded tier (format.h tier_slot, tier_rows); shapes
+//   hot_dir / hot_rows: the CPU lookups' decoded tier (format.h tier_dir, tier_rows); shapes
 //                checked as on the CPU, not read. It holds exact copies of rows the kernels decode from the
 //                payload, so results are the same.
 //   Results are new CUDA tensors on that device, produced on its current stream.

@@ -111,7 +111,7 @@ def _gather_fake(
     unit_bytes,
     num_rows,
     indices,
-    tier_slots=None,
+    tier_dir=None,
     tier_rows=None,
 ) -> torch.Tensor:
     return block_base.new_empty((indices.shape[0], row_bytes), dtype=torch.uint8)
@@ -134,7 +134,7 @@ def _lookup_pooled_fake(
     per_sample_weights,
     dtype,
     pooling,
-    tier_slots=None,
+    tier_dir=None,
     tier_rows=None,
 ) -> torch.Tensor:
     return block_base.new_empty(

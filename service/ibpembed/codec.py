@@ -107,8 +107,9 @@ class HotRows:
     """
 
     ids: torch.Tensor  # int64 [K], sorted, distinct: the rows in the tier
-    # int32 [N]: row r sits at rows[directory[r]] (-1: not in the tier); empty [0] when the tier
-    # holds every row (row r at rows[r]).
+    # int64 [ceil(N / 64) * 2], a rank directory: per 64 rows a bit word (set = in the tier),
+    # then the tier rows before it, so row r sits at rows[count + popcount(lower bits)]; empty
+    # [0] when the tier holds every row (row r at rows[r]).
     directory: torch.Tensor
     rows: torch.Tensor  # uint8 [K, row_bytes], row ids[k] at k
     # Share of the traffic sample that chose these rows which they served; 0 when unknown.
@@ -122,18 +123,23 @@ class HotRows:
     @property
     def bytes(self) -> int:
         """Host memory of the tier: the decoded rows, their ids and the directory."""
-        return self.rows.numel() + 8 * self.ids.numel() + 4 * self.directory.numel()
+        return self.rows.numel() + 8 * (self.ids.numel() + self.directory.numel())
+
+
+def tier_directory_bytes(num_rows: int) -> int:
+    """Bytes of a tier's rank directory: two 8-byte words per 64 table rows."""
+    return 16 * -(-num_rows // 64)
 
 
 def tier_bytes_for(num_rows: int, row_bytes: int, count: int) -> int:
     """Host bytes of a decoded tier of ``count`` rows of a table of ``num_rows`` rows (what
-    ``HotRows.bytes`` will be): the rows and their ids, plus a 4-byte directory entry per table
-    row unless the tier holds every row."""
+    ``HotRows.bytes`` will be): the rows and their ids, plus the directory
+    (``tier_directory_bytes``) unless the tier holds every row."""
     if not 0 <= count <= num_rows:
         raise ValueError(f"a tier holds 0 to {num_rows} rows, got {count}")
     if count == 0:
         return 0
-    directory = 0 if count == num_rows else 4 * num_rows
+    directory = 0 if count == num_rows else tier_directory_bytes(num_rows)
     return count * (row_bytes + 8) + directory
 
 
@@ -214,7 +220,8 @@ class CompressedTable:
     def tier_capacity_rows(self, budget_bytes: int) -> int:
         """The most rows a decoded tier of at most ``budget_bytes`` holds (see
         ``tier_bytes_for``): 0 for a budget below one row plus the directory, ``num_rows`` for
-        one that covers every row (which needs no directory). A budget past the whole table is
+        one that covers every row (which needs no directory, so it can cost less than every row
+        but one with it). A budget past the whole table is
         clamped to it; a negative or non-integer budget is a ValueError / TypeError.
         """
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
@@ -224,7 +231,8 @@ class CompressedTable:
         per_row = self.row_bytes + 8
         if budget_bytes >= self.num_rows * per_row:
             return self.num_rows
-        return max(0, min(self.num_rows - 1, (budget_bytes - 4 * self.num_rows) // per_row))
+        room = budget_bytes - tier_directory_bytes(self.num_rows)
+        return max(0, min(self.num_rows - 1, room // per_row))
 
     @property
     def poolable(self) -> bool:
@@ -282,7 +290,7 @@ class CompressedTable:
         if not dense:
             return None, None
         rows = self.payload[: n * slot].view(n, slot)
-        return torch.empty(0, dtype=torch.int32), rows
+        return torch.empty(0, dtype=torch.int64), rows
 
     def _as_rows(self, raw: torch.Tensor) -> torch.Tensor:
         return raw.view(self.dtype).view(raw.shape[0], self.dim)
@@ -356,13 +364,22 @@ class CompressedTable:
         base = self.without_hot_rows()
         if ids.numel() == 0 or base._raw_rows_as_tier[1] is not None:
             return base
-        if ids.numel() == self.num_rows:
-            directory = torch.empty(0, dtype=torch.int32)
-        else:
-            directory = torch.full((self.num_rows,), -1, dtype=torch.int32)
-            directory[ids] = torch.arange(ids.numel(), dtype=torch.int32)
+        directory = ids.new_empty(0) if ids.numel() == self.num_rows else self._rank_directory(ids)
         rows = ops.ibp_gather(*self._args(), ids, None, None)
         return dataclasses.replace(self, hot=HotRows(ids, directory, rows, coverage))
+
+    def _rank_directory(self, ids: torch.Tensor) -> torch.Tensor:
+        """HotRows.directory of sorted distinct ``ids``."""
+        words = -(-self.num_rows // 64)
+        word = torch.div(ids, 64, rounding_mode="floor")
+        # Distinct bits of a word never carry, so their sum is their OR (bit 63 wraps to the
+        # sign bit, which is what the uint64 reading of the word wants).
+        bits = torch.zeros(words, dtype=torch.int64).index_add_(
+            0, word, torch.bitwise_left_shift(torch.ones_like(ids), ids - word * 64)
+        )
+        per_word = torch.bincount(word, minlength=words)
+        before = torch.cumsum(per_word, 0) - per_word
+        return torch.stack([bits, before], dim=1).flatten().contiguous()
 
     def without_hot_rows(self) -> CompressedTable:
         """This table without a decoded tier (itself when it has none)."""

@@ -15,7 +15,12 @@ from hypothesis import strategies as st
 
 from ibpembed import _C, compress
 from ibpembed._ops import ops
-from ibpembed.codec import CompressedTable, available_cpu_paths, tier_bytes_for
+from ibpembed.codec import (
+    CompressedTable,
+    available_cpu_paths,
+    tier_bytes_for,
+    tier_directory_bytes,
+)
 from ibpembed.tables.store import TableStore
 from tests.codec.tables import POOLED_CASES, make_table, same_bits, tables
 
@@ -103,11 +108,9 @@ def test_tier_keeps_rows_in_row_order_raw_rows_included() -> None:
     assert tiered.hot is not None
     assert tiered.hot.ids.tolist() == sorted(set(wanted.tolist()))
     assert same_bits(tiered.hot.rows.view(torch.float32), table[tiered.hot.ids])
-    slots = tiered.hot.directory
-    assert slots.dtype == torch.int32 and slots.numel() == 200
-    assert slots[tiered.hot.ids].tolist() == list(range(tiered.tier_rows))
-    assert int((slots >= 0).sum()) == tiered.tier_rows
-    assert tiered.tier_bytes == tiered.hot.rows.numel() + 8 * 6 + 4 * 200
+    words = tiered.hot.directory.view(-1, 2)  # 4 words of 64 rows: a bit word, the rows before
+    assert words.shape == (4, 2) and words[:, 1].tolist() == [0, 2, 4, 5]
+    assert tiered.tier_bytes == tiered.hot.rows.numel() + 8 * 6 + tier_directory_bytes(200)
     assert tiered.tier_bytes == tier_bytes_for(200, c.row_bytes, 6)
     assert tiered.stored_bytes == c.stored_bytes  # the tier is counted apart
     assert tiered.payload is c.payload  # shared, not copied
@@ -151,14 +154,15 @@ def test_raw_rows_lean_path_is_bit_exact(path, dim) -> None:
 
 def test_tier_capacity_rows_and_bad_budgets() -> None:
     c = compress(make_table(torch.float32, 1000, 16, "trained_like", 2))
-    per_row = c.row_bytes + 8
+    per_row, directory = c.row_bytes + 8, tier_directory_bytes(1000)
+    assert directory == 16 * 16
     assert c.tier_capacity_rows(0) == 0
-    assert c.tier_capacity_rows(4 * 1000 + per_row - 1) == 0
-    assert c.tier_capacity_rows(4 * 1000 + 10 * per_row) == 10
+    assert c.tier_capacity_rows(directory + per_row - 1) == 0
+    assert c.tier_capacity_rows(directory + 10 * per_row) == 10
     assert c.tier_capacity_rows(1000 * per_row) == 1000  # every row: no directory needed
     assert c.tier_capacity_rows(10**15) == 1000  # clamped to the table
     # 999 rows and their directory cost more than every row without one: the budget buys all.
-    assert c.tier_capacity_rows(tier_bytes_for(1000, c.row_bytes, 999)) == 1000
+    assert c.tier_capacity_rows(tier_bytes_for(1000, c.row_bytes, 997)) == 1000
     for k in (0, 10, 500, 1000):
         budget = tier_bytes_for(1000, c.row_bytes, k)
         assert c.tier_capacity_rows(budget) == k
@@ -187,20 +191,27 @@ def test_ops_reject_an_inconsistent_tier() -> None:
     ids = torch.tensor([0, 3, 5])
     with pytest.raises(ValueError, match="pass both or neither"):
         ops.ibp_gather(*c._args(), ids, tier.directory, None)
-    with pytest.raises(ValueError, match="one per row"):
+    with pytest.raises(ValueError, match="two per 64 rows"):
         ops.ibp_gather(*c._args(), ids, tier.directory[:-2], tier.rows)
+    with pytest.raises(ValueError, match="tier rows but tier_rows holds"):
+        ops.ibp_gather(*c._args(), ids, tier.directory, tier.rows[1:])
     with pytest.raises(ValueError, match="tier holds every row"):
         ops.ibp_gather(*c._args(), ids, tier.directory[:0], tier.rows)
     with pytest.raises(ValueError, match=r"tier_rows must be \[tier rows, >= 64\]"):
         ops.ibp_gather(*c._args(), ids, tier.directory, tier.rows[:, :8].contiguous())
-    with pytest.raises(ValueError, match="tier_slots must be Int"):
+    with pytest.raises(ValueError, match="tier_dir must be Long"):
         ops.lookup_pooled(
-            *c._args(), ids, torch.tensor([0, 3]), None, 0, 0, tier.directory.long(), tier.rows
+            *c._args(), ids, torch.tensor([0, 3]), None, 0, 0, tier.directory.int(), tier.rows
         )
     handle = torch.classes.ibpembed.TableSet()
+    miscounted = tier.directory.clone()
+    miscounted[3] += 1  # word 1's count; the total (checked per call) still matches
+    miscounted[1] -= 1
+    with pytest.raises(ValueError, match="rows before word"):
+        handle.add(*c._args(), 0, miscounted, tier.rows)
     past = tier.directory.clone()
-    past[7] = tier.count
-    with pytest.raises(ValueError, match=r"tier_slots must lie in \[-1, "):
+    past[6] = (past[6] ^ 1) | (1 << 20)  # row 192 out, row 212 of a 200-row table in
+    with pytest.raises(ValueError, match="past the table"):
         handle.add(*c._args(), 0, past, tier.rows)
 
 

@@ -173,20 +173,15 @@ struct TableView {
   int num_chunks;
   int code_bits;  // C
   // Optional decoded tier (CPU lookups only; null when the table has none): rows held decoded at
-  // a fixed stride, which lookups read in place of the payload, found without the index. Row r
-  // is tier row tier_slot[r] (-1: not in the tier); a null tier_slot with tier_rows set means
-  // every row, row r at tier row r (a tier of all rows, or an all-raw table's own payload).
-  const int32_t* tier_slot = nullptr;  // [N] or null
+  // a fixed stride, in row order, which lookups read in place of the payload, found without the
+  // index. tier_dir is a rank directory of two words per 64 rows: a bit per row (set = in the
+  // tier), then the number of tier rows before the word, so row r sits at tier row
+  // count + popcount(lower bits). A null tier_dir with tier_rows set means every row, row r at
+  // tier row r (a tier of all rows, or an all-raw table's own payload).
+  const uint64_t* tier_dir = nullptr;  // [ceil(N / 64) * 2] or null
   const uint8_t* tier_rows = nullptr;  // [tier rows, tier_stride]
   int64_t tier_stride = 0;             // >= row_bytes
 };
-
-// Row r's tier copy (TableView::tier_slot), or null when the tier does not hold it.
-IBP_HD const uint8_t* tier_row(const TableView& t, int64_t r) {
-  if (t.tier_rows == nullptr) return nullptr;
-  const int64_t slot = t.tier_slot == nullptr ? r : t.tier_slot[r];
-  return slot < 0 ? nullptr : t.tier_rows + slot * t.tier_stride;
-}
 
 // K, the patterns per position of a C-bit code (code 0 is the escape).
 IBP_HD int codebook_size(int code_bits) { return (1 << code_bits) - 1; }
