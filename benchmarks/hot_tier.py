@@ -40,6 +40,8 @@ GIB = 1 << 30
 DIM = 128
 # Tier budgets as a share of the table's raw bytes; None = every row.
 BUDGETS: tuple[float | None, ...] = (0.01, 0.05, 0.10, None)
+# Bytes read between engines to flush the caches (well past this host's last-level cache).
+EVICT_BYTES = 256 << 20
 COMPRESSED = "ibpembed compressed"
 RAW = "ibpembed raw rows"
 
@@ -111,14 +113,17 @@ def _passes(engines: Sequence[Engine]) -> dict[str, Callable[[], None]]:
 
 
 def warm_best_seconds(passes: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
-    """Fastest of ``reps`` timed passes of each engine, the engines taken in turn, each timed
-    pass right after an untimed one of the same engine: every engine is timed with the caches as
-    its own traffic leaves them. Without it an engine reading the same rows as the one before it
-    (raw rows, then ``F.embedding_bag``, torchrec and fbgemm share one copy) found them cached
-    and one reading other memory (a tier) did not."""
+    """Fastest of ``reps`` timed passes of each engine, the engines taken in turn, each with the
+    same history: the caches flushed (a read of EVICT_BYTES), one untimed pass, then the timed
+    one. Round-robin alone let an engine reading the same rows as the ones before it (raw rows,
+    ``F.embedding_bag``, torchrec and fbgemm share one copy) find them and their page-table
+    entries cached, and one reading other memory (a tier) not: ``F.embedding_bag`` right after
+    raw rows ran 1.6-2.8x raw rows, alone 1.2x."""
     best = dict.fromkeys(passes, math.inf)
+    evict = torch.ones(EVICT_BYTES // 8, dtype=torch.int64)
     for _ in range(reps):
         for name, fn in passes.items():
+            evict.sum()
             fn()
             start = time.perf_counter()
             fn()
@@ -255,7 +260,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"Pooled SUM, D = {runs[0]['dim']}, B = 512, bag lengths 1..{cfg['max_pooling']}, "
         f"{cfg['threads']} thread(s), tables of {runs[0]['table_gib']:.2f} GiB raw (DLRM value "
         f"profile), {cfg['batches']} batches per pass, fastest of {cfg['rounds']} round-robin "
-        "passes, each right after an untimed pass of the same engine (its own cache state). "
+        "passes, each after a cache flush and an untimed pass of the same engine. "
         "M lookups/s (ratio to ibpembed's raw rows); the tier holds the rows looked up "
         f"most in the {cfg['rank_batches']} batches before the timed ones (offline ranking of "
         "the same stream). Load average "
