@@ -12,7 +12,7 @@ BUILD_STAMP := $(VENV)/.extension-built
 REQUIREMENTS := $(wildcard requirements/*.txt) pyproject.toml clients/python/pyproject.toml
 CSRC := $(shell find csrc -type f) setup.py
 
-.PHONY: help setup build serve test lint bench bench-quick reliability cuda-check arm-check proto
+.PHONY: help setup build serve test lint bench bench-quick reliability cuda-check gpu-run arm-check proto
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -54,19 +54,17 @@ bench: $(BUILD_STAMP)  ## every benchmark at full size, then BENCHMARKS.md (abou
 bench-quick: $(BUILD_STAMP)  ## every benchmark at smoke size (minutes; not results)
 	$(PY) -m benchmarks --quick --out benchmarks/.cache/quick --report benchmarks/.cache/quick/BENCHMARKS.md
 
-reliability: $(BUILD_STAMP)  ## the campaigns at their documented sizes (reliability/README.md)
-	$(PY) -m reliability.fuzz_codec --cases 100000 --jobs 2
-	$(PY) -m reliability.fuzz_cuda_kernels --seconds 300
-	$(PY) -m reliability.fuzz_rpc --cases 20000
-	$(PY) -m reliability.soak
-	$(PY) -m reliability.faults
-	$(PY) -m reliability.security
+reliability: $(BUILD_STAMP)  ## the campaigns at their documented sizes, then reliability/README.md's figures
+	$(PY) -m reliability
 
 proto: $(DEPS_STAMP)  ## regenerate the gRPC stubs in clients/python from proto/
 	$(PY) proto/generate.py
 
 cuda-check: $(DEPS_STAMP)  ## nvcc compile check of the CUDA kernels (sm_80 + sm_90; no GPU)
 	PYTHON=$(PY) scripts/check_cuda_compile.sh
+
+gpu-run:  ## on a GPU machine: build there, check and time the CUDA path (under 9 min; docs/cuda.md)
+	scripts/gpu_run.sh
 
 arm-check: $(DEPS_STAMP)  ## aarch64 cross-compile check of the portable CPU build
 	PYTHON=$(PY) scripts/check_aarch64_compile.sh

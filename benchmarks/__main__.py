@@ -2,13 +2,14 @@
 """Run every benchmark, then render BENCHMARKS.md from the results they wrote.
 
     python -m benchmarks                      # everything, full sizes (about 20 min on 2 cores)
-    python -m benchmarks --quick              # smoke sizes (about 4 min): numbers are not results
+    python -m benchmarks --quick              # smoke sizes (about 4 min), to benchmarks/.cache/
     python -m benchmarks --only codec tables  # some benchmarks; the others keep their last results
     python -m benchmarks --render-only        # BENCHMARKS.md from the results already on disk
 
 Each benchmark runs in its own process (a crash or an out-of-memory kill loses one section, not
 the run) and writes ``<name>.json`` + ``<name>.md`` into the results directory
-(benchmarks/.cache/results by default); the report is rendered from those files alone.
+(benchmarks/results/ by default, committed); the report is rendered from those files alone.
+The layout, and how a benchmark adds its files: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks._harness import REPO, RESULTS, run_metadata
-from benchmarks.report import SECTIONS, render
+from benchmarks._harness import QUICK_RESULTS, REPO, RESULTS, run_metadata
+from benchmarks.report import RUN_LOG, SECTIONS, read_log, render
 
 REPORT = REPO / "BENCHMARKS.md"
-RUN_LOG = "run.json"
 
 
 def run_one(name: str, args: Sequence[str], out: Path) -> dict:
@@ -43,13 +43,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke sizes (not results)")
     parser.add_argument("--only", nargs="+", choices=[s.name for s in SECTIONS], default=None)
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
-    parser.add_argument("--report", type=Path, default=REPORT, help="Markdown file to write")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"results directory (default {RESULTS.relative_to(REPO)}/, committed; "
+        f"with --quick {QUICK_RESULTS.relative_to(REPO)}/)",
+    )
+    parser.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        help="Markdown file to write (default BENCHMARKS.md; with --quick, in --out)",
+    )
     parser.add_argument("--render-only", action="store_true", help="render, run nothing")
     args = parser.parse_args(argv)
+    # Smoke sizes are not results: they never overwrite the committed ones or the page.
+    if args.out is None:
+        args.out = QUICK_RESULTS if args.quick else RESULTS
+    if args.report is None:
+        args.report = args.out / "BENCHMARKS.md" if args.quick else REPORT
     args.out.mkdir(parents=True, exist_ok=True)
-    log_path = args.out / RUN_LOG
-    log = json.loads(log_path.read_text()) if log_path.is_file() else {}
+    log = read_log(args.out)
     failed = []
     if not args.render_only:
         for section in SECTIONS:
@@ -64,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 failed.append(section.name)
         given = sys.argv[1:] if argv is None else list(argv)
         log["_run"] = run_metadata(" ".join(["python -m benchmarks", *given]))
-        log_path.write_text(json.dumps(log, indent=2) + "\n")
+        (args.out / RUN_LOG).write_text(json.dumps(log, indent=2) + "\n")
     args.report.write_text(render(args.out, log))
     print(f"wrote {args.report}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

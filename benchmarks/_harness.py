@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / ".cache" / "results"
+RESULTS = REPO / "benchmarks" / "results"  # committed: BENCHMARKS.md is rendered from it
+QUICK_RESULTS = REPO / "benchmarks" / ".cache" / "quick"  # smoke sizes, git-ignored
 
 
 def cpu_model() -> str:

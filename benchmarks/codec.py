@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from benchmarks import data
 from benchmarks._harness import RESULTS, write_results
 from ibpembed import _C, codec
-from ibpembed.hot_rows import DEFAULT_BUDGET, hot_row_ids
+from ibpembed.engine.tier import DEFAULT_BUDGET, hot_row_ids
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CHART = REPO / "docs" / "img" / "codec_savings.png"
@@ -828,7 +828,7 @@ def _gather_lines(g: dict[str, Any], rounds: int) -> list[str]:
         f"{g['batches']} batches of B=512, Zipf α=1.05 ids (hot ids permuted), pooling 1..100: "
         f"{g['lookups_per_pass']:,} lookups per pass; best of {rounds} round-robin passes. "
         "M lookups/s (ratio vs ibpembed raw rows / vs torchrec EBC). "
-        f"*{HOT_ENGINE}*: the engine's hot-row policy (`ibpembed.hot_rows`, budget "
+        f"*{HOT_ENGINE}*: the engine's hot-row policy (`ibpembed.engine.tier`, budget "
         f"{_pct(HOT_ROW_BUDGET, 0)} of raw) ranked {HOT_ROW_WARMUP_BATCHES} earlier batches of "
         f"the same distribution: {g['hot_rows']:,} rows copied "
         f"({g['hot_bytes'] / 2**20:.1f} MiB; savings {_pct(g['savings'])} → "

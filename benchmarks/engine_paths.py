@@ -39,18 +39,18 @@ from benchmarks._harness import RESULTS, run_metadata, write_results
 from ibpembed import reference
 from ibpembed.codec import compress
 from ibpembed.engine import DEDUPE_MIN_IDS, FeatureQuery, LookupEngine
-from ibpembed.hot_rows import DEFAULT_BUDGET
+from ibpembed.engine.tier import DEFAULT_TIER
 from ibpembed.server import demo
-from ibpembed.server.servicer import decode_request
+from ibpembed.server.wire import decode_request
 from ibpembed.tables.store import TableStore
 from ibpembed_client.workload import hotness_for, make_requests
 
 WARMUP_REQUESTS = 8
-VARIANTS = {  # name: (dedupe_max_unique_fraction, dedupe_min_ids, hot_row_budget)
-    "dedupe (from 64 ids)": (0.5, 64, 0.0),
-    "fused": (0.0, DEDUPE_MIN_IDS, 0.0),
-    "engine default, no copies": (0.5, DEDUPE_MIN_IDS, 0.0),
-    "engine default + hot rows": (0.5, DEDUPE_MIN_IDS, DEFAULT_BUDGET),
+VARIANTS = {  # name: (dedupe_max_unique_fraction, dedupe_min_ids, hot_tier)
+    "dedupe (from 64 ids)": (0.5, 64, "off"),
+    "fused": (0.0, DEDUPE_MIN_IDS, "off"),
+    "engine default, no copies": (0.5, DEDUPE_MIN_IDS, "off"),
+    "engine default + hot rows": (0.5, DEDUPE_MIN_IDS, DEFAULT_TIER),
 }
 
 REFERENCE_VARIANT = "fused"  # the others' results are compared with this one's
@@ -62,15 +62,15 @@ def engines(tables: dict) -> dict[str, LookupEngine]:
     out = {}
     for name, (fraction, min_ids, budget) in VARIANTS.items():
         store = TableStore.from_tables(tables)
-        # No periodic re-ranking during the run: copies come from the explicit refresh in
-        # measure(), which also stops the thread before its first run (5 s after start).
+        # No publication during the run: the tier comes from the explicit refresh in
+        # measure(), which also stops the thread before its first publication (5 s in).
         out[name] = LookupEngine(
             store,
             max_workers=1,
             dedupe_max_unique_fraction=fraction,
             dedupe_min_ids=min_ids,
-            hot_row_budget=budget,
-            hot_row_refresh_s=1e6,
+            hot_tier=budget,
+            hot_tier_refresh_s=1e6,
         )
     return out
 
@@ -123,9 +123,9 @@ def measure(tables: dict, warm: list[Request], timed: list[Request], passes: int
         for engine in variants.values():
             for request in warm:
                 engine.run(request, "sum")
-            if engine.hot_rows is not None:
-                engine.hot_rows.refresh()
-                engine.hot_rows.close()  # no background re-ranking on the timed requests
+            if engine.tier is not None:
+                engine.tier.refresh()
+                engine.tier.close()  # no background admission on the timed requests
         agree = agreement(variants, timed)  # with the copies in place, before any timing
         best = dict.fromkeys(variants, float("inf"))
         for p in range(passes):

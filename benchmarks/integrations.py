@@ -39,7 +39,7 @@ from benchmarks._harness import RESULTS, run_metadata, write_results
 from ibpembed.codec import compress
 from ibpembed.engine import LookupEngine
 from ibpembed.server import demo
-from ibpembed.server.servicer import decode_request
+from ibpembed.server.wire import decode_request
 from ibpembed.tables.pack import save_table_set
 from ibpembed.tables.store import TableStore
 from ibpembed.triton.repo import write_repository
@@ -144,7 +144,7 @@ def run(cfg: Config, out: Path, command: str) -> dict:
         triton = TritonProcess(Path(tmp) / "repo", wait=False, env=one_thread)
         server = ServerProcess(
             *("--tables", str(tables), "--workers", "1", "--torch-threads", "1"),
-            *("--device", "cpu", "--hot-row-budget", "0", "--log-level", "warning"),
+            *("--device", "cpu", "--hot-tier", "off", "--log-level", "warning"),
             env=one_thread,
         )
         store = TableStore.load(tables)

@@ -96,7 +96,7 @@ def serve(tables: Path, *, metrics: bool, workers: int) -> ServerProcess:
         # Hot-row refreshes (~0.2 s of CPU every 30 s, at different moments in the two
         # servers) would land in some rounds and not others: off in both arms, as the
         # metrics code does not depend on them.
-        *("--hot-row-budget", "0"),
+        *("--hot-tier", "off"),
     )
     server.metrics_port = metrics_port
     return server

@@ -5,6 +5,9 @@ The report is one setup block (machine, date, commit, command, and per section t
 produced it), a headline table of ratios against the peers doing the same work, then one
 section per question: the question, the benchmark's own tables, and a few sentences on what the
 figures mean. The sentences here carry no numbers; every number comes from a results file.
+
+Where the results live and how a benchmark adds its file and its headline rows:
+benchmarks/README.md ("Committed results: the layout").
 """
 
 from __future__ import annotations
@@ -16,7 +19,140 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gpu_check import markdown as gpu_markdown
+
 Results = dict[str, dict[str, Any]]
+RUN_LOG = "run.json"
+# measure, ibpembed, peer, ratio: one row of the headline table (the section link is added).
+HeadlineRow = tuple[str, str, str, str]
+# The headline is a summary, not a second copy of the sections: a new row replaces a weaker one.
+HEADLINE_ROWS = 8
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}×" if b else "—"
+
+
+def _codec_headline(codec: dict[str, Any]) -> list[HeadlineRow]:
+    rows: list[HeadlineRow] = []
+    tables = {t["name"]: t for t in codec.get("tables", [])}
+    for name in ("dlrm_d128_fp32", "dlrm_d128_bf16"):
+        t = tables.get(name)
+        if t is None:
+            continue
+        bound = f"; {_pct(t['bound'])} bound" if t.get("bound") is not None else ""
+        rows.append(
+            (
+                f"host bytes saved, {name} ({t['dtype']}, {t['source']})",
+                _pct(t["ours"]),
+                f"paper's fit {_pct(t['paper'])}, zstd-3 {_pct(t['zstd3'])}{bound}",
+                f"{t['ratio']:.2f}× the paper's" if t.get("ratio") else "—",
+            )
+        )
+    gather = next((g for g in codec.get("gather", []) if g["profile"] == "fp32"), None)
+    rates = gather["mlookups_per_s"].get("1") if gather else None
+    if rates:
+        where = f"pooled SUM, fp32 table of {gather['table_gib']:.2f} GiB, 1 thread"
+        ours, hot = rates["ibpembed compressed"], rates.get("ibpembed compressed + hot rows")
+        if "torchrec EBC" in rates:
+            peer = rates["torchrec EBC"]
+            rows.append(
+                (
+                    f"lookups/s, compressed vs torchrec EBC ({where})",
+                    f"{ours:.1f} M/s",
+                    f"{peer:.1f} M/s",
+                    _ratio(ours, peer),
+                )
+            )
+        if hot is not None:
+            raw = rates["ibpembed raw rows"]
+            rows.append(
+                (
+                    f"lookups/s, compressed + hot-row copies vs raw rows ({where})",
+                    f"{hot:.1f} M/s",
+                    f"{raw:.1f} M/s",
+                    _ratio(hot, raw),
+                )
+            )
+    return rows
+
+
+def _service_headline(service: dict[str, Any]) -> list[HeadlineRow]:
+    rows: list[HeadlineRow] = []
+    by = {(r["path"], r["batch"], r["load"]): r for r in service["results"]}
+    health, b1 = by.get(("health", 0, "one")), by.get(("tcp_fp32", 1, "one"))
+    # The benchmark's own ratio of the unrounded p50s, as its targets table shows it.
+    ratio = service.get("targets", {}).get("b1_p50_vs_health_p50", {}).get("value")
+    if health and b1 and ratio is not None:
+        rows.append(
+            (
+                "round trip p50, B=1 x 26 features over gRPC vs a health check (the floor)",
+                f"{b1['p50_ms']:.2f} ms",
+                f"{health['p50_ms']:.2f} ms",
+                f"{ratio:.2f}×",
+            )
+        )
+    inproc, served = (
+        by.get(("in_process", 512, "saturation")),
+        by.get(("tcp_fp32", 512, "saturation")),
+    )
+    if served and inproc:
+        rows.append(
+            (
+                "QPS at saturation, gRPC fp32 outputs vs the engine in process (B=512 x 26)",
+                f"{served['qps']:.0f}",
+                f"{inproc['qps']:.0f}",
+                _ratio(served["qps"], inproc["qps"]),
+            )
+        )
+    return rows
+
+
+def _torchrec_headline(torchrec: dict[str, Any]) -> list[HeadlineRow]:
+    by = {r["module"]: r for r in torchrec["synthetic"] if r["model"] == "full fp32"}
+    ours, peer = by.get("ibpembed compressed"), by.get("torchrec EBC fp32")
+    if not (ours and peer):
+        return []
+    return [
+        (
+            f"EBC forward, compressed vs torchrec fp32 (DLRM-profile fp32 tables, host bytes "
+            f"{ours['bytes'] / peer['bytes']:.0%})",
+            f"{ours['ms']:.2f} ms",
+            f"{peer['ms']:.2f} ms",
+            f"{peer['ms'] / ours['ms']:.2f}× the speed",
+        )
+    ]
+
+
+def _tier_headline(tier: dict[str, Any]) -> list[HeadlineRow]:
+    """Zipf 1.05 fp32: the largest tier whose table fits in raw rows' host bytes, against raw
+    rows and torchrec."""
+    rows: list[HeadlineRow] = []
+    for r in tier["results"]:
+        if r["alpha"] != 1.05 or r["dtype"] != "fp32":
+            continue
+        rates, host = r["mlookups_per_s"], r["host_bytes"]
+        raw = host["ibpembed raw rows"]
+        fits = [k for k in rates if k.startswith("ibpembed compressed") and host[k] <= raw]
+        if not fits:
+            continue
+        best = max(fits, key=lambda k: host[k])
+        for peer in ("ibpembed raw rows", "torchrec EBC"):
+            if peer in rates:
+                rows.append(
+                    (
+                        f"lookups/s, {best.removeprefix('ibpembed ')} vs {peer} (Zipf 1.05, fp32, "
+                        f"host bytes {host[best] / host[peer]:.0%} of the peer's)",
+                        f"{rates[best]:.1f} M/s",
+                        f"{rates[peer]:.1f} M/s",
+                        _ratio(rates[best], rates[peer]),
+                    )
+                )
+    return rows
 
 
 @dataclass(frozen=True)
@@ -27,6 +163,10 @@ class Section:
     meaning: str
     args: tuple[str, ...] | None  # full run; None: measured on another machine
     quick_args: tuple[str, ...] = ("--quick",)
+    # The section's rows in the headline table, from its results file.
+    headline: Callable[[dict[str, Any]], list[HeadlineRow]] | None = None
+    # The headline's measure while the section has no results (a GPU-only section, say).
+    unmeasured: str | None = None
 
 
 SECTIONS = (
@@ -44,6 +184,7 @@ SECTIONS = (
         "hot-row copies close part of the gap. The PCIe table is where compression pays: a GPU "
         "gather reads 32-byte sectors, and fewer of them.",
         (),
+        headline=_codec_headline,
     ),
     Section(
         "cpu_engine",
@@ -72,12 +213,13 @@ SECTIONS = (
         "lookups against raw rows, torchrec, `F.embedding_bag` and fbgemm, and for how many "
         "host bytes?",
         "Tier rows and raw rows take the lean path: a pre-pass resolves each id to its tier row "
-        "through a dense row-to-slot map, and those rows are pooled in one loop that prefetches a "
-        "fixed distance ahead; only the misses go through the index and the decoder. Under Zipf "
-        "traffic a tier of a few percent of the raw bytes serves most lookups; under uniform ids "
-        "every engine waits on DRAM and only a tier of every row helps "
-        "([the lean path](docs/codec.md#the-decoded-tier)).",
+        "through a rank directory, and those rows are pooled in one loop that prefetches a fixed "
+        "distance ahead; only the misses go through the index and the decoder. Under Zipf "
+        "traffic a tier of a few percent of the raw bytes serves most lookups, and the misses, "
+        "decoded from DRAM, take most of the time; under uniform ids only a tier of every row "
+        "helps ([the lean path](docs/codec.md#the-decoded-tier)).",
         (),
+        headline=_tier_headline,
     ),
     Section(
         "tables",
@@ -102,6 +244,7 @@ SECTIONS = (
         "understate a server on its own cores (the CPU column is the better estimate; "
         "[where the time goes](docs/serving.md)).",
         (),
+        headline=_service_headline,
     ),
     Section(
         "sharding",
@@ -128,6 +271,7 @@ SECTIONS = (
         "same order), INT8 is not; its forward is slower than torchrec's fp32 EBC on a CPU for "
         "the reason the codec section gives.",
         (),
+        headline=_torchrec_headline,
     ),
     Section(
         "integrations",
@@ -146,9 +290,11 @@ SECTIONS = (
         "GPU: zero-copy gather over PCIe",
         "On a GPU, how fast is the zero-copy gather of compressed rows against raw rows, "
         "`index_select` + copy and the pinned H2D bandwidth?",
-        "Measured only by `python -m benchmarks.gpu_check` on a GPU machine (docs/cuda.md); "
-        "its results file is rendered here when one is present.",
+        "Measured only on a GPU machine by `scripts/gpu_run.sh` (`python -m benchmarks.gpu_check`; "
+        "docs/cuda.md); its gpu_check.json is rendered here when one is among the results.",
         None,
+        headline=gpu_markdown.headline_rows,
+        unmeasured="zero-copy GPU gather, compressed vs raw rows",
     ),
 )
 
@@ -167,252 +313,19 @@ def load(out: Path) -> tuple[Results, dict[str, str]]:
 
 
 # -- the headline table -------------------------------------------------------------------------
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f} %"
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}×" if b else "—"
-
-
-def _codec_table(results: Results, name: str) -> dict[str, Any] | None:
-    tables = results.get("codec", {}).get("tables", [])
-    return next((t for t in tables if t["name"] == name), None)
-
-
-def _savings_rows(results: Results) -> list[list[str]]:
+def headline_rows(results: Results) -> list[list[str]]:
+    """Every section's headline rows, in section order, each with its section's link."""
     rows = []
-    for name in ("dlrm_d128_fp32", "dlrm_d128_bf16", "dlrm_d128_bf16r", "minilm_fp32"):
-        t = _codec_table(results, name)
-        if t is None:
-            continue
-        peers = f"paper's fit {_pct(t['paper'])}, zstd-3 {_pct(t['zstd3'])}, lz4 {_pct(t['lz4'])}"
-        bound = f"{_pct(t['bound'])} bound" if t.get("bound") is not None else "no bound"
-        rows.append(
-            [
-                f"host bytes saved, {name} ({t['dtype']}, {t['source']})",
-                _pct(t["ours"]),
-                f"{peers}; {bound}",
-                _ratio(t["ours"], t["paper"]) + " the paper's" if t["paper"] > 0 else "—",
-                "codec",
-            ]
-        )
+    for section in SECTIONS:
+        data = results.get(section.name)
+        if data is not None and section.headline is not None:
+            made = section.headline(data)
+        elif data is None and section.unmeasured is not None:
+            made = [(section.unmeasured, "not measured", "", "")]
+        else:
+            made = []
+        rows += [[*row, f"[{section.name}](#{section.name})"] for row in made]
     return rows
-
-
-def _lookup_rows(results: Results) -> list[list[str]]:
-    rows = []
-    for g in results.get("codec", {}).get("gather", []):
-        rates = g["mlookups_per_s"].get("1")
-        if not rates:
-            continue
-        ours = rates["ibpembed compressed"]
-        where = f"pooled SUM, {g['profile']} table of {g['table_gib']:.2f} GiB, 1 thread"
-        for peer in (
-            "ibpembed raw rows",
-            "torchrec EBC",
-            "F.embedding_bag",
-            "fbgemm TBE FP32",
-        ):
-            if peer in rates:
-                rows.append(
-                    [
-                        f"lookups/s, compressed vs {peer} ({where})",
-                        f"{ours:.1f} M/s",
-                        f"{rates[peer]:.1f} M/s",
-                        _ratio(ours, rates[peer]),
-                        "codec",
-                    ]
-                )
-        hot = rates.get("ibpembed compressed + hot rows")
-        if hot is not None:
-            raw = rates["ibpembed raw rows"]
-            rows.append(
-                [
-                    f"lookups/s, compressed + hot-row copies vs raw rows ({where})",
-                    f"{hot:.1f} M/s",
-                    f"{raw:.1f} M/s",
-                    _ratio(hot, raw),
-                    "codec",
-                ]
-            )
-    return rows
-
-
-def _service_rows(results: Results) -> list[list[str]]:
-    service = results.get("service")
-    if not service:
-        return []
-    rows = []
-    by = {(r["path"], r["batch"], r["load"]): r for r in service["results"]}
-    health, b1 = by.get(("health", 0, "one")), by.get(("tcp_fp32", 1, "one"))
-    if health and b1:
-        rows.append(
-            [
-                "round trip p50, B=1 x 26 features over gRPC vs a health check (the floor)",
-                f"{b1['p50_ms']:.2f} ms",
-                f"{health['p50_ms']:.2f} ms",
-                _ratio(b1["p50_ms"], health["p50_ms"]),
-                "service",
-            ]
-        )
-    inproc = by.get(("in_process", 512, "saturation"))
-    for path, label in (("tcp_fp32", "gRPC fp32"), ("tcp_bf16", "gRPC bf16"), ("shm", "shm")):
-        served = by.get((path, 512, "saturation"))
-        if served and inproc:
-            rows.append(
-                [
-                    f"QPS at saturation, {label} outputs vs the engine in process (B=512 x 26)",
-                    f"{served['qps']:.0f}",
-                    f"{inproc['qps']:.0f}",
-                    _ratio(served["qps"], inproc["qps"]),
-                    "service",
-                ]
-            )
-    return rows
-
-
-def _other_rows(results: Results) -> list[list[str]]:
-    rows = []
-    sharding = results.get("sharding")
-    if sharding:
-        rows.append(
-            [
-                "QPS, 3 row shards vs one server (same host)",
-                f"{sharding['results']['sharded']['qps']:.0f}",
-                f"{sharding['results']['single']['qps']:.0f}",
-                f"{sharding['qps_ratio']:.2f}×",
-                "sharding",
-            ]
-        )
-    tables = results.get("tables")
-    if tables:
-        cold = tables["loads"]["cold"]
-        ours, peer = cold["ibpembed"]["load_s"], cold["torch.load"]["load_s"]
-        rows.append(
-            [
-                "table-set load call, cold cache, vs `torch.load`",
-                f"{ours:.3f} s",
-                f"{peer:.3f} s",
-                f"{peer / ours:.1f}× faster",
-                "tables",
-            ]
-        )
-    metrics = results.get("metrics_overhead")
-    if metrics:
-        for r in metrics["results"]:
-            rows.append(
-                [
-                    f"QPS cost of metrics (B={r['batch']})",
-                    f"{r['qps_on']:.0f}",
-                    f"{r['qps_off']:.0f} off",
-                    f"{r['qps_on'] / r['qps_off']:.3f}×",
-                    "metrics_overhead",
-                ]
-            )
-    torchrec = results.get("torchrec_module")
-    if torchrec:
-        syn = torchrec["synthetic"]
-        for model in dict.fromkeys(r["model"] for r in syn):
-            by = {r["module"]: r for r in syn if r["model"] == model}
-            ours, peer = by.get("ibpembed compressed"), by.get("torchrec EBC fp32")
-            if ours and peer:
-                rows.append(
-                    [
-                        f"EBC forward, compressed vs torchrec fp32 ({model}, host bytes "
-                        f"{ours['bytes'] / peer['bytes']:.0%})",
-                        f"{ours['ms']:.2f} ms",
-                        f"{peer['ms']:.2f} ms",
-                        f"{peer['ms'] / ours['ms']:.2f}× the speed",
-                        "torchrec_module",
-                    ]
-                )
-    return rows
-
-
-def _integration_rows(results: Results) -> list[list[str]]:
-    data = results.get("integrations")
-    if not data:
-        return []
-    rows = []
-    lookups = {(r["batch"], r["path"]): r for r in data["lookups"]}
-    for batch in sorted({b for b, _ in lookups}):
-        triton = lookups.get((batch, "Triton (HTTP)"))
-        served = lookups.get((batch, "ibpembed serve (gRPC)"))
-        inproc = lookups.get((batch, "in-process engine"))
-        if triton and served:
-            rows.append(
-                [
-                    f"QPS one at a time, Triton Python backend vs `ibpembed serve` (B={batch})",
-                    f"{triton['qps']:.0f}",
-                    f"{served['qps']:.0f}",
-                    _ratio(triton["qps"], served["qps"]),
-                    "integrations",
-                ]
-            )
-        if served and inproc and batch == max(b for b, _ in lookups):
-            rows.append(
-                [
-                    f"QPS one at a time, `ibpembed serve` vs in-process engine (B={batch})",
-                    f"{served['qps']:.0f}",
-                    f"{inproc['qps']:.0f}",
-                    _ratio(served["qps"], inproc["qps"]),
-                    "integrations",
-                ]
-            )
-    modules = {(r["batch"], r["module"]): r for r in data["modules"]}
-    for batch in sorted({b for b, _ in modules}):
-        remote = modules.get((batch, "RemoteEmbeddingBagCollection"))
-        local = modules.get((batch, "CompressedEmbeddingBagCollection"))
-        if remote and local:
-            rows.append(
-                [
-                    f"EBC forwards/s, remote (gRPC) vs in-process compressed EBC (B={batch})",
-                    f"{remote['qps']:.0f}",
-                    f"{local['qps']:.0f}",
-                    _ratio(remote["qps"], local["qps"]),
-                    "integrations",
-                ]
-            )
-    return rows
-
-
-def _tier_rows(results: Results) -> list[list[str]]:
-    """Zipf 1.05: the largest tier whose table fits in raw rows' host bytes, against raw rows
-    and torchrec."""
-    rows = []
-    for r in results.get("hot_tier", {}).get("results", []):
-        if r["alpha"] != 1.05:
-            continue
-        rates, host = r["mlookups_per_s"], r["host_bytes"]
-        fits = [k for k in rates if k.startswith("ibpembed compressed") and
-                host[k] <= host["ibpembed raw rows"]]  # fmt: skip
-        if not fits:
-            continue
-        best = max(fits, key=lambda k: host[k])
-        for peer in ("ibpembed raw rows", "torchrec EBC"):
-            if peer in rates:
-                rows.append(
-                    [
-                        f"lookups/s, {best.removeprefix('ibpembed ')} vs {peer} (Zipf 1.05, "
-                        f"{r['dtype']}, host bytes {host[best] / host[peer]:.0%} of the peer's)",
-                        f"{rates[best]:.1f} M/s",
-                        f"{rates[peer]:.1f} M/s",
-                        _ratio(rates[best], rates[peer]),
-                        "hot_tier",
-                    ]
-                )
-    return rows
-
-
-HEADLINES: tuple[Callable[[Results], list[list[str]]], ...] = (
-    _savings_rows,
-    _lookup_rows,
-    _tier_rows,
-    _service_rows,
-    _integration_rows,
-    _other_rows,
-)
 
 
 def _headline(results: Results) -> list[str]:
@@ -420,15 +333,7 @@ def _headline(results: Results) -> list[str]:
         "| measure | ibpembed | peer | ratio | section |",
         "|---|---:|---:|---:|---|",
     ]
-    for make in HEADLINES:
-        for row in make(results):
-            *cells, section = row
-            lines.append("| " + " | ".join([*cells, f"[{section}](#{section})"]) + " |")
-    if "gpu_check" not in results:
-        lines.append(
-            "| zero-copy GPU gather, compressed vs raw rows | not measured | | | "
-            "[gpu_check](#gpu_check) |"
-        )
+    lines += ["| " + " | ".join(row) + " |" for row in headline_rows(results)]
     return lines
 
 
@@ -465,11 +370,12 @@ def _setup(log: dict[str, Any], results: Results) -> list[str]:
         f"torch {run.get('torch', '?')}.",
         f"- **Date**: {run.get('date', 'unknown')}; **commit** `{run.get('commit', '?')}`; "
         f"**command** `{run.get('command', 'python -m benchmarks')}`.",
+        *([f"- **Results files**: {run['note']}"] if run.get("note") else []),
         "- Ratios are measured side by side in one process or one run: absolute numbers on a "
         "shared machine drift between runs, ratios much less.",
         "",
-        "| section | command | load average | seconds |",
-        "|---|---|---:|---:|",
+        "| section | command | commit, date | load average | seconds |",
+        "|---|---|---|---:|---:|",
     ]
     for section in SECTIONS:
         data = results.get(section.name)
@@ -482,21 +388,35 @@ def _setup(log: dict[str, Any], results: Results) -> list[str]:
             load = max(load)
         load_text = f"{load:.1f}" if isinstance(load, (int, float)) else "—"
         quick = " (quick: not results)" if entry.get("quick") else ""
+        # A section rerun alone, or measured on another machine, says so on its own row.
+        machine = data.get("machine")
+        if machine and run.get("machine") and machine != run["machine"]:
+            quick += f" on {machine}"
+        when = ", ".join(str(data[key]) for key in ("commit", "revision", "date") if data.get(key))
         lines.append(
-            f"| [{section.name}](#{section.name}) | `{command}`{quick} | {load_text} | "
-            f"{entry.get('seconds', '—')} |"
+            f"| [{section.name}](#{section.name}) | `{command}`{quick} | {when or '—'} | "
+            f"{load_text} | {entry.get('seconds', '—')} |"
         )
     return lines
 
 
-def render(out: Path, log: dict[str, Any]) -> str:
+def read_log(out: Path) -> dict[str, Any]:
+    """The runner's log in ``out``: the last run's metadata and each section's exit and time."""
+    path = out / RUN_LOG
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def render(out: Path, log: dict[str, Any] | None = None) -> str:
+    """The report for the results in ``out`` (and the runner's log there, unless given)."""
+    log = read_log(out) if log is None else log
     results, markdown = load(out)
     lines = [
         "# Benchmarks",
         "",
-        "Generated by `python -m benchmarks` from the results it wrote "
-        "(benchmarks/.cache/results); do not edit by hand. How each benchmark works and what it "
-        "prints: [benchmarks/README.md](benchmarks/README.md). Known misses and limits: "
+        "Generated by `python -m benchmarks` from the results it wrote to benchmarks/results/ "
+        "(committed; a test checks this page against them): do not edit by hand. How each "
+        "benchmark works and what it prints: [benchmarks/README.md](benchmarks/README.md). "
+        "Known misses and limits: "
         "[docs/known-issues.md](docs/known-issues.md).",
         "",
         "## Setup",
@@ -513,6 +433,8 @@ def render(out: Path, log: dict[str, Any]) -> str:
         lines += [f"*{section.question}*", ""]
         if section.name in markdown:
             lines += [_body(markdown[section.name]), ""]
+        elif section.name == "gpu_check" and section.name in results:
+            lines += [gpu_markdown.section(results[section.name]), ""]
         else:
             run = "`python -m benchmarks.gpu_check` on a GPU" if section.args is None else (
                 f"`python -m benchmarks --only {section.name}`"

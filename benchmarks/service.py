@@ -55,9 +55,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from benchmarks._harness import RESULTS, run_metadata, write_results
 from ibpembed.codec import compress
 from ibpembed.engine import LookupEngine
-from ibpembed.hot_rows import DEFAULT_BUDGET, FIRST_REFRESH_S
+from ibpembed.engine.tier import DEFAULT_TIER, FIRST_REFRESH_S
 from ibpembed.server import demo
-from ibpembed.server.servicer import decode_packed
+from ibpembed.server.wire import decode_packed
 from ibpembed.tables.pack import save_table_set
 from ibpembed.tables.store import TableStore
 from ibpembed_client import (
@@ -67,7 +67,7 @@ from ibpembed_client import (
     RetryPolicy,
     SharedMemoryRegion,
 )
-from ibpembed_client._common import move_inputs_to_region
+from ibpembed_client._registered import move_inputs_to_region
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.workload import hotness_for, make_requests
 from tools.serve_process import ServerProcess, proc_cpu_seconds
@@ -287,8 +287,8 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="ibpembed-bench-") as tmp:
         features = pack_tables(Path(tmp), cfg.max_rows)
         store = TableStore.load(tmp)
-        engine = LookupEngine(store, max_workers=1, hot_row_budget=DEFAULT_BUDGET)
-        assert engine.hot_rows is not None
+        engine = LookupEngine(store, max_workers=1, hot_tier=DEFAULT_TIER)
+        assert engine.tier is not None
         with store.acquire() as snap:
             rows = {f: snap.tables[f].num_rows for f in features}
         hotness = hotness_for(features, "dcnv2")
@@ -332,7 +332,7 @@ def run(cfg: Config, out: Path, workers: int, concurrency: int) -> dict:
                     packed = decode_packed(request)
                     assert packed is not None
                     engine.run(packed, "sum")
-                engine.hot_rows.refresh()
+                engine.tier.refresh()
                 calls = _calls(client, engine, requests, shm, (slot, biggest), concurrency)
                 for load in ("one", "saturation"):
                     for path in PATHS:

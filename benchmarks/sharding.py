@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks._harness import RESULTS, run_metadata, write_results
-from ibpembed.hot_rows import FIRST_REFRESH_S
+from ibpembed.engine.tier import FIRST_REFRESH_S
 from ibpembed.server import demo
 from ibpembed.tables.importers import TableSet, TableSource
 from ibpembed.tables.manifest import shard_directory

@@ -144,7 +144,7 @@ def compressed_variants(
     ebc: EmbeddingBagCollection, traffic: list[KeyedJaggedTensor]
 ) -> list[tuple[str, CompressedEmbeddingBagCollection]]:
     """The compressed module as built, and with hot-row copies ranked on earlier ``traffic``
-    (the server's default budget, ``ibpembed.hot_rows``)."""
+    (the server's default budget, ``ibpembed.engine.tier``)."""
     hot = CompressedEmbeddingBagCollection.from_ebc(ebc)
     hot.cache_hot_rows(traffic)
     return [

@@ -16,26 +16,58 @@ most it ever writes). Checked:
 * an empty token file stops ``serve`` at start-up with a message, not a server that accepts all;
 * the token and the private keys appear nowhere in the server's output, the client's error
   messages or the load generator's JSON report.
+
+Isolation and overload, against plaintext servers (without tokens, and with a tokens file):
+
+* another process's shm object (mode 0600) cannot be registered, read or written by a caller in
+  a process of its own with another user's rights (it cannot write the server's nonce into it),
+  with and without a token of its own; a refusal of region inputs quotes no byte of the region;
+* made-up ``authorization`` headers on a server without tokens are one identity with one quota;
+  identities of a tokens file share ``--max-regions``;
+* a fresh client is served while eight LookupStreams nobody reads stay open, and the write
+  timeout ends those streams;
+* the server's RSS across refused 60 MiB requests; a request naming a million features is
+  refused in milliseconds, with health answering meanwhile;
+* a served table file truncated in place is withdrawn and the server lives; a manifest nested
+  100,000 deep is rejected once; ``input_region`` counts past int64 are INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
+import numpy as np
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, TlsOptions, loadgen
+from ibpembed.tables.importers import TableSet, TableSource
+from ibpembed.tables.manifest import MANIFEST, read_manifest
+from ibpembed.tables.pack import pack_table_set
+from ibpembed_client import (
+    LookupClient,
+    LookupServiceError,
+    RetryPolicy,
+    SharedMemoryRegion,
+    TlsOptions,
+    build_request,
+    loadgen,
+)
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 from reliability.common import make_pki
@@ -232,6 +264,294 @@ def secrets_in(text: str, pki: Path) -> list[str]:
     return found
 
 
+# -- isolation and overload -----------------------------------------------------------------------
+
+SECRET = b"victim-secret-0123456789abcdef!!"
+# Another process: creates an object only its user may open, holds it until stdin ends.
+_VICTIM = """
+import os, sys
+fd = os.open("/dev/shm" + sys.argv[1], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.ftruncate(fd, 1 << 16)
+os.pwrite(fd, sys.argv[2].encode(), 0)
+print("ready", flush=True)
+sys.stdin.read()
+os.unlink("/dev/shm" + sys.argv[1])
+"""
+ATTACK_EXPECTED = {
+    "open_locally": "EACCES",
+    "register_without_nonce": "FAILED_PRECONDITION",
+    "register_with_unwritten_nonce": "PERMISSION_DENIED",
+    "register_with_nonce_in_own_object": "PERMISSION_DENIED",
+    "register_with_nonce_for_own_object": "PERMISSION_DENIED",
+    "read_through_lookup": "NOT_FOUND",
+    "write_through_lookup": "NOT_FOUND",
+    "regions_listed": "0",
+}
+
+
+def check_shm_isolation(work: Path) -> tuple[dict, list[str]]:
+    """Another process's shm object against an attacker process with another user's rights
+    (needs root to start the attacker as), without auth and with a token of its own."""
+    if os.geteuid() != 0:
+        return {"skipped": "needs root to start the attacker as another user"}, []
+    tokens = work / "isolation_tokens"
+    tokens.write_text("frontend frontend-secret\nattacker attacker-secret\n")
+    results, failures = {}, []
+    for label, flags, token in (
+        ("no auth", (), None),
+        ("token auth", ("--auth-tokens-file", str(tokens)), "attacker-secret"),
+    ):
+        name = f"/ibpembed-victim-{uuid.uuid4().hex[:10]}"
+        victim = subprocess.Popen(
+            [sys.executable, "-c", _VICTIM, name, SECRET.decode()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            victim.stdout.readline()
+            with ServerProcess("--demo-max-rows", "100", "--device", "cpu", *flags) as server:
+                command = [sys.executable, "-m", "reliability.shm_attacker", server.target, name]
+                if token is not None:
+                    command += ["--token", token]
+                done = subprocess.run(
+                    command, cwd=REPO, capture_output=True, text=True, timeout=120
+                )
+                ok = done.returncode == 0
+                outcome = json.loads(done.stdout) if ok else {"error": done.stderr[-2000:]}
+            with open("/dev/shm" + name, "rb") as f:
+                outcome["victim_bytes_unchanged"] = f.read(len(SECRET)) == SECRET
+        finally:
+            victim.stdin.close()
+            victim.wait(timeout=30)
+        results[label] = outcome
+        if outcome != {**ATTACK_EXPECTED, "victim_bytes_unchanged": True}:
+            failures.append(f"shm isolation ({label}): {outcome}")
+    return results, failures
+
+
+def _stub(target: str, **options: int) -> tuple[grpc.Channel, lookup_pb2_grpc.EmbeddingLookupStub]:
+    channel = grpc.insecure_channel(target, options=list(options.items()))
+    return channel, lookup_pb2_grpc.EmbeddingLookupStub(channel)
+
+
+def check_region_quotas(work: Path) -> tuple[dict, list[str]]:
+    """Made-up authorization headers without tokens; identities of a tokens file and the
+    server-wide cap."""
+    shm_name = f"/ibpembed-quota-{uuid.uuid4().hex[:10]}"
+    tokens = work / "quota_tokens"
+    tokens.write_text("fe-a token-a\nfe-b token-b\n")
+    results: dict = {}
+    with SharedMemoryRegion.create(shm_name, 1 << 20) as shm:
+
+        def register(target: str, token: str, count: int, prefix: str) -> int:
+            with LookupClient(target, token=token, timeout=30, retry=NO_RETRY) as client:
+                for i in range(count):
+                    try:
+                        client.register_region(f"{prefix}{i}", shm, offset=64 * i, byte_size=64)
+                    except LookupServiceError:
+                        return i
+            return count
+
+        with ServerProcess("--demo-max-rows", "100", "--device", "cpu") as server:
+            taken = [register(server.target, f"made-up-{h}", 300, f"h{h}-") for h in range(4)]
+        results["no tokens: regions taken under 4 made-up headers"] = taken
+        flags = ("--auth-tokens-file", str(tokens), "--max-regions", "300")
+        with ServerProcess("--demo-max-rows", "100", "--device", "cpu", *flags) as server:
+            a = register(server.target, "token-a", 300, "a")
+            b = register(server.target, "token-b", 300, "b")
+        results["tokens file, --max-regions 300: regions of fe-a, fe-b"] = [a, b]
+    failures = []
+    if taken != [256, 0, 0, 0]:
+        failures.append(f"made-up headers took {taken} regions (want 256, 0, 0, 0)")
+    if [a, b] != [256, 44]:
+        failures.append(f"tokens file identities took {[a, b]} (want 256, 44)")
+    return results, failures
+
+
+def check_stalled_streams() -> tuple[dict, list[str]]:
+    """Eight LookupStreams whose 1 MB responses nobody reads, then a fresh client."""
+    flags = ("--demo-max-rows", "100", "--device", "cpu", "--stream-write-timeout-s", "5")
+    results: dict = {}
+    with ServerProcess(*flags) as server:
+        channel, _ = _stub(server.target, **{"grpc.http2.bdp_probe": 0})
+        call = channel.stream_stream(
+            "/ibpembed.v1.EmbeddingLookup/LookupStream",
+            request_serializer=pb.LookupRequest.SerializeToString,
+            response_deserializer=pb.LookupResponse.FromString,
+        )
+        rows = [[i % 100 for i in range(2048)]]  # 2,048 NONE rows of 512 bytes
+        stalled = [
+            call(iter([build_request({"cat_0": rows}, "none") for _ in range(12)]))
+            for _ in range(8)
+        ]
+        time.sleep(2)  # the streams fill their windows and stall
+        codes: dict[str, int] = {}
+        with LookupClient(server.target, timeout=30, retry=NO_RETRY) as fresh:
+            for _ in range(20):
+                try:
+                    fresh.lookup({"cat_0": [[1, 2]]})
+                    codes["OK"] = codes.get("OK", 0) + 1
+                except LookupServiceError as err:
+                    codes[err.code.name] = codes.get(err.code.name, 0) + 1
+            streamed = len(list(fresh.lookup_stream([build_request({"cat_0": [[3]]})] * 10)))
+        try:
+            ended = bool(server.wait_for("stream cancelled", timeout=30))
+        except RuntimeError:  # never printed
+            ended = False
+        results = {
+            "fresh client lookups (20)": codes,
+            "fresh client stream responses (10)": streamed,
+            "stalled streams ended by the write timeout": ended,
+        }
+        for c in stalled:
+            c.cancel()
+        channel.close()
+    served = codes == {"OK": 20} and streamed == 10 and ended
+    failures = [] if served else [f"stalled streams: {results}"]
+    return results, failures
+
+
+def _feature_names_request(count: int) -> bytes:
+    """A serialized LookupRequest naming ``count`` features with no ids."""
+
+    def varint(value: int) -> bytes:
+        out = bytearray()
+        while value >= 0x80:
+            out.append((value & 0x7F) | 0x80)
+            value >>= 7
+        out.append(value)
+        return bytes(out)
+
+    def feature(name: bytes) -> bytes:
+        inner = b"\x0a" + varint(len(name)) + name
+        return b"\x1a" + varint(len(inner)) + inner
+
+    return b"".join(feature(b"f%d" % i) for i in range(count))
+
+
+def check_request_sizes() -> tuple[dict, list[str]]:
+    """RSS across refused 60 MiB requests; a request naming a million features; input_region
+    counts past int64."""
+    count = (60 << 20) // 8
+    large = []
+    for name, first_id in (("cat_0", 10**9), ("no-such-feature", 1)):
+        request = pb.LookupRequest()
+        feature = request.features.add(name=name)
+        feature.ids = np.full(count, first_id, dtype="<i8").tobytes()
+        feature.lengths = np.array([count], "<i4").tobytes()
+        large.append(request.SerializeToString())
+    million = _feature_names_request(1_000_000)
+    results: dict = {}
+    with ServerProcess("--demo-max-rows", "300", "--workers", "1", "--device", "cpu") as server:
+        channel, _ = _stub(server.target, **{"grpc.max_send_message_length": 128 << 20})
+        lookup = channel.unary_unary("/ibpembed.v1.EmbeddingLookup/Lookup")
+        before = peak = server.rss()
+        for _ in range(8):
+            for request in large:
+                with contextlib.suppress(grpc.RpcError):
+                    lookup(request, timeout=120)
+                peak = max(peak, server.rss())
+        results["RSS before / peak over 16 refused 60 MiB requests, MiB"] = [
+            before >> 20,
+            peak >> 20,
+        ]
+        health = health_pb2_grpc.HealthStub(channel)
+        waits: list[float] = []
+        stop = threading.Event()
+
+        def probe() -> None:
+            while not stop.is_set():
+                started = time.perf_counter()
+                health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+                waits.append(time.perf_counter() - started)
+                time.sleep(0.01)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        started = time.perf_counter()
+        try:
+            lookup(million, timeout=60)
+            code = "OK"
+        except grpc.RpcError as err:
+            code = err.code().name
+        refused_s = time.perf_counter() - started
+        time.sleep(0.3)
+        stop.set()
+        prober.join()
+        results["a million features: code, seconds, worst health check seconds"] = [
+            code,
+            round(refused_s, 3),
+            round(max(waits), 3),
+        ]
+        channel.close()
+        shm_name = f"/ibpembed-counts-{uuid.uuid4().hex[:10]}"
+        with (
+            SharedMemoryRegion.create(shm_name, 1 << 16) as shm,
+            LookupClient(server.target, timeout=30, retry=NO_RETRY) as client,
+        ):
+            client.register_region("in", shm)
+            channel, stub = _stub(server.target)
+            codes = []
+            for num_ids in ([2**62, 2**62], [2**62] * 4):
+                request = pb.LookupRequest()
+                for i in range(len(num_ids)):
+                    request.features.add(name=f"cat_{i}")
+                request.input_region.name = "in"
+                request.input_region.num_ids.extend(num_ids)
+                request.input_region.batch_sizes.extend([1] * len(num_ids))
+                try:
+                    stub.Lookup(request, timeout=30)
+                    codes.append("OK")
+                except grpc.RpcError as err:
+                    codes.append(err.code().name)
+            channel.close()
+        results["input_region counts summing past int64 / wrapping to 0"] = codes
+    failures = []
+    if peak - before >= 768 << 20:
+        failures.append(f"RSS grew {(peak - before) >> 20} MiB over refused requests")
+    if code != "INVALID_ARGUMENT":
+        failures.append(f"a million features: {code}")
+    if codes != ["INVALID_ARGUMENT", "INVALID_ARGUMENT"]:
+        failures.append(f"input counts past int64: {codes}")
+    return results, failures
+
+
+def check_table_files(work: Path) -> tuple[dict, list[str]]:
+    """A served table file truncated in place; a manifest nested 100,000 deep."""
+    directory = work / "tables"
+    rows = torch.randn(300, 16, generator=torch.Generator().manual_seed(0))
+    pack_table_set(directory, TableSet((TableSource("emb", rows, feature_names=("item",)),)))
+    path = directory / read_manifest(directory).tables["emb"].file
+    flags = ("--tables", str(directory), "--reload-poll-s", "0.2", "--hot-tier", "off")
+    results: dict = {}
+    with (
+        ServerProcess(*flags, "--device", "cpu") as server,
+        LookupClient(server.target, timeout=30, retry=NO_RETRY) as client,
+    ):
+        os.truncate(path, path.stat().st_size // 2)
+        time.sleep(1.0)  # five polls
+        try:
+            client.lookup({"item": [list(range(300))]}, pooling="none")
+            truncated = "OK"
+        except LookupServiceError as err:
+            truncated = err.code.name
+        results["lookup of a table truncated in place"] = truncated
+        results["server alive after it"] = server.alive()
+        staging = directory / f"{uuid.uuid4().hex}.tmp"
+        staging.write_text("[" * 100_000 + "]" * 100_000)
+        os.replace(staging, directory / MANIFEST)
+        time.sleep(2.0)  # ten polls
+        rejections = sum("nested too deeply" in line for line in server.stderr_lines)
+        results["rejections of a manifest nested 100,000 deep over 10 polls"] = rejections
+    failures = []
+    if truncated != "FAILED_PRECONDITION" or not results["server alive after it"]:
+        failures.append(f"truncated table: {truncated}")
+    if rejections != 1:
+        failures.append(f"deep manifest rejected {rejections} times (want once)")
+    return results, failures
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the report here")
@@ -302,6 +622,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["secrets_found"] = leaks
         report["server_log_lines"] = len(server_log.splitlines())
         failures += [f"{where} holds {what}" for where, what in leaks.items() if what]
+        for name, check in (
+            ("shm_isolation", lambda: check_shm_isolation(work)),
+            ("region_quotas", lambda: check_region_quotas(work)),
+            ("stalled_streams", check_stalled_streams),
+            ("request_sizes", check_request_sizes),
+            ("table_files", lambda: check_table_files(work)),
+        ):
+            report[name], found = check()
+            failures += found
     report["failures"] = failures
     print(json.dumps(report, indent=2))
     if args.json:

@@ -11,7 +11,6 @@ its site-packages, ``service/`` and ``clients/python/`` on PYTHONPATH.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import queue
 import signal
@@ -27,37 +26,15 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
+from ibpembed.triton.local import python_backend_dir, tritonserver_root
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def tritonserver_root() -> Path | None:
-    """The ``tritonserver`` directory of the installed nvidia-pytriton wheel, if any."""
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    root = Path(spec.submodule_search_locations[0]) / "tritonserver"
-    return root if (root / "bin" / "tritonserver").exists() else None
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def python_backend_dir(root: Path, into: Path) -> Path:
-    """A backends directory whose ``python/`` holds the wheel's backend and this Python's stub."""
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
-    if not stub.exists():
-        raise RuntimeError(f"the nvidia-pytriton wheel has no Python backend stub for {version}")
-    python = into / "backends" / "python"
-    python.mkdir(parents=True)
-    for item in (root / "backends" / "python").iterdir():
-        if item.name != "__pycache__":
-            (python / item.name).symlink_to(item)
-    (python / stub.name).symlink_to(stub)
-    return into / "backends"
 
 
 class TritonProcess:

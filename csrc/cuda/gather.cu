@@ -7,15 +7,21 @@
 namespace ibpembed::gpu {
 namespace {
 
-template <int W>
-void launch_gather_w(const GatherArgs& a, cudaStream_t stream) {
+template <int W, bool Decode>
+void launch_gather_mode(const GatherArgs& a, cudaStream_t stream) {
   const TableView& t = a.table.view;
   const Staging st = staging_for(t);
   const int64_t per_warp = gather_smem_per_warp(st.buffer_bytes);
-  const LaunchShape shape = plan_launch(gather_kernel<W>, per_warp, a.n);
-  gather_kernel<W><<<shape.blocks, shape.warps_per_block * kWarpSize, shape.smem_bytes, stream>>>(
-      a, st);
+  const LaunchShape shape = plan_launch(gather_kernel<W, Decode>, per_warp, a.n);
+  gather_kernel<W, Decode>
+      <<<shape.blocks, shape.warps_per_block * kWarpSize, shape.smem_bytes, stream>>>(a, st);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int W>
+void launch_gather_w(const GatherArgs& a, cudaStream_t stream) {
+  if (decode_rows()) return launch_gather_mode<W, true>(a, stream);
+  return launch_gather_mode<W, false>(a, stream);
 }
 
 }  // namespace

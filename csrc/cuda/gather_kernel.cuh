@@ -70,7 +70,11 @@ __device__ __forceinline__ void copy_raw_row(const uint8_t* stage, int shift, in
   }
 }
 
-template <int W>
+// Decode = false is the copy-without-decode mode (IBPEMBED_CUDA_DECODE=copy): every slot crosses
+// PCIe as in the real gather, but a compressed slot's bytes are copied verbatim into the front of
+// its output row instead of being decoded. Its rows are not the table's; its time is the paper's
+// "ideal transfer", which the decode's cost is measured against.
+template <int W, bool Decode = true>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
     gather_kernel(GatherArgs a, Staging st) {
   IBP_DYNAMIC_SMEM(smem);
@@ -104,7 +108,12 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
     cp_async_wait<1>();
     __syncwarp();
     const uint8_t* stage = mine + (k & 1) * stage_bytes;
-    if (s_cur.ok && s_cur.compressed) {
+    if (!Decode && s_cur.ok && s_cur.compressed) {
+      const int64_t bytes = std::min<int64_t>(s_cur.slot_bytes, t.row_bytes);
+      for (int d = 0; d < run; ++d) {
+        copy_raw_row(stage, s_cur.shift, bytes, a.out + dst_rows[d] * t.row_bytes, lane);
+      }
+    } else if (s_cur.ok && s_cur.compressed) {
       auto write = [&](const LaneChunk& c, uint64_t x) {
         if (!c.valid) return;
         for (int d = 0; d < run; ++d) {

@@ -17,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "launch_shape.h"
 #include "row_pipeline.cuh"
 
 namespace ibpembed::gpu {
@@ -33,6 +34,17 @@ inline Staging staging_with(int64_t buffer_bytes) {
   return Staging{buffer_bytes, m == "async"};
 }
 
+// IBPEMBED_CUDA_DECODE=copy launches the gather's copy-without-decode mode (gather_kernel.cuh):
+// a timing baseline for gpu_check, never a lookup (its rows are slot bytes, not the table's).
+// Read at every launch, so a process can switch.
+inline bool decode_rows() {
+  const char* mode = std::getenv("IBPEMBED_CUDA_DECODE");
+  const std::string_view m = mode != nullptr ? mode : "decode";
+  TORCH_CHECK(m == "decode" || m == "copy", "IBPEMBED_CUDA_DECODE must be 'decode' or 'copy', got '",
+              m, "'");
+  return m == "decode";
+}
+
 inline Staging staging_for(const TableView& t) {
   return staging_with(stage_buffer_bytes(t.row_bytes, t.unit_bytes));
 }
@@ -42,6 +54,7 @@ struct LaunchPlan {
   int warps_per_block;
   size_t smem_bytes;
   int64_t resident_blocks;  // blocks that fit on the whole device at once
+  int sms;                  // multiprocessors of the device
 };
 
 // Most warps per block (up to kMaxWarpsPerBlock) whose shared memory fits the device, and how
@@ -63,7 +76,7 @@ LaunchPlan compute_plan(Kernel kernel, int device, int64_t smem_per_warp) {
   int per_sm = 0;
   C10_CUDA_CHECK(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * kWarpSize, smem));
-  return LaunchPlan{warps, smem, static_cast<int64_t>(std::max(per_sm, 1)) * sms};
+  return LaunchPlan{warps, smem, static_cast<int64_t>(std::max(per_sm, 1)) * sms, sms};
 }
 
 struct LaunchShape {
@@ -72,10 +85,11 @@ struct LaunchShape {
   size_t smem_bytes;
 };
 
-// The launch for `work_items` items (rows or bags): the kernel's plan on the current device, with
-// enough blocks to fill every SM but no more than the work needs (warps loop over items with a
-// grid stride). Plans are computed once per kernel, device and shared-memory need: the driver
-// queries behind them cost microseconds, a visible share of a small batch.
+// The launch for `work_items` items (rows or bags): the kernel's plan on the current device, its
+// blocks sized to the work (shape_for_work: small work spread over every SM in smaller blocks),
+// no more blocks than the work needs (warps loop over items with a grid stride). Plans are
+// computed once per kernel, device and shared-memory need: the driver queries behind them cost
+// microseconds, a visible share of a small batch.
 template <class Kernel>
 LaunchShape plan_launch(Kernel kernel, int64_t smem_per_warp, int64_t work_items) {
   struct Entry {
@@ -102,9 +116,10 @@ LaunchShape plan_launch(Kernel kernel, int64_t smem_per_warp, int64_t work_items
       plans.push_back(Entry{id, device, smem_per_warp, plan});
     }
   }
-  const int64_t needed = (work_items + plan.warps_per_block - 1) / plan.warps_per_block;
-  const int64_t blocks = std::max<int64_t>(1, std::min(needed, plan.resident_blocks));
-  return LaunchShape{plan.warps_per_block, static_cast<int>(blocks), plan.smem_bytes};
+  const WorkShape shape =
+      shape_for_work(plan.warps_per_block, plan.resident_blocks, plan.sms, work_items);
+  const auto smem = static_cast<size_t>(shape.warps_per_block * smem_per_warp);
+  return LaunchShape{shape.warps_per_block, static_cast<int>(shape.blocks), smem};
 }
 
 }  // namespace ibpembed::gpu

@@ -6,9 +6,10 @@
 // memory. Compressed rows are decoded into a per-warp row buffer in shared memory, raw rows are
 // accumulated straight from their staging buffer.
 //
-// Staging. A warp keeps kPooledStages - 1 rows in flight ahead of the one it accumulates (a ring
-// of staging buffers; the rows may lie in its next bags, of any part): a bag's rows are staged
-// before they are accumulated, so a bag of L rows costs about L / kPooledStages PCIe round trips
+// Staging. The lanes of a warp resolve up to 32 of a bag's index entries at once (each lane one
+// row's slot offset and size), then the warp keeps kPooledStages - 1 rows in flight ahead of the
+// one it accumulates (a ring of staging buffers; the rows may lie in its next bags, of any part),
+// issuing only copies: a bag's rows are staged before they are accumulated, so a bag of L rows costs about L / kPooledStages PCIe round trips
 // instead of L. A row whose id repeats the previous row's (same table, stored compressed) is not
 // staged again: it is accumulated from the row buffer, which still holds its decoded bits.
 //
@@ -46,9 +47,23 @@ enum StageFlags : int32_t {
   kMetaLast = 8,        // the last id of its bag: the bag is written after it
 };
 
-// Per warp: the stage metadata, the staging ring, the decoded row, the fp32 accumulators.
+// The rows of a bag the warp's lanes resolved together (in shared memory, not registers: the
+// kernel is at its register budget): ids positions [begin, end) of part `part`, entry j for
+// position begin + j.
+struct ResolvedWindow {
+  int64_t begin;
+  int64_t end;
+  int32_t part;
+  int32_t unused;
+  int64_t ids[kWarpSize];
+  ResolvedRow rows[kWarpSize];
+};
+
+// Per warp: the stage metadata, the resolved window, the staging ring, the decoded row, the fp32
+// accumulators.
 __host__ __device__ inline int64_t pooled_meta_bytes() {
-  return round16(static_cast<int64_t>(sizeof(StageMeta)) * kPooledStages);
+  return round16(static_cast<int64_t>(sizeof(StageMeta)) * kPooledStages) +
+         round16(static_cast<int64_t>(sizeof(ResolvedWindow)));
 }
 
 __host__ __device__ inline int64_t pooled_smem_per_warp(const PooledShape& s) {
@@ -163,6 +178,13 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
   const int64_t stage_bytes = st.buffer_bytes;
   uint8_t* mine = smem + warp * pooled_smem_per_warp(shape);
   auto* meta = reinterpret_cast<StageMeta*>(mine);
+  auto* window = reinterpret_cast<ResolvedWindow*>(
+      mine + round16(static_cast<int64_t>(sizeof(StageMeta)) * kPooledStages));
+  if (lane == 0) {
+    window->begin = window->end = 0;
+    window->part = -1;
+  }
+  __syncwarp();
   uint8_t* stages = mine + pooled_meta_bytes();
   uint8_t* rowbuf = stages + kPooledStages * stage_bytes;
   auto* acc = reinterpret_cast<float*>(rowbuf + shape.rowbuf_bytes);
@@ -197,13 +219,35 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
       exceptions = exception_area_start<W>(t, lane);
       cached_part = nxt.part;
     }
-    const int64_t id = a.ids[nxt.idx];
+    // The lanes resolve the cursor's next (up to) 32 rows of its bag together, one each: a
+    // bag's index entries cost one round of loads, and each issue() is left with its copies
+    // only, instead of a dependent index load before every row's copy.
+    if (nxt.part != window->part || nxt.idx < window->begin || nxt.idx >= window->end) {
+      const int64_t begin = nxt.idx;
+      const int64_t end = std::min<int64_t>(nxt.end, nxt.idx + kWarpSize);
+      __syncwarp();  // every lane is done reading the previous window
+      if (begin + lane < end) {
+        const int64_t id = a.ids[begin + lane];
+        window->ids[lane] = id;
+        window->rows[lane] = resolve_row(t, id);
+      }
+      if (lane == 0) {
+        window->begin = begin;
+        window->end = end;
+        window->part = nxt.part;
+      }
+      __syncwarp();
+    }
+    const int src = static_cast<int>(nxt.idx - window->begin);
+    const int64_t id = window->ids[src];
+    const ResolvedRow row = window->rows[src];
     const bool reuse = prev_decoded && id == prev_id && nxt.part == prev_part;
     StagedRow s{0, 0, true, true};
     if (reuse) {
       cp_async_commit();
     } else {
-      s = stage_row(pt.table, id, stages + (k % kPooledStages) * stage_bytes, st, lane, a.error);
+      s = stage_resolved(pt.table, row, stages + (k % kPooledStages) * stage_bytes, st, lane,
+                         a.error);
     }
     prev_id = id;
     prev_part = nxt.part;

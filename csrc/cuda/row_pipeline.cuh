@@ -80,26 +80,14 @@ struct StagedRow {
   bool ok;          // in range and consistent: only then was anything copied
 };
 
-// Warp-uniform r. Finds row r's slot, issues its window's copies into `stage` and commits one
-// cp.async group (also when nothing is copied, so every thread's group count stays in step).
-__device__ __forceinline__ StagedRow stage_row(const DeviceTable& dt, int64_t r, uint8_t* stage,
-                                               const Staging& st, int lane, int32_t* error) {
+// Issues the copies of the slot at `offset` (`slot_bytes`, warp-uniform) into `stage` and commits
+// one cp.async group (also when nothing is copied, so every thread's group count stays in step).
+__device__ __forceinline__ StagedRow stage_slot(const DeviceTable& dt, int64_t offset,
+                                                int64_t slot_bytes, bool compressed,
+                                                uint8_t* stage, const Staging& st, int lane,
+                                                int32_t* error) {
   const TableView& t = dt.view;
-  StagedRow s{0, 0, false, false};
-  if (r < 0 || r >= t.num_rows) {
-    report(error, kErrIndex, lane);
-    cp_async_commit();
-    return s;
-  }
-  // row_units is padded to whole blocks of 32, so every lane may load its byte.
-  const int64_t b = r >> 5;
-  const int in_block = static_cast<int>(r & 31);
-  const uint32_t u = t.row_units[b * kRowsPerBlock + lane];
-  const uint32_t before = __reduce_add_sync(kFullWarp, units_before_term(u, lane, in_block));
-  const uint32_t units = __shfl_sync(kFullWarp, u, in_block);
-  const int64_t offset = t.block_base[b] + t.unit_bytes * before;
-  s.slot_bytes = t.unit_bytes * units;
-  s.compressed = row_is_compressed(t, r);
+  StagedRow s{slot_bytes, 0, compressed, false};
   const Window w = stage_window(offset, s.slot_bytes);
   s.shift = w.shift;
   // A raw slot must hold the row; any slot must fit the buffer and the payload. Checked before
@@ -122,6 +110,62 @@ __device__ __forceinline__ StagedRow stage_row(const DeviceTable& dt, int64_t r,
   }
   cp_async_commit();
   return s;
+}
+
+// Warp-uniform r. Finds row r's slot (the warp's lanes load its block's sizes together), issues
+// its window's copies into `stage` and commits one cp.async group.
+__device__ __forceinline__ StagedRow stage_row(const DeviceTable& dt, int64_t r, uint8_t* stage,
+                                               const Staging& st, int lane, int32_t* error) {
+  const TableView& t = dt.view;
+  if (r < 0 || r >= t.num_rows) {
+    report(error, kErrIndex, lane);
+    cp_async_commit();
+    return StagedRow{0, 0, false, false};
+  }
+  // row_units is padded to whole blocks of 32, so every lane may load its byte.
+  const int64_t b = r >> 5;
+  const int in_block = static_cast<int>(r & 31);
+  const uint32_t u = t.row_units[b * kRowsPerBlock + lane];
+  const uint32_t before = __reduce_add_sync(kFullWarp, units_before_term(u, lane, in_block));
+  const uint32_t units = __shfl_sync(kFullWarp, u, in_block);
+  const int64_t offset = t.block_base[b] + t.unit_bytes * before;
+  return stage_slot(dt, offset, t.unit_bytes * units, row_is_compressed(t, r), stage, st, lane,
+                    error);
+}
+
+// A row's slot found by one lane on its own (each lane its own row, no collective): what
+// stage_row() finds warp-wide, so that a warp resolves up to 32 rows with one round of loads.
+struct ResolvedRow {
+  int64_t offset;
+  int64_t slot_bytes;
+  int32_t compressed;
+  int32_t in_range;
+};
+
+__device__ __forceinline__ ResolvedRow resolve_row(const TableView& t, int64_t r) {
+  ResolvedRow x{0, 0, 0, r >= 0 && r < t.num_rows};
+  if (!x.in_range) return x;
+  const int64_t b = r >> 5;
+  const int in_block = static_cast<int>(r & 31);
+  const uint8_t* units = t.row_units + b * kRowsPerBlock;
+  uint32_t before = 0;
+  for (int j = 0; j < in_block; ++j) before += units[j];
+  x.offset = t.block_base[b] + t.unit_bytes * before;
+  x.slot_bytes = t.unit_bytes * units[in_block];
+  x.compressed = row_is_compressed(t, r);
+  return x;
+}
+
+// stage_row() for a row a lane resolved: only the copies are left to issue.
+__device__ __forceinline__ StagedRow stage_resolved(const DeviceTable& dt, const ResolvedRow& x,
+                                                    uint8_t* stage, const Staging& st, int lane,
+                                                    int32_t* error) {
+  if (!x.in_range) {
+    report(error, kErrIndex, lane);
+    cp_async_commit();
+    return StagedRow{0, 0, false, false};
+  }
+  return stage_slot(dt, x.offset, x.slot_bytes, x.compressed != 0, stage, st, lane, error);
 }
 
 // Stream bit where the exception area of every compressed row of the table starts (format.h's

@@ -18,16 +18,24 @@
 namespace ibpembed::gpu {
 namespace {
 
-// What the alias's deleter needs: the registered range, and the host storage kept alive under it.
+// What the alias's deleter needs: the registered range, its device, and the host storage kept
+// alive under it.
 struct Registration {
   c10::Storage host;
   void* begin;
+  int device;
 };
 
 void unregister(void* context) {
   auto* registration = static_cast<Registration*>(context);
-  // Nothing can be done about a failure at this point (the context may be going down); the
-  // storage is released either way.
+  // cudaHostUnregister is not documented to wait for kernels still reading the range (a caller
+  // that drops a table while its lookups run, errors deferred): wait for the device first. It
+  // runs once per table version. Nothing can be done about a failure at this point (the context
+  // may be going down); the storage is released either way.
+  int current = -1;
+  (void)cudaGetDevice(&current);
+  if (cudaSetDevice(registration->device) == cudaSuccess) (void)cudaDeviceSynchronize();
+  if (current >= 0) (void)cudaSetDevice(current);
   (void)cudaHostUnregister(registration->begin);
   (void)cudaGetLastError();
   delete registration;
@@ -85,7 +93,7 @@ at::Tensor host_mapped_alias(const at::Tensor& host, bool read_only, int64_t dev
     (void)cudaHostUnregister(begin);
     check_runtime(err, "mapping the registered range to one device range");
   }
-  auto* registration = new Registration{host.storage(), begin};
+  auto* registration = new Registration{host.storage(), begin, static_cast<int>(device_index)};
   const c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index));
   return at::for_blob(first, {host.numel()})
       .context(registration, &unregister)

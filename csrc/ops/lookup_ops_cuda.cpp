@@ -507,9 +507,17 @@ at::Tensor upload_entries(const std::vector<TableSet::Entry>& entries, const c10
   }
   const auto bytes = static_cast<int64_t>(host.size() * sizeof(PooledTable));
   at::Tensor out = at::empty({bytes}, at::TensorOptions(device).dtype(at::kByte));
-  // Once per table set (a table version), never per request: a plain blocking copy.
-  C10_CUDA_CHECK(cudaMemcpy(out.data_ptr(), host.data(), static_cast<size_t>(bytes),
-                            cudaMemcpyHostToDevice));
+  // Once per table set (a table version), never per request. A blocking cudaMemcpy from pageable
+  // memory may return before the bytes land and runs on the legacy stream, which the engine's
+  // non-blocking worker streams do not wait for: a kernel could read half-written tables. So the
+  // copy goes on this device's current stream (the launches' stream), and the stream is waited
+  // for, which also keeps `host` alive until the copy has read it; any other stream then sees
+  // the bytes already in place.
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), host.data(), static_cast<size_t>(bytes),
+                                 cudaMemcpyHostToDevice, stream));
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
   return out;
 }
 

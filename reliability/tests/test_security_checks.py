@@ -13,7 +13,13 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from ibpembed_client.v1 import lookup_pb2_grpc
-from reliability.security import TOKEN, WRONG_AUTHORIZATION, _code, _methods
+from reliability.security import (
+    TOKEN,
+    WRONG_AUTHORIZATION,
+    _code,
+    _methods,
+    check_region_quotas,
+)
 from tests.server.helpers import RunningServer, make_store
 
 
@@ -43,3 +49,10 @@ def test_health_is_open_and_reflection_needs_the_token(server):
         with pytest.raises(grpc.RpcError) as info:
             ProtoReflectionDescriptorDatabase(channel).get_services()
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_region_quotas_probe_against_serve_processes(tmp_path):
+    """The campaign's quota probe as it runs: made-up headers are one identity on a server
+    without tokens; identities of a tokens file share --max-regions."""
+    results, failures = check_region_quotas(tmp_path)
+    assert failures == [], results

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -20,10 +21,12 @@ from ibpembed_client import (
     KeepAliveOptions,
     LookupClient,
     LookupServiceError,
+    OutlierEjection,
     RetryPolicy,
     bf16_to_float32,
     build_request,
     decode_response,
+    service_config,
 )
 from ibpembed_client.v1 import lookup_pb2 as pb
 from tests.metrics.helpers import free_port
@@ -44,10 +47,11 @@ def test_import_does_not_pull_torch():
 
 
 def test_generated_stubs_are_fresh(tmp_path):
-    subprocess.run(
-        [sys.executable, str(REPO / "proto" / "generate.py"), "--out", str(tmp_path)],
-        check=True,
-        capture_output=True,
+    generate = [sys.executable, str(REPO / "proto" / "generate.py"), "--out", str(tmp_path)]
+    subprocess.run([*generate, "--typed-out", str(tmp_path)], check=True, capture_output=True)
+    typed = Path("ibpembed") / "v1" / "lookup_typed.proto"
+    assert (tmp_path / typed).read_text() == (REPO / "proto" / "typed" / typed).read_text(), (
+        "the typed mirror is stale: run `python proto/generate.py`"
     )
     fresh = sorted((tmp_path / "ibpembed_client" / "v1").glob("*_pb2*"))
     assert [p.name for p in fresh] == sorted(p.name for p in STUBS.glob("*_pb2*"))
@@ -93,6 +97,28 @@ def test_build_request_refuses_ids_a_cast_would_change():
     # numpy makes an empty list float64; nothing in it can be truncated.
     empty = build_request({"f": FeatureBatch(np.array([]), np.array([0, 0]))}).features[0]
     assert empty.ids == b"" and np.frombuffer(empty.lengths, "<i4").tolist() == [0, 0]
+
+
+def test_list_ids_that_are_not_integers_never_reach_the_server():
+    """The README's list form: ``[[1.5]]`` must not be cast to row 1 (as the numpy form is
+    refused too), and the refusal names the feature and the value."""
+    with RunningServer(make_store()) as running, LookupClient(running.target, timeout=30) as c:
+        row_1 = c.lookup({"user": [[1]]}, "none")["user"]
+        cases = {
+            "1.5 (float)": [[1.5]],
+            "2.0 (float)": [[1, 2.0]],
+            "True (bool)": [[True]],
+            "'3' (str)": [["3"]],
+        }
+        for shown, samples in cases.items():
+            with pytest.raises(
+                TypeError, match="feature .user.: ids must be integers, got " + re.escape(shown)
+            ):
+                c.lookup({"user": samples}, "none")
+        with pytest.raises(ValueError, match=r"feature 'user': ids must fit int64"):
+            c.lookup({"user": [[2**63]]}, "none")
+        # numpy integer scalars are integers: the list form still takes them.
+        assert c.lookup({"user": [[np.int32(1)]]}, "none")["user"].tobytes() == row_1.tobytes()
 
 
 def test_decode_response_dtypes():
@@ -146,7 +172,10 @@ def test_grpc_retries_unavailable_as_the_policy_says_and_nothing_else():
 
 def test_the_published_service_config_is_the_default_policy():
     published = json.loads((REPO / "proto" / "ibpembed" / "v1" / "service_config.json").read_text())
-    assert published == RetryPolicy().service_config()
+    assert published == service_config(RetryPolicy(), OutlierEjection())
+    assert published["loadBalancingConfig"][0]["outlier_detection_experimental"]["childPolicy"] == [
+        {"round_robin": {}}
+    ]
     assert RetryPolicy(max_attempts=1).service_config() == {}  # gRPC rejects maxAttempts 1
 
 

@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from ibpembed.tables.pack import pack_table_set
 from ibpembed_client import loadgen
+from ibpembed_client._histogram import LatencyHistogram
 from ibpembed_client.workload import DCNV2_POOLING_FACTORS, ZipfIds, hotness_for, make_requests
+from tests.metrics.helpers import free_port
 from tests.server.helpers import RunningServer, make_store
+from tests.sharding.helpers import make_table_set
+from tools.serve_process import ServerProcess
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +70,8 @@ def test_run_load_reports_without_errors(server, mode):
     )
     report = asyncio.run(loadgen.run_load(cfg))
     assert report["errors"] == {} and report["ok"] + report["dropped"] >= 1
-    assert report["ok"] == len(report["latencies_ms"]) <= 40
+    assert report["ok"] == report["histogram_ms"]["count"] <= 40
+    assert report["ok"] == sum(count for _, count in report["histogram_ms"]["buckets_ms"])
     lat = report["latency_ms"]
     assert lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["p99.9"] <= lat["max"]
 
@@ -131,3 +139,124 @@ def test_token_file(tmp_path, capsys):
         assert "3 ok" in capsys.readouterr().out
         assert loadgen.main(argv) == 2  # without it: ListTables is refused, nothing is sent
         assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+def test_latency_histogram_is_bounded_and_within_half_a_percent():
+    rng = np.random.default_rng(0)
+    seconds = rng.lognormal(math.log(2e-3), 1.0, 100_000)
+    histogram = LatencyHistogram()
+    size = histogram.counts.size
+    for value in seconds:
+        histogram.add(float(value))
+    histogram.add(5e-7)  # below the range
+    histogram.add(2e3)  # above it
+    assert histogram.counts.size == size  # the memory does not grow with the run
+    exact = np.concatenate([seconds, [5e-7, 2e3]])
+    for q in (1, 50, 90, 99, 99.9):
+        want = np.percentile(exact, q, method="inverted_cdf")
+        assert abs(histogram.percentile(q) / want - 1) <= 0.005, q
+    assert histogram.percentile(100) == 2e3 and histogram.percentile(0) == 5e-7
+    assert histogram.count == exact.size and math.isclose(histogram.sum_s, exact.sum())
+
+
+def test_concurrency_sweep_gives_one_step_per_value(server, tmp_path, capsys):
+    argv = _cli(server, tmp_path)
+    argv[argv.index("--concurrency") : argv.index("--concurrency") + 2] = [
+        "--concurrency-range",
+        "1:5:2",
+    ]
+    assert loadgen.main([*argv, "--json", str(tmp_path / "sweep.json")]) == 0
+    steps = json.loads((tmp_path / "sweep.json").read_text())["steps"]
+    assert [s["concurrency"] for s in steps] == [1, 3, 5]
+    assert [s["ok"] for s in steps] == [10, 10, 10]
+    out = capsys.readouterr().out
+    table = [
+        line for line in out.splitlines() if line.startswith("concurrency ") and ":" not in line
+    ]
+    assert len(table) == 3  # one row per step, after each step's own lines
+    assert "load" in out and "p99.9_ms" in out
+
+
+def test_request_rate_sweep(server, tmp_path, capsys):
+    argv = ["--target", server.target, "--request-rate-range", "100:200:100", "--requests", "5",
+            "--warmup", "0", "--batch-size", "2", "--no-progress"]  # fmt: skip
+    assert loadgen.main([*argv, "--json", str(tmp_path / "rates.json")]) == 0
+    steps = json.loads((tmp_path / "rates.json").read_text())["steps"]
+    assert [(s["rate"], s["ok"]) for s in steps] == [(100.0, 5), (200.0, 5)]
+
+
+@pytest.mark.parametrize("text", ["0:4", "4:2", "1:4:0", "a:b", "1:2:3:4"])
+def test_bad_ranges_are_usage_errors(text, capsys):
+    assert loadgen.main(["--concurrency-range", text, "--no-progress"]) == 2
+    assert f"got '{text}'" in capsys.readouterr().err
+
+
+def test_recorded_requests_are_replayed_in_order(server, tmp_path, capsys):
+    recorded = tmp_path / "recorded.jsonl"
+    good = {"user": [[1, 2], [3]], "item": [[4]]}
+    bad = {"user": [[10**6]]}  # out of range: the server refuses it
+    recorded.write_text(json.dumps(good) + "\n\n" + json.dumps(bad) + "\n")
+    argv = ["--target", server.target, "--input-data", str(recorded), "--concurrency", "1",
+            "--requests", "4", "--warmup", "0", "--no-progress"]  # fmt: skip
+    assert loadgen.main([*argv, "--json", str(tmp_path / "r.json")]) == 1  # errors: exit 1
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["ok"] == 2 and report["errors"] == {"INVALID_ARGUMENT": 2}
+    recorded.write_text(json.dumps(good) + "\n" + json.dumps({"user": [[1.5]]}) + "\n")
+    assert loadgen.main(argv) == 2
+    assert f"{recorded}:2: feature 'user': ids must be integers, got 1.5" in capsys.readouterr().err
+    recorded.write_text(json.dumps({"nope": [[1]]}) + "\n")
+    assert loadgen.main(argv) == 2
+    assert "features not served" in capsys.readouterr().err
+
+
+def test_version_and_plain_help(capsys):
+    with pytest.raises(SystemExit) as version:
+        loadgen.main(["--version"])
+    assert version.value.code == 0
+    assert capsys.readouterr().out.startswith("ibpembed-loadgen ")
+    with pytest.raises(SystemExit):
+        loadgen.main(["--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and "default: None" not in text and ":class:" not in text
+    assert "--concurrency-range" in text and "--input-data" in text and "examples:" in text
+
+
+def test_server_side_split_beside_the_clients_numbers(tmp_path: Path, capsys):
+    """A real server process with metrics: its per-request time (queue, kernels, the rest)
+    from two scrapes of /metrics around the measured window."""
+    pack_table_set(tmp_path / "tables", make_table_set(), sample_rows=None)
+    process = ServerProcess(
+        "--tables",
+        str(tmp_path / "tables"),
+        "--workers",
+        "1",
+        "--metrics-port",
+        str(free_port()),
+        wait=False,
+    )
+    try:
+        process.wait_bound()
+        process.wait_listening()
+        url = f"http://127.0.0.1:{process.metrics_port}/metrics"
+        argv = ["--target", process.target, "--concurrency", "2", "--duration", "1.5",
+                "--warmup", "0.3", "--batch-size", "64", "--features", "user,item",
+                "--metrics-url", url, "--no-progress", "--json", str(tmp_path / "s.json"),
+                ]  # fmt: skip
+        assert loadgen.main(argv) == 0
+    finally:
+        process.kill()
+    report = json.loads((tmp_path / "s.json").read_text())
+    server = report["server"]
+    # The scrapes bracket the window up to the requests answered while each scrape ran.
+    assert abs(server["requests"] - report["ok"]) <= 0.02 * report["ok"] + 2
+    mean = server["mean_ms"]
+    assert mean["total"] > 0 and mean["kernels"] > 0 and mean["queue"] >= 0
+    assert math.isclose(mean["queue"] + mean["kernels"] + mean["other"], mean["total"])
+    assert report["latency_ms"]["mean"] >= mean["total"]  # the client's time includes it
+    assert "server (" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="http"):
+        asyncio.run(
+            loadgen.run_load(
+                loadgen.LoadConfig(target="x", concurrency=1, metrics_url="file:///etc/passwd")
+            )
+        )

@@ -307,3 +307,83 @@ def test_unsupported_grid_is_refused(kernels) -> None:
     c = compress(make_table(torch.float32, 8, 4, "trained_like", seed=0))
     with pytest.raises(EmulationError, match="multiple of 32"):
         kernels.gather(c, torch.arange(4), Grid(1, 0))
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+def test_copy_without_decode_moves_each_slot_verbatim(kernels, grid) -> None:
+    # IBPEMBED_CUDA_DECODE=copy, gpu_check's "ideal transfer" baseline: the same slots cross the
+    # bus as in the gather, a compressed one lands undecoded at the front of its output row and a
+    # raw row lands whole.
+    table = make_table(torch.float32, 200, 40, "trained_like", seed=13)
+    table[::9] = torch.from_numpy(np.random.default_rng(1).standard_normal((23, 40)) * 1e30).float()
+    c = compress(table, chunk_bits=32, align=8)
+    ids = request_ids(np.random.default_rng(2), c.num_rows, 150)
+    rows, error = kernels.gather(c, ids, grid, decode=False)
+    assert error == 0
+    units = c.row_units.to(torch.int64) * c.unit_bytes
+    compressed = 0
+    for i, r in enumerate(ids.tolist()):
+        first = r - r % 32
+        offset = int(c.block_base[r // 32]) + int(units[first:r].sum())
+        size = min(int(units[r]), c.row_bytes)
+        slot = c.payload[offset : offset + size]
+        if int(c.bitmask[r // 32]) >> (r % 32) & 1:
+            compressed += 1
+            assert torch.equal(rows[i, :size], slot), f"row {r}"
+        else:
+            assert torch.equal(rows[i], table[r].view(torch.uint8)), f"raw row {r}"
+    assert 0 < compressed < ids.numel()  # both kinds of row were moved
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+@pytest.mark.parametrize(("dtype", "dim"), [(torch.float32, 128), (torch.bfloat16, 72)])
+def test_a_line_aware_layout_reads_bit_exact(kernels, grid, dtype, dim) -> None:
+    # gpu_layout.line_aware: slots moved to 32-byte boundaries, the slot before each move
+    # padded with zeros. The kernels read it as the CPU ops do, gather and pooled.
+    from ibpembed.tables.gpu_layout import line_aware
+
+    compact = compress(make_table(dtype, 300, dim, "trained_like", seed=dim), align=8)
+    c = line_aware(compact)
+    assert int(c.block_base[-1]) > int(compact.block_base[-1])  # some slots were moved
+    ids = request_ids(np.random.default_rng(dim), c.num_rows, 200)
+    rows, error = kernels.gather(c, ids, grid)
+    assert error == 0
+    assert torch.equal(rows, _cpu_rows(c, ids))
+    rng = np.random.default_rng(dim + 1)
+    bag_ids, offsets = _bags(rng, c.num_rows, 20)
+    got, error = kernels.pooled(c, bag_ids, offsets, None, c._dtype_code(), POOLING["sum"], grid)
+    assert error == 0
+    want = c.lookup(bag_ids, offsets, None, "sum")
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_blocks_are_sized_to_the_work(kernels) -> None:
+    # H200: 132 SMs; a plan of 8-warp blocks, 3 resident per SM.
+    sms, resident = 132, 3 * 132
+    assert kernels.launch_shape(8, resident, sms, 64) == (1, 64)  # a 1k-id call, 64 bags
+    assert kernels.launch_shape(8, resident, sms, 300) == (2, 150)
+    assert kernels.launch_shape(8, resident, sms, 1024) == (4, 256)
+    assert kernels.launch_shape(8, resident, sms, 8 * sms) == (8, sms)  # enough work: full blocks
+    assert kernels.launch_shape(8, resident, sms, 1 << 20) == (8, resident)  # grid stride
+    assert kernels.launch_shape(1, 10, sms, 5) == (1, 5)
+    assert kernels.launch_shape(8, resident, sms, 0) == (1, 1)
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=str)
+def test_two_tables_pooling_the_same_bags_resolve_their_own_rows(kernels, grid) -> None:
+    # The lanes resolve a bag's rows per part: the same ids positions read through another
+    # table must be resolved again, against that table's index.
+    a = compress(make_table(torch.float32, 80, 24, "trained_like", seed=31), chunk_bits=16)
+    b = compress(make_table(torch.bfloat16, 90, 40, "trained_like", seed=32), chunk_bits=16)
+    tables = [(a, a._dtype_code()), (b, b._dtype_code())]
+    lengths = np.array([40, 3, 0, 33])
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
+    ids = torch.from_numpy(np.random.default_rng(3).integers(0, 80, int(lengths.sum())))
+    parts = [(0, 0, 4), (1, 0, 4), (0, 1, 2)]
+    got, error = kernels.pooled_tables(tables, parts, ids, offsets, None, POOLING["sum"], grid)
+    assert error == 0
+    want, _ = CompressedTableSet([a, b]).lookup(
+        torch.tensor(parts, dtype=torch.int64), ids, offsets, None, "sum"
+    )
+    for g, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(g, expected, rtol=0, atol=0, equal_nan=True)

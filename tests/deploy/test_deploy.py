@@ -18,24 +18,23 @@ import pytest
 import yaml
 
 from ibpembed.cli import build_parser
-from ibpembed.hot_rows import HotRowTracker
+from ibpembed.engine.tier import HotTier
 from ibpembed.server import config as server_config
 from ibpembed.server.app import SERVICE_NAME
 from ibpembed.server.metrics import ServerMetrics
 from ibpembed_client import LookupClient, ShardMap
+from tests.deploy.kustomize import K8S, by_kind, container, env_of, render, shard_deployments
 from tests.metrics.helpers import PROMTOOL, free_port, needs_promtool
 from tests.server.helpers import RunningServer, make_store
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-K8S = DEPLOY / "k8s"
 PROMETHEUS = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "ibpembed.json"
 DOCKERFILE = ROOT / "Dockerfile"
 HADOLINT = shutil.which("hadolint") or shutil.which(
     "hadolint", path=str(Path(sys.executable).parent)
 )
-KUBECTL = shutil.which("kubectl")
 # Oldest Kubernetes the manifests target (the pod-index label) and the newest bundled schema.
 K8S_VERSIONS = ("1.28.0", "1.37.0")
 # Values for the dashboard's template variables when its queries are checked.
@@ -53,36 +52,6 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [PROMTOOL, *args], capture_output=True, text=True, timeout=60, cwd=PROMETHEUS
     )
-
-
-def render(directory: Path = K8S) -> list[dict]:
-    """``kubectl kustomize DIR``: every object ``kubectl apply -k DIR`` would send, in order."""
-    if KUBECTL is None:
-        pytest.skip("kubectl (with kustomize) not installed")
-    result = subprocess.run(
-        [KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-
-
-def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
-    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
-
-
-def container(deployment: dict) -> dict:
-    (only,) = deployment["spec"]["template"]["spec"]["containers"]
-    return only
-
-
-def env_of(c: dict) -> dict[str, dict]:
-    return {e["name"]: e for e in c["env"]}
-
-
-def shard_deployments(objects: list[dict]) -> list[dict]:
-    """The shards' Deployments, in shard order (ibpembed-shard-<k>)."""
-    deployments = by_kind(objects, "Deployment")
-    return [deployments[f"ibpembed-shard-{k}"] for k in range(len(deployments))]
 
 
 # -- Prometheus -------------------------------------------------------------------------------
@@ -140,7 +109,7 @@ def exported_names() -> set[str]:
     names = set()
     store = make_store()
     metrics = ServerMetrics(store, device="cpu")
-    metrics.watch_hot_rows(HotRowTracker(store, budget=0.01))
+    metrics.watch_hot_tier(HotTier(store, budget="1%"))
     for family in metrics.registry.collect():
         suffixes = {
             "counter": ("_total",),
@@ -189,6 +158,20 @@ def test_dashboard_structure():
         assert subject in titles
     variables = {v["name"] for v in dashboard["templating"]["list"]}
     assert {"datasource", "job", "instance", "table"} <= variables
+
+
+def test_dashboard_legends_name_labels_as_grafana_expands_them():
+    # Grafana expands {{label}}; a doubled brace (an escaped format string) shows literally.
+    legends = [
+        target["legendFormat"]
+        for panel in json.loads(DASHBOARD.read_text())["panels"]
+        for target in panel.get("targets", [])
+        if target.get("legendFormat")
+    ]
+    assert legends
+    for legend in legends:
+        assert "{{{" not in legend and "}}}" not in legend, legend
+        assert legend.count("{{") == legend.count("}}"), legend
 
 
 def test_dashboard_queries_use_exported_metrics():
@@ -241,10 +224,11 @@ def test_kustomization_puts_the_namespace_first_and_everything_in_it():
     }
 
 
+@pytest.mark.parametrize("overlay", ["", "gpu"])
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-def test_manifests_validate(version):
+def test_manifests_validate(version, overlay):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
-    for obj in render():
+    for obj in render(K8S / overlay):
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -322,7 +306,8 @@ def test_the_monitoring_overlay_adds_a_pod_monitor_of_every_replica():
     assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
-    assert monitor["spec"]["podTargetLabels"] == ["ibpembed.dev/shard"]
+    # The labels it gives the series: tests/deploy/test_alert_labels.py.
+    assert monitor["spec"]["jobLabel"] == "app.kubernetes.io/name"
 
 
 def test_server_settings_ports_and_probes_agree(tmp_path):
@@ -346,14 +331,50 @@ def test_server_settings_ports_and_probes_agree(tmp_path):
         assert env_of(c)["IBPEMBED_CONFIG"]["value"] == f"/etc/ibpembed/{settings.name}"
 
 
-def test_pods_request_a_gpu_and_run_unprivileged():
+def test_pods_run_unprivileged():
     for deployment in shard_deployments(render()):
         c = container(deployment)
-        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
         pod_security = deployment["spec"]["template"]["spec"]["securityContext"]
         assert pod_security["runAsNonRoot"] and pod_security["runAsUser"] != 0
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def _gpus(deployment: dict) -> tuple[str | None, str | None, list[dict]]:
+    resources = container(deployment)["resources"]
+    return (
+        resources.get("requests", {}).get("nvidia.com/gpu"),
+        resources.get("limits", {}).get("nvidia.com/gpu"),
+        deployment["spec"]["template"]["spec"].get("tolerations", []),
+    )
+
+
+def test_the_default_manifests_run_on_cpus_and_request_no_gpu():
+    for overlay in (K8S, K8S / "monitoring"):
+        objects = render(overlay)
+        assert "nvidia.com/gpu" not in yaml.safe_dump_all(objects), overlay
+        for deployment in shard_deployments(objects):
+            assert _gpus(deployment) == (None, None, [])
+
+
+def test_the_gpu_overlay_adds_one_gpu_per_replica_and_changes_nothing_else():
+    default, gpu = render(), render(K8S / "gpu")
+    assert [(o["kind"], o["metadata"]["name"]) for o in gpu] == [
+        (o["kind"], o["metadata"]["name"]) for o in default
+    ]
+    for cpu_deployment, gpu_deployment in zip(
+        shard_deployments(default), shard_deployments(gpu), strict=True
+    ):
+        requests, limits, tolerations = _gpus(gpu_deployment)
+        assert requests == limits == "1"
+        assert tolerations == [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+        ]
+        stripped = copy.deepcopy(gpu_deployment)
+        resources = container(stripped)["resources"]
+        del resources["requests"]["nvidia.com/gpu"], resources["limits"]["nvidia.com/gpu"]
+        del stripped["spec"]["template"]["spec"]["tolerations"]
+        assert stripped == cpu_deployment
 
 
 # -- Dockerfile -------------------------------------------------------------------------------

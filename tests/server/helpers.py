@@ -83,7 +83,7 @@ class RunningServer:
     ) -> None:
         settings.setdefault("workers", 2)
         # No background hot-row refreshes unless a test asks: sizes must not change under it.
-        settings.setdefault("hot_row_budget", 0.0)
+        settings.setdefault("hot_tier", "off")
         if getattr(observer, "holds_kernels", False):
             # A gate holds requests inside their kernels: on worker threads, as small requests
             # run inline on the event loop otherwise, which the gate would then hold.

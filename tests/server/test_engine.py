@@ -14,7 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ibpembed.codec import compress
-from ibpembed.engine import DEDUPE_MIN_IDS, FeatureQuery, LookupEngine, resolve_device
+from ibpembed.engine import (
+    DEDUPE_MIN_IDS,
+    FeatureQuery,
+    LookupEngine,
+    LookupOptions,
+    resolve_device,
+)
 from ibpembed.errors import DeadlineExceeded, InvalidArgument, Overloaded
 from ibpembed.tables.store import TableStore
 from tests.server.helpers import FEATURES, GateObserver, RecordingObserver, make_store, make_tables
@@ -95,8 +101,8 @@ def test_expired_deadline_is_not_started():
     engine = LookupEngine(make_store(), max_workers=1)
     query = [FeatureQuery("user", np.array([1], np.int64), np.array([1], np.int32))]
     with pytest.raises(DeadlineExceeded):
-        engine.run(query, "sum", deadline=time.monotonic() - 1.0)
-    assert engine.run(query, "sum", deadline=time.monotonic() + 3600).version == 1
+        engine.run(query, LookupOptions("sum", deadline=time.monotonic() - 1.0))
+    assert engine.run(query, LookupOptions("sum", deadline=time.monotonic() + 3600)).version == 1
     engine.close()
 
 

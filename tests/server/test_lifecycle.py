@@ -70,7 +70,7 @@ def refuses_connections(port: int) -> bool:
 
 def test_a_second_server_on_a_busy_port_fails_to_start() -> None:
     port = free_port()
-    config = ServerConfig(port=port, workers=1, hot_row_budget=0.0, metrics_port=0).validate()
+    config = ServerConfig(port=port, workers=1, hot_tier="off", metrics_port=0).validate()
     background = BackgroundLoop()
     first = LookupServer(config, make_store())
     background.run(first.start())

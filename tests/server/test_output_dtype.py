@@ -87,7 +87,7 @@ def test_fp16_and_bf16_are_the_fp32_result_rounded_once(client, store, pooling, 
 
 
 def test_bf16_without_ml_dtypes_is_uint16_bits(client, store, monkeypatch):
-    monkeypatch.setattr("ibpembed_client._common.BFLOAT16", None)
+    monkeypatch.setattr("ibpembed_client._result.BFLOAT16", None)
     features = _features(store, 3, 4)
     got = client.lookup(features, "sum", output_dtype="bfloat16")
     want = client.lookup(features, "sum")

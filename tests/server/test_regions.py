@@ -140,11 +140,12 @@ def test_inputs_from_a_region(client, store, shm):
     ids = np.concatenate([features[n].ids for n in names])
     lengths = np.concatenate([features[n].lengths for n in names])
     weights = np.concatenate([features[n].weights for n in names])
+    # Registered first: a registration writes its nonce at the region's first bytes.
+    client.register_region("in", shm, byte_size=MB)
+    client.register_region("out", shm, offset=MB, byte_size=MB)
     end = shm.write(0, ids)
     end = shm.write(end, lengths)
     shm.write(end, weights)
-    client.register_region("in", shm, byte_size=MB)
-    client.register_region("out", shm, offset=MB, byte_size=MB)
     request = pb.LookupRequest(pooling=pb.POOLING_SUM)
     for name in names:
         request.features.add(name=name)
@@ -195,9 +196,23 @@ def test_list_and_unregister(client, shm):
 
 
 def _register(server, token: str | None = None, **fields) -> None:
+    """RegisterRegion through the raw stub, with the nonce written into the object where this
+    process can write it (as the client library does)."""
     stub = lookup_pb2_grpc.EmbeddingLookupStub(grpc.insecure_channel(server.target))
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    stub.RegisterRegion(pb.RegisterRegionRequest(**fields), timeout=30, metadata=metadata)
+    request = pb.RegisterRegionRequest(**fields)
+    challenge = pb.ChallengeRegionRequest(shm_name=request.shm_name, offset=request.offset)
+    if request.kind != pb.REGION_KIND_CUDA_IPC and request.shm_name.startswith("/"):
+        request.nonce = stub.ChallengeRegion(challenge, timeout=30, metadata=metadata).nonce
+        path = "/dev/shm" + request.shm_name
+        if "/" not in request.shm_name[1:] and os.path.isfile(path) and not os.path.islink(path):
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+            try:
+                if os.fstat(fd).st_size >= request.offset + len(request.nonce):
+                    os.pwrite(fd, request.nonce, request.offset)
+            finally:
+                os.close(fd)
+    stub.RegisterRegion(request, timeout=30, metadata=metadata)
 
 
 @pytest.mark.parametrize(
@@ -245,15 +260,31 @@ def test_a_name_registered_twice(client, server, shm):
     with pytest.raises(LookupServiceError) as err:
         client.register_region("dup", shm, byte_size=1024)
     assert _code(err) == grpc.StatusCode.ALREADY_EXISTS
-    with pytest.raises(grpc.RpcError) as other:  # another caller: not theirs to reuse
-        _register(server, token="someone-else", name="dup", shm_name=shm.shm_name, byte_size=8)
-    assert other.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # A server without tokens cannot tell callers apart: a made-up authorization header is
+    # the same anonymous caller, not a new one with a name space and quota of its own.
+    with pytest.raises(grpc.RpcError) as other:
+        _register(server, token="someone-else", name="dup", shm_name=shm.shm_name, byte_size=64)
+    assert other.value.code() == grpc.StatusCode.ALREADY_EXISTS
 
 
-def test_another_callers_region(server, store, shm):
+@pytest.fixture(scope="module")
+def tokens_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokens") / "tokens"
+    path.write_text("# identity token\nalice alice-secret\nbob bob-secret\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def token_server(store, tokens_file):
+    with RunningServer(store, auth_tokens_file=str(tokens_file)) as running:
+        yield running
+
+
+def test_another_callers_region(token_server, store, shm):
+    server = token_server
     with (
-        LookupClient(server.target, timeout=30, token="alice") as alice,
-        LookupClient(server.target, timeout=30, token="bob") as bob,
+        LookupClient(server.target, timeout=30, token="alice-secret") as alice,
+        LookupClient(server.target, timeout=30, token="bob-secret") as bob,
     ):
         alice.register_region("alices", shm)
         bob._regions["alices"] = alice._regions["alices"]  # bob names it anyway
@@ -356,9 +387,7 @@ def test_truncation_racing_live_writes_never_crashes_the_server(server, store):
     try:
         with LookupClient(server.target, timeout=30, retry=RetryPolicy(max_attempts=1)) as c:
             stub = lookup_pb2_grpc.EmbeddingLookupStub(c._channel(c.target))
-            stub.RegisterRegion(
-                pb.RegisterRegionRequest(name="flap", shm_name=name, byte_size=MB), timeout=30
-            )
+            _register(server, name="flap", shm_name=name, byte_size=MB)
             flapper.start()
             request = build_request(features, "sum", output_region="flap")
             codes = set()

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ibpembed.engine import FeatureResult, LookupResult
-from ibpembed.server.servicer import _DTYPES, encode_response
-from ibpembed.server.wire import serialize_response
+from ibpembed.server.wire import DTYPES as PROTO_DTYPES
+from ibpembed.server.wire import encode_response, serialize_response
 from ibpembed_client.v1 import lookup_pb2 as pb
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.uint8]
@@ -22,7 +22,7 @@ def protobuf_bytes(request_id: str, result: LookupResult) -> bytes:
         values = feature.values.contiguous()
         response.features.add(
             name=feature.name,
-            dtype=_DTYPES[values.dtype],
+            dtype=PROTO_DTYPES[values.dtype],
             shape=list(values.shape),
             values=values.view(torch.uint8).numpy().tobytes(),
         )

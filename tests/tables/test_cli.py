@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from ibpembed import cli as main_cli
 from ibpembed.tables import cli
@@ -108,6 +109,27 @@ def test_table_selection_applies_before_other_entries_are_checked(tmp_path: Path
         assert same_bits(snap.tables["model.emb"].decompress(), emb)
 
 
+def test_an_unknown_table_lists_the_tables_the_sources_hold(
+    tmp_path: Path, sources: Path, capsys
+) -> None:
+    """An unknown ``--table`` is named with the tables every source holds, read before the
+    selection (which leaves none of them)."""
+    torch.save({"emb": trained_like(10, 4)}, tmp_path / "m.pt")
+    save_file(
+        {"cat.weight": trained_like(6, 4), "bias": torch.zeros(4)}, sources / "extra.safetensors"
+    )
+    argv = ["pack", str(sources / "ckpt.pt"), "-o", str(tmp_path / "out"), "--no-progress"]
+    assert run([*argv, "--table", "T_USER"]) == 1
+    err = capsys.readouterr().err
+    assert "no table named ['T_USER']; the sources hold ['t_user']" in err, err
+    argv = ["pack", str(sources), str(tmp_path / "m.pt"), "-o", str(tmp_path / "out")]
+    assert run([*argv, "--table", "item", "--table", "nope", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "no table named ['nope']; the sources hold ['cat.weight', 'emb', 'item', 't_user']" in err
+    )
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -168,6 +190,38 @@ def test_inspect_directory_and_file(packed: Path, capsys) -> None:
     assert desc["header"]["num_rows"] == 100 and desc["meta"]["name"] == "item"
 
 
+def test_inspect_prices_a_hot_tier(packed: Path, capsys) -> None:
+    """--hot-tier adds each table's tier bytes and the savings net of it (header sizes only)."""
+    assert run(["inspect", str(packed), "--json"]) == 0
+    plain = {s["table"]: s for s in json.loads(capsys.readouterr().out)["summary"]}
+    for budget in ("10%", "savings", "all", "0"):
+        assert run(["inspect", str(packed), "--json", "--hot-tier", budget]) == 0
+        summary = {s["table"]: s for s in json.loads(capsys.readouterr().out)["summary"]}
+        for name, s in summary.items():
+            raw, stored, tier = s["raw_bytes"], s["stored_bytes"], s["tier_bytes"]
+            assert stored == plain[name]["stored_bytes"]
+            assert s["net_savings"] == pytest.approx(1 - (stored + tier) / raw)
+            if budget == "10%":
+                assert 0 < tier <= raw // 10
+            elif budget == "savings":  # the table with its tier stays within its raw bytes
+                assert stored + tier <= max(raw, stored)
+            elif budget == "all":
+                assert tier >= raw  # every row decoded, plus what finds them
+            else:
+                assert tier == 0 and s["net_savings"] == pytest.approx(s["savings"])
+    assert run(["inspect", str(packed), "--hot-tier", "5%"]) == 0
+    text = capsys.readouterr().out
+    assert "tier_bytes" in text and "net_savings" in text and "total" in text
+
+
+@pytest.mark.parametrize("bad", ["-5%", "lots", "5%%"])
+def test_inspect_refuses_a_malformed_budget(packed: Path, bad: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run(["inspect", str(packed), f"--hot-tier={bad}"])
+    assert exit_info.value.code == 2
+    assert "hot tier budget" in capsys.readouterr().err
+
+
 def test_inspect_does_not_decode(packed: Path, capsys) -> None:
     one = next(packed.glob("item.*.ibpt"))
     begin, _ = section_ranges(one)["payload"]
@@ -205,7 +259,7 @@ def test_verify_ok_then_each_fault(packed: Path, capsys) -> None:
 
 
 def test_commands_are_registered_with_the_ibpembed_command(packed: Path) -> None:
-    assert "ibpembed.tables.cli" in main_cli.COMMAND_MODULES
+    assert main_cli.COMMANDS["verify"][0] == "ibpembed.tables.cli"
     done = subprocess.run(
         [sys.executable, "-m", "ibpembed.cli", "verify", str(packed)],
         cwd=REPO,
@@ -241,3 +295,21 @@ def test_inspect_reports_sizes_and_savings_per_table_and_in_total(packed: Path, 
     assert total[4] == f"{100 * (1 - stored / raw):.1f}%"
     dtypes = {line.split()[0]: line.split()[3] for line in lines[header + 1 : -1]}
     assert dtypes == {name: s["dtype"] for name, s in summary.items()}
+
+
+def test_verify_json_reports_every_table_and_the_fault(packed: Path, capsys) -> None:
+    assert run(["verify", str(packed), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True and len(report["tables"]) == 2
+    assert all(t["ok"] and t["rows"] > 0 for t in report["tables"])
+    victim = next(packed.glob("t_user.*.ibpt"))
+    begin, end = section_ranges(victim)["payload"]
+    flip_bit(victim, (begin + end) // 2)
+    assert run(["verify", str(packed), "--json"]) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # stdout holds the JSON alone
+    (bad,) = [t for t in report["tables"] if not t["ok"]]
+    assert report["ok"] is False and bad["file"] == str(victim)
+    assert "section 'payload'" in bad["error"]
+    assert run(["verify", str(packed / "nothing-here"), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["ok"] is False

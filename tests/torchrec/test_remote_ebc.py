@@ -24,6 +24,7 @@ from torchrec import (
     PoolingType,
 )
 
+from ibpembed.cli import main as main_cli
 from ibpembed.tables.importers import from_torchrec
 from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.shards import pack_shards
@@ -252,6 +253,50 @@ def test_compress_model_remote_swaps_in_the_server(server) -> None:
         for seed in range(3):
             kjt = random_kjt(16, 5, seed)
             assert torch.equal(remote_model(kjt), in_process(kjt))
+
+
+def test_the_documented_remote_flow_from_a_state_dict(tmp_path: Path) -> None:
+    """docs/torchrec.md: a checkpoint packed with the CLI, served, then compress_model(model,
+    remote=...). A state dict holds no feature names: the plain pack is refused with the way out
+    named; the CLI's --feature and compress_model(pack_to=...) both give a server the model
+    runs on, bit-exact against the in-process swap."""
+    torch.manual_seed(2)
+    trained = TinyModel(make_ebc())
+    torch.save(trained.state_dict(), tmp_path / "model.pt")
+
+    def model() -> TinyModel:
+        fresh = TinyModel(make_ebc())
+        fresh.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+        return fresh
+
+    in_process = model()
+    compress_model(in_process, sample_rows=None)
+    plain, named = tmp_path / "plain", tmp_path / "named"
+    assert main_cli(["pack", str(tmp_path / "model.pt"), "-o", str(plain), "--no-progress"]) == 0
+    with (
+        RunningServer(TableStore.load(plain)) as running,
+        pytest.raises(
+            KeyError, match=r"pack_to=DIR\), or `ibpembed pack ... --feature f_a=t_small`"
+        ),
+    ):
+        compress_model(model(), remote=running.target)
+    features = [f"--feature={f}={c.name}" for c in TABLES for f in c.feature_names]
+    argv = ["pack", str(tmp_path / "model.pt"), "-o", str(named), "--no-progress", *features]
+    assert main_cli(argv) == 0
+    report = compress_model(model(), pack_to=tmp_path / "from_model", sample_rows=None)
+    assert [(r.module, r.table) for r in report] == [("sparse", c.name) for c in TABLES]
+    assert all(r.stored_bytes > 0 for r in report)
+    for directory in (named, tmp_path / "from_model"):
+        with RunningServer(TableStore.load(directory)) as running:
+            remote_model = model()
+            compress_model(remote_model, remote=running.target)
+            with torch.no_grad():
+                for seed in range(2):
+                    kjt = random_kjt(8, 4, seed)
+                    assert torch.equal(remote_model(kjt), in_process(kjt))
+            remote_model.sparse.close()
+    with pytest.raises(TypeError, match="pack_to and remote"):
+        compress_model(model(), pack_to=tmp_path / "x", remote="127.0.0.1:1")
 
 
 def test_row_sharded_servers(packed: Path, ebc) -> None:

@@ -86,7 +86,7 @@ class EmulatedKernels:
 
     def __init__(self, lib_path: Path) -> None:
         self.lib = ctypes.CDLL(str(lib_path))
-        self.lib.simt_gather.argtypes = [*_TABLE_ARGS, _P, _P, _I64, _P, *_LAUNCH_ARGS]
+        self.lib.simt_gather.argtypes = [*_TABLE_ARGS, _P, _P, _I64, _P, _I, *_LAUNCH_ARGS]
         # Per-table arrays (payload .. unit_bytes), chunk_bits, dtypes, single, the parts, the
         # batch, then the launch.
         self.lib.simt_pooled.argtypes = [
@@ -109,6 +109,8 @@ class EmulatedKernels:
             *_LAUNCH_ARGS,
         ]
         self.lib.simt_selftest.argtypes = [_I, ctypes.c_char_p, _I]
+        self.lib.simt_launch_shape.argtypes = [_I, _I64, _I, _I64, ctypes.POINTER(_I)]
+        self.lib.simt_launch_shape.restype = _I64
 
     @staticmethod
     def _table_args(c: CompressedTable) -> list:
@@ -148,10 +150,13 @@ class EmulatedKernels:
         grid: Grid = Grid(),
         *,
         sort: bool = True,
+        decode: bool = True,
     ) -> tuple[torch.Tensor, int]:
         """Rows [n, row_bytes] uint8 and the kernel's error word; ids None: the whole table.
         ``sort=False`` passes the ids as they come and no perm, as the CUDA op does for
-        gathers below IBPEMBED_CUDA_SORT_MIN_IDS ids."""
+        gathers below IBPEMBED_CUDA_SORT_MIN_IDS ids. ``decode=False``: the copy-without-decode
+        mode (IBPEMBED_CUDA_DECODE=copy), a compressed row's slot bytes at the front of its
+        output row (the rest stays zero)."""
         if ids is None:
             sorted_ids, perm, n = None, None, c.num_rows
         elif not sort:
@@ -160,7 +165,7 @@ class EmulatedKernels:
             sorted_ids, perm = torch.sort(ids.to(torch.int64).contiguous())
             n = ids.numel()
         out = torch.zeros(n, c.row_bytes, dtype=torch.uint8)
-        args = (_ptr(sorted_ids), _ptr(perm), n, _ptr(out))
+        args = (_ptr(sorted_ids), _ptr(perm), n, _ptr(out), int(decode))
         return out, self._launch(self.lib.simt_gather, c, args, grid)
 
     def pooled(
@@ -259,6 +264,16 @@ class EmulatedKernels:
         if rc < 0:
             raise EmulationError(message.value.decode())
         return outs, rc
+
+    def launch_shape(
+        self, max_warps: int, resident_blocks: int, sms: int, work_items: int
+    ) -> tuple[int, int]:
+        """(warps per block, blocks) the CUDA launchers pick (csrc/cuda/launch_shape.h)."""
+        warps = _I(0)
+        blocks = self.lib.simt_launch_shape(
+            max_warps, resident_blocks, sms, work_items, ctypes.byref(warps)
+        )
+        return warps.value, blocks
 
     def selftest(self, case: int) -> tuple[int, str]:
         """Runs one of simt_selftest.cpp's toy kernels: (its result, the emulator's failure)."""

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../../../csrc/cuda/gather_kernel.cuh"
+#include "../../../csrc/cuda/launch_shape.h"
 #include "../../../csrc/cuda/pooled_kernel.cuh"
 
 namespace {
@@ -60,21 +61,35 @@ std::string run(const Args& a, const Staging& st, int blocks, int warps, int64_t
 
 extern "C" {
 
+// launch_shape.h's choice for a kernel plan and an amount of work: the blocks, and the warps per
+// block in *warps.
+int64_t simt_launch_shape(int max_warps, int64_t resident_blocks, int sms, int64_t work_items,
+                          int* warps) {
+  const WorkShape shape = shape_for_work(max_warps, resident_blocks, sms, work_items);
+  *warps = shape.warps_per_block;
+  return shape.blocks;
+}
+
 // out[perm[i]] = row(ids[i]) for ascending ids (perm may be null: out[i]); ids null: row i.
+// decode == 0: the copy-without-decode mode (a compressed row's slot bytes, verbatim).
 int simt_gather(const uint8_t* payload, int64_t payload_bytes, const int64_t* block_base,
                 const uint8_t* row_units, const int32_t* bitmask, const uint64_t* mask,
                 const uint64_t* bitval, int64_t bitval_len, int64_t num_rows, int64_t row_bytes,
                 int64_t unit_bytes, int chunk_bits, const int64_t* ids, const int64_t* perm,
-                int64_t n, uint8_t* out, int blocks, int warps, int async, char* message,
-                int message_len) {
+                int64_t n, uint8_t* out, int decode, int blocks, int warps, int async,
+                char* message, int message_len) {
   int32_t error = 0;
   const DeviceTable table = table_of(payload, payload_bytes, block_base, row_units, bitmask, mask,
                                      bitval, bitval_len, num_rows, row_bytes, unit_bytes,
                                      chunk_bits);
   const GatherArgs a{table, ids, perm, n, out, &error};
   const Staging st{stage_buffer_bytes(row_bytes, unit_bytes), async != 0};
-  const std::string failure = run(a, st, blocks, warps, gather_smem_per_warp(st.buffer_bytes),
-                                  gather_kernel<16>, gather_kernel<32>, gather_kernel<64>);
+  const int64_t per_warp = gather_smem_per_warp(st.buffer_bytes);
+  const std::string failure =
+      decode != 0 ? run(a, st, blocks, warps, per_warp, gather_kernel<16, true>,
+                        gather_kernel<32, true>, gather_kernel<64, true>)
+                  : run(a, st, blocks, warps, per_warp, gather_kernel<16, false>,
+                        gather_kernel<32, false>, gather_kernel<64, false>);
   return finish(failure, &error, message, message_len);
 }
 

@@ -15,21 +15,20 @@ their map is :mod:`ibpembed_client.shard_map`),
 from importlib.metadata import PackageNotFoundError, version
 
 from ibpembed_client._client import LookupClient
-from ibpembed_client._common import (
+from ibpembed_client._errors import (
     OVERLOADED_METADATA_KEY,
     VERSIONS_HELD_METADATA_KEY,
-    FeatureBatch,
-    KeepAliveOptions,
-    LookupResult,
     LookupServiceError,
-    RetryPolicy,
-    Router,
-    TableInfo,
-    TlsOptions,
-    bf16_to_float32,
-    build_request,
-    decode_response,
 )
+from ibpembed_client._options import (
+    KeepAliveOptions,
+    OutlierEjection,
+    RetryPolicy,
+    TlsOptions,
+    service_config,
+)
+from ibpembed_client._request import FeatureBatch, Router, build_request
+from ibpembed_client._result import LookupResult, TableInfo, bf16_to_float32, decode_response
 from ibpembed_client.aio import AsyncLookupClient
 from ibpembed_client.regions import OutputRegion, SharedMemoryRegion
 from ibpembed_client.shard_map import ShardedTable, ShardMap, ShardRange
@@ -45,6 +44,7 @@ __all__ = [
     "LookupClient",
     "LookupResult",
     "LookupServiceError",
+    "OutlierEjection",
     "OutputRegion",
     "RetryPolicy",
     "Router",
@@ -58,6 +58,7 @@ __all__ = [
     "bf16_to_float32",
     "build_request",
     "decode_response",
+    "service_config",
 ]
 try:  # one source: clients/python/VERSION, read by both packages' builds
     __version__ = version("ibpembed-client")

@@ -13,33 +13,33 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ibpembed_client._common import (
+from ibpembed_client._errors import LookupServiceError
+from ibpembed_client._options import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_OUTLIER_EJECTION,
     ChannelOptions,
-    FeatureInput,
     KeepAliveOptions,
-    LookupResult,
-    LookupServiceError,
-    OutputDType,
-    Pooling,
-    RegisteredRegion,
+    OutlierEjection,
     Retrier,
     RetryPolicy,
-    Router,
-    TableInfo,
     TlsOptions,
-    build_request,
     call_metadata,
-    decode_response,
+)
+from ibpembed_client._options import channel_options as _channel_options
+from ibpembed_client._registered import (
+    RegisteredRegion,
     move_inputs_to_region,
-    pooled_bf16,
     region_of,
     region_registration,
 )
-from ibpembed_client._common import (
-    channel_options as _channel_options,
+from ibpembed_client._request import FeatureInput, OutputDType, Pooling, Router, build_request
+from ibpembed_client._result import LookupResult, TableInfo, decode_response, pooled_bf16
+from ibpembed_client.regions import (
+    OutputRegion,
+    SharedMemoryRegion,
+    challenge_request,
+    prove_write_access,
 )
-from ibpembed_client.regions import OutputRegion, SharedMemoryRegion
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 
@@ -73,7 +73,12 @@ class LookupClient:
         DCNv2-profile pooled response is ~27 MB).
     router : optional hook choosing the target per lookup request (scale-out).
     channel_options : more gRPC channel arguments, e.g. the load-balancing policy; they
-        override the client's own (a ``grpc.service_config`` replaces the retry policy's).
+        override the client's own (a ``grpc.service_config`` replaces the retry policy's and
+        the ejection's).
+    outlier_ejection : take an address that keeps failing calls (a hung replica, missing
+        every deadline) out of the balancing for a while (:class:`OutlierEjection`, on by
+        default over ``round_robin``, or over the policy ``channel_options`` names); None = off
+        (and gRPC's default ``pick_first``).
     """
 
     def __init__(
@@ -88,6 +93,7 @@ class LookupClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         router: Router | None = None,
         channel_options: ChannelOptions = (),
+        outlier_ejection: OutlierEjection | None = DEFAULT_OUTLIER_EJECTION,
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -96,7 +102,9 @@ class LookupClient:
         self.router = router
         self._tls = tls
         self._token = token
-        self._options = _channel_options(max_message_bytes, keepalive, self.retry, channel_options)
+        self._options = _channel_options(
+            max_message_bytes, keepalive, self.retry, channel_options, outlier_ejection
+        )
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()  # threads' first calls must share one channel
         # Regions registered through this client, by name: what output_region lookups view.
@@ -239,9 +247,19 @@ class LookupClient:
         timeout: float | None = None,
     ) -> None:
         """Register ``[offset, offset + byte_size)`` of ``memory`` (default: to its end) with
-        the server as ``name``, for lookups' ``output_region`` / ``input_region``."""
+        the server as ``name``, for lookups' ``output_region`` / ``input_region``.
+
+        The server registers only memory the caller proves it can write: this asks it for a
+        nonce, writes the nonce at the region's first bytes, and sends it back with the
+        registration (see :func:`ibpembed_client.regions.challenge_request`)."""
         request, registered = region_registration(name, memory, offset, byte_size)
         metadata = call_metadata(self._token)
+        challenge = challenge_request(request)
+        answer = self._call(
+            lambda t: self._stub().ChallengeRegion(challenge, timeout=t, metadata=metadata),
+            timeout,
+        )
+        request.nonce = prove_write_access(memory, offset, answer.nonce)
         self._call(
             lambda t: self._stub().RegisterRegion(request, timeout=t, metadata=metadata), timeout
         )

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from ibpembed_client._common import DTYPES, LookupResult, LookupServiceError
+from ibpembed_client._errors import LookupServiceError
+from ibpembed_client._result import DTYPES, LookupResult
 from ibpembed_client.shard_map import ShardedTable, ShardMap
 from ibpembed_client.v1 import lookup_pb2 as pb
 

@@ -13,33 +13,33 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ibpembed_client._common import (
+from ibpembed_client._errors import LookupServiceError
+from ibpembed_client._options import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_OUTLIER_EJECTION,
     ChannelOptions,
-    FeatureInput,
     KeepAliveOptions,
-    LookupResult,
-    LookupServiceError,
-    OutputDType,
-    Pooling,
-    RegisteredRegion,
+    OutlierEjection,
     Retrier,
     RetryPolicy,
-    Router,
-    TableInfo,
     TlsOptions,
-    build_request,
     call_metadata,
-    decode_response,
+)
+from ibpembed_client._options import channel_options as _channel_options
+from ibpembed_client._registered import (
+    RegisteredRegion,
     move_inputs_to_region,
-    pooled_bf16,
     region_of,
     region_registration,
 )
-from ibpembed_client._common import (
-    channel_options as _channel_options,
+from ibpembed_client._request import FeatureInput, OutputDType, Pooling, Router, build_request
+from ibpembed_client._result import LookupResult, TableInfo, decode_response, pooled_bf16
+from ibpembed_client.regions import (
+    OutputRegion,
+    SharedMemoryRegion,
+    challenge_request,
+    prove_write_access,
 )
-from ibpembed_client.regions import OutputRegion, SharedMemoryRegion
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 
@@ -67,6 +67,7 @@ class AsyncLookupClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         router: Router | None = None,
         channel_options: ChannelOptions = (),
+        outlier_ejection: OutlierEjection | None = DEFAULT_OUTLIER_EJECTION,
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -75,7 +76,9 @@ class AsyncLookupClient:
         self.router = router
         self._tls = tls
         self._token = token
-        self._options = _channel_options(max_message_bytes, keepalive, self.retry, channel_options)
+        self._options = _channel_options(
+            max_message_bytes, keepalive, self.retry, channel_options, outlier_ejection
+        )
         self._channels: dict[str, grpc.aio.Channel] = {}
         # Regions registered through this client, by name: what output_region lookups view.
         self._regions: dict[str, RegisteredRegion] = {}
@@ -218,6 +221,12 @@ class AsyncLookupClient:
         """See :meth:`ibpembed_client.LookupClient.register_region`."""
         request, registered = region_registration(name, memory, offset, byte_size)
         metadata = call_metadata(self._token)
+        challenge = challenge_request(request)
+        answer = await self._call(
+            lambda t: self._stub().ChallengeRegion(challenge, timeout=t, metadata=metadata),
+            timeout,
+        )
+        request.nonce = prove_write_access(memory, offset, answer.nonce)
         await self._call(
             lambda t: self._stub().RegisterRegion(request, timeout=t, metadata=metadata), timeout
         )

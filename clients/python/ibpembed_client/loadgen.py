@@ -9,13 +9,21 @@ Two load modes, as in perf_analyzer:
   ``--max-inflight``. Exposes queueing: latency grows as R nears capacity. Arrivals that find
   ``--max-inflight`` requests outstanding are counted as ``dropped``, not sent.
 
+``--concurrency-range START:END:STEP`` and ``--request-rate-range START:END:STEP`` sweep the
+load, one measured step per value (END included), and print one row per step: the curve a team
+sizes with.
+
 The warm-up (``--warmup`` seconds) runs first and is not measured; ``--requests N`` then
 measures N requests (or ``--duration`` seconds, whichever ends first). A run that measured no
 request exits 1.
 
-Requests are prebuilt (``--request-pool`` distinct ones, cycled) so generating ids costs nothing
-on the hot path. Every request has a deadline (``--deadline-ms``). The report gives p50, p90,
-p99, p99.9, mean and max latency of successful requests, QPS, and errors by status code; as JSON
+Requests are prebuilt so generating ids costs nothing on the hot path: ``--request-pool``
+distinct synthetic ones (Zipf ids, the DLRM-DCNv2 profile), or the recorded requests of
+``--input-data`` (JSON lines, one request per line), cycled. Every request has a deadline
+(``--deadline-ms``). Latencies go into a bounded histogram (1 % buckets: the memory of a run
+does not grow with its length). The report gives p50, p90, p99, p99.9, mean and max latency
+of successful requests, QPS and errors by status code; with ``--metrics-url`` (the server's
+``/metrics``), the server's own split of the mean beside it (queue, kernels, the rest); as JSON
 with ``--json`` and as a latency histogram with ``--png`` (needs matplotlib: the ``loadgen``
 extra).
 
@@ -31,15 +39,20 @@ import random
 import sys
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
-from ibpembed_client._common import LookupServiceError, RetryPolicy, TlsOptions
+from ibpembed_client import __version__
+from ibpembed_client._errors import LookupServiceError
+from ibpembed_client._histogram import LatencyHistogram
+from ibpembed_client._options import RetryPolicy, TlsOptions
+from ibpembed_client._server_metrics import Samples, scrape, server_split
 from ibpembed_client.aio import AsyncLookupClient
 from ibpembed_client.v1 import lookup_pb2 as pb
-from ibpembed_client.workload import hotness_for, make_requests
+from ibpembed_client.workload import hotness_for, make_requests, read_recorded
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,8 @@ class LoadConfig:
     deadline_ms: float = 5000.0
     max_inflight: int = 256
     request_pool: int = 16
+    input_data: str | None = None  # recorded requests (JSON lines) instead of synthetic ones
+    metrics_url: str | None = None  # the server's /metrics, for its side of the latency
     seed: int = 0
     token: str | None = None
     tls: TlsOptions | None = None
@@ -74,6 +89,11 @@ class LoadConfig:
             raise ValueError("--rate must be > 0")
         if self.batch_size < 1 or self.request_pool < 1 or self.max_inflight < 1:
             raise ValueError("--batch-size, --request-pool and --max-inflight must be >= 1")
+        # urlopen would read file:// and other schemes too.
+        if self.metrics_url is not None and not self.metrics_url.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(f"--metrics-url must be an http(s) URL, got {self.metrics_url!r}")
         return self
 
 
@@ -81,7 +101,7 @@ class LoadConfig:
 class _Tally:
     """Outcomes of requests that started after the warm-up."""
 
-    latencies: list[float] = field(default_factory=list)
+    latencies: LatencyHistogram = field(default_factory=LatencyHistogram)
     errors: Counter = field(default_factory=Counter)
     dropped: int = 0
     sent: int = 0  # started after the warm-up (what max_requests counts)
@@ -90,7 +110,7 @@ class _Tally:
         if started < warm_from:
             return
         if code is None:
-            self.latencies.append(seconds)
+            self.latencies.add(seconds)
         else:
             self.errors[code] += 1
 
@@ -107,7 +127,7 @@ class _Progress:
         done = min(1.0, elapsed / self.total_s) if self.total_s else 1.0
         bar = "#" * int(done * 30)
         sys.stderr.write(
-            f"\r[{bar:<30}] {elapsed:5.1f}/{self.total_s:.0f} s  ok {len(tally.latencies)}"
+            f"\r[{bar:<30}] {elapsed:5.1f}/{self.total_s:.0f} s  ok {tally.latencies.count}"
             f"  errors {sum(tally.errors.values())}  dropped {tally.dropped}"
         )
         sys.stderr.flush()
@@ -123,9 +143,14 @@ async def _prepare(client: AsyncLookupClient, cfg: LoadConfig) -> list[pb.Lookup
         for feature in table.features:
             rows[feature] = table.num_rows
     features = list(cfg.features) or sorted(rows, key=_natural_key)
+    if cfg.input_data is not None:
+        recorded = read_recorded(cfg.input_data, cfg.pooling)  # type: ignore[arg-type]
+        features = sorted({f.name for r in recorded for f in r.features})
     unknown = [f for f in features if f not in rows]
     if unknown:
         raise ValueError(f"features not served by {cfg.target}: {unknown}")
+    if cfg.input_data is not None:
+        return recorded
     return make_requests(
         {f: rows[f] for f in features},
         batch_size=cfg.batch_size,
@@ -209,7 +234,14 @@ async def run_load(cfg: LoadConfig) -> dict:
                 progress.update(loop.time() - start, tally)
                 await asyncio.sleep(0.5)
 
+        async def scrape_when_warm() -> Samples | None:
+            if cfg.metrics_url is None:
+                return None
+            await asyncio.sleep(max(0.0, warm_from - loop.time()))
+            return await asyncio.to_thread(scrape, cfg.metrics_url)
+
         ticker = asyncio.create_task(report_progress())
+        before = asyncio.create_task(scrape_when_warm())
         if cfg.concurrency is not None:
             await asyncio.gather(*(closed_loop(w) for w in range(cfg.concurrency)))
         else:
@@ -218,24 +250,36 @@ async def run_load(cfg: LoadConfig) -> dict:
         progress.update(loop.time() - start, tally)
         progress.close()
         window = (warm_from, min(loop.time(), stop_at))
-        return summarize(cfg, tally, window)
+        report = summarize(cfg, tally, window)
+        scraped = await before
+        if scraped is not None and cfg.metrics_url is not None:
+            after = await asyncio.to_thread(scrape, cfg.metrics_url)
+            report["server"] = server_split(scraped, after)
+        return report
     finally:
         await client.close()
 
 
+async def run_sweep(cfg: LoadConfig, values: Sequence[float]) -> list[dict]:
+    """One :func:`run_load` per value, in order: the concurrency (``cfg.concurrency`` set) or
+    the request rate (``cfg.rate`` set) of each step; each step warms up again."""
+    kind = "concurrency" if cfg.concurrency is not None else "rate"
+    steps = []
+    for value in values:
+        step = replace(cfg, **{kind: int(value) if kind == "concurrency" else float(value)})
+        steps.append(await run_load(step))
+    return steps
+
+
 def summarize(cfg: LoadConfig, tally: _Tally, window: tuple[float, float]) -> dict:
-    """The JSON report: settings, counts, QPS and latency percentiles in milliseconds.
+    """The JSON report: settings, counts, QPS, latency percentiles in milliseconds and the
+    latency histogram (``histogram_ms``: non-empty 1 % buckets).
 
     ``window``: the measured span on the event loop's clock (``time.monotonic()``), reported so
     that other readings (a server's CPU time) can be taken over the same span.
     """
     measured_s = max(1e-9, window[1] - window[0])
-    lat = np.asarray(tally.latencies) * 1000.0
-    pct = {}
-    if lat.size:
-        for name, q in (("p50", 50), ("p90", 90), ("p99", 99), ("p99.9", 99.9)):
-            pct[name] = float(np.percentile(lat, q))
-        pct |= {"mean": float(lat.mean()), "max": float(lat.max())}
+    ok = tally.latencies.count
     return {
         # Never write a secret (token, TLS key) into a report.
         "config": asdict(cfg) | {"token": None, "tls": cfg.tls is not None},
@@ -244,20 +288,20 @@ def summarize(cfg: LoadConfig, tally: _Tally, window: tuple[float, float]) -> di
         "rate": cfg.rate,
         "measured_s": measured_s,
         "window_monotonic_s": list(window),
-        "ok": int(lat.size),
+        "ok": ok,
         "errors": dict(tally.errors),
         "dropped": tally.dropped,
-        "qps": lat.size / measured_s,
-        "samples_per_s": lat.size * cfg.batch_size / measured_s,
-        "latency_ms": pct,
-        "latencies_ms": lat.tolist(),
+        "qps": ok / measured_s,
+        "samples_per_s": ok * cfg.batch_size / measured_s,
+        "latency_ms": tally.latencies.summary_ms(),
+        "histogram_ms": tally.latencies.to_json(),
     }
 
 
 PNG_NEEDS = "--png needs matplotlib: pip install 'ibpembed-client[loadgen]'"
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -272,11 +316,14 @@ def plot_latency(report: dict, path: str | Path) -> None:
         plt = _pyplot()
     except ImportError as exc:
         raise SystemExit(PNG_NEEDS) from exc
-    lat = np.asarray(report["latencies_ms"])
+    buckets = np.asarray(report["histogram_ms"]["buckets_ms"]).reshape(-1, 2)
     fig, ax = plt.subplots(figsize=(7, 4))
-    if lat.size:
-        bins = np.logspace(np.log10(max(lat.min(), 1e-3)), np.log10(lat.max() * 1.01 + 1e-3), 60)
-        ax.hist(lat, bins=bins)
+    if buckets.size:
+        # The 1 % buckets regrouped into 60 log-spaced bars over the observed range.
+        edges, counts = buckets[:, 0], buckets[:, 1]
+        low = max(float(edges.min()), 1e-3)
+        bins = np.logspace(np.log10(low), np.log10(float(edges.max()) * 1.02 + 1e-3), 60)
+        ax.hist(np.maximum(edges, low), bins=bins, weights=counts)
         ax.set_xscale("log")
         for name, value in report["latency_ms"].items():
             if name.startswith("p"):
@@ -290,29 +337,86 @@ def plot_latency(report: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
+DESCRIPTION = """\
+Drive an ibpembed server with recommendation traffic and report latency, QPS and errors.
+
+Load: --concurrency N keeps N requests in flight (closed loop); --rate R sends Poisson arrivals
+at R requests/s (open loop). --concurrency-range and --request-rate-range sweep either, one
+measured step per value. Requests are synthetic (Zipf ids, the DLRM-DCNv2 profile) or replayed
+from --input-data. With --metrics-url, the server's own time per request (queue, kernels, the
+rest) is printed beside the client's."""
+
+EXAMPLES = """\
+examples:
+  ibpembed-loadgen --target 127.0.0.1:50051 --concurrency 16 --duration 10 --batch-size 512
+  ibpembed-loadgen --concurrency-range 1:32:2 --duration 5 --metrics-url http://127.0.0.1:9100/metrics
+  ibpembed-loadgen --request-rate-range 100:400:100 --max-inflight 64 --json sweep.json
+  ibpembed-loadgen --input-data recorded.jsonl --concurrency 8   # one request per line:
+      {"cat_0": [[1, 2], [3]], "cat_1": [[7]]}   (feature -> per-sample id lists)"""
+
+
+def parse_range(text: str, kind: type[int] | type[float]) -> list[float]:
+    """``START[:END[:STEP]]`` (perf_analyzer's form, END included, STEP 1 by default)."""
+    parts = text.split(":")
+    try:
+        if not 1 <= len(parts) <= 3:
+            raise ValueError
+        start, end, step = (kind(p) for p in (*parts, *[parts[0], "1"][len(parts) - 1 :]))
+    except ValueError:
+        raise ValueError(f"expected START[:END[:STEP]], got {text!r}") from None
+    if start <= 0 or step <= 0 or end < start:
+        raise ValueError(f"need 0 < START <= END and STEP > 0, got {text!r}")
+    count = int((end - start) / step + 1e-9) + 1
+    return [start + i * step for i in range(count)]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ibpembed-loadgen",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--target", default="127.0.0.1:50051", help="server host:port")
+    p.add_argument("--version", action="version", version=f"ibpembed-loadgen {__version__}")
+    p.add_argument("--target", default="127.0.0.1:50051", help="server host:port (127.0.0.1:50051)")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--concurrency", type=int, help="requests kept in flight (closed loop)")
-    mode.add_argument("--rate", type=float, help="Poisson arrivals per second (open loop)")
-    p.add_argument("--duration", type=float, default=10.0, help="measured seconds")
-    p.add_argument("--warmup", type=float, default=1.0, help="seconds run before measuring")
-    p.add_argument(
-        "--requests", type=int, help="measure this many requests (after the warm-up), then stop"
+    mode.add_argument(
+        "--concurrency", type=int, help="requests kept in flight, closed loop (the default, 8)"
     )
-    p.add_argument("--batch-size", type=int, default=64, help="samples per request (B)")
-    p.add_argument("--features", default="", help="comma-separated features; default all")
+    mode.add_argument("--rate", type=float, help="Poisson arrivals per second (open loop)")
+    mode.add_argument(
+        "--concurrency-range",
+        metavar="START:END:STEP",
+        help="sweep the concurrency from START to END (included) by STEP",
+    )
+    mode.add_argument(
+        "--request-rate-range",
+        metavar="START:END:STEP",
+        help="sweep the request rate (per second) from START to END (included) by STEP",
+    )
+    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per step (10)")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds run before measuring (1)")
+    p.add_argument(
+        "--requests", type=int, help="measure this many requests per step after the warm-up"
+    )
+    p.add_argument("--batch-size", type=int, default=64, help="samples per request, B (64)")
+    p.add_argument("--features", default="", help="comma-separated features (all served)")
     p.add_argument("--hotness", default="dcnv2", help="ids per sample: dcnv2 or an integer")
     p.add_argument("--zipf-alpha", type=float, default=1.05, help="Zipf exponent of the ids")
+    p.add_argument(
+        "--input-data",
+        metavar="FILE",
+        help="replay recorded requests (JSON lines) instead of synthetic ones",
+    )
     p.add_argument("--pooling", choices=("sum", "mean", "none"), default="sum")
     p.add_argument("--deadline-ms", type=float, default=5000.0, help="per-request deadline")
-    p.add_argument("--max-inflight", type=int, default=256, help="rate mode: outstanding cap")
-    p.add_argument("--request-pool", type=int, default=16, help="distinct prebuilt requests")
+    p.add_argument("--max-inflight", type=int, default=256, help="rate modes: outstanding cap")
+    p.add_argument("--request-pool", type=int, default=16, help="distinct synthetic requests")
+    p.add_argument(
+        "--metrics-url",
+        metavar="URL",
+        help="the server's /metrics (http://host:9100/metrics): its time per request",
+    )
     p.add_argument("--seed", type=int, default=0)
     token = p.add_mutually_exclusive_group()
     token.add_argument("--token", help="bearer token (visible in ps: prefer --token-file)")
@@ -321,13 +425,67 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", help="PEM client certificate (mTLS; with --tls-key)")
     p.add_argument("--tls-key", help="PEM client private key (mTLS)")
     p.add_argument("--json", help="write the full report here")
-    p.add_argument("--png", help="write a latency histogram here")
+    p.add_argument("--png", help="write a latency histogram here (the last step's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
+def _step_line(report: dict) -> str:
+    lat = report["latency_ms"]
+    line = (
+        f"{_load_of(report)}: {report['ok']} ok in {report['measured_s']:.1f} s = "
+        f"{report['qps']:.1f} QPS ({report['samples_per_s']:.0f} samples/s)\n"
+        f"latency: {'  '.join(f'{k} {v:.2f} ms' for k, v in lat.items()) or 'none ok'}\n"
+        f"errors: {report['errors'] or 'none'}  dropped: {report['dropped']}"
+    )
+    server = report.get("server")
+    if server and server["requests"]:
+        mean = server["mean_ms"]
+        line += (
+            f"\nserver ({server['requests']} requests): mean {mean['total']:.2f} ms = queue "
+            f"{mean['queue']:.2f} + kernels {mean['kernels']:.2f} + other {mean['other']:.2f};"
+            f" p50 {server['p50_ms']:.2f} p99 {server['p99_ms']:.2f} ms; client - server "
+            f"{lat.get('mean', float('nan')) - mean['total']:.2f} ms (network, encoding)"
+        )
+    return line
+
+
+def _sweep_table(steps: list[dict]) -> str:
+    columns = ["load", "qps", "p50_ms", "p90_ms", "p99_ms", "p99.9_ms", "errors", "server_ms"]
+    rows = []
+    for r in steps:
+        lat, server = r["latency_ms"], r.get("server") or {}
+        split = server.get("mean_ms")
+        rows.append(
+            [
+                _load_of(r),
+                f"{r['qps']:.1f}",
+                *(f"{lat[k]:.2f}" if k in lat else "-" for k in ("p50", "p90", "p99", "p99.9")),
+                str(sum(r["errors"].values()) + r["dropped"]),
+                "-"
+                if not split
+                else f"{split['total']:.2f} (q {split['queue']:.2f}, k {split['kernels']:.2f})",
+            ]
+        )
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        values = None
+        if args.concurrency_range:
+            values = parse_range(args.concurrency_range, int)
+            args.concurrency = int(values[0])
+        elif args.request_rate_range:
+            values = parse_range(args.request_rate_range, float)
+            args.rate = values[0]
+    except ValueError as exc:
+        print(f"ibpembed-loadgen: {exc}", file=sys.stderr)
+        return 2
     if args.concurrency is None and args.rate is None:
         args.concurrency = 8
     if args.png:  # before the run, not after minutes of load
@@ -362,36 +520,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         deadline_ms=args.deadline_ms,
         max_inflight=args.max_inflight,
         request_pool=args.request_pool,
+        input_data=args.input_data,
+        metrics_url=args.metrics_url,
         seed=args.seed,
         token=token,
         tls=tls,
         progress=not args.no_progress,
     )
     try:
-        report = asyncio.run(run_load(cfg))
-    except (ValueError, LookupServiceError) as exc:
+        steps = asyncio.run(run_sweep(cfg, values or [args.concurrency or args.rate]))
+    except (ValueError, OSError, LookupServiceError) as exc:
         print(f"ibpembed-loadgen: {exc}", file=sys.stderr)
         return 2
-    lat = report["latency_ms"]
-    summary = "  ".join(f"{k} {v:.2f} ms" for k, v in lat.items())
-    print(
-        f"{_load_of(report)}: {report['ok']} ok in {report['measured_s']:.1f} s = "
-        f"{report['qps']:.1f} QPS ({report['samples_per_s']:.0f} samples/s)\n"
-        f"latency: {summary or 'no successful requests'}\n"
-        f"errors: {report['errors'] or 'none'}  dropped: {report['dropped']}"
-    )
+    for report in steps:
+        print(_step_line(report))
+    if len(steps) > 1:
+        print(_sweep_table(steps))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        document = steps[0] if values is None else {"steps": steps}
+        Path(args.json).write_text(json.dumps(document, indent=2))
     if args.png:
-        plot_latency(report, args.png)
-    if report["ok"] + sum(report["errors"].values()) == 0:
+        plot_latency(steps[-1], args.png)
+    if any(r["ok"] + sum(r["errors"].values()) == 0 for r in steps):
         print(
             "ibpembed-loadgen: no request was measured: the run ended within the warm-up "
             "(--warmup longer than --duration?)",
             file=sys.stderr,
         )
         return 1
-    return 0 if not report["errors"] else 1
+    return 0 if not any(r["errors"] for r in steps) else 1
 
 
 def _load_of(report: dict) -> str:

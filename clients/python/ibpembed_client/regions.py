@@ -8,9 +8,11 @@ frontend's memory, returned as numpy views (no copy, no bytes on the socket).
 ...     dense = np.concatenate([result[f] for f in features], axis=1)   # the one copy, if any
 
 The region is the caller's: it creates, sizes and unlinks the shm object; the server only opens
-it while registered. A result's arrays are views of the region and are overwritten by the next
-lookup that writes the same bytes: copy what must outlive that, or give concurrent lookups
-disjoint parts (``OutputRegion(name, offset, byte_size)``).
+it while registered, and only once the caller has proven it can write it (``register_region``
+writes a server-issued nonce at the region's first bytes; they are the caller's again after).
+A result's arrays are views of the region and are overwritten by the next lookup that writes
+the same bytes: copy what must outlive that, or give concurrent lookups disjoint parts
+(``OutputRegion(name, offset, byte_size)``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+
+from ibpembed_client.v1 import lookup_pb2 as pb
 
 SHM_DIR = "/dev/shm"
 
@@ -117,3 +121,18 @@ class SharedMemoryRegion:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def challenge_request(registration: pb.RegisterRegionRequest) -> pb.ChallengeRegionRequest:
+    """The ChallengeRegion request for a registration: the same object and offset."""
+    return pb.ChallengeRegionRequest(shm_name=registration.shm_name, offset=registration.offset)
+
+
+def prove_write_access(memory: SharedMemoryRegion, offset: int, nonce: bytes) -> bytes:
+    """Write the server's ``nonce`` at byte ``offset`` of ``memory`` (the region's first
+    bytes), where the server reads it back before it registers the region; returns it for
+    ``RegisterRegionRequest.nonce``."""
+    if not nonce:
+        raise ValueError("the server sent no nonce: it predates proof of write access")
+    memory.write(offset, nonce)
+    return nonce

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from ibpembed_client._client import LookupClient
-from ibpembed_client._common import LookupServiceError, TableInfo
+from ibpembed_client._errors import LookupServiceError
+from ibpembed_client._result import TableInfo
 
 SHARD_MAP_FORMAT = "ibpembed.shard_map"
 SHARD_MAP_VERSION = 1

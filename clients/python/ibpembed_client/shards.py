@@ -25,13 +25,16 @@ subtracts the range start itself. For one request the client
    server would (weights scale rows, they do not change the divisor).
 
 Versions. Every part of one request is pinned (``LookupRequest.table_version``) to the newest
-table-set version all the shards hold, as their ListTables answers said when last asked (every
-``version_refresh_s``), so a result never mixes the rows of two versions while the shards reload
-one after another (servers keep ``--keep-versions`` of them). A shard that answers
-FAILED_PRECONDITION with the versions it holds (a replica behind the shard's address that has not
-reloaded yet, or has dropped the version) narrows what the client believes that shard holds, and
-the whole request is tried again at the newest version still common, up to ``VERSION_ATTEMPTS``
-times. A request the caller pinned itself is sent as it is.
+table-set version all the shards it touches hold, as their ListTables answers said when last
+asked, so a result never mixes the rows of two versions while the shards reload one after
+another (servers keep ``--keep-versions`` of them). Each shard is asked every
+``version_refresh_s``, on its own thread (or task) and outside the requests' path: a request
+waits only for shards that have never answered; a shard that stops answering keeps its last
+pin, so requests that do not touch it go on, and those that do fail naming it. A shard that
+answers FAILED_PRECONDITION with the versions it holds (a replica behind the shard's address
+that has not reloaded yet, or has dropped the version) narrows what the client believes that
+shard holds, and the whole request is tried again at the newest version still common, up to
+``VERSION_ATTEMPTS`` times. A request the caller pinned itself is sent as it is.
 
 Replicas. Each address may name a group of replicas (``dns:///ibpembed-shard-0:50051``, a headless
 Service; or ``ipv4:10.0.0.1:50051,10.0.0.2:50051``); with ``channel_options=[("grpc.lb_policy_name",
@@ -52,25 +55,25 @@ import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, fields
 from typing import Any
 
 import grpc
 
 from ibpembed_client._client import LookupClient
-from ibpembed_client._common import (
+from ibpembed_client._errors import LookupServiceError
+from ibpembed_client._options import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_OUTLIER_EJECTION,
     ChannelOptions,
-    FeatureInput,
     KeepAliveOptions,
-    LookupResult,
-    LookupServiceError,
-    Pooling,
+    OutlierEjection,
     RetryPolicy,
     TlsOptions,
-    build_request,
 )
+from ibpembed_client._request import FeatureInput, Pooling, build_request
+from ibpembed_client._result import LookupResult
 from ibpembed_client._split import SplitPlan, merge_results, shard_error, split_request
 from ibpembed_client.aio import AsyncLookupClient
 from ibpembed_client.shard_map import ShardedTable, ShardMap, ShardRange
@@ -88,8 +91,10 @@ __all__ = [
 
 # Fan-out threads per shard for ShardedLookupClient: several callers' parts run at once.
 DEFAULT_WORKERS_PER_SHARD = 4
-# Seconds between asking every shard which table-set versions it holds.
+# Seconds between asking each shard which table-set versions it holds.
 DEFAULT_VERSION_REFRESH_S = 10.0
+# Time a shard is given to say which versions it holds (in the background, once pinned).
+VERSION_ASK_TIMEOUT_S = 5.0
 # Tries of one request at successively re-pinned versions (see the module's *Versions*).
 VERSION_ATTEMPTS = 3
 
@@ -99,41 +104,89 @@ def _remaining(deadline: float | None) -> float | None:
 
 
 class _VersionPin:
-    """The table-set versions each shard holds, as last seen, and the newest they share."""
+    """The table-set versions each shard holds, as it last said, and the newest a request's
+    shards share.
+
+    Each shard is asked on its own schedule: a shard that does not answer keeps the versions it
+    last reported (its pin), so requests that do not touch it go on, and ``failure`` holds why
+    it was silent for requests that need it before it ever answered.
+    """
 
     def __init__(self, shard_map: ShardMap, refresh_s: float) -> None:
         self.shard_map = shard_map
         self.refresh_s = refresh_s
-        self.held: list[frozenset[int]] = []
-        self._checked = -math.inf
+        shards = len(shard_map.addresses)
+        self.held: list[frozenset[int] | None] = [None] * shards
+        self.failure: list[LookupServiceError | None] = [None] * shards
+        self._asked = [-math.inf] * shards
 
-    @property
-    def stale(self) -> bool:
-        return time.monotonic() - self._checked >= self.refresh_s
+    def due(self, shard: int) -> bool:
+        """Whether ``shard`` should be asked again (marks it asked: one asker per period)."""
+        now = time.monotonic()
+        if now - self._asked[shard] < self.refresh_s:
+            return False
+        self._asked[shard] = now
+        return True
 
-    def update(self, held: Sequence[Sequence[int]]) -> None:
-        self.held = [frozenset(h) for h in held]
-        self._checked = time.monotonic()
+    def record(self, shard: int, answer: Sequence[int] | LookupServiceError) -> None:
+        """What ``shard`` answered; when it failed to, keep its last pin and remember why."""
+        if isinstance(answer, LookupServiceError):
+            self.failure[shard] = answer
+        else:
+            self.held[shard] = frozenset(answer)
+            self.failure[shard] = None
 
     def narrow(self, shard: int, versions: Sequence[int]) -> None:
         """Shard ``shard`` (one of its replicas) said it holds ``versions``."""
         said = frozenset(versions)
-        self.held[shard] = (self.held[shard] & said) or said
+        held = self.held[shard]
+        self.held[shard] = (held & said) or said if held is not None else said
 
-    def version(self, request_id: str) -> int:
-        common = frozenset.intersection(*self.held) if self.held else frozenset()
+    def unknown(self, shards: Sequence[int]) -> list[int]:
+        """The shards among ``shards`` that have never said what they hold."""
+        return [k for k in shards if self.held[k] is None]
+
+    def version(self, shards: Sequence[int], request_id: str) -> int:
+        """The newest version every one of ``shards`` holds (0 for no shard: nothing to pin).
+        Only the shards a request touches count, so a silent shard's stale pin cannot stop
+        requests that never reach it."""
+        held = [(k, self.held[k]) for k in shards]
+        if not held:
+            return 0
+        common = frozenset.intersection(*(h for _, h in held if h is not None))
         if not common:
-            held = "; ".join(
-                f"shard {k} at {self.shard_map.addresses[k]} holds {sorted(h)}"
-                for k, h in enumerate(self.held)
+            listed = "; ".join(
+                f"shard {k} at {self.shard_map.addresses[k]} holds {sorted(h or ())}"
+                for k, h in held
             )
             raise LookupServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"the shards hold no table-set version in common ({held}): a rolling reload "
+                f"the shards hold no table-set version in common ({listed}): a rolling reload "
                 "went further than the servers' --keep-versions, or a shard serves another set",
                 request_id,
             )
         return max(common)
+
+
+def _ask_failure(err: Exception) -> LookupServiceError:
+    if isinstance(err, LookupServiceError):
+        return err
+    return LookupServiceError(grpc.StatusCode.UNKNOWN, f"{type(err).__name__}: {err}")
+
+
+def _never_answered(
+    shard_map: ShardMap, plan: SplitPlan, shard: int, err: LookupServiceError | None
+) -> LookupServiceError:
+    """The error of a request that needs ``shard``, which has not yet said what it holds."""
+    if err is None:
+        err = LookupServiceError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "no answer to which table-set versions it holds within the request's deadline",
+        )
+    asked = LookupServiceError(
+        err.code, f"asked which table-set versions it holds: {err.details}", plan.request_id
+    )
+    return shard_error(shard_map, plan, shard, asked)
 
 
 def _repinnable(err: LookupServiceError) -> bool:
@@ -150,6 +203,8 @@ def _repinnable(err: LookupServiceError) -> bool:
 
 @dataclass(frozen=True)
 class _ClientArgs:
+    """The settings every shard's client is built with."""
+
     timeout: float | None
     retry: RetryPolicy | None
     keepalive: KeepAliveOptions | None
@@ -157,17 +212,12 @@ class _ClientArgs:
     token: str | None
     max_message_bytes: int
     channel_options: ChannelOptions
+    outlier_ejection: OutlierEjection | None
 
     def kwargs(self) -> dict[str, Any]:
-        return {
-            "timeout": self.timeout,
-            "retry": self.retry,
-            "keepalive": self.keepalive,
-            "tls": self.tls,
-            "token": self.token,
-            "max_message_bytes": self.max_message_bytes,
-            "channel_options": self.channel_options,
-        }
+        """The fields as keyword arguments of each shard's client (not copied: a TlsOptions
+        stays one)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class ShardedLookupClient:
@@ -183,16 +233,16 @@ class ShardedLookupClient:
     Parameters
     ----------
     shard_map : which server holds which rows.
-    timeout, retry, keepalive, tls, token, max_message_bytes, channel_options : as for
-        :class:`LookupClient`, applied to every shard (``channel_options`` with
-        ``("grpc.lb_policy_name", "round_robin")`` spreads each shard's calls over its
-        replicas). The timeout is one deadline for the whole request: each shard call gets the
-        time left when it starts, and a lookup still unanswered at the deadline fails with
-        DEADLINE_EXCEEDED, time spent queued for a pool thread included.
+    timeout, retry, keepalive, tls, token, max_message_bytes, channel_options,
+    outlier_ejection : as for :class:`LookupClient`, applied to every shard
+        (``channel_options`` with ``("grpc.lb_policy_name", "round_robin")`` spreads each
+        shard's calls over its replicas). The timeout is one deadline for the whole request:
+        each shard call gets the time left when it starts, and a lookup still unanswered at the
+        deadline fails with DEADLINE_EXCEEDED, time spent queued for a pool thread included.
     max_workers : threads sending shard calls (default ``DEFAULT_WORKERS_PER_SHARD`` per
         shard); with more calling threads than this allows, their parts queue.
-    version_refresh_s : seconds between asking the shards which versions they hold (the pin
-        moves to a newer version at most this long after every shard has it).
+    version_refresh_s : seconds between asking each shard which versions it holds (the pin
+        moves to a newer version about this long after every shard has it).
     """
 
     def __init__(
@@ -206,20 +256,35 @@ class ShardedLookupClient:
         token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         channel_options: ChannelOptions = (),
+        outlier_ejection: OutlierEjection | None = DEFAULT_OUTLIER_EJECTION,
         max_workers: int | None = None,
         version_refresh_s: float = DEFAULT_VERSION_REFRESH_S,
     ) -> None:
         self.shard_map = shard_map
         self.timeout = timeout
         args = _ClientArgs(
-            timeout, retry, keepalive, tls, token, max_message_bytes, channel_options
+            timeout,
+            retry,
+            keepalive,
+            tls,
+            token,
+            max_message_bytes,
+            channel_options,
+            outlier_ejection,
         )
         self._clients = [LookupClient(a, **args.kwargs()) for a in shard_map.addresses]
         if max_workers is None:
             max_workers = max(1, DEFAULT_WORKERS_PER_SHARD * len(self._clients))
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="ibpembed-shard")
         self._pin = _VersionPin(shard_map, version_refresh_s)
+        # Guards _pin and _asking, held for bookkeeping only, never across a call: a shard that
+        # hangs must not hold up requests to the others.
         self._pin_lock = threading.Lock()
+        self._asking: dict[int, Future[None]] = {}
+        # One thread per shard asks what it holds, so one silent shard delays no other's answer.
+        self._asker = ThreadPoolExecutor(
+            max(1, len(self._clients)), thread_name_prefix="ibpembed-versions"
+        )
 
     @classmethod
     def discover(cls, addresses: Sequence[str], **client_args: Any) -> ShardedLookupClient:
@@ -231,6 +296,7 @@ class ShardedLookupClient:
     def close(self) -> None:
         """Close every shard's channel and the fan-out threads."""
         self._pool.shutdown(wait=True)
+        self._asker.shutdown(wait=True, cancel_futures=True)
         for client in self._clients:
             client.close()
 
@@ -245,12 +311,60 @@ class ShardedLookupClient:
         return [client.versions_held(timeout=timeout) for client in self._clients]
 
     def pinned_version(self, *, timeout: float | None = None) -> int:
-        """The version unpinned lookups are sent at: the newest every shard holds (asking the
-        shards again when ``version_refresh_s`` has passed)."""
+        """The version a lookup touching every shard is sent at: the newest every shard holds
+        (asking the shards again when ``version_refresh_s`` has passed, a silent shard counting
+        with the versions it last reported).
+
+        Raises
+        ------
+        LookupServiceError : with ``shard`` set, for a shard that has never answered.
+        """
+        shards = range(len(self._clients))
+        wait(self._ask(shards).values(), timeout=timeout)
         with self._pin_lock:
-            if self._pin.stale:
-                self._pin.update(self.versions_held(timeout=timeout))
-            return self._pin.version("")
+            for shard in self._pin.unknown(shards):
+                err = self._pin.failure[shard] or LookupServiceError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout} s"
+                )
+                error = LookupServiceError(
+                    err.code, f"{self.shard_map.describe_shard(shard)}: {err.details}"
+                )
+                error.shard = shard
+                raise error
+            return self._pin.version(shards, "")
+
+    def _ask(self, shards: Sequence[int]) -> dict[int, Future[None]]:
+        """Start asking each of ``shards`` whose pin is due what it holds, in the background;
+        returns the asks of ``shards`` in flight."""
+        with self._pin_lock:
+            for shard in shards:
+                if shard not in self._asking and self._pin.due(shard):
+                    self._asking[shard] = self._asker.submit(self._ask_one, shard)
+            return {k: self._asking[k] for k in shards if k in self._asking}
+
+    def _ask_one(self, shard: int) -> None:
+        try:
+            answer = self._clients[shard].versions_held(timeout=VERSION_ASK_TIMEOUT_S)
+        except Exception as err:  # kept, so the requests that need this shard say why
+            answer = _ask_failure(err)
+        with self._pin_lock:
+            del self._asking[shard]
+            self._pin.record(shard, answer)
+
+    def _version_for(self, plan: SplitPlan, deadline: float | None) -> int:
+        """The version a request's parts are pinned to: the newest its shards share. Waits only
+        for shards that have never said what they hold; fails naming such a shard when it does
+        not answer."""
+        shards = sorted(plan.requests)
+        asking = self._ask(shards)
+        with self._pin_lock:
+            unknown = self._pin.unknown(shards)
+        if unknown:
+            wait([asking[k] for k in unknown if k in asking], timeout=_remaining(deadline))
+        with self._pin_lock:
+            for shard in self._pin.unknown(shards):
+                raise _never_answered(self.shard_map, plan, shard, self._pin.failure[shard])
+            return self._pin.version(shards, plan.request_id)
 
     def lookup(
         self,
@@ -286,11 +400,7 @@ class ShardedLookupClient:
         if request.table_version:  # the caller's pin
             return self._lookup_at(plan, request.table_version, deadline, timeout)
         for attempt in range(1, VERSION_ATTEMPTS + 1):
-            with self._pin_lock:
-                # Re-asked on the first try only: a later one goes by what the refusal said.
-                if attempt == 1 and self._pin.stale:
-                    self._pin.update(self.versions_held(timeout=_remaining(deadline)))
-                version = self._pin.version(plan.request_id)
+            version = self._version_for(plan, deadline)
             try:
                 return self._lookup_at(plan, version, deadline, timeout)
             except LookupServiceError as err:
@@ -365,18 +475,28 @@ class AsyncShardedLookupClient:
         token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         channel_options: ChannelOptions = (),
+        outlier_ejection: OutlierEjection | None = DEFAULT_OUTLIER_EJECTION,
         version_refresh_s: float = DEFAULT_VERSION_REFRESH_S,
     ) -> None:
         self.shard_map = shard_map
         args = _ClientArgs(
-            timeout, retry, keepalive, tls, token, max_message_bytes, channel_options
+            timeout,
+            retry,
+            keepalive,
+            tls,
+            token,
+            max_message_bytes,
+            channel_options,
+            outlier_ejection,
         )
         self._clients = [AsyncLookupClient(a, **args.kwargs()) for a in shard_map.addresses]
         self._pin = _VersionPin(shard_map, version_refresh_s)
-        self._pin_lock = asyncio.Lock()
+        self._asking: dict[int, asyncio.Task[None]] = {}
 
     async def close(self) -> None:
         """Close every shard's channel."""
+        for task in list(self._asking.values()):
+            task.cancel()
         for client in self._clients:
             await client.close()
 
@@ -413,10 +533,7 @@ class AsyncShardedLookupClient:
         if request.table_version:
             return await self._lookup_at(plan, request.table_version, timeout)
         for attempt in range(1, VERSION_ATTEMPTS + 1):
-            async with self._pin_lock:
-                if attempt == 1 and self._pin.stale:
-                    self._pin.update(await self.versions_held(timeout=timeout))
-                version = self._pin.version(plan.request_id)
+            version = await self._version_for(plan, timeout)
             try:
                 return await self._lookup_at(plan, version, timeout)
             except LookupServiceError as err:
@@ -424,6 +541,33 @@ class AsyncShardedLookupClient:
                     raise
                 self._pin.narrow(err.shard, err.versions_held)  # type: ignore[arg-type]
         raise AssertionError("unreachable")
+
+    def _ask(self, shards: Sequence[int]) -> dict[int, asyncio.Task[None]]:
+        """Start asking each of ``shards`` whose pin is due what it holds, as tasks of their
+        own; returns the asks of ``shards`` in flight."""
+        for shard in shards:
+            if shard not in self._asking and self._pin.due(shard):
+                self._asking[shard] = asyncio.ensure_future(self._ask_one(shard))
+        return {k: self._asking[k] for k in shards if k in self._asking}
+
+    async def _ask_one(self, shard: int) -> None:
+        try:
+            answer = await self._clients[shard].versions_held(timeout=VERSION_ASK_TIMEOUT_S)
+        except Exception as err:  # kept, so the requests that need this shard say why
+            answer = _ask_failure(err)
+        del self._asking[shard]
+        self._pin.record(shard, answer)
+
+    async def _version_for(self, plan: SplitPlan, timeout: float | None) -> int:
+        """As :meth:`ShardedLookupClient._version_for`."""
+        shards = sorted(plan.requests)
+        asking = self._ask(shards)
+        pending = [asking[k] for k in self._pin.unknown(shards) if k in asking]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        for shard in self._pin.unknown(shards):
+            raise _never_answered(self.shard_map, plan, shard, self._pin.failure[shard])
+        return self._pin.version(shards, plan.request_id)
 
     async def _lookup_at(
         self, plan: SplitPlan, version: int, timeout: float | None

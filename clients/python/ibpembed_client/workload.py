@@ -2,17 +2,19 @@
 """Synthetic recommendation traffic: Zipf ids over permuted rows, DLRM-DCNv2 pooling factors.
 
 Used by the load generator, the service benchmark and the server's demo tables (one copy of the
-profile). numpy only.
+profile); and recorded traffic to replay (:func:`read_recorded`). numpy only.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ibpembed_client._common import FeatureBatch, Pooling, build_request
+from ibpembed_client._request import FeatureBatch, Pooling, build_request
 from ibpembed_client.v1 import lookup_pb2 as pb
 
 # Ids per sample of each of the 26 features in the MLPerf DLRM-DCNv2 multi-hot dataset.
@@ -97,4 +99,32 @@ def make_requests(
                 sampler.sample(batch_size * hot), np.full(batch_size, hot, np.int32)
             )
         requests.append(build_request(features, pooling, request_id=f"load-{seed}-{i}"))
+    return requests
+
+
+def read_recorded(path: str | os.PathLike[str], pooling: Pooling) -> list[pb.LookupRequest]:
+    """Requests recorded one per line of a JSON-lines file, each line mapping feature names to
+    per-sample id lists (the list form of ``LookupClient.lookup``):
+    ``{"cat_0": [[1, 2], [3]], "cat_1": [[7]]}``. Blank lines are skipped.
+
+    Raises
+    ------
+    ValueError
+        naming the file and line of the first line that is not such a request (float ids
+        included), or for a file with none.
+    """
+    requests = []
+    with open(path) as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                features = json.loads(line)
+                if not isinstance(features, dict) or not features:
+                    raise ValueError("expected an object mapping features to per-sample id lists")
+                requests.append(build_request(features, pooling, request_id=f"replay-{number}"))
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"{path}:{number}: {err}") from None
+    if not requests:
+        raise ValueError(f"{path}: no requests recorded")
     return requests

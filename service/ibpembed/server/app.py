@@ -22,6 +22,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TextIO
@@ -34,8 +35,10 @@ from grpc_reflection.v1alpha import reflection
 from ibpembed.engine import LookupEngine, LookupObserver, resolve_device
 from ibpembed.selftest import choose_device
 from ibpembed.server import demo
+from ibpembed.server.backlog import StreamBacklog
 from ibpembed.server.cli import LOAD_THREAD
 from ibpembed.server.config import ServerConfig
+from ibpembed.server.identity import CallerIdentities, read_tokens
 from ibpembed.server.interceptors import (
     BearerTokenInterceptor,
     RpcObserver,
@@ -54,6 +57,8 @@ log = logging.getLogger(__name__)
 
 # How often a draining server checks whether its in-flight RPCs are done.
 _DRAIN_POLL_S = 0.05
+# The console's load progress: a line at most this often, plus the first and the last.
+_PROGRESS_EVERY_S = 2.0
 # The drain ends once no RPC has been refused for this long, or this long after the last
 # in-flight RPC finished while calls keep coming (see LookupServer._drained).
 _DRAIN_QUIET_S = 0.1
@@ -156,10 +161,25 @@ class LookupServer:
         # Both set by serve_tables; the gate refuses every RPC that would need them before.
         self.engine: LookupEngine | None = None
         self.reloader: TableSetReloader | None = None
+        # Who a call is (its token's identity, or anonymous without tokens): owns regions.
+        self.identities = CallerIdentities(
+            read_tokens(config.auth_token_file, config.auth_tokens_file)
+        )
         # Shared-memory regions clients registered; their descriptors close at stop.
-        self.regions = RegionRegistry()
+        self.regions = RegionRegistry(config.max_regions)
+        # Stream requests read and not yet answered: at most max_inflight in all (the memory
+        # their responses hold), half of it per caller, so stalled streams leave others room.
+        backlog = StreamBacklog(
+            config.max_inflight,
+            min(config.max_inflight, max(config.stream_window, config.max_inflight // 2)),
+        )
         self.servicer = EmbeddingLookupServicer(
-            None, stream_window=config.stream_window, regions=self.regions, observer=observer
+            None,
+            stream_window=config.stream_window,
+            regions=self.regions,
+            identities=self.identities,
+            backlog=backlog,
+            observer=observer,
         )
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
@@ -168,10 +188,13 @@ class LookupServer:
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         interceptors: list[grpc.aio.ServerInterceptor] = []
-        if self.config.auth_token_file is not None:
-            token = _read(self.config.auth_token_file).decode().strip()
-            interceptors.append(BearerTokenInterceptor(token, self.observer))
-        interceptors.append(ServiceInterceptor(self.state, self.observer))
+        if self.identities.enabled:
+            interceptors.append(BearerTokenInterceptor(self.identities, self.observer))
+        interceptors.append(
+            ServiceInterceptor(
+                self.state, self.observer, write_timeout_s=self.config.stream_write_timeout_s
+            )
+        )
         return interceptors
 
     def _credentials(self) -> grpc.ServerCredentials | None:
@@ -246,8 +269,8 @@ class LookupServer:
             dedupe_max_unique_fraction=cfg.dedupe_max_unique_fraction,
             dedupe_min_ids=cfg.dedupe_min_ids,
             inline_max_ids=cfg.inline_max_ids,
-            hot_row_budget=cfg.hot_row_budget,
-            hot_row_refresh_s=cfg.hot_row_refresh_s,
+            hot_tier=cfg.hot_tier,
+            hot_tier_refresh_s=cfg.hot_tier_refresh_s,
             # Leave room for the response's framing (names, shapes: ~50 bytes a feature).
             max_output_bytes=cfg.max_message_bytes * 15 // 16,
             observer=self.observer,
@@ -258,7 +281,7 @@ class LookupServer:
             self.reloader = TableSetReloader(
                 store,
                 poll_s=cfg.reload_poll_s,
-                hot_rows=self.engine.hot_rows,
+                hot_rows=self.engine.tier,
                 observer=self.observer,
             )
         self.state.accepting, self.state.reason = True, "serving"
@@ -389,6 +412,17 @@ def example_query(host: str, port: int, feature: str, *, tls: bool, token: bool)
     )
 
 
+def _tier_line(engine: LookupEngine, raw: int, stored: int) -> str:
+    """The hot tier's budget and the savings left net of it (nothing when there is none)."""
+    if engine.tier is None:
+        return ""
+    tier = sum(p.bytes for p in engine.tier.plan().values())
+    return (
+        f"hot tier {engine.tier.budget.describe()}: up to {tier:,} bytes of decoded rows, "
+        f"{1 - (stored + tier) / max(raw, 1):.1%} saved net of it\n"
+    )
+
+
 def _reload_line(config: ServerConfig) -> str:
     when = f"when its manifest changes (checked every {config.reload_poll_s:g} s) and "
     return f"table set reloads {when if config.reload_poll_s else ''}on SIGHUP\n"
@@ -399,6 +433,24 @@ async def _shut_down_unloaded(server: LookupServer, metrics: ServerMetrics | Non
     await server.stop(0)
     if metrics is not None:
         metrics.stop_http_server()
+
+
+class _LoadProgress:
+    """Tables loaded so far, to the console and to the loading gauge (called by the load thread):
+    a multi-minute load otherwise prints nothing between "bound" and "listening"."""
+
+    def __init__(self, out: TextIO, metrics: ServerMetrics | None) -> None:
+        self._out, self._metrics = out, metrics
+        self._start = time.monotonic()
+        self._last = -_PROGRESS_EVERY_S
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._metrics is not None:
+            self._metrics.loading_progress(done, total)
+        elapsed = time.monotonic() - self._start
+        if done == total or elapsed - self._last >= _PROGRESS_EVERY_S:
+            self._last = elapsed
+            print(f"loading: {done}/{total} tables ({elapsed:.1f} s)", file=self._out, flush=True)
 
 
 async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
@@ -440,7 +492,7 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     )
     log.info("loading %s", config.tables or "the embedded demo table set")
     loading = in_daemon_thread(
-        lambda: load_and_check(config, metrics.loading_progress if metrics else None),
+        lambda: load_and_check(config, _LoadProgress(out, metrics)),
         name=LOAD_THREAD,
     )
     loop.add_signal_handler(signal.SIGHUP, server.request_reload)
@@ -463,8 +515,8 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
         metrics.attach(store, device=device)
     await server.serve_tables(store, device)
     assert server.engine is not None
-    if metrics is not None and server.engine.hot_rows is not None:
-        metrics.watch_hot_rows(server.engine.hot_rows)
+    if metrics is not None and server.engine.tier is not None:
+        metrics.watch_hot_tier(server.engine.tier)
     tables = server.engine.describe()
     first_feature = next((t.features[0] for t in tables if t.features), "cat_0")
     source = config.tables or f"embedded demo ({len(tables)} DLRM-DCNv2-profile tables)"
@@ -474,14 +526,15 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
         f"ibpembed serving {source} on {server.engine.device}: {len(tables)} tables, "
         f"{raw:,} raw bytes stored in {stored:,} ({1 - stored / max(raw, 1):.1%} saved), "
         f"version {server.engine.store.version}\n"
-        f"listening on {config.host}:{port} ({scheme})\n"
+        + _tier_line(server.engine, raw, stored)
+        + f"listening on {config.host}:{port} ({scheme})\n"
         + (_reload_line(config) if config.tables else "")
         + example_query(
             config.host,
             port,
             first_feature,
             tls=config.tls_cert is not None,
-            token=config.auth_token_file is not None,
+            token=server.identities.enabled,
         ),
         file=out,
         flush=True,

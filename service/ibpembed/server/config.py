@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ibpembed.engine import DEDUPE_MIN_IDS, INLINE_MAX_IDS
+from ibpembed.engine import DEDUPE_MIN_IDS, INLINE_MAX_IDS, TierBudget
+from ibpembed.engine.tier import DEFAULT_TIER
 
 ENV_PREFIX = "IBPEMBED_"
 # gRPC takes message sizes as int32 bytes: 2047 MiB is the most it accepts.
@@ -82,8 +83,9 @@ class ServerConfig:
     )
     max_inflight: int = _setting(
         64,
-        "Lookups admitted at once (running, waiting for a worker, or a LookupStream response"
-        " waiting to be written); more get RESOURCE_EXHAUSTED.",
+        "Lookups admitted at once (running or waiting for a worker); more get"
+        " RESOURCE_EXHAUSTED. Also the LookupStream requests read and not yet answered, all"
+        " streams together (one caller's at most half): a full backlog stops a stream reading.",
     )
     max_message_mb: int = _setting(
         64,
@@ -94,6 +96,12 @@ class ServerConfig:
         8,
         "Requests of one LookupStream running or waiting to be written at once (responses"
         " stay in order).",
+    )
+    stream_write_timeout_s: float = _setting(
+        30.0,
+        "Seconds a LookupStream response may wait for its client to read it; then the server"
+        " cancels the stream and frees what it held (the client, not reading, learns nothing"
+        " until its own deadline or keepalive).",
     )
     grace_s: float = _setting(
         20.0,
@@ -116,12 +124,17 @@ class ServerConfig:
         "CPU requests with at most this many ids run on the event loop's thread instead of a"
         " worker (their kernels are shorter than the hand-off; 0 = always a worker).",
     )
-    hot_row_budget: float = _setting(
-        0.01,
-        "Memory per table for decoded copies of its most looked-up rows, as a fraction of its"
-        " raw bytes; CPU lookups read them instead of decoding (0 = off).",
+    hot_tier: str = _setting(
+        DEFAULT_TIER,
+        "Host memory per table for its decoded hot tier (most looked-up rows, chosen online),"
+        " read by CPU lookups instead of decoding: `N%` of its raw bytes, `savings` or"
+        " `N%savings` (of raw - stored bytes: `savings` keeps each table within its raw bytes),"
+        " bytes for the whole set split by raw size (`512MiB`, `2GB`), `all` (every row) or"
+        " `0`/`off`; a budget past the whole table is `all`.",
     )
-    hot_row_refresh_s: float = _setting(30.0, "Seconds between re-rankings of the hot rows.")
+    hot_tier_refresh_s: float = _setting(
+        30.0, "Seconds between publications of changed hot tiers (built aside, swapped in)."
+    )
     malloc_retain_mb: int = _setting(
         256,
         "glibc: MiB of freed memory kept for reuse, so multi-MB responses are not mapped and"
@@ -136,7 +149,20 @@ class ServerConfig:
         None, "PEM CA bundle; when set clients must present a certificate it signed (mTLS)."
     )
     auth_token_file: str | None = _setting(
-        None, "File holding the bearer token clients must send (`authorization: Bearer ...`)."
+        None,
+        "File holding the bearer token clients must send (`authorization: Bearer ...`);"
+        " its callers share the identity `token`.",
+    )
+    auth_tokens_file: str | None = _setting(
+        None,
+        "File of bearer tokens, one `<identity> <token>` a line (`#` comments): each token is"
+        " its own identity, whose shared-memory regions no other identity can see, use or"
+        " release. Without any token file every caller is one identity, `anonymous`.",
+    )
+    max_regions: int = _setting(
+        512,
+        "Shared-memory regions registered at once, all callers together (each holds a file"
+        " descriptor; one identity holds at most 256).",
     )
     reflection: bool = _setting(True, "Register gRPC server reflection (for grpcurl).")
     log_level: str = _setting(
@@ -166,6 +192,7 @@ class ServerConfig:
             "max_inflight",
             "max_message_mb",
             "stream_window",
+            "max_regions",
             "keep_versions",
             "dedupe_min_ids",
             "demo_max_rows",
@@ -179,17 +206,23 @@ class ServerConfig:
             )
         for name in (
             "grace_s",
+            "stream_write_timeout_s",
             "reload_poll_s",
             "dedupe_max_unique_fraction",
-            "hot_row_budget",
-            "hot_row_refresh_s",
+            "hot_tier_refresh_s",
         ):
             if not math.isfinite(getattr(self, name)):  # nan passes every comparison below
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if not 0.0 <= self.hot_row_budget <= 1.0:
-            raise ValueError(f"hot_row_budget must be in [0, 1], got {self.hot_row_budget}")
-        if self.hot_row_refresh_s <= 0:
-            raise ValueError(f"hot_row_refresh_s must be > 0, got {self.hot_row_refresh_s}")
+        try:
+            TierBudget.parse(self.hot_tier)
+        except ValueError as exc:
+            raise ValueError(f"hot_tier: {exc}") from None
+        if self.hot_tier_refresh_s <= 0:
+            raise ValueError(f"hot_tier_refresh_s must be > 0, got {self.hot_tier_refresh_s}")
+        if self.stream_write_timeout_s <= 0:
+            raise ValueError(
+                f"stream_write_timeout_s must be > 0, got {self.stream_write_timeout_s}"
+            )
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.reload_poll_s < 0:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
 import inspect
 import logging
 import time
@@ -24,6 +23,7 @@ from typing import Any, Protocol
 import grpc
 
 from ibpembed.errors import Overloaded, ServiceError, Unavailable, VersionNotHeld
+from ibpembed.server.identity import CallerIdentities
 from ibpembed.server.status import (
     MAX_REQUEST_ID_CHARS,
     UndecodableRequest,
@@ -82,6 +82,9 @@ class RpcObserver(Protocol):
         """``count`` requests of a failed or cancelled ``LookupStream`` got no answer."""
 
 
+# A failed RPC's status, message and trailing metadata.
+_Failure = tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]
+
 # How close to the server's deadline a client's cancellation counts as its deadline passing.
 DEADLINE_SLACK_S = 0.02
 
@@ -106,9 +109,16 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
     """Readiness gate, request ids, the exception -> status map and the RPC observer's timings
     for ``ibpembed.v1``."""
 
-    def __init__(self, state: ServingState, observer: RpcObserver | None = None) -> None:
+    def __init__(
+        self,
+        state: ServingState,
+        observer: RpcObserver | None = None,
+        *,
+        write_timeout_s: float = 30.0,
+    ) -> None:
         self.state = state
         self.observer = observer
+        self.write_timeout_s = write_timeout_s
 
     def _done(self, method: str, code: grpc.StatusCode) -> None:
         if self.observer is not None:
@@ -145,13 +155,8 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             self.state.refused += 1
             raise Unavailable(f"server not accepting requests: {self.state.reason}")
 
-    async def _fail(
-        self,
-        context: grpc.aio.ServicerContext,
-        method: str,
-        request_id: str,
-        exc: Exception,
-    ) -> None:
+    def _failure(self, method: str, request_id: str, exc: Exception) -> _Failure:
+        """Log and count a failed RPC; the status, message and trailing metadata it ends with."""
         code, message = status_for(exc, request_id)
         if isinstance(exc, ServiceError):
             log.debug("%s request %s: %s %s", method, request_id, code.name, message)
@@ -165,6 +170,16 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             trailing = ((OVERLOADED_METADATA_KEY, "1"),)
         elif isinstance(exc, VersionNotHeld):  # the client re-pins without parsing the message
             trailing = ((VERSIONS_HELD_METADATA_KEY, ",".join(map(str, exc.held))),)
+        return code, message, trailing
+
+    # NOTE(interceptors): a failed RPC aborts outside the ``except`` block that caught the error,
+    # from a frame that no longer holds the request. gRPC keeps the AbortError that ``abort``
+    # raises in a reference cycle, freed only by a full garbage collection; raised inside the
+    # block it would chain the caught error, whose traceback reaches every frame of the lookup
+    # and its buffers: each refused 60 MiB request kept ~180 MiB until then.
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, failure: _Failure) -> None:
+        code, message, trailing = failure
         await context.abort(code, message, trailing_metadata=trailing)
 
     def _wrap_unary(self, method: str, behavior: Callable) -> Callable:
@@ -191,14 +206,19 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 self._done(method, _cancelled_code(context))
                 raise
             except Exception as exc:
-                await self._fail(context, method, request_id, exc)
-            self._done(method, grpc.StatusCode.OK)
-            return response
+                failure = self._failure(method, request_id, exc)
+            else:
+                self._done(method, grpc.StatusCode.OK)
+                return response
+            del request
+            await self._abort(context, failure)
 
         return unary
 
     def _wrap_stream(self, method: str, behavior: Callable) -> Callable:
-        async def stream(request_iterator: AsyncIterator, context: grpc.aio.ServicerContext):
+        async def stream(
+            request_iterator: AsyncIterator, context: grpc.aio.ServicerContext
+        ) -> None:
             # Per-request ids live in the messages; a stream-level failure is logged under the
             # stream's own id (the client's x-request-id metadata, or a fresh one), cut to the
             # length a message's request_id may have: metadata may hold kilobytes.
@@ -209,10 +229,10 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             # in order, so arrivals and answers pair up first in, first out.
             observer = self.observer if method == STREAM_METHOD else None
             arrivals: collections.deque[tuple[float, object]] = collections.deque()
+            requests = request_iterator
             try:
                 self._check_state()
                 self.state.active += 1
-                requests = request_iterator
                 if observer is not None:
                     requests = _arriving(request_iterator, method, observer, arrivals)
                 try:
@@ -220,7 +240,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                         if observer is not None:
                             arrived, token = arrivals.popleft()
                             observer.lookup_done(token, time.perf_counter() - arrived, response)
-                        yield response
+                        await self._write(context, response)
                 finally:
                     self.state.active -= 1
                     if observer is not None and arrivals:
@@ -230,11 +250,52 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             except asyncio.CancelledError:
                 self._done(method, _cancelled_code(context))
                 raise
+            except _WriteTimedOut as exc:
+                # No status can follow a send still queued behind flow control (gRPC refuses the
+                # second batch): the stream is cancelled, which frees it in gRPC too.
+                log.info("%s %s: %s", method, stream_id, exc)
+                self._done(method, grpc.StatusCode.CANCELLED)
+                raise asyncio.CancelledError from None
             except Exception as exc:
-                await self._fail(context, method, stream_id, exc)
-            self._done(method, grpc.StatusCode.OK)
+                failure = self._failure(method, stream_id, exc)
+            else:
+                self._done(method, grpc.StatusCode.OK)
+                return
+            del request_iterator, requests
+            await self._abort(context, failure)
 
         return stream
+
+    async def _write(self, context: grpc.aio.ServicerContext, response: Any) -> None:
+        """Send one stream response; a client that does not take it within the write timeout
+        ends its stream, which frees what the stream holds instead of keeping it for a reader
+        that may never come back."""
+        write = asyncio.ensure_future(context.write(response))
+        # A write abandoned below may still end in an error: retrieved here, not logged by asyncio.
+        write.add_done_callback(lambda task: task.cancelled() or task.exception())
+        try:
+            done, _ = await asyncio.wait({write}, timeout=self.write_timeout_s)
+        except asyncio.CancelledError:
+            write.cancel()
+            raise
+        if not done:
+            write.cancel()
+            raise _WriteTimedOut(self.write_timeout_s)
+        try:
+            write.result()
+        except Exception:
+            if context.cancelled():  # the client left while the response was being sent
+                raise asyncio.CancelledError from None
+            raise
+
+
+class _WriteTimedOut(Exception):
+    """A LookupStream response nobody took within the write timeout."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(
+            f"a response waited {seconds:g} s for the client to read it: stream cancelled"
+        )
 
 
 async def _arriving(
@@ -301,15 +362,16 @@ def _decode_guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED unless the call carries ``authorization: Bearer <token>``.
+    """UNAUTHENTICATED unless the call carries ``authorization: Bearer <token>`` with one of the
+    configured tokens (:class:`~ibpembed.server.identity.CallerIdentities`).
 
     Health checks are exempt: Kubernetes gRPC probes cannot send credentials.
     """
 
-    def __init__(self, token: str, observer: RpcObserver | None = None) -> None:
-        if not token:
-            raise ValueError("empty bearer token")
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, identities: CallerIdentities, observer: RpcObserver | None = None) -> None:
+        if not identities.enabled:
+            raise ValueError("no bearer tokens configured")
+        self.identities = identities
         self.observer = observer  # told of rejected ibpembed.v1 calls (requests by code)
 
     async def intercept_service(
@@ -318,19 +380,15 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(HEALTH_PREFIX) or self._authorized(details):
+        if (
+            handler is None
+            or details.method.startswith(HEALTH_PREFIX)
+            or self.identities.check(details.invocation_metadata) is not None
+        ):
             return handler
         if self.observer is not None and details.method.startswith(SERVICE_PREFIX):
             self.observer.rpc_done(details.method, grpc.StatusCode.UNAUTHENTICATED)
         return _rejecting_handler(handler)
-
-    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                got = value.encode() if isinstance(value, str) else value
-                # Constant-time compare: the token must not leak through response timing.
-                return hmac.compare_digest(got, self._expected)
-        return False
 
 
 def _rejecting_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

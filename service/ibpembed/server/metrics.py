@@ -38,6 +38,10 @@ metric                                                 type       labels
 ``ibpembed_queue_wait_seconds``                        histogram  —
 ``ibpembed_hot_row_hits_total``                        counter    table
 ``ibpembed_hot_row_misses_total``                      counter    table
+``ibpembed_hot_row_hit_ratio``                         gauge      table
+``ibpembed_hot_row_admissions_total``                  counter    table
+``ibpembed_hot_row_evictions_total``                   counter    table
+``ibpembed_table_hot_row_budget_bytes``                gauge      table
 ``ibpembed_loading``                                   gauge      —
 ``ibpembed_loading_progress_ratio``                    gauge      —
 ``ibpembed_output_bytes_total``                        counter    transport
@@ -76,7 +80,7 @@ from prometheus_client.utils import floatToGoString
 
 import ibpembed
 from ibpembed.engine import KernelCall
-from ibpembed.hot_rows import HotRowTracker
+from ibpembed.engine.tier import HotTier
 from ibpembed.server.interceptors import STREAM_METHOD
 from ibpembed.server.reload import RELOAD_RESULTS, ReloadResult
 from ibpembed.tables.store import TableStore
@@ -347,7 +351,7 @@ class _TableCollector(Collector):
             ),
             "hot": GaugeMetricFamily(
                 f"{NAMESPACE}_table_hot_row_bytes",
-                "Bytes of decoded hot-row copies kept for CPU lookups (part of stored bytes).",
+                "Bytes of the decoded hot tier kept for CPU lookups (part of stored bytes).",
                 labels=["table"],
             ),
             "saved": GaugeMetricFamily(
@@ -385,28 +389,58 @@ class _TableCollector(Collector):
         yield reloads
 
 
-class _HotRowCollector(Collector):
-    """Hits and misses of the decoded hot-row copies, as the tracker counts them."""
+class _HotTierCollector(Collector):
+    """The hot tier's policy, table by table: hits and misses of the published tier, the hit
+    ratio of the last interval, admissions and evictions, and the bytes the budget buys."""
 
-    def __init__(self, tracker: HotRowTracker) -> None:
-        self.tracker = tracker
+    def __init__(self, tier: HotTier) -> None:
+        self.tier = tier
 
     def collect(self) -> Iterator[Metric]:
         doc = (
-            "Looked-up ids {} the table's decoded hot-row copies (--hot-row-budget), counted at"
-            " each hot-row refresh over the ids the tracker's window saw since the last one."
+            "Looked-up ids {} the table's published hot tier (--hot-tier), counted by the"
+            " tier's policy every second over the ids it buffered (a sample under heavy load)."
         )
-        hits = CounterMetricFamily(
-            f"{NAMESPACE}_hot_row_hits", doc.format("found in"), labels=["table"]
-        )
-        misses = CounterMetricFamily(
-            f"{NAMESPACE}_hot_row_misses", doc.format("not found in"), labels=["table"]
-        )
-        for name in sorted(set(self.tracker.hits) | set(self.tracker.misses)):
-            hits.add_metric([name], self.tracker.hits[name])
-            misses.add_metric([name], self.tracker.misses[name])
-        yield hits
-        yield misses
+        families = {
+            "hits": CounterMetricFamily(
+                f"{NAMESPACE}_hot_row_hits", doc.format("found in"), labels=["table"]
+            ),
+            "misses": CounterMetricFamily(
+                f"{NAMESPACE}_hot_row_misses", doc.format("not found in"), labels=["table"]
+            ),
+            "ratio": GaugeMetricFamily(
+                f"{NAMESPACE}_hot_row_hit_ratio",
+                "Share of the looked-up ids of the policy's last interval with lookups that the"
+                " published hot tier held.",
+                labels=["table"],
+            ),
+            "admissions": CounterMetricFamily(
+                f"{NAMESPACE}_hot_row_admissions",
+                "Rows the hot tier's policy admitted (their estimated frequency beat the"
+                " coldest resident's); published at the next refresh.",
+                labels=["table"],
+            ),
+            "evictions": CounterMetricFamily(
+                f"{NAMESPACE}_hot_row_evictions",
+                "Rows the hot tier's policy evicted for more frequent ones.",
+                labels=["table"],
+            ),
+            "budget": GaugeMetricFamily(
+                f"{NAMESPACE}_table_hot_row_budget_bytes",
+                "Bytes of decoded rows the --hot-tier budget buys the table (its tier's size"
+                " once full).",
+                labels=["table"],
+            ),
+        }
+        for name, stats in sorted(self.tier.stats().items()):
+            families["hits"].add_metric([name], stats.hits)
+            families["misses"].add_metric([name], stats.misses)
+            families["ratio"].add_metric([name], stats.hit_ratio)
+            families["admissions"].add_metric([name], stats.admissions)
+            families["evictions"].add_metric([name], stats.evictions)
+        for name, plan in sorted(self.tier.plan().items()):
+            families["budget"].add_metric([name], plan.bytes)
+        yield from families.values()
 
 
 class _VersionCollector(Collector):
@@ -597,9 +631,9 @@ class ServerMetrics:
         """A request's wait for a kernel thread (engine worker thread)."""
         self._queue.observe((), seconds)
 
-    def watch_hot_rows(self, tracker: HotRowTracker) -> None:
-        """Export the hot-row tracker's hit and miss counts (the engine's, once it runs)."""
-        self.registry.register(_HotRowCollector(tracker))
+    def watch_hot_tier(self, tier: HotTier) -> None:
+        """Export the hot tier's policy (the engine's, once it runs)."""
+        self.registry.register(_HotTierCollector(tier))
 
     def output_written(self, transport: str, nbytes: int) -> None:
         """One request's output, in its response or its output region (worker thread or event

@@ -16,16 +16,29 @@ neither can fault. It costs nothing extra: writing through a mapping would copy 
 the page cache just the same. Each request still checks the object's size and link count
 (``fstat``) first, so a region that shrank or was unlinked fails the request with a clear status.
 
+Proof of write access. The server usually runs with more rights than a caller (another user, or
+a caller on another host that only names a file), and opening an object is what the server can
+do, not what the caller can: a region registered on the server's say-so alone lets a caller read
+and overwrite any shm object the server can open (another frontend's buffers, a colocated
+inference server's). So a registration completes only once the caller has proven it can write
+the object: :meth:`RegionRegistry.challenge` issues a random nonce bound to the caller, the
+object and the offset, the caller writes it at the region's first bytes, and
+:meth:`RegionRegistry.register` reads it back from the descriptor it will keep. A nonce serves
+one attempt and expires after NONCE_TTL_S. No error message carries bytes read from a region.
+
 Regions are transport-neutral: errors are :mod:`ibpembed.errors`, an owner is an opaque string
 the transport derives from the caller's credentials.
 """
 
 from __future__ import annotations
 
+import hmac
 import os
 import re
+import secrets
 import stat
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,6 +59,14 @@ SHM_DIR = "/dev/shm"
 MAX_REGION_NAME_CHARS = 256
 # Open descriptors per caller: each region holds one.
 MAX_REGIONS_PER_OWNER = 256
+# Open descriptors of all callers together (the default of ``--max-regions``): well under the
+# usual 1,024-descriptor limit, so table reloads and connections keep theirs.
+MAX_REGIONS = 512
+# A registration's proof of write access: random bytes, one attempt each, valid this long.
+NONCE_BYTES = 16
+NONCE_TTL_S = 60
+# Outstanding nonces per caller: bounds the memory of a caller that asks and never registers.
+MAX_CHALLENGES_PER_OWNER = 64
 # Each feature's values start at a multiple of this from the region's start, so that the views a
 # client makes over them are aligned for any dtype and for SIMD loads.
 VALUE_ALIGN = 64
@@ -167,36 +188,97 @@ class Region:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-class RegionRegistry:
-    """Every registered region of one server, by name (names are unique per server)."""
+@dataclass(frozen=True)
+class _Challenge:
+    """A nonce issued to ``owner`` for the region at ``offset`` of ``shm_name``."""
 
-    def __init__(self) -> None:
+    owner: str
+    shm_name: str
+    offset: int
+    expires: float  # time.monotonic()
+
+
+def _check_shm_name(shm_name: str) -> None:
+    if not _SHM_NAME.fullmatch(shm_name) or shm_name in ("/.", "/.."):
+        raise InvalidArgument(
+            "shm_name",
+            f"{shm_name[:64]!r} is not a POSIX shm name ('/' then 1-254 characters, no '/')",
+        )
+
+
+class RegionRegistry:
+    """Every registered region of one server, by name (names are unique per server).
+
+    ``max_regions``: regions of all callers together (each holds a descriptor); a caller holds
+    at most MAX_REGIONS_PER_OWNER of them.
+    """
+
+    def __init__(self, max_regions: int = MAX_REGIONS) -> None:
+        if max_regions < 1:
+            raise ValueError(f"max_regions must be >= 1, got {max_regions}")
+        self.max_regions = max_regions
         self._lock = threading.Lock()
         self._regions: dict[str, Region] = {}
+        self._challenges: dict[bytes, _Challenge] = {}
+
+    def challenge(self, owner: str, shm_name: str, offset: int) -> bytes:
+        """A fresh nonce that ``owner`` writes at ``offset`` of ``shm_name`` to register a
+        region there (:meth:`register`)."""
+        _check_shm_name(shm_name)
+        now = time.monotonic()
+        with self._lock:
+            for nonce in [n for n, c in self._challenges.items() if c.expires <= now]:
+                del self._challenges[nonce]
+            pending = sum(c.owner == owner for c in self._challenges.values())
+            if pending >= MAX_CHALLENGES_PER_OWNER:
+                raise ResourceExhausted(
+                    f"shm_name: {pending} nonces of this caller are outstanding; register with"
+                    f" them or let them expire ({NONCE_TTL_S} s)"
+                )
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            self._challenges[nonce] = _Challenge(owner, shm_name, offset, now + NONCE_TTL_S)
+        return nonce
+
+    def _take_challenge(self, owner: str, shm_name: str, offset: int, nonce: bytes) -> None:
+        """Consume ``nonce``: it must be one issued to ``owner`` for this object and offset."""
+        if not nonce:
+            raise FailedPrecondition(
+                "nonce: a registration needs proof that the caller can write the memory: call"
+                " ChallengeRegion, write its nonce at the region's first bytes, send it here"
+            )
+        with self._lock:
+            issued = self._challenges.pop(nonce, None)
+        if (
+            issued is None
+            or issued.expires <= time.monotonic()
+            or (issued.owner, issued.shm_name, issued.offset) != (owner, shm_name, offset)
+        ):
+            raise PermissionDenied(
+                "nonce: not a nonce this server issued to this caller for this shm_name and"
+                " offset, or it expired or was used; call ChallengeRegion again"
+            )
 
     def register(
-        self, owner: str, name: str, shm_name: str, offset: int, byte_size: int
+        self,
+        owner: str,
+        name: str,
+        shm_name: str,
+        offset: int,
+        byte_size: int,
+        nonce: bytes,
     ) -> RegionInfo:
-        """Open ``shm_name`` and register ``[offset, offset + byte_size)`` of it as ``name``."""
+        """Open ``shm_name`` and register ``[offset, offset + byte_size)`` of it as ``name``,
+        once the object holds ``nonce`` (from :meth:`challenge`) at ``offset``."""
         if not name or len(name) > MAX_REGION_NAME_CHARS:
             raise InvalidArgument("name", f"must be 1 to {MAX_REGION_NAME_CHARS} characters")
-        if not _SHM_NAME.fullmatch(shm_name) or shm_name in ("/.", "/.."):
-            raise InvalidArgument(
-                "shm_name",
-                f"{shm_name[:64]!r} is not a POSIX shm name ('/' then 1-254 characters, no '/')",
-            )
+        _check_shm_name(shm_name)
         if byte_size <= 0:
             raise InvalidArgument("byte_size", "must be > 0")
+        self._take_challenge(owner, shm_name, offset, nonce)
+        if byte_size < len(nonce):
+            raise InvalidArgument("byte_size", f"must be >= {len(nonce)} (the nonce's bytes)")
         with self._lock:
-            existing = self._regions.get(name)
-            if existing is not None:
-                if existing.owner != owner:
-                    raise PermissionDenied(f"name: region {name!r} belongs to another caller")
-                raise AlreadyExists(f"name: region {name!r} is already registered")
-            if sum(r.owner == owner for r in self._regions.values()) >= MAX_REGIONS_PER_OWNER:
-                raise ResourceExhausted(
-                    f"name: at most {MAX_REGIONS_PER_OWNER} regions per caller; unregister some"
-                )
+            self._check_room(owner, name)
         path = SHM_DIR + shm_name
         try:
             # O_NOFOLLOW: a symlink planted in /dev/shm must not redirect writes to another file.
@@ -219,16 +301,40 @@ class RegionRegistry:
                     f"offset {offset} + byte_size {byte_size} is past the end of {shm_name!r}"
                     f" ({st.st_size} bytes)",
                 )
+            # Read from the descriptor the region keeps: the object proven is the one served.
+            held = os.pread(fd, len(nonce), offset)
+            if not hmac.compare_digest(held, nonce):
+                raise PermissionDenied(
+                    f"nonce: {shm_name!r} does not hold the nonce at offset {offset}: only"
+                    " memory the caller has written it into can be registered"
+                )
             info = RegionInfo(name, shm_name, offset, byte_size)
             region = Region(owner, info, fd)
             with self._lock:
-                if name in self._regions:  # registered by a concurrent call meanwhile
-                    raise AlreadyExists(f"name: region {name!r} is already registered")
+                self._check_room(owner, name)  # again: concurrent calls may have taken it
                 self._regions[name] = region
         except BaseException:
             os.close(fd)
             raise
         return info
+
+    def _check_room(self, owner: str, name: str) -> None:
+        """``name`` is free, and the caller and the server may hold one more region (under
+        the lock)."""
+        existing = self._regions.get(name)
+        if existing is not None:
+            if existing.owner != owner:
+                raise PermissionDenied(f"name: region {name!r} belongs to another caller")
+            raise AlreadyExists(f"name: region {name!r} is already registered")
+        if sum(r.owner == owner for r in self._regions.values()) >= MAX_REGIONS_PER_OWNER:
+            raise ResourceExhausted(
+                f"name: at most {MAX_REGIONS_PER_OWNER} regions per caller; unregister some"
+            )
+        if len(self._regions) >= self.max_regions:
+            raise ResourceExhausted(
+                f"name: this server holds its limit of {self.max_regions} regions"
+                " (--max-regions); unregister some"
+            )
 
     def get(self, owner: str, name: str, field: str) -> Region:
         """The caller's region ``name``, with a use taken (``release_use`` when done)."""

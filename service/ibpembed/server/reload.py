@@ -8,9 +8,10 @@ runs it off the event loop, and reports what happened.
 
 When. ``ibpembed pack`` publishes a set by replacing its ``manifest.json`` last, atomically, so a
 change of the manifest's identity (inode, mtime, size) is the signal. The watcher polls it every
-``reload_poll_s`` seconds; SIGHUP reloads at once. The first poll always loads: the set may have
-changed between the server's start-up load and the watcher's start, and a reload that finds the
-set unchanged publishes nothing.
+``reload_poll_s`` seconds; SIGHUP reloads at once. Each poll also looks for served table files
+changed in place (``TableStore.check_files``) and withdraws their tables. The first poll always
+loads: the set may have changed between the server's start-up load and the watcher's start, and
+a reload that finds the set unchanged publishes nothing.
 
 Failures (a corrupt or truncated file, a manifest naming a missing table, a file swept by a
 concurrent pack, no memory to pin a table) keep the previous version serving: the error is
@@ -188,6 +189,9 @@ class TableSetReloader:
             published = self.store.reload()
         except ValueError as exc:  # TableSetError, TableFileError: the set itself is bad
             return ReloadOutcome("error", self.store.version, error=str(exc), rejected=True)
+        except RecursionError:  # JSON nested past Python's recursion limit: bad, not unlucky
+            error = f"{MANIFEST} is nested too deeply to be a table-set manifest"
+            return ReloadOutcome("error", self.store.version, error=error, rejected=True)
         except OSError as exc:  # I/O: may pass
             return ReloadOutcome("error", self.store.version, error=str(exc))
         except Exception as exc:  # e.g. out of memory, or a bug: keep serving, keep the traceback
@@ -217,12 +221,27 @@ class TableSetReloader:
     async def _watch(self) -> None:
         while True:
             try:
+                await self._check_files()
                 await self._check()
             except Exception:  # one failed check must not end the watching
                 log.exception(
                     "check of %s for a new manifest failed; watching on", self.store.directory
                 )
             await asyncio.sleep(self.poll_s)
+
+    async def _check_files(self) -> None:
+        """Withdraw tables whose files were changed in place (``TableStore.check_files``)."""
+        async with self._lock:  # not while a reload maps files
+            if self._stopped:
+                return
+            withdrawn = await in_daemon_thread(self.store.check_files)
+        for table, why in withdrawn.items():
+            log.error(
+                "table %s withdrawn, its lookups refused: %s. Publish table files with"
+                " `ibpembed pack` (or copy to a new name and rename), then reload (SIGHUP)",
+                table,
+                why,
+            )
 
     async def _check(self) -> None:
         if self._stamp() != self._tried:

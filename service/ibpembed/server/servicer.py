@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The gRPC servicer: translation between ``ibpembed.v1`` messages and the LookupEngine, only.
+"""The gRPC servicer: ``ibpembed.v1`` RPCs translated to LookupEngine calls, only (messages are
+decoded and encoded by :mod:`ibpembed.server.wire`).
 
 Errors are raised, not returned: the interceptor maps them to statuses for unary RPCs, and
 LookupStream turns each failed request into an ``Error`` message through the same map
@@ -10,69 +11,43 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
-import numpy as np
-import torch
 
-from ibpembed.engine import (
-    AdmissionSlot,
-    FeatureQuery,
-    LookupEngine,
-    LookupResult,
-    PackedRequest,
-    Pooling,
-    Request,
-    TableDescription,
+from ibpembed.engine import LookupEngine, LookupOptions, LookupResult, Request
+from ibpembed.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ServiceError,
+    Unimplemented,
+    VersionNotHeld,
 )
-from ibpembed.errors import InvalidArgument, Unimplemented
-from ibpembed.server.regions import Region, RegionRegistry, output_layout
-from ibpembed.server.status import (
-    MAX_REQUEST_ID_CHARS,
-    UndecodableRequest,
-    ensure_request_id,
-    status_for,
-)
+from ibpembed.server.backlog import StreamBacklog
+from ibpembed.server.identity import CallerIdentities
+from ibpembed.server.regions import NONCE_TTL_S, Region, RegionRegistry
+from ibpembed.server.status import ensure_request_id, status_for
 from ibpembed.server.wire import (
-    lookup_response_bytes,
-    region_response_bytes,
+    REGION_KINDS,
+    REGION_VALUE_FIELDS,
+    OutputWindow,
+    check_request,
+    decode_features,
+    decode_region_inputs,
+    encode_response,
+    output_dtype_of,
+    region_info,
+    region_values_invalid,
     serialize_response,
-    value_bytes,
+    table_info,
 )
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-_POOLING: dict[int, Pooling] = {
-    pb.POOLING_UNSPECIFIED: "sum",
-    pb.POOLING_SUM: "sum",
-    pb.POOLING_MEAN: "mean",
-    pb.POOLING_NONE: "none",
-}
-_DTYPES: dict[torch.dtype, int] = {
-    torch.float32: pb.DTYPE_FLOAT32,
-    torch.float16: pb.DTYPE_FLOAT16,
-    torch.bfloat16: pb.DTYPE_BFLOAT16,
-    torch.uint8: pb.DTYPE_UINT8,
-    torch.int8: pb.DTYPE_INT8,
-    torch.int32: pb.DTYPE_INT32,
-    torch.int64: pb.DTYPE_INT64,
-}
-
-_OUTPUT_DTYPES: dict[int, torch.dtype] = {
-    pb.DTYPE_UNSPECIFIED: torch.float32,
-    pb.DTYPE_FLOAT32: torch.float32,
-    pb.DTYPE_FLOAT16: torch.float16,
-    pb.DTYPE_BFLOAT16: torch.bfloat16,
-}
-_REGION_KINDS = {pb.REGION_KIND_UNSPECIFIED, pb.REGION_KIND_SYSTEM_SHM, pb.REGION_KIND_CUDA_IPC}
 
 
 class OutputObserver(Protocol):
@@ -83,257 +58,10 @@ class OutputObserver(Protocol):
         ``"shm"``, the value bytes written into its output region."""
 
 
-def output_dtype_of(request: pb.LookupRequest) -> torch.dtype:
-    """The request's ``output_dtype``: pooled results only, FLOAT32 / FLOAT16 / BFLOAT16."""
-    if request.output_dtype not in _OUTPUT_DTYPES:
-        raise InvalidArgument(
-            "output_dtype", f"{request.output_dtype}: must be FLOAT32, FLOAT16 or BFLOAT16"
-        )
-    if request.output_dtype != pb.DTYPE_UNSPECIFIED and request.pooling == pb.POOLING_NONE:
-        raise InvalidArgument(
-            "output_dtype",
-            "pooling NONE returns rows bit-exact in the table's dtype: leave it unset",
-        )
-    return _OUTPUT_DTYPES[request.output_dtype]
-
-
-def caller_of(context: grpc.aio.ServicerContext) -> str:
-    """Who owns the regions a call registers: its bearer token's fingerprint (checked by the
-    auth interceptor when the server has a token), or ``"anonymous"`` without one."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            raw = value.encode() if isinstance(value, str) else value
-            return "token:" + hashlib.sha256(raw).hexdigest()[:16]
-    return "anonymous"
-
-
-def _array(data: bytes, dtype: str, field: str) -> np.ndarray:
-    """A read-only little-endian view of ``data``; the byte count must fit the element size."""
-    itemsize = np.dtype(dtype).itemsize
-    if len(data) % itemsize:
-        raise InvalidArgument(
-            field, f"{len(data)} bytes is not a whole number of {itemsize}-byte {dtype} values"
-        )
-    return np.frombuffer(data, dtype=dtype)
-
-
-def _check_request(request: pb.LookupRequest) -> None:
-    if isinstance(request, UndecodableRequest):  # a LookupStream message that did not parse
-        raise request.error()
-    if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # echoed in the response and the logs
-        raise InvalidArgument(
-            "request_id", f"{len(request.request_id)} characters, at most {MAX_REQUEST_ID_CHARS}"
-        )
-    if request.pooling not in _POOLING:
-        raise InvalidArgument("pooling", f"unknown value {request.pooling}")
-
-
-def decode_request(request: pb.LookupRequest) -> tuple[list[FeatureQuery], Pooling]:
-    """Features and pooling of a request; :class:`InvalidArgument` for undecodable fields."""
-    _check_request(request)
-    features = []
-    for i, feature in enumerate(request.features):
-        if not feature.name:
-            raise InvalidArgument(f"features[{i}].name", "empty feature name")
-        weights = None
-        if feature.weights:
-            weights = _array(feature.weights, "<f4", f"features[{i}].weights")
-        features.append(
-            FeatureQuery(
-                name=feature.name,
-                ids=_array(feature.ids, "<i8", f"features[{i}].ids"),
-                lengths=_array(feature.lengths, "<i4", f"features[{i}].lengths"),
-                weights=weights,
-            )
-        )
-    return features, _POOLING[request.pooling]
-
-
-def decode_packed(request: pb.LookupRequest) -> PackedRequest | None:
-    """The request's features as one array each (:class:`PackedRequest`), or None for one that
-    :func:`decode_request` must decode feature by feature: weighted, or malformed (it names the
-    field). Call after :func:`_check_request`.
-
-    NOTE(server): one join per field instead of per-feature arrays and objects: at B=1 x 26
-    decoding the features one by one cost more than their kernels.
-    """
-    features = request.features
-    names = [f.name for f in features]
-    if not all(names) or any(f.weights for f in features):
-        return None
-    ids_parts = [f.ids for f in features]
-    length_parts = [f.lengths for f in features]
-    count = len(names)
-    id_bytes = np.fromiter(map(len, ids_parts), dtype=np.int64, count=count)
-    length_bytes = np.fromiter(map(len, length_parts), dtype=np.int64, count=count)
-    if (id_bytes % 8).any() or (length_bytes % 4).any():
-        return None
-    return PackedRequest(
-        names=names,
-        # bytearray: writable memory the kernels may take (and shards shift).
-        ids=np.frombuffer(bytearray().join(ids_parts), dtype="<i8"),
-        lengths=np.frombuffer(b"".join(length_parts), dtype="<i4"),
-        id_counts=id_bytes // 8,
-        sample_counts=length_bytes // 4,
-    )
-
-
-def decode_region_inputs(
-    request: pb.LookupRequest, region: Region
-) -> tuple[list[FeatureQuery], Pooling]:
-    """Features whose ids, lengths and weights are in ``region`` (``request.input_region``)."""
-    _check_request(request)
-    spec = request.input_region
-    count = len(request.features)
-    if len(spec.num_ids) != count or len(spec.batch_sizes) != count:
-        raise InvalidArgument(
-            "input_region.num_ids",
-            f"num_ids and batch_sizes need one entry per feature ({count}), got "
-            f"{len(spec.num_ids)} and {len(spec.batch_sizes)}",
-        )
-    num_ids = np.asarray(spec.num_ids, dtype=np.int64)
-    batch = np.asarray(spec.batch_sizes, dtype=np.int64)
-    if count and (num_ids.min() < 0 or batch.min() < 0):
-        raise InvalidArgument("input_region.num_ids", "counts must be non-negative")
-    total_ids, total_samples = int(num_ids.sum()), int(batch.sum())
-    size = total_ids * (12 if spec.weighted else 8) + total_samples * 4
-    if spec.offset > region.info.byte_size or size > region.info.byte_size - spec.offset:
-        raise InvalidArgument(
-            "input_region.offset",
-            f"the inputs are {size} bytes from offset {spec.offset}, past the end of region "
-            f"{region.info.name!r} ({region.info.byte_size} bytes)",
-        )
-    for i, feature in enumerate(request.features):
-        if feature.ids or feature.lengths or feature.weights:
-            raise InvalidArgument(
-                f"features[{i}]", "ids, lengths and weights must be empty with input_region"
-            )
-    region.check("input_region.name")
-    data = region.read(spec.offset, size, "input_region.name")
-    ids = np.frombuffer(data, "<i8", total_ids)
-    lengths = np.frombuffer(data, "<i4", total_samples, offset=total_ids * 8)
-    weights = (
-        np.frombuffer(data, "<f4", total_ids, offset=total_ids * 8 + total_samples * 4)
-        if spec.weighted
-        else None
-    )
-    id_ends, sample_ends = np.cumsum(num_ids).tolist(), np.cumsum(batch).tolist()
-    features = []
-    id_start = sample_start = 0
-    for i, feature in enumerate(request.features):
-        if not feature.name:
-            raise InvalidArgument(f"features[{i}].name", "empty feature name")
-        id_end, sample_end = id_ends[i], sample_ends[i]
-        features.append(
-            FeatureQuery(
-                name=feature.name,
-                ids=ids[id_start:id_end],
-                lengths=lengths[sample_start:sample_end],
-                weights=None if weights is None else weights[id_start:id_end],
-            )
-        )
-        id_start, sample_start = id_end, sample_end
-    return features, _POOLING[request.pooling]
-
-
-def encode_response(request_id: str, result: LookupResult) -> bytes:
-    """The serialized ``LookupResponse`` (:mod:`ibpembed.server.wire`: raw little-endian values
-    per feature, one memory copy)."""
-    features = [(f.name, _DTYPES[f.values.dtype], f.values) for f in result.features]
-    return lookup_response_bytes(request_id, result.version, features)
-
-
-@dataclass
-class _OutputWindow:
-    """Where a request's outputs go: bytes [start, end) of a registered region."""
-
-    region: Region
-    start: int
-    end: int
-
-    def write(self, request_id: str, result: LookupResult) -> tuple[bytes, int]:
-        """Every feature's values into the window (or an error before any is written); the
-        response bytes and the values' byte count."""
-        values = [
-            f.values if f.values.is_contiguous() else f.values.contiguous() for f in result.features
-        ]
-        sizes = [v.numel() * v.element_size() for v in values]
-        offsets, end = output_layout(self.start, sizes)
-        if end > self.end:
-            raise InvalidArgument(
-                "output_region.byte_size",
-                f"the result needs bytes [{self.start}, {end}) of region "
-                f"{self.region.info.name!r}, the request allows [{self.start}, {self.end})",
-            )
-        self.region.check("output_region.name")  # again: the lookup may have taken a while
-        buffers: list[bytes | np.ndarray] = []
-        position = self.start
-        for offset, v, size in zip(offsets, values, sizes, strict=True):
-            if offset > position:
-                buffers.append(bytes(offset - position))  # alignment padding
-            if size:
-                buffers.append(value_bytes(v))
-            position = offset + size
-        self.region.write(self.start, buffers, "output_region.name")
-        features = [
-            (f.name, _DTYPES[v.dtype], tuple(v.shape), offset)
-            for f, v, offset in zip(result.features, values, offsets, strict=True)
-        ]
-        return region_response_bytes(request_id, result.version, features), sum(sizes)
-
-
-def table_info(desc: TableDescription) -> pb.TableInfo:
-    return pb.TableInfo(
-        name=desc.name,
-        num_rows=desc.num_rows,
-        dim=desc.dim,
-        dtype=_DTYPES[desc.dtype],
-        quant=desc.quant or "",
-        raw_bytes=desc.raw_bytes,
-        stored_bytes=desc.stored_bytes,
-        chunk_bits=desc.chunk_bits,
-        version=desc.version,
-        row_start=desc.row_start,
-        row_end=desc.row_end,
-        features=list(desc.features),
-    )
-
-
 def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
     """The RPC deadline on the ``time.monotonic()`` clock, or None without one."""
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
-
-
-# A LookupStream request's task: its response, and the admission slot the writer releases.
-_Answer = asyncio.Future[tuple[bytes | pb.LookupResponse, AdmissionSlot | None]]
-
-
-async def _answer(item: _Answer) -> tuple[bytes | pb.LookupResponse, AdmissionSlot | None]:
-    """A LookupStream request's answer, awaited by the writer.
-
-    NOTE(server): a cancel of the writer (client gone, deadline) that lands in the loop turn in
-    which ``item`` finishes raises CancelledError here and drops its result: asyncio's Task
-    cancels on its next wakeup even when the future it awaited is done. The answer's slot is
-    then released here, or no one would (the item has left the queue): one leaked slot per such
-    race, until max_inflight of them refuse every request.
-    """
-    try:
-        return await item
-    except BaseException:
-        _drop(item)
-        raise
-
-
-def _drop(item: _Answer) -> None:
-    """Discard a LookupStream answer that will never be written: release the slot it holds, or
-    cancel it if it is still running (``_stream_one`` then releases what it holds)."""
-    if not item.done():
-        item.cancel()
-    elif not item.cancelled() and item.exception() is None:
-        _, slot = item.result()
-        if slot is not None:
-            slot.release()
 
 
 class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
@@ -345,15 +73,17 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     stream_window : requests of one LookupStream in the engine or waiting to be written at
         once; the stream stops reading (gRPC flow control pushes back on the client) while the
         window is full.
+    regions : the shared-memory regions callers registered.
+    identities : who a call is (:mod:`ibpembed.server.identity`): owns its regions.
+    backlog : places for LookupStream requests read and not yet answered, per caller and in
+        all (:mod:`ibpembed.server.backlog`).
+    observer : optional metrics hook for where outputs went.
 
-    A LookupStream request keeps its engine admission slot until its response is written, not
-    just until its kernels finish: a client that stops reading leaves computed responses waiting
-    in the stream on HTTP/2 flow control, and they count against ``max_inflight`` like running
-    work, so the memory such streams hold is bounded (``max_inflight`` responses in all) and the
-    overload shows as RESOURCE_EXHAUSTED and in the in-flight gauge. A unary response leaves
-    admission when its kernels finish and waits in gRPC's buffers, one per call a client keeps
-    open: holding the slot until the call's end cost 15 % of the answered requests of a
-    saturated server (docs/known-issues.md).
+    A LookupStream request, like a unary one, leaves engine admission when its kernels finish;
+    until its response is written it holds a place of the stream backlog instead. A client that
+    stops reading so leaves computed responses waiting in the server on HTTP/2 flow control
+    without taking capacity from anyone else's lookups, the memory they hold stays bounded by
+    the backlog, and one caller's stalled streams take at most its share of it.
     """
 
     def __init__(
@@ -362,6 +92,8 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         *,
         stream_window: int = 8,
         regions: RegionRegistry | None = None,
+        identities: CallerIdentities | None = None,
+        backlog: StreamBacklog | None = None,
         observer: OutputObserver | None = None,
     ) -> None:
         # None while the server loads its tables: the interceptor's gate answers every RPC
@@ -369,7 +101,16 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self.engine = engine
         self.stream_window = stream_window
         self.regions = RegionRegistry() if regions is None else regions
+        self.identities = CallerIdentities() if identities is None else identities
+        # Default: the server's, for the default --max-inflight of 64 (half of it per caller).
+        self.backlog = StreamBacklog(64, 32) if backlog is None else backlog
+        # (versions held, withdrawn features) -> features served
+        self._served: tuple[tuple[tuple[int, ...], int], int] = (((), 0), 0)
         self.observer = observer
+
+    def caller_of(self, context: grpc.aio.ServicerContext) -> str:
+        """Who owns the regions a call registers (:mod:`ibpembed.server.identity`)."""
+        return self.identities.of(context.invocation_metadata())
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> bytes:
         return await self._lookup(request, context, deadline_of(context))
@@ -379,30 +120,26 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         request: pb.LookupRequest,
         context: grpc.aio.ServicerContext,
         deadline: float | None,
-        slot: AdmissionSlot | None = None,
     ) -> bytes:
         """One request's response bytes: decoded, looked up and encoded (into the response, or
         its values into the output region)."""
-        _check_request(request)
+        check_request(request)
+        names = self._check_features(request)
         output_dtype = output_dtype_of(request)
         uses: list[Region] = []  # regions this request reads or writes, released when it ends
         features: Request
         try:
             if request.HasField("input_region"):
-                caller = caller_of(context)
+                caller = self.caller_of(context)
                 region = self.regions.get(caller, request.input_region.name, "input_region.name")
                 uses.append(region)
                 features, pooling = decode_region_inputs(request, region)
             else:
-                packed = decode_packed(request) if request.pooling != pb.POOLING_NONE else None
-                if packed is not None:
-                    features, pooling = packed, _POOLING[request.pooling]
-                else:
-                    features, pooling = decode_request(request)
+                features, pooling = decode_features(request, names)
             encode: Callable[[LookupResult], bytes]
             window_bytes = None  # the result's size limit: the message's, or the window's
             if request.HasField("output_region"):
-                window = self._output_window(caller_of(context), request.output_region)
+                window = self._output_window(self.caller_of(context), request.output_region)
                 uses.append(window.region)
                 window_bytes = window.end - window.start
                 encode = functools.partial(self._write_region, window, request.request_id)
@@ -419,19 +156,74 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 for region in uses:
                     region.release_use()
 
-        return await self.engine.lookup(
-            features,
+        options = LookupOptions(
             pooling,
-            deadline=deadline,
-            then=encode,
-            slot=slot,
             output_dtype=output_dtype,
-            on_done=on_done,
-            output_window=window_bytes,
             table_version=request.table_version,
+            deadline=deadline,
+            output_window=window_bytes,
         )
+        try:
+            return await self.engine.lookup(features, options, then=encode, on_done=on_done)
+        except ServiceError as exc:
+            # The error comes through the engine's futures, which its traceback's frames hold:
+            # a cycle that keeps every buffer of the request until a full garbage collection.
+            # Without the traceback (and the errors it was raised from, with theirs) they go
+            # with the request; the client sees none of them.
+            exc.__traceback__ = exc.__context__ = exc.__cause__ = None
+            if (
+                isinstance(exc, InvalidArgument)
+                and request.HasField("input_region")
+                and exc.field.endswith(REGION_VALUE_FIELDS)
+            ):
+                raise region_values_invalid(exc.field, request) from None
+            raise
 
-    def _output_window(self, caller: str, spec: pb.OutputRegion) -> _OutputWindow:
+    def _check_features(self, request: pb.LookupRequest) -> list[str]:
+        """Refuse what cannot be valid before any per-feature work: more features than any held
+        version serves (a request naming a million features otherwise cost seconds of decoding
+        before the engine refused it); then a feature named twice, or one whose table was
+        withdrawn. Returns the features' names (the decoding reuses them)."""
+        count = len(request.features)
+        served = self._features_served()
+        if count > served:
+            raise InvalidArgument(
+                "features", f"{count} features; this server serves {served} (each at most once)"
+            )
+        names = [feature.name for feature in request.features]
+        if len(set(names)) != count:
+            seen: set[str] = set()
+            for i, name in enumerate(names):
+                if name in seen:
+                    raise InvalidArgument(f"features[{i}].name", f"feature {name!r} repeated")
+                seen.add(name)
+        refused = self.engine.store.refused
+        if refused:
+            for i, name in enumerate(names):
+                if name in refused:
+                    raise FailedPrecondition(f"features[{i}].name: {refused[name]}")
+        return names
+
+    def _features_served(self) -> int:
+        """The most features any held table-set version serves, withdrawn ones included (they
+        are refused by name); counted once per set of versions and withdrawals."""
+        store = self.engine.store
+        key = (store.versions_held(), len(store.refused))
+        if self._served[0] == key:
+            return self._served[1]
+        counts = []
+        for version in key[0]:
+            try:
+                with store.acquire(version) as snap:
+                    counts.append(len(snap.features))
+            except VersionNotHeld:  # dropped by a reload meanwhile: counted at the next request
+                key = ((), 0)
+        served = max(counts, default=0) + key[1]
+        if key[0]:
+            self._served = (key, served)
+        return served
+
+    def _output_window(self, caller: str, spec: pb.OutputRegion) -> OutputWindow:
         region = self.regions.get(caller, spec.name, "output_region.name")
         try:
             size = region.info.byte_size
@@ -451,7 +243,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         except BaseException:
             region.release_use()
             raise
-        return _OutputWindow(region, spec.offset, end)
+        return OutputWindow(region, spec.offset, end)
 
     def _encode(self, request_id: str, result: LookupResult) -> bytes:
         response = encode_response(request_id, result)
@@ -459,7 +251,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             self.observer.output_written("wire", len(response))
         return response
 
-    def _write_region(self, window: _OutputWindow, request_id: str, result: LookupResult) -> bytes:
+    def _write_region(self, window: OutputWindow, request_id: str, result: LookupResult) -> bytes:
         response, written = window.write(request_id, result)
         if self.observer is not None:
             self.observer.output_written("shm", written)
@@ -469,10 +261,13 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self, request_iterator: AsyncIterator[pb.LookupRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes | pb.LookupResponse]:
         deadline = deadline_of(context)
+        # The backlog's unit of fairness: an identity shares one place per connection.
+        caller = (self.caller_of(context), context.peer())
+        backlog = self.backlog
         # Reader task -> queue of per-request tasks -> this generator, which yields them in order.
         # A queue item is a task, None (client done) or the reader's exception. A request holds
-        # one of stream_window places from when it is read until its response is written, so at
-        # most stream_window requests are running or waiting to be written.
+        # one of stream_window places and one of the backlog's from when it is read until its
+        # response is written.
         queue: asyncio.Queue = asyncio.Queue()
         window = asyncio.Semaphore(self.stream_window)
 
@@ -480,59 +275,57 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             try:
                 async for request in request_iterator:
                     await window.acquire()
-                    await queue.put(
+                    try:
+                        await backlog.acquire(caller)
+                    except BaseException:
+                        window.release()
+                        raise
+                    # No await between taking the place and queueing what gives it back.
+                    queue.put_nowait(
                         asyncio.ensure_future(self._stream_one(request, context, deadline))
                     )
             except Exception as exc:  # handed to the writer, which raises it as the stream status
-                await queue.put(exc)
+                queue.put_nowait(exc)
             else:
-                await queue.put(None)
+                queue.put_nowait(None)
 
         reader = asyncio.create_task(read())
         try:
             while (item := await queue.get()) is not None:
                 if isinstance(item, Exception):
                     raise item
-                response, slot = await _answer(item)
                 try:
+                    # A cancel landing as the answer completes drops it: it holds no slot.
+                    response = await item
                     yield response  # resumes once gRPC has taken the message (flow control)
                 finally:
-                    if slot is not None:
-                        slot.release()
+                    item.cancel()
+                    backlog.release(caller)
                     window.release()
         finally:
             reader.cancel()
             while not queue.empty():
                 item = queue.get_nowait()
                 if isinstance(item, asyncio.Future):
-                    _drop(item)
+                    item.cancel()
+                    backlog.release(caller)
 
     async def _stream_one(
         self,
         request: pb.LookupRequest,
         context: grpc.aio.ServicerContext,
         deadline: float | None,
-    ) -> tuple[bytes | pb.LookupResponse, AdmissionSlot | None]:
-        """One stream request's response, and the admission slot the writer releases once the
-        response is written (None for an error reply, which holds nothing)."""
+    ) -> bytes | pb.LookupResponse:
+        """One stream request's response: the lookup's bytes, or an ``Error`` reply."""
         ensure_request_id(request)
-        slot = None
         try:
-            slot = self.engine.admit()
-            response = await self._lookup(request, context, deadline, slot)
-            return response, slot
+            return await self._lookup(request, context, deadline)
         except Exception as exc:
-            if slot is not None:
-                slot.release()
             code, message = status_for(exc, request.request_id)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("LookupStream request %s failed", request.request_id)
             error = pb.Error(code=code.value[0], message=message)
-            return pb.LookupResponse(request_id=request.request_id, error=error), None
-        except BaseException:  # cancelled: the stream ended before this response was written
-            if slot is not None:
-                slot.release()
-            raise
+            return pb.LookupResponse(request_id=request.request_id, error=error)
 
     async def ListTables(
         self, request: pb.ListTablesRequest, context: grpc.aio.ServicerContext
@@ -549,7 +342,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     async def RegisterRegion(
         self, request: pb.RegisterRegionRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterRegionResponse:
-        if request.kind not in _REGION_KINDS:
+        if request.kind not in REGION_KINDS:
             raise InvalidArgument("kind", f"unknown region kind {request.kind}")
         if request.kind == pb.REGION_KIND_CUDA_IPC:
             raise Unimplemented(
@@ -558,31 +351,32 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 " Register a SYSTEM_SHM region instead"
             )
         self.regions.register(
-            caller_of(context), request.name, request.shm_name, request.offset, request.byte_size
+            self.caller_of(context),
+            request.name,
+            request.shm_name,
+            request.offset,
+            request.byte_size,
+            request.nonce,
         )
         return pb.RegisterRegionResponse()
+
+    async def ChallengeRegion(
+        self, request: pb.ChallengeRegionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ChallengeRegionResponse:
+        nonce = self.regions.challenge(self.caller_of(context), request.shm_name, request.offset)
+        return pb.ChallengeRegionResponse(nonce=nonce, expires_in_s=NONCE_TTL_S)
 
     async def UnregisterRegion(
         self, request: pb.UnregisterRegionRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnregisterRegionResponse:
-        released = self.regions.unregister(caller_of(context), request.name)
+        released = self.regions.unregister(self.caller_of(context), request.name)
         return pb.UnregisterRegionResponse(released=released)
 
     async def ListRegions(
         self, request: pb.ListRegionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListRegionsResponse:
-        return pb.ListRegionsResponse(
-            regions=[
-                pb.RegionInfo(
-                    name=info.name,
-                    kind=pb.REGION_KIND_SYSTEM_SHM,
-                    shm_name=info.shm_name,
-                    offset=info.offset,
-                    byte_size=info.byte_size,
-                )
-                for info in self.regions.list(caller_of(context))
-            ]
-        )
+        regions = self.regions.list(self.caller_of(context))
+        return pb.ListRegionsResponse(regions=[region_info(info) for info in regions])
 
 
 class _GeneratedHandlers:

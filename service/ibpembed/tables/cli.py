@@ -22,6 +22,7 @@ from ibpembed.tables import format as tf
 from ibpembed.tables import importers, manifest, pack
 from ibpembed.tables import writer as tw
 from ibpembed.tables.shards import pack_shards
+from ibpembed.tables.tier_budget import TableSize, TierBudget
 
 EXIT_OK = 0
 EXIT_FAULT = 1
@@ -119,6 +120,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "these; without it DIR's new manifest lists only the packed tables (a running server "
         "reloads it and drops the rest)",
     )
+    pack.add_argument(
+        "--for-gpu",
+        action="store_true",
+        help="lay tables out for a GPU's zero-copy reads: slots on 32-byte boundaries where that "
+        "saves PCIe lines, raw rows where compression would cost sectors (inspect says which)",
+    )
     pack.add_argument("--no-progress", action="store_true", help="no progress bar")
     pack.add_argument("--json", action="store_true", help="print the report as JSON")
     pack.set_defaults(func=_pack)
@@ -131,6 +138,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     inspect.add_argument("path", type=Path, metavar="FILE|DIR")
     inspect.add_argument("--json", action="store_true")
+    inspect.add_argument(
+        "--hot-tier",
+        metavar="BUDGET",
+        type=_tier_budget,
+        help="also price a decoded hot tier (serve's --hot-tier: 5%%, savings, 512MiB, all): "
+        "its bytes per table and the savings left net of it",
+    )
     inspect.set_defaults(func=_inspect)
 
     verify = subparsers.add_parser(
@@ -140,6 +154,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "hash recorded at pack time. Exit code 1 on any fault.",
     )
     verify.add_argument("path", type=Path, metavar="FILE|DIR")
+    verify.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON report (every table's result) instead of a line per table",
+    )
     verify.set_defaults(func=_verify)
 
 
@@ -223,6 +242,7 @@ def _pack(args: argparse.Namespace) -> int:
             "code_bits": args.code_bits,
             "progress": _progress_factory(not args.no_progress),
             "merge": args.merge,
+            "for_gpu": args.for_gpu,
         }
         if args.shards is None:
             if args.shard_address is not None:
@@ -314,6 +334,27 @@ def summarize(desc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _tier_budget(text: str) -> TierBudget:
+    """``--hot-tier``'s value; a malformed one is a usage error (exit 2)."""
+    try:
+        return TierBudget.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_tier(summaries: list[dict[str, Any]], budget: TierBudget) -> None:
+    """Each table's hot tier under ``budget`` (``tier_bytes``) and its savings net of it."""
+    sizes = {
+        s["table"]: TableSize(s["rows"], s["raw_bytes"] // max(s["rows"], 1), s["stored_bytes"])
+        for s in summaries
+    }
+    plans = budget.plan(sizes)
+    for s in summaries:
+        s["tier_bytes"] = plans[s["table"]].bytes
+        held = s["stored_bytes"] + s["tier_bytes"]
+        s["net_savings"] = 1 - held / s["raw_bytes"] if s["raw_bytes"] else 0.0
+
+
 def _summary_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The per-table lines and a total, formatted for :func:`_print_table`."""
     raw = sum(s["raw_bytes"] for s in summaries)
@@ -327,9 +368,15 @@ def _summary_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "stored_bytes": stored,
         "savings": 1 - stored / raw if raw else 0.0,
     }
+    if summaries and "tier_bytes" in summaries[0]:
+        tier = sum(s["tier_bytes"] for s in summaries)
+        total |= {"tier_bytes": tier, "net_savings": 1 - (stored + tier) / raw if raw else 0.0}
+    counts = ("raw_bytes", "stored_bytes", "tier_bytes")
+    shares = ("savings", "net_savings")
     return [
-        {**s, "raw_bytes": f"{s['raw_bytes']:,}", "stored_bytes": f"{s['stored_bytes']:,}"}
-        | {"savings": f"{100 * s['savings']:.1f}%"}
+        s
+        | {k: f"{s[k]:,}" for k in counts if k in s}
+        | {k: f"{100 * s[k]:.1f}%" for k in shares if k in s}
         for s in [*summaries, total]
     ]
 
@@ -344,6 +391,9 @@ def _print_description(desc: dict[str, Any]) -> None:
             f"    {s['kind']:<11} offset {s['offset']:>12}  length {s['length']:>12}  "
             f"xxh3 {s['xxh3']}"
         )
+    gpu = desc["meta"].get("gpu_layout")
+    if gpu:
+        print(f"  gpu layout: {gpu['reason']}")
     print(f"  meta: {json.dumps(desc['meta'], sort_keys=True)}")
 
 
@@ -361,6 +411,10 @@ def _inspect(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         return _fail("inspect", exc)
     summaries = [summarize(desc) for desc in result["tables"]]
+    columns = ("table", "rows", "dim", "dtype", "raw_bytes", "stored_bytes", "savings")
+    if args.hot_tier is not None:
+        _add_tier(summaries, args.hot_tier)
+        columns = (*columns, "tier_bytes", "net_savings")
     if args.json:
         print(json.dumps({**result, "summary": summaries}, indent=1))
         return EXIT_OK
@@ -372,7 +426,6 @@ def _inspect(args: argparse.Namespace) -> int:
     for desc in result["tables"]:
         _print_description(desc)
     print()
-    columns = ("table", "rows", "dim", "dtype", "raw_bytes", "stored_bytes", "savings")
     _print_table(_summary_rows(summaries), columns)
     return EXIT_OK
 
@@ -381,7 +434,6 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    faults = 0
     try:
         if args.path.is_dir():
             found = manifest.read_manifest(args.path)
@@ -389,15 +441,29 @@ def _verify(args: argparse.Namespace) -> int:
         else:
             targets = [(None, args.path, None)]
     except (ValueError, OSError) as exc:
+        if args.json:
+            print(
+                json.dumps({"path": str(args.path), "ok": False, "error": str(exc), "tables": []})
+            )
         return _fail("verify", exc)
+    results = []
     for name, path, entry in targets:
         try:
             loaded = tf.verify_file(path)
             if entry is not None:  # the checks a load makes: checksum, name, shape, row range
                 manifest.check_entry(args.path / manifest.MANIFEST, name, entry, loaded)
         except (ValueError, OSError) as exc:
-            faults += 1
-            print(f"FAIL {exc}", file=sys.stderr)
+            results.append({"table": name, "file": str(path), "ok": False, "error": str(exc)})
+            if not args.json:
+                print(f"FAIL {exc}", file=sys.stderr, flush=True)
             continue
-        print(f"OK   {path}  {loaded.name}  [{loaded.header.num_rows}, {loaded.header.dim}]")
-    return EXIT_FAULT if faults else EXIT_OK
+        rows, dim = loaded.header.num_rows, loaded.header.dim
+        results.append(
+            {"table": loaded.name, "file": str(path), "ok": True, "rows": rows, "dim": dim}
+        )
+        if not args.json:  # one line per table as it is checked: the progress of a long verify
+            print(f"OK   {path}  {loaded.name}  [{rows}, {dim}]", flush=True)
+    ok = all(r["ok"] for r in results)
+    if args.json:
+        print(json.dumps({"path": str(args.path), "ok": ok, "tables": results}, indent=1))
+    return EXIT_OK if ok else EXIT_FAULT

@@ -19,6 +19,7 @@ import os
 import re
 import struct
 import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -423,9 +424,13 @@ def check_index(path: Path, table: CompressedTable) -> None:
 
 def _tensor(data: mmap.mmap, section: Section, dtype: torch.dtype) -> torch.Tensor:
     # torch.frombuffer holds a reference to the mmap, so the mapping lives as long as any tensor.
-    return torch.frombuffer(
-        data, dtype=dtype, count=section.length // dtype.itemsize, offset=section.offset
-    )
+    with warnings.catch_warnings():
+        # A shared mapping is read-only, which torch warns about: nothing writes a table's
+        # tensors (row updates go to spill buffers), so the warning says nothing here.
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        return torch.frombuffer(
+            data, dtype=dtype, count=section.length // dtype.itemsize, offset=section.offset
+        )
 
 
 # NOTE(tables): Linux caps one MADV_WILLNEED at the device's readahead window (read_ahead_kb,
@@ -443,9 +448,19 @@ def _prefetch(data: mmap.mmap, section: Section) -> None:
 
 
 def read_table(
-    path: str | os.PathLike[str], *, verify: bool = False, prefetch: bool = False
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = False,
+    prefetch: bool = False,
+    shared: bool = False,
 ) -> TableFile:
     """Map a table file and return its zero-copy table.
+
+    The file is mapped copy-on-write (``MAP_PRIVATE``), or with ``shared=True`` read-only and
+    shared (``MAP_SHARED``, ``PROT_READ``): what a GPU's long-term pin of the payload
+    (``cudaHostRegister``) needs to pin the page-cache pages themselves, since Linux >= 6.2
+    breaks copy-on-write for such pins of a private file mapping, copying every payload page
+    into anonymous memory. A shared mapping's tensors must never be written (a write faults).
 
     The header, section table, metadata, masks and index are always checked (checksums and
     structure); the payload checksum only with ``verify=True`` (it reads every byte).
@@ -468,7 +483,8 @@ def read_table(
         size = os.fstat(f.fileno()).st_size
         if size < HEADER.size:
             read_header(path, f.read(), size)  # raises with the most precise message
-        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        access = mmap.ACCESS_READ if shared else mmap.ACCESS_COPY
+        data = mmap.mmap(f.fileno(), 0, access=access)
     view = memoryview(data)
     try:
         header = read_header(path, view, size)

@@ -170,10 +170,7 @@ def from_state_dict(
             raise SourceError(f"{origin}: no entries {missing}")
         chosen = {k: k for k in keys}
     else:
-        torchrec = {k: m["table"] for k in flat if (m := _EBC_KEY.search(k))}
-        chosen = torchrec or {
-            k: k for k, v in flat.items() if isinstance(v, torch.Tensor) and v.dim() == 2
-        }
+        chosen = _default_entries(_ndims(flat))
     if tables is not None:
         wanted = set(tables)
         chosen = {k: name for k, name in chosen.items() if name in wanted}
@@ -185,6 +182,19 @@ def from_state_dict(
             for key, name in chosen.items()
         )
     )
+
+
+def _ndims(flat: Mapping[str, Any]) -> dict[str, int | None]:
+    """Each entry's number of dimensions (None for what is not a tensor)."""
+    return {k: v.dim() if isinstance(v, torch.Tensor) else None for k, v in flat.items()}
+
+
+def _default_entries(ndims: Mapping[str, int | None]) -> dict[str, str]:
+    """key -> table name of the entries a state dict contributes by default (see
+    ``from_state_dict``), from each entry's number of dimensions: a safetensors file gives
+    them without reading any data."""
+    torchrec = {k: m["table"] for k in ndims if (m := _EBC_KEY.search(k))}
+    return torchrec or {k: k for k, n in ndims.items() if n == 2}
 
 
 # -- torchrec --------------------------------------------------------------------------------
@@ -391,10 +401,7 @@ def from_pt(
     Loaded with ``weights_only=True`` (no pickled code runs) and ``mmap=True`` (no copy).
     """
     path = Path(path)
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # torch raises many types for a bad file; the cause stays chained
-        raise SourceError(f"{path}: cannot load with torch.load: {exc}") from exc
+    obj = _torch_load(path)
     if isinstance(obj, torch.Tensor):
         if tables is not None and path.stem not in set(tables):
             return TableSet(())
@@ -443,4 +450,40 @@ def load_sources(
             raise SourceError(f"{path}: unknown source type (expected {_SOURCE_SUFFIXES})")
         sources.extend(found.tables)
     table_set = TableSet(tuple(sources))
-    return table_set if tables is None else table_set.select(tables)
+    if tables is None:
+        return table_set
+    found_names = {s.name for s in table_set.tables}
+    missing = [name for name in tables if name not in found_names]
+    if missing:
+        held = sorted({name for path in files for name in table_names(path)})
+        raise SourceError(f"no table named {missing}; the sources hold {held}")
+    return table_set.select(tables)
+
+
+def table_names(path: Path) -> list[str]:
+    """The tables ``load_sources`` would import from ``path`` with no selection (nothing is
+    checked): for naming them when a selection finds nothing."""
+    if path.suffix == ".npy":
+        return [path.stem]
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            names = f.keys()
+            ndims = {k: len(f.get_slice(k).get_shape()) for k in names}  # shapes only, no data
+        return list(_default_entries(ndims).values())
+    obj = _torch_load(path)
+    if isinstance(obj, torch.Tensor):
+        return [path.stem]
+    if isinstance(obj, Mapping):
+        return list(_default_entries(_ndims(_flatten(obj))).values())
+    return []
+
+
+def _torch_load(path: Path) -> Any:
+    """``torch.load`` with ``weights_only=True`` (no pickled code runs) and ``mmap=True`` (no
+    copy); a file it cannot load is a SourceError."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # torch raises many types for a bad file; the cause stays chained
+        raise SourceError(f"{path}: cannot load with torch.load: {exc}") from exc

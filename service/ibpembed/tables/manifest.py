@@ -343,11 +343,13 @@ def load_table_set_meta(
     *,
     verify: bool = False,
     prefetch: bool = False,
+    shared: bool = False,
     reuse: Callable[[str, ManifestEntry], CompressedTable | None] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Manifest, dict[str, CompressedTable], dict[str, Mapping[str, Any]]]:
     """``load_table_set``, and the meta section of every table it read from its file (tables
-    ``reuse`` returned are not read, so have none). ``prefetch``: see ``format.read_table``.
+    ``reuse`` returned are not read, so have none). ``prefetch``, ``shared`` (the mapping
+    mode): see ``format.read_table``.
     ``progress(done, total)``: called before the first table and after each (in tables)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -366,7 +368,7 @@ def load_table_set_meta(
         path = directory / entry.file
         if not path.is_file():
             raise TableSetError(f"{directory / MANIFEST}: table '{name}': file {path} is missing")
-        loaded = tf.read_table(path, verify=verify, prefetch=prefetch)
+        loaded = tf.read_table(path, verify=verify, prefetch=prefetch, shared=shared)
         check_entry(directory / MANIFEST, name, entry, loaded)
         tables[name] = loaded.table
         metas[name] = loaded.meta

@@ -155,6 +155,7 @@ def pack_table_set(
     shard: tuple[int, int] | None = None,
     merge: bool = False,
     table_set_version: int | None = None,
+    for_gpu: bool = False,
 ) -> list[tw.PackedTable]:
     """Pack every table of a set into ``directory`` and publish its manifest.
 
@@ -172,6 +173,7 @@ def pack_table_set(
         replace only these; by default the new manifest lists only these tables.
     table_set_version : the version to publish; None = the next (:func:`next_version`). Must be
         newer than the directory's: servers refuse a reload to an older or equal number.
+    for_gpu : every table laid out for a GPU's zero-copy reads (``writer.pack_table``).
 
     Raises
     ------
@@ -212,6 +214,7 @@ def pack_table_set(
                 code_bits=code_bits,
                 meta=_source_meta(source, rows),
                 progress=progress(part) if progress else None,
+                for_gpu=for_gpu,
             )
             entries[source.name] = _entry(packed, source.pooling, source.features, rows)
             reports.append(packed)

@@ -19,6 +19,9 @@ hot-row copies                     dropped: a CPU-lookup cache the CUDA kernels 
 A table already on the device (payload included) keeps its tensors. Host bytes with the GPU
 path are then the table files' bytes (or the row-update buffers'): nothing is copied into
 page-locked memory, and torch's pinned allocator never rounds a payload up to a power of two.
+That holds because a store for a GPU maps its files read-only shared (:func:`maps_shared`) and
+every page is faulted in before its read-only registration (:func:`prefault`): the pin then
+holds the page-cache pages themselves.
 Where registration fails (a device that cannot register a read-only file mapping, a VM that
 limits locked memory), the payload is copied into page-locked memory instead and the failure is
 logged: slower to place, more host bytes, same results.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import mmap
 import threading
 import weakref
 from collections.abc import Callable
@@ -45,6 +49,23 @@ log = logging.getLogger(__name__)
 
 # (a CPU uint8 tensor over a whole storage, read-only) -> a tensor on the device aliasing it.
 Register = Callable[[torch.Tensor, bool], torch.Tensor]
+
+
+def maps_shared(device: torch.device) -> bool:
+    """Whether table files for ``device`` are mapped read-only shared (``format.read_table``'s
+    ``shared``) rather than copy-on-write: for CUDA, whose registration pins the payload pages
+    long-term, and Linux >= 6.2 breaks copy-on-write for a long-term pin of a private file
+    mapping (``gup_must_unshare``), copying every payload page into anonymous memory."""
+    return device.type == "cuda"
+
+
+def prefault(host: torch.Tensor) -> None:
+    """Reads one byte of every page of ``host``, so that a read-only registration pins pages
+    that hold its bytes: a page never touched would be pinned as whatever the kernel maps on a
+    read fault (the shared zero page for anonymous memory), which a later write replaces under
+    the pin (drivers that pin without FOLL_LONGTERM then keep reading the old page)."""
+    if host.numel():
+        int(host[:: mmap.PAGESIZE].sum()) + int(host[-1])  # the last page when unaligned
 
 
 def cuda_register(device: torch.device) -> Register:
@@ -111,6 +132,8 @@ class HostAliases:
             entry = self._aliases.get(key)
             if entry is None:
                 whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+                if self._read_only:
+                    prefault(whole)
                 alias = self._register(whole, self._read_only)
                 if alias.numel() != whole.numel():
                     raise RuntimeError(

@@ -68,8 +68,9 @@ from ibpembed.errors import VersionNotHeld
 from ibpembed.tables import _layout
 from ibpembed.tables import writer as tw
 from ibpembed.tables.manifest import ManifestEntry, RowRange, load_table_set_meta
+from ibpembed.tables.mapped_files import FileStamp
 from ibpembed.tables.pack import save_table_set
-from ibpembed.tables.placement import HostAliases, cuda_register, place_table
+from ibpembed.tables.placement import HostAliases, cuda_register, maps_shared, place_table
 
 # Spare payload bytes a compaction reserves for later spills: this fraction of the payload, and
 # at least enough for a few updates like the one that triggered it.
@@ -164,6 +165,23 @@ class TableSnapshot:
         return name, self.tables[name]
 
 
+def _mapping(table: CompressedTable) -> int:
+    """What a table reads its rows from: its payload's memory, shared by the versions of the
+    table that hot-row copies make (another object each) and distinct for a fresh buffer."""
+    return table.payload.untyped_storage().data_ptr()
+
+
+def _without(snap: TableSnapshot, tables: set[str]) -> TableSnapshot:
+    """``snap`` under its number without ``tables`` and the features they serve."""
+    return TableSnapshot(
+        snap.version,
+        _frozen({n: t for n, t in snap.tables.items() if n not in tables}),
+        _frozen({f: n for f, n in snap.features.items() if n not in tables}),
+        _frozen({n: r for n, r in snap.shards.items() if n not in tables}),
+        _frozen({n: t for n, t in snap.placed.items() if n not in tables}),
+    )
+
+
 @dataclass(frozen=True, eq=False)
 class _Spill:
     """The buffer under ``table``'s payload; bytes past the payload's end are free."""
@@ -238,6 +256,13 @@ class TableStore:
         )
         # Published snapshots still served on request, oldest first; the last is _current.
         self._kept: list[TableSnapshot] = [self._current]
+        # The files mapped tables were read from, as they were then, with the memory each table
+        # reads (_mapping): not the table itself, which would keep its mapping alive.
+        self._files: dict[Path, tuple[int, FileStamp]] = {}
+        # Feature -> why the table serving it was withdrawn (its file changed under it).
+        self.refused: dict[str, str] = {}
+        if directory is not None:
+            self._watch_files(directory, self._entries, tables)
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -283,7 +308,11 @@ class TableStore:
         """
         directory = Path(directory)
         manifest, tables, metas = load_table_set_meta(
-            directory, verify=verify, prefetch=prefetch, progress=progress
+            directory,
+            verify=verify,
+            prefetch=prefetch,
+            shared=maps_shared(torch.device(device)),
+            progress=progress,
         )
         return cls(
             tables,
@@ -460,7 +489,11 @@ class TableStore:
                 return current.get(name) if kept and name not in self._spill else None
 
             manifest, tables, metas = load_table_set_meta(
-                target, verify=self._verify, prefetch=self._prefetch, reuse=reuse
+                target,
+                verify=self._verify,
+                prefetch=self._prefetch,
+                shared=maps_shared(self.device),
+                reuse=reuse,
             )
             fresh = {n: t for n, t in tables.items() if t is not current.get(n)}
             shards = _shards(manifest.tables)
@@ -478,6 +511,11 @@ class TableStore:
                 # "reuse" old tables.
                 self._publish(tables, manifest.features, shards, version=manifest.table_set_version)
                 self._spill.clear()
+            if not unchanged:
+                # Files of tables no held version serves any more are not watched (nor kept).
+                self._watch_files(target, manifest.tables, fresh)
+                served = manifest.features
+                self.refused = {f: why for f, why in self.refused.items() if f not in served}
             self._directory = target
             self._entries = dict(manifest.tables)
             self._pooling = {n: e.pooling for n, e in manifest.tables.items()}
@@ -485,6 +523,60 @@ class TableStore:
                 n: dict(metas[n]) if n in metas else self._meta.get(n, {}) for n in manifest.tables
             }
             return not unchanged
+
+    def _watch_files(
+        self,
+        directory: Path,
+        entries: Mapping[str, ManifestEntry],
+        tables: Mapping[str, CompressedTable],
+    ) -> None:
+        """Record the files ``tables`` were just mapped from, for :meth:`check_files`."""
+        for name, table in tables.items():
+            entry = entries.get(name)
+            stamp = FileStamp.of(directory / entry.file) if entry is not None else None
+            if stamp is not None:
+                key = _mapping(table)
+                # Memory of a table no longer held may be mapped again for this one.
+                self._files = {p: w for p, w in self._files.items() if w[0] != key}
+                self._files[stamp.path] = (key, stamp)
+
+    def check_files(self) -> dict[str, str]:
+        """Withdraw every held table whose file was changed in place since it was mapped
+        (:mod:`ibpembed.tables.mapped_files`): each held version is republished, under its
+        number, without it, and lookups of its features are refused with :attr:`refused`'s
+        reason instead of reading pages that may fault or hold other rows. A reload (SIGHUP,
+        or a new manifest) maps the file again. Returns the tables withdrawn now, with why.
+
+        Fails closed only from this check on: a lookup reading the table as it is truncated
+        can still fault (docs/known-issues.md).
+        """
+        with self._write_lock:
+            held = {_mapping(t) for snap in self._kept for t in snap.tables.values()}
+            # Files no held version reads any more (replaced by a reload, compacted by a row
+            # update) are not watched.
+            self._files = {p: w for p, w in self._files.items() if w[0] in held}
+            damaged: dict[int, str] = {}  # mapping -> why
+            for path, (key, stamp) in list(self._files.items()):
+                why = stamp.change()
+                if why is not None:
+                    damaged[key] = why
+                    del self._files[path]
+            if not damaged:
+                return {}
+            withdrawn: dict[str, str] = {}
+            kept = []
+            for snap in self._kept:
+                gone = {n for n, t in snap.tables.items() if _mapping(t) in damaged}
+                for name in gone:
+                    withdrawn[name] = damaged[_mapping(snap.tables[name])]
+                kept.append(_without(snap, gone) if gone else snap)
+            for feature, name in self._current.features.items():
+                if name in withdrawn:
+                    self.refused[feature] = f"table {name!r} is withdrawn: {withdrawn[name]}"
+            with self._lock:
+                self._kept = kept
+                self._current = kept[-1]
+            return withdrawn
 
     @property
     def directory(self) -> Path | None:

@@ -9,6 +9,7 @@ either the old file or the new one under the final name, never a mix.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -300,6 +301,7 @@ def pack_table(
     code_bits: int | None = None,
     meta: Mapping[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
+    for_gpu: bool = False,
 ) -> PackedTable:
     """Compress ``weight`` and write it as one table file, atomically, in bounded memory.
 
@@ -316,12 +318,37 @@ def pack_table(
     quant, method, sample_rows, seed, align, chunk_bits, code_bits : as for ``codec.compress``.
     meta : extra JSON-serialisable fields for the meta section (features, pooling, origin).
     progress : called with the number of rows done after each step.
+    for_gpu : lay the table out for a GPU's zero-copy reads (``gpu_layout.for_gpu``: slots on
+        32-byte boundaries where that saves PCIe lines, or raw rows where compression would cost
+        sectors), its decision in the meta's ``gpu_layout``. Compresses the table in memory.
 
     Returns
     -------
     PackedTable: sizes, checksum and wall time.
     """
     start = time.perf_counter()
+    if for_gpu:
+        from ibpembed.tables import gpu_layout
+
+        args = {"quant": quant, "seed": seed, "chunk_bits": chunk_bits, "code_bits": code_bits}
+        compressed = codec.compress(
+            weight, method=method, sample_rows=sample_rows, align=align, **args
+        )
+        table, decision = gpu_layout.for_gpu(
+            compressed, lambda: codec.compress(weight, method="raw", align=align, **args)
+        )
+        fit = {"method": method, "align": align, "sample_rows": sample_rows, "seed": seed}
+        written = write_table(
+            path,
+            table,
+            name=name,
+            content_named=content_named,
+            meta={**fit, **(meta or {}), "gpu_layout": decision},
+        )
+        if progress is not None:  # in one step: the whole table is compressed at once
+            progress(table.num_rows)
+        # The wall time of the whole pack, compression and layout included, as without for_gpu.
+        return dataclasses.replace(written, seconds=time.perf_counter() - start)
     directory, final_path = _destination(path, name, content_named)
     with AtomicWriter(directory, file_stem(name)) as writer:
         written = _pack_into(

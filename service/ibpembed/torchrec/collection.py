@@ -25,8 +25,8 @@ from torchrec.modules.embedding_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ibpembed.codec import CompressedTable, compress
-from ibpembed.hot_rows import DEFAULT_BUDGET as DEFAULT_HOT_ROW_BUDGET
-from ibpembed.hot_rows import hot_row_ids
+from ibpembed.engine.tier import DEFAULT_BUDGET as DEFAULT_HOT_ROW_BUDGET
+from ibpembed.engine.tier import hot_row_ids
 from ibpembed.layout import DTYPE_CODES
 from ibpembed.tables.manifest import load_table_set
 from ibpembed.torchrec.bag import DATA_TYPES, POOLING_CODES, TORCH_DTYPES, CompressedEmbeddingBag
@@ -228,7 +228,7 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     ) -> dict[str, int]:
         """Keep decoded copies of each table's most frequent rows in ``batches`` (a sample of
         real traffic), within ``budget`` x the table's raw bytes, the server's policy
-        (``ibpembed.hot_rows``). CPU forwards then read those rows instead of decoding them;
+        (``ibpembed.engine.tier``). CPU forwards then read those rows instead of decoding them;
         outputs do not change. Call it again to re-rank; ``budget=0`` drops the copies.
 
         Returns the rows cached per table.

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Swapping a model's torchrec ``EmbeddingBagCollection``s for compressed or remote ones."""
+"""Swapping a model's torchrec ``EmbeddingBagCollection``s for compressed or remote ones, or
+packing their tables for a server."""
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,9 +19,11 @@ def compress_model(
     *,
     remote: str | Sequence[str] | None = None,
     client_options: dict[str, Any] | None = None,
+    pack_to: str | os.PathLike[str] | None = None,
     **compress_kwargs: Any,
 ) -> list[TableReport]:
-    """Replace every torchrec ``EmbeddingBagCollection`` inside ``model``, in place.
+    """Replace every torchrec ``EmbeddingBagCollection`` inside ``model``, in place (or, with
+    ``pack_to``, pack their tables for a server and leave the model as it is).
 
     Parameters
     ----------
@@ -31,15 +35,22 @@ def compress_model(
         A server address (or every shard's address) makes each collection a
         ``RemoteEmbeddingBagCollection`` on that server instead, with the collection's own
         configs, checked against what the server serves (pack the model's tables with
-        ``ibpembed pack`` first); all collections share one connection.
+        ``compress_model(model, pack_to=DIR)`` first); all collections share one connection.
     client_options : for ``remote``: :class:`~ibpembed_client.LookupClient` options.
-    **compress_kwargs : passed to :func:`ibpembed.compress` (in-process only).
+    pack_to : a table-set directory: pack every collection's tables into it (publishing its
+        next version, as ``ibpembed pack`` does) with their torchrec feature names, which a
+        state dict does not hold, so that ``ibpembed serve --tables DIR`` serves what
+        ``remote`` then checks; the model is not changed. Not with ``remote``.
+    **compress_kwargs : passed to :func:`ibpembed.compress` (in-process), or to
+        :func:`ibpembed.tables.pack.pack_table_set` (``pack_to``: ``sample_rows``, ``seed``,
+        ``method``, ``merge``...).
 
     Returns
     -------
     Bytes per table before and after, in module order (see :func:`format_table_bytes`); for
-    ``remote``, as the server reports them. A collection registered under several paths is
-    replaced at each by one new module and reported once, under its first path.
+    ``remote``, as the server reports them; for ``pack_to``, as packed. A collection
+    registered under several paths is replaced at each by one new module and reported once,
+    under its first path.
 
     Raises
     ------
@@ -52,6 +63,13 @@ def compress_model(
     KeyError
         For ``remote``, a feature the server does not serve.
     """
+    if pack_to is not None:
+        if remote is not None:
+            raise TypeError(
+                "pack_to and remote: pack first, serve the directory, then call "
+                "compress_model(model, remote=...)"
+            )
+        return _pack(model, pack_to, compress_kwargs)
     if isinstance(model, EmbeddingBagCollection):
         raise TypeError(
             "model is itself an EmbeddingBagCollection: use "
@@ -108,3 +126,23 @@ def _remote_maker(
         )
 
     return make
+
+
+def _pack(
+    model: nn.Module, directory: str | os.PathLike[str], pack_kwargs: dict[str, Any]
+) -> list[TableReport]:
+    # Imported here: packing pulls in the table writers, which swapping never needs.
+    from ibpembed.tables.importers import from_torchrec
+    from ibpembed.tables.pack import pack_table_set
+
+    paths = {
+        config.name: path
+        for path, m in model.named_modules()
+        if isinstance(m, EmbeddingBagCollection)
+        for config in m.embedding_bag_configs()
+    }
+    packed = pack_table_set(directory, from_torchrec(model), **pack_kwargs)
+    return [
+        TableReport(paths.get(p.name, ""), p.name, p.num_rows, p.dim, p.raw_bytes, p.stored_bytes)
+        for p in packed
+    ]

@@ -281,9 +281,18 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             for feature in config.feature_names:
                 info = by_feature.get(feature)
                 if info is None:
+                    hint = ""
+                    if config.name in self._served:
+                        # The table is there under its own name only: packed from a state
+                        # dict, which holds no feature names.
+                        hint = (
+                            f"; it serves table '{config.name}' without this feature: pack "
+                            "with compress_model(model, pack_to=DIR), or `ibpembed pack ... "
+                            f"--feature {feature}={config.name}`"
+                        )
                     raise KeyError(
                         f"feature '{feature}' (table '{config.name}') is not served by "
-                        f"{self._target} (it serves {sorted(by_feature)})"
+                        f"{self._target} (it serves {sorted(by_feature)}){hint}"
                     )
                 if _pooled_dim(info) != config.embedding_dim:
                     raise ValueError(

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fibpembed_client/v1/lookup.proto\x12\x0bibpembed.v1\"K\n\x0c\x46\x65\x61tureInput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0f\n\x07lengths\x18\x03 \x01(\x0c\x12\x0f\n\x07weights\x18\x04 \x01(\x0c\"\x9a\x02\n\rLookupRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x07pooling\x18\x02 \x01(\x0e\x32\x14.ibpembed.v1.Pooling\x12+\n\x08\x66\x65\x61tures\x18\x03 \x03(\x0b\x32\x19.ibpembed.v1.FeatureInput\x12(\n\x0coutput_dtype\x18\x04 \x01(\x0e\x32\x12.ibpembed.v1.DType\x12\x30\n\routput_region\x18\x05 \x01(\x0b\x32\x19.ibpembed.v1.OutputRegion\x12.\n\x0cinput_region\x18\x06 \x01(\x0b\x32\x18.ibpembed.v1.InputRegion\x12\x15\n\rtable_version\x18\n \x01(\x04\"?\n\x0cOutputRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\"c\n\x0bInputRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0f\n\x07num_ids\x18\x03 \x03(\x03\x12\x13\n\x0b\x62\x61tch_sizes\x18\x04 \x03(\x03\x12\x10\n\x08weighted\x18\x05 \x01(\x08\"v\n\rFeatureOutput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.ibpembed.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06values\x18\x04 \x01(\x0c\x12\x15\n\rregion_offset\x18\x05 \x01(\x04\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8c\x01\n\x0eLookupResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x08\x66\x65\x61tures\x18\x02 \x03(\x0b\x32\x1a.ibpembed.v1.FeatureOutput\x12\x15\n\rtable_version\x18\x03 \x01(\x04\x12!\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x12.ibpembed.v1.Error\"\x13\n\x11ListTablesRequest\"j\n\x12ListTablesResponse\x12&\n\x06tables\x18\x01 \x03(\x0b\x32\x16.ibpembed.v1.TableInfo\x12\x15\n\rtable_version\x18\x02 \x01(\x04\x12\x15\n\rversions_held\x18\x03 \x03(\x04\"\xad\x01\n\x15RegisterRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.ibpembed.v1.RegionKind\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x11\n\tbyte_size\x18\x05 \x01(\x04\x12\x17\n\x0f\x63uda_ipc_handle\x18\x06 \x01(\x0c\x12\x11\n\tdevice_id\x18\x07 \x01(\x05\"\x18\n\x16RegisterRegionResponse\"\'\n\x17UnregisterRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\",\n\x18UnregisterRegionResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\x14\n\x12ListRegionsRequest\"v\n\nRegionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.ibpembed.v1.RegionKind\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x11\n\tbyte_size\x18\x05 \x01(\x04\"?\n\x13ListRegionsResponse\x12(\n\x07regions\x18\x01 \x03(\x0b\x32\x17.ibpembed.v1.RegionInfo\"$\n\x14\x44\x65scribeTableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xee\x01\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x03\x12\x0b\n\x03\x64im\x18\x03 \x01(\x03\x12!\n\x05\x64type\x18\x04 \x01(\x0e\x32\x12.ibpembed.v1.DType\x12\r\n\x05quant\x18\x05 \x01(\t\x12\x11\n\traw_bytes\x18\x06 \x01(\x03\x12\x14\n\x0cstored_bytes\x18\x07 \x01(\x03\x12\x12\n\nchunk_bits\x18\x08 \x01(\x05\x12\x0f\n\x07version\x18\t \x01(\x04\x12\x11\n\trow_start\x18\n \x01(\x03\x12\x0f\n\x07row_end\x18\x0b \x01(\x03\x12\x10\n\x08\x66\x65\x61tures\x18\x0c \x03(\t*W\n\x07Pooling\x12\x17\n\x13POOLING_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPOOLING_SUM\x10\x01\x12\x10\n\x0cPOOLING_MEAN\x10\x02\x12\x10\n\x0cPOOLING_NONE\x10\x03*\x9b\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x04\x12\x0e\n\nDTYPE_INT8\x10\x05\x12\x0f\n\x0b\x44TYPE_INT32\x10\x06\x12\x0f\n\x0b\x44TYPE_INT64\x10\x07*_\n\nRegionKind\x12\x1b\n\x17REGION_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16REGION_KIND_SYSTEM_SHM\x10\x01\x12\x18\n\x14REGION_KIND_CUDA_IPC\x10\x02\x32\xca\x04\n\x0f\x45mbeddingLookup\x12\x41\n\x06Lookup\x12\x1a.ibpembed.v1.LookupRequest\x1a\x1b.ibpembed.v1.LookupResponse\x12K\n\x0cLookupStream\x12\x1a.ibpembed.v1.LookupRequest\x1a\x1b.ibpembed.v1.LookupResponse(\x01\x30\x01\x12M\n\nListTables\x12\x1e.ibpembed.v1.ListTablesRequest\x1a\x1f.ibpembed.v1.ListTablesResponse\x12J\n\rDescribeTable\x12!.ibpembed.v1.DescribeTableRequest\x1a\x16.ibpembed.v1.TableInfo\x12Y\n\x0eRegisterRegion\x12\".ibpembed.v1.RegisterRegionRequest\x1a#.ibpembed.v1.RegisterRegionResponse\x12_\n\x10UnregisterRegion\x12$.ibpembed.v1.UnregisterRegionRequest\x1a%.ibpembed.v1.UnregisterRegionResponse\x12P\n\x0bListRegions\x12\x1f.ibpembed.v1.ListRegionsRequest\x1a .ibpembed.v1.ListRegionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fibpembed_client/v1/lookup.proto\x12\x0bibpembed.v1\"K\n\x0c\x46\x65\x61tureInput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0f\n\x07lengths\x18\x03 \x01(\x0c\x12\x0f\n\x07weights\x18\x04 \x01(\x0c\"\x9a\x02\n\rLookupRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x07pooling\x18\x02 \x01(\x0e\x32\x14.ibpembed.v1.Pooling\x12+\n\x08\x66\x65\x61tures\x18\x03 \x03(\x0b\x32\x19.ibpembed.v1.FeatureInput\x12(\n\x0coutput_dtype\x18\x04 \x01(\x0e\x32\x12.ibpembed.v1.DType\x12\x30\n\routput_region\x18\x05 \x01(\x0b\x32\x19.ibpembed.v1.OutputRegion\x12.\n\x0cinput_region\x18\x06 \x01(\x0b\x32\x18.ibpembed.v1.InputRegion\x12\x15\n\rtable_version\x18\n \x01(\x04\"?\n\x0cOutputRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\"c\n\x0bInputRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0f\n\x07num_ids\x18\x03 \x03(\x03\x12\x13\n\x0b\x62\x61tch_sizes\x18\x04 \x03(\x03\x12\x10\n\x08weighted\x18\x05 \x01(\x08\"v\n\rFeatureOutput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.ibpembed.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06values\x18\x04 \x01(\x0c\x12\x15\n\rregion_offset\x18\x05 \x01(\x04\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8c\x01\n\x0eLookupResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x08\x66\x65\x61tures\x18\x02 \x03(\x0b\x32\x1a.ibpembed.v1.FeatureOutput\x12\x15\n\rtable_version\x18\x03 \x01(\x04\x12!\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x12.ibpembed.v1.Error\"\x13\n\x11ListTablesRequest\"j\n\x12ListTablesResponse\x12&\n\x06tables\x18\x01 \x03(\x0b\x32\x16.ibpembed.v1.TableInfo\x12\x15\n\rtable_version\x18\x02 \x01(\x04\x12\x15\n\rversions_held\x18\x03 \x03(\x04\"\xbc\x01\n\x15RegisterRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.ibpembed.v1.RegionKind\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x11\n\tbyte_size\x18\x05 \x01(\x04\x12\x17\n\x0f\x63uda_ipc_handle\x18\x06 \x01(\x0c\x12\x11\n\tdevice_id\x18\x07 \x01(\x05\x12\r\n\x05nonce\x18\x08 \x01(\x0c\":\n\x16\x43hallengeRegionRequest\x12\x10\n\x08shm_name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\">\n\x17\x43hallengeRegionResponse\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x14\n\x0c\x65xpires_in_s\x18\x02 \x01(\r\"\x18\n\x16RegisterRegionResponse\"\'\n\x17UnregisterRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\",\n\x18UnregisterRegionResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\x14\n\x12ListRegionsRequest\"v\n\nRegionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.ibpembed.v1.RegionKind\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x11\n\tbyte_size\x18\x05 \x01(\x04\"?\n\x13ListRegionsResponse\x12(\n\x07regions\x18\x01 \x03(\x0b\x32\x17.ibpembed.v1.RegionInfo\"$\n\x14\x44\x65scribeTableRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xee\x01\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x03\x12\x0b\n\x03\x64im\x18\x03 \x01(\x03\x12!\n\x05\x64type\x18\x04 \x01(\x0e\x32\x12.ibpembed.v1.DType\x12\r\n\x05quant\x18\x05 \x01(\t\x12\x11\n\traw_bytes\x18\x06 \x01(\x03\x12\x14\n\x0cstored_bytes\x18\x07 \x01(\x03\x12\x12\n\nchunk_bits\x18\x08 \x01(\x05\x12\x0f\n\x07version\x18\t \x01(\x04\x12\x11\n\trow_start\x18\n \x01(\x03\x12\x0f\n\x07row_end\x18\x0b \x01(\x03\x12\x10\n\x08\x66\x65\x61tures\x18\x0c \x03(\t*W\n\x07Pooling\x12\x17\n\x13POOLING_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPOOLING_SUM\x10\x01\x12\x10\n\x0cPOOLING_MEAN\x10\x02\x12\x10\n\x0cPOOLING_NONE\x10\x03*\x9b\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x04\x12\x0e\n\nDTYPE_INT8\x10\x05\x12\x0f\n\x0b\x44TYPE_INT32\x10\x06\x12\x0f\n\x0b\x44TYPE_INT64\x10\x07*_\n\nRegionKind\x12\x1b\n\x17REGION_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16REGION_KIND_SYSTEM_SHM\x10\x01\x12\x18\n\x14REGION_KIND_CUDA_IPC\x10\x02\x32\xa8\x05\n\x0f\x45mbeddingLookup\x12\x41\n\x06Lookup\x12\x1a.ibpembed.v1.LookupRequest\x1a\x1b.ibpembed.v1.LookupResponse\x12K\n\x0cLookupStream\x12\x1a.ibpembed.v1.LookupRequest\x1a\x1b.ibpembed.v1.LookupResponse(\x01\x30\x01\x12M\n\nListTables\x12\x1e.ibpembed.v1.ListTablesRequest\x1a\x1f.ibpembed.v1.ListTablesResponse\x12J\n\rDescribeTable\x12!.ibpembed.v1.DescribeTableRequest\x1a\x16.ibpembed.v1.TableInfo\x12\\\n\x0f\x43hallengeRegion\x12#.ibpembed.v1.ChallengeRegionRequest\x1a$.ibpembed.v1.ChallengeRegionResponse\x12Y\n\x0eRegisterRegion\x12\".ibpembed.v1.RegisterRegionRequest\x1a#.ibpembed.v1.RegisterRegionResponse\x12_\n\x10UnregisterRegion\x12$.ibpembed.v1.UnregisterRegionRequest\x1a%.ibpembed.v1.UnregisterRegionResponse\x12P\n\x0bListRegions\x12\x1f.ibpembed.v1.ListRegionsRequest\x1a .ibpembed.v1.ListRegionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ibpembed_client.v1.lookup_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_POOLING']._serialized_start=1783
-  _globals['_POOLING']._serialized_end=1870
-  _globals['_DTYPE']._serialized_start=1873
-  _globals['_DTYPE']._serialized_end=2028
-  _globals['_REGIONKIND']._serialized_start=2030
-  _globals['_REGIONKIND']._serialized_end=2125
+  _globals['_POOLING']._serialized_start=1922
+  _globals['_POOLING']._serialized_end=2009
+  _globals['_DTYPE']._serialized_start=2012
+  _globals['_DTYPE']._serialized_end=2167
+  _globals['_REGIONKIND']._serialized_start=2169
+  _globals['_REGIONKIND']._serialized_end=2264
   _globals['_FEATUREINPUT']._serialized_start=48
   _globals['_FEATUREINPUT']._serialized_end=123
   _globals['_LOOKUPREQUEST']._serialized_start=126
@@ -56,23 +56,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTTABLESRESPONSE']._serialized_start=900
   _globals['_LISTTABLESRESPONSE']._serialized_end=1006
   _globals['_REGISTERREGIONREQUEST']._serialized_start=1009
-  _globals['_REGISTERREGIONREQUEST']._serialized_end=1182
-  _globals['_REGISTERREGIONRESPONSE']._serialized_start=1184
-  _globals['_REGISTERREGIONRESPONSE']._serialized_end=1208
-  _globals['_UNREGISTERREGIONREQUEST']._serialized_start=1210
-  _globals['_UNREGISTERREGIONREQUEST']._serialized_end=1249
-  _globals['_UNREGISTERREGIONRESPONSE']._serialized_start=1251
-  _globals['_UNREGISTERREGIONRESPONSE']._serialized_end=1295
-  _globals['_LISTREGIONSREQUEST']._serialized_start=1297
-  _globals['_LISTREGIONSREQUEST']._serialized_end=1317
-  _globals['_REGIONINFO']._serialized_start=1319
-  _globals['_REGIONINFO']._serialized_end=1437
-  _globals['_LISTREGIONSRESPONSE']._serialized_start=1439
-  _globals['_LISTREGIONSRESPONSE']._serialized_end=1502
-  _globals['_DESCRIBETABLEREQUEST']._serialized_start=1504
-  _globals['_DESCRIBETABLEREQUEST']._serialized_end=1540
-  _globals['_TABLEINFO']._serialized_start=1543
-  _globals['_TABLEINFO']._serialized_end=1781
-  _globals['_EMBEDDINGLOOKUP']._serialized_start=2128
-  _globals['_EMBEDDINGLOOKUP']._serialized_end=2714
+  _globals['_REGISTERREGIONREQUEST']._serialized_end=1197
+  _globals['_CHALLENGEREGIONREQUEST']._serialized_start=1199
+  _globals['_CHALLENGEREGIONREQUEST']._serialized_end=1257
+  _globals['_CHALLENGEREGIONRESPONSE']._serialized_start=1259
+  _globals['_CHALLENGEREGIONRESPONSE']._serialized_end=1321
+  _globals['_REGISTERREGIONRESPONSE']._serialized_start=1323
+  _globals['_REGISTERREGIONRESPONSE']._serialized_end=1347
+  _globals['_UNREGISTERREGIONREQUEST']._serialized_start=1349
+  _globals['_UNREGISTERREGIONREQUEST']._serialized_end=1388
+  _globals['_UNREGISTERREGIONRESPONSE']._serialized_start=1390
+  _globals['_UNREGISTERREGIONRESPONSE']._serialized_end=1434
+  _globals['_LISTREGIONSREQUEST']._serialized_start=1436
+  _globals['_LISTREGIONSREQUEST']._serialized_end=1456
+  _globals['_REGIONINFO']._serialized_start=1458
+  _globals['_REGIONINFO']._serialized_end=1576
+  _globals['_LISTREGIONSRESPONSE']._serialized_start=1578
+  _globals['_LISTREGIONSRESPONSE']._serialized_end=1641
+  _globals['_DESCRIBETABLEREQUEST']._serialized_start=1643
+  _globals['_DESCRIBETABLEREQUEST']._serialized_end=1679
+  _globals['_TABLEINFO']._serialized_start=1682
+  _globals['_TABLEINFO']._serialized_end=1920
+  _globals['_EMBEDDINGLOOKUP']._serialized_start=2267
+  _globals['_EMBEDDINGLOOKUP']._serialized_end=2947
 # @@protoc_insertion_point(module_scope)

@@ -149,7 +149,7 @@ class ListTablesResponse(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., table_version: _Optional[int] = ..., versions_held: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
-    __slots__ = ("name", "kind", "shm_name", "offset", "byte_size", "cuda_ipc_handle", "device_id")
+    __slots__ = ("name", "kind", "shm_name", "offset", "byte_size", "cuda_ipc_handle", "device_id", "nonce")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class RegisterRegionRequest(_message.Message):
     BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: RegionKind
     shm_name: str
@@ -164,7 +165,24 @@ class RegisterRegionRequest(_message.Message):
     byte_size: int
     cuda_ipc_handle: bytes
     device_id: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., shm_name: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ...) -> None: ...
+    nonce: bytes
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., shm_name: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class ChallengeRegionRequest(_message.Message):
+    __slots__ = ("shm_name", "offset")
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    shm_name: str
+    offset: int
+    def __init__(self, shm_name: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ChallengeRegionResponse(_message.Message):
+    __slots__ = ("nonce", "expires_in_s")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    expires_in_s: int
+    def __init__(self, nonce: _Optional[bytes] = ..., expires_in_s: _Optional[int] = ...) -> None: ...
 
 class RegisterRegionResponse(_message.Message):
     __slots__ = ()

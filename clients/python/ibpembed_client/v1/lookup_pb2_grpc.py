@@ -56,6 +56,11 @@ class EmbeddingLookupStub:
                 request_serializer=ibpembed__client_dot_v1_dot_lookup__pb2.DescribeTableRequest.SerializeToString,
                 response_deserializer=ibpembed__client_dot_v1_dot_lookup__pb2.TableInfo.FromString,
                 _registered_method=True)
+        self.ChallengeRegion = channel.unary_unary(
+                '/ibpembed.v1.EmbeddingLookup/ChallengeRegion',
+                request_serializer=ibpembed__client_dot_v1_dot_lookup__pb2.ChallengeRegionRequest.SerializeToString,
+                response_deserializer=ibpembed__client_dot_v1_dot_lookup__pb2.ChallengeRegionResponse.FromString,
+                _registered_method=True)
         self.RegisterRegion = channel.unary_unary(
                 '/ibpembed.v1.EmbeddingLookup/RegisterRegion',
                 request_serializer=ibpembed__client_dot_v1_dot_lookup__pb2.RegisterRegionRequest.SerializeToString,
@@ -112,14 +117,27 @@ class EmbeddingLookupServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RegisterRegion(self, request, context):
+    def ChallengeRegion(self, request, context):
         """Same-host shared memory: a region the caller created (POSIX shm) that lookups may write
         their outputs into (LookupRequest.output_region) and read their inputs from
         (LookupRequest.input_region), so the values never cross the socket. A region belongs to the
-        caller that registered it (with token auth, the token's identity); other callers get
-        PERMISSION_DENIED. The server never creates, resizes or unlinks a region's memory: the
-        caller does. Regions are released on unregister and when the server stops.
+        caller that registered it (with token auth, the identity of the caller's token; without
+        tokens every caller is one identity); other callers get PERMISSION_DENIED. The server never
+        creates, resizes or unlinks a region's memory: the caller does. Regions are released on
+        unregister and when the server stops.
+
+        A caller registers only memory it can write, proven in two steps: ChallengeRegion returns a
+        nonce, the caller writes it at the region's first bytes (shm offset `offset`), then
+        RegisterRegion sends it back in `nonce`; the server reads it from the object before the
+        registration completes. Without a nonce, or with one the object does not hold,
+        RegisterRegion fails with FAILED_PRECONDITION resp. PERMISSION_DENIED.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterRegion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -161,6 +179,11 @@ def add_EmbeddingLookupServicer_to_server(servicer, server):
                     servicer.DescribeTable,
                     request_deserializer=ibpembed__client_dot_v1_dot_lookup__pb2.DescribeTableRequest.FromString,
                     response_serializer=ibpembed__client_dot_v1_dot_lookup__pb2.TableInfo.SerializeToString,
+            ),
+            'ChallengeRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChallengeRegion,
+                    request_deserializer=ibpembed__client_dot_v1_dot_lookup__pb2.ChallengeRegionRequest.FromString,
+                    response_serializer=ibpembed__client_dot_v1_dot_lookup__pb2.ChallengeRegionResponse.SerializeToString,
             ),
             'RegisterRegion': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterRegion,
@@ -288,6 +311,33 @@ class EmbeddingLookup:
             '/ibpembed.v1.EmbeddingLookup/DescribeTable',
             ibpembed__client_dot_v1_dot_lookup__pb2.DescribeTableRequest.SerializeToString,
             ibpembed__client_dot_v1_dot_lookup__pb2.TableInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChallengeRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ibpembed.v1.EmbeddingLookup/ChallengeRegion',
+            ibpembed__client_dot_v1_dot_lookup__pb2.ChallengeRegionRequest.SerializeToString,
+            ibpembed__client_dot_v1_dot_lookup__pb2.ChallengeRegionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,70 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A count-min frequency sketch with periodic halving (TinyLFU's frequency estimate).
+
+Each id increments one counter in each of ``DEPTH`` rows, chosen by multiply-shift hashes; its
+estimated frequency is the smallest of its counters (never below its true count, above it by
+collisions only). After ``sample`` increments every counter is halved, so the estimate follows
+the recent traffic and old favourites age out. Counts are vectorised over a batch of ids.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+DEPTH = 4
+MIN_WIDTH = 1 << 10
+MAX_WIDTH = 1 << 22
+
+
+class FrequencySketch:
+    """Estimated frequencies of int64 ids.
+
+    Parameters
+    ----------
+    width : counters per row, rounded up to a power of two in [MIN_WIDTH, MAX_WIDTH]
+        (DEPTH x width x 4 bytes of memory). A few times the ids the caller ranks keeps the
+        over-estimates small.
+    sample : increments between halvings (TinyLFU's window: about ten times the ids ranked).
+    seed : picks the hash functions.
+    """
+
+    def __init__(self, width: int, sample: int, *, seed: int = 0) -> None:
+        if sample < 1:
+            raise ValueError(f"sample must be >= 1, got {sample}")
+        self.width = min(MAX_WIDTH, max(MIN_WIDTH, 1 << max(width - 1, 0).bit_length()))
+        self._shift = np.uint64(64 - (self.width.bit_length() - 1))
+        # Odd 64-bit multipliers: multiply-shift hashing (the high bits of id * a).
+        rng = np.random.default_rng(seed)
+        self._mult = rng.integers(1, 2**63, DEPTH, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+        self.counts = np.zeros((DEPTH, self.width), dtype=np.uint32)
+        self.sample = sample
+        self.added = 0  # increments since the last halving
+
+    @property
+    def nbytes(self) -> int:
+        return self.counts.nbytes
+
+    def _slots(self, ids: np.ndarray) -> np.ndarray:
+        """[DEPTH, n] counter of each id in each row."""
+        keys = ids.astype(np.uint64, copy=False)
+        return ((keys[None, :] * self._mult[:, None]) >> self._shift).astype(np.intp)
+
+    def add(self, ids: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """Count distinct ``ids`` ``counts`` times each (once without ``counts``)."""
+        if ids.size == 0:
+            return
+        weights = np.ones(ids.size, np.uint32) if counts is None else counts.astype(np.uint32)
+        slots = self._slots(ids)
+        for row in range(DEPTH):
+            np.add.at(self.counts[row], slots[row], weights)
+        self.added += int(weights.sum(dtype=np.int64))
+        if self.added >= self.sample:
+            self.counts >>= 1
+            self.added //= 2
+
+    def estimate(self, ids: np.ndarray) -> np.ndarray:
+        """uint32 estimated frequency of each id (>= its count since the halvings)."""
+        if ids.size == 0:
+            return np.zeros(0, np.uint32)
+        slots = self._slots(ids)
+        return self.counts[np.arange(DEPTH)[:, None], slots].min(axis=0)

@@ -1,0 +1,394 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which rows the CPU keeps decoded: the hot tier's admission policy.
+
+Recommendation traffic is skewed (Zipf-like): a small set of rows serves most lookups, and
+decoding them again and again is what makes compressed CPU lookups slower than raw ones. So
+each table keeps a tier of decoded rows (``CompressedTable.with_hot_rows``), read like raw rows,
+within the budget of ``--hot-tier`` (:mod:`ibpembed.tables.tier_budget`). Lookups return the same
+rows either way: the policy only moves time and memory.
+
+:class:`HotTier` follows the traffic online, as TinyLFU does:
+
+- **Recording** (the request path): each request's checked ids are copied into a bounded
+  per-table buffer; nothing else. Under more traffic than a buffer holds between steps, the
+  latest ids stand for the rest (a sample).
+- **Steps** (a background thread, every ``step_s``): each table's buffered ids are counted
+  against the tier that is published (hits, misses, the hit ratio of the interval), then into
+  a count-min sketch with periodic halving (:mod:`ibpembed.engine.sketch`), and the tier's
+  target set is re-decided: a row seen lately enters when its estimated frequency beats the
+  coldest resident's (residents win ties, so equal rows do not churn), which leaves.
+- **Publication** (every ``refresh_s``, first after FIRST_REFRESH_S; at once for ``all``): a
+  table whose target set changed gets a new tier built aside from the store's current version
+  (``TableStore.set_hot_rows``) and published with one snapshot swap. Lookups never wait for
+  it; a lookup holding an older snapshot reads that snapshot's tier.
+
+Consistency: a tier is built from the table version it is published into, a row update carries
+the updated rows' new bits into the next version's tier (``TableStore.update_rows``), a reload
+publishes its tables without a tier (the reloader asks for a new one at once), and pinned older
+versions keep the tier they were published with. So no lookup reads a stale tier row.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ibpembed.codec import CompressedTable
+from ibpembed.engine.sketch import MAX_WIDTH, FrequencySketch
+from ibpembed.tables.store import TableStore
+from ibpembed.tables.tier_budget import TableSize, TierBudget, TierPlan, capacity_rows
+
+log = logging.getLogger(__name__)
+
+# A share of raw bytes for offline ranking (torchrec's cache_hot_rows, the benchmarks).
+DEFAULT_BUDGET = 0.01
+# The server's default --hot-tier.
+DEFAULT_TIER = "1%"
+# Ids buffered per table between steps (8 bytes each): a second of a busy table's traffic.
+DEFAULT_WINDOW_IDS = 1 << 18
+# A smaller table buffers this many ids per row (at least MIN_WINDOW_IDS).
+WINDOW_IDS_PER_ROW = 8
+MIN_WINDOW_IDS = 4096
+# Seconds between steps of the admission policy (and updates of the hit ratio).
+STEP_S = 1.0
+# Seconds from start to the first publication: a fresh server should not serve its first
+# ``refresh_s`` without a tier.
+FIRST_REFRESH_S = 5.0
+# Sketch counters per tier row, and sketch increments between halvings per tier row (TinyLFU's
+# window is about ten times the cache).
+SKETCH_WIDTH_PER_ROW = 4
+SKETCH_SAMPLE_PER_ROW = 10
+
+
+def hot_row_ids(table: CompressedTable, recent_ids: torch.Tensor, budget: float) -> torch.Tensor:
+    """The rows worth decoding offline (see :func:`rank_hot_rows`), sorted."""
+    return rank_hot_rows(table, recent_ids, budget)[0]
+
+
+def rank_hot_rows(
+    table: CompressedTable, recent_ids: torch.Tensor, budget: float
+) -> tuple[torch.Tensor, float]:
+    """The exact top of a traffic sample: the most frequent compressed rows of ``recent_ids``
+    (raw rows need no decoding) that fit in ``budget`` x the table's raw bytes, and the share of
+    ``recent_ids`` they cover. Sorted; empty when nothing qualifies or the budget does not cover
+    the tier's fixed cost. For teams that know their traffic offline (and the benchmarks' ideal
+    against which :class:`HotTier` is measured)."""
+    capacity = capacity_rows(table.num_rows, table.row_bytes, int(budget * table.raw_bytes))
+    in_range = recent_ids[(recent_ids >= 0) & (recent_ids < table.num_rows)]
+    ids, counts = torch.unique(in_range, return_counts=True)
+    keep = table.is_compressed(ids)
+    ids, counts = ids[keep], counts[keep]
+    if ids.numel() > capacity:
+        top = torch.topk(counts, capacity, sorted=False).indices
+        ids, counts = ids[top], counts[top]
+    coverage = int(counts.sum()) / recent_ids.numel() if recent_ids.numel() else 0.0
+    return ids.sort().values, coverage
+
+
+class _IdRing:
+    """The last ``capacity`` ids recorded for one table, in one buffer allocated (and touched)
+    up front: a server's memory reaches its steady state with the first lookups instead of
+    growing, and no request's arrays are kept alive. numpy, not torch: recording runs once per
+    table of every request, and a torch op's dispatch costs more than the copy itself."""
+
+    def __init__(self, capacity: int) -> None:
+        self.ids = np.zeros(capacity, dtype=np.int64)
+        self.next = 0  # where the next id goes
+        self.unseen = 0  # ids added since the last take (at most capacity)
+
+    def add(self, ids: np.ndarray) -> None:
+        capacity, start, n = self.ids.size, self.next, ids.size
+        self.unseen = min(capacity, self.unseen + n)
+        if n < capacity - start:  # the common case (one copy): a request's ids fit before the end
+            self.ids[start : start + n] = ids
+            self.next = start + n
+            return
+        ids = ids[-capacity:]
+        n = ids.size
+        head = min(n, capacity - start)
+        self.ids[start : start + head] = ids[:head]
+        self.ids[: n - head] = ids[head:]
+        self.next = (start + n) % capacity
+
+    def take(self) -> np.ndarray:
+        """A copy of the ids added since the last call (the latest ``capacity`` of them)."""
+        n, self.unseen = self.unseen, 0
+        start = self.next - n
+        if start >= 0:
+            return self.ids[start : self.next].copy()
+        return np.concatenate([self.ids[start:], self.ids[: self.next]])
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One table's tier as the policy sees it (for /metrics).
+
+    Attributes
+    ----------
+    rows : rows the policy wants in the tier (published at the next refresh).
+    capacity : rows the budget buys (``num_rows`` when it buys them all).
+    hits, misses : recorded ids found / not found in the published tier, since start.
+    admissions, evictions : rows that entered / left the target set, since start.
+    hit_ratio : hits per recorded id over the last step that saw lookups.
+    """
+
+    rows: int
+    capacity: int
+    hits: int
+    misses: int
+    admissions: int
+    evictions: int
+    hit_ratio: float
+
+
+class _TableTier:
+    """The admission state of one table (of one shape: a reload that resizes it starts anew)."""
+
+    def __init__(self, num_rows: int, window_ids: int) -> None:
+        self.num_rows = num_rows
+        size = min(window_ids, max(MIN_WINDOW_IDS, WINDOW_IDS_PER_ROW * num_rows))
+        self.pending = _IdRing(size)  # guarded by HotTier._lock
+        # The rest: the policy's thread (HotTier._work) only.
+        self.capacity = 0
+        self.sketch: FrequencySketch | None = None
+        self.residents = np.empty(0, np.int64)  # sorted: the target set
+        self.published: np.ndarray | None = None  # the residents last published
+        self.cached = 0  # rows the last publication put in the tier
+        self.coverage = 0.0  # share of the last step's ids the residents hold
+        self.hits = self.misses = self.admissions = self.evictions = 0
+        self.hit_ratio = 0.0
+
+    def count(self, ids: np.ndarray, table: CompressedTable) -> None:
+        """Hits and misses of the tier ``table`` serves with."""
+        held = 0
+        if table.hot is not None and ids.size:
+            held = int(_member(ids, table.hot.ids.numpy()).sum())
+        self.hits += held
+        self.misses += ids.size - held
+        if ids.size:
+            self.hit_ratio = held / ids.size
+
+    def admit(self, ids: np.ndarray) -> None:
+        """Update the sketch with ``ids`` and re-decide the target set within ``capacity``."""
+        capacity, residents = self.capacity, self.residents
+        if capacity >= self.num_rows:  # every row: nothing to rank
+            self.coverage = 1.0
+            if residents.size == self.num_rows:
+                return
+            chosen = np.arange(self.num_rows, dtype=np.int64)
+        elif capacity == 0:
+            chosen = residents[:0]
+        else:
+            chosen = self._rank(ids, capacity)
+        kept = int(_member(chosen, residents).sum()) if residents.size else 0
+        self.admissions += chosen.size - kept
+        self.evictions += residents.size - kept
+        if kept != chosen.size or kept != residents.size:  # else unchanged: nothing to publish
+            self.residents = chosen
+        if ids.size:
+            self.coverage = float(_member(ids, chosen).mean())
+
+    def _rank(self, ids: np.ndarray, capacity: int) -> np.ndarray:
+        if self.sketch is None or self.sketch.width < min(capacity, MAX_WIDTH):  # budget x4
+            self.sketch = FrequencySketch(
+                SKETCH_WIDTH_PER_ROW * capacity, SKETCH_SAMPLE_PER_ROW * capacity
+            )
+        residents = self.residents
+        seen, counts = np.unique(ids, return_counts=True)
+        self.sketch.add(seen, counts)
+        candidates = seen[~_member(seen, residents)] if residents.size else seen
+        pool = np.concatenate([residents, candidates])
+        if pool.size <= capacity:
+            return np.sort(pool)
+        # Residents win ties: an estimate of e ranks as 2e + 1 for a resident, 2e for a newcomer.
+        key = np.concatenate(
+            [
+                self.sketch.estimate(residents).astype(np.int64) * 2 + 1,
+                self.sketch.estimate(candidates).astype(np.int64) * 2,
+            ]
+        )
+        top = np.argpartition(key, pool.size - capacity)[pool.size - capacity :]
+        return np.sort(pool[top])
+
+
+def _member(ids: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Bool: whether each of ``ids`` is in ``sorted_set`` (sorted, distinct)."""
+    if sorted_set.size == 0:
+        return np.zeros(ids.size, dtype=bool)
+    at = np.searchsorted(sorted_set, ids).clip(max=sorted_set.size - 1)
+    return sorted_set[at] == ids
+
+
+class HotTier:
+    """Per-table online admission into the decoded hot tier (see the module docstring).
+
+    Parameters
+    ----------
+    store : the tables; tiers are published into it.
+    budget : ``--hot-tier`` (:class:`~ibpembed.tables.tier_budget.TierBudget` or its spelling);
+        must not be ``off``.
+    refresh_s : seconds between publications of changed tiers.
+    step_s : seconds between steps of the admission policy.
+    window_ids : ids buffered per table between steps at most (8 bytes each, allocated at the
+        table's first lookup); smaller tables buffer 8 per row, at least MIN_WINDOW_IDS.
+    """
+
+    def __init__(
+        self,
+        store: TableStore,
+        *,
+        budget: TierBudget | str,
+        refresh_s: float = 30.0,
+        step_s: float = STEP_S,
+        window_ids: int = DEFAULT_WINDOW_IDS,
+    ) -> None:
+        self.budget = TierBudget.parse(budget)
+        if not self.budget.enabled:
+            raise ValueError("a hot tier needs a budget other than off")
+        if not refresh_s > 0 or not step_s > 0:
+            raise ValueError(f"refresh_s and step_s must be > 0, got {refresh_s}, {step_s}")
+        if window_ids < 1:
+            raise ValueError(f"window_ids must be >= 1, got {window_ids}")
+        self.store = store
+        self.refresh_s = refresh_s
+        self.step_s = step_s
+        self.window_ids = window_ids
+        self._lock = threading.Lock()  # guards _tables and the buffers; held for a copy at most
+        self._work = threading.Lock()  # one step or publication at a time
+        self._tables: dict[str, _TableTier] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def record(self, lookups: Iterable[tuple[str, np.ndarray, int]]) -> None:
+        """Buffer one request's ids: (table, int64 rows of it, the table's ``num_rows``) per
+        table it read; repeats count. One call per request: the lock is taken once."""
+        with self._lock:
+            for name, ids, num_rows in lookups:
+                state = self._tables.get(name)
+                # A reload that resized the table starts it anew: the old ids name other rows.
+                if state is None or state.num_rows != num_rows:
+                    state = self._tables[name] = _TableTier(num_rows, self.window_ids)
+                state.pending.add(ids)
+
+    def step(self) -> None:
+        """Count the buffered ids of every table against its published tier, into its sketch,
+        and re-decide its target set (tables without lookups keep theirs)."""
+        with self._work:
+            with self.store.acquire() as snapshot:
+                current = dict(snapshot.tables)
+            total_raw = sum(t.raw_bytes for t in current.values()) or 1
+            with self._lock:
+                for gone in set(self._tables) - set(current):  # dropped by a reload
+                    del self._tables[gone]
+                work = []
+                for name, table in current.items():
+                    state = self._tables.get(name)
+                    if state is None or state.num_rows != table.num_rows:
+                        # Resized by a reload: the buffered ids name rows of the old table.
+                        # Only an "all" tier is built for tables nobody looked up yet.
+                        self._tables.pop(name, None)
+                        if self.budget.kind != "all":
+                            continue
+                        state = self._tables[name] = _TableTier(table.num_rows, self.window_ids)
+                    work.append((state, table, state.pending.take()))
+            for state, table, ids in work:
+                capacity = self.budget.table_rows(TableSize.of(table), table.raw_bytes / total_raw)
+                state.count(ids, table)
+                if ids.size or capacity != state.capacity or capacity >= table.num_rows:
+                    state.capacity = capacity
+                    state.admit(ids)
+
+    def publish(self, tables: Collection[str] | None = None) -> dict[str, int]:
+        """Publish a new tier for every table whose target set changed since its last
+        publication; ``tables``: for these whatever changed (a reload replaced them, and their
+        tiers with them). Returns the tier rows per table published."""
+        cached: dict[str, int] = {}
+        with self._work:
+            with self._lock:
+                states = dict(self._tables)
+            with self.store.acquire() as snapshot:
+                current = dict(snapshot.tables)
+            for name, state in states.items():
+                table = current.get(name)
+                if table is None or table.num_rows != state.num_rows:
+                    continue
+                forced = tables is not None and name in tables
+                # A table replaced in process (put_table) comes without the tier it had.
+                lost = table.hot is None and state.cached > 0
+                if state.published is state.residents and not forced and not lost:
+                    continue
+                try:
+                    ids = torch.from_numpy(state.residents)
+                    cached[name] = self.store.set_hot_rows(name, ids, coverage=state.coverage)
+                    state.published, state.cached = state.residents, cached[name]
+                except (KeyError, IndexError):  # replaced or reshaped since the snapshot
+                    continue
+                except Exception:  # e.g. out of memory for the tier: the others still publish
+                    log.exception("hot tier of table %r failed to build; keeping its tier", name)
+        return cached
+
+    def refresh(self, tables: Collection[str] | None = None) -> dict[str, int]:
+        """A step, then a publication (see :meth:`publish`)."""
+        self.step()
+        return self.publish(tables)
+
+    def plan(self) -> dict[str, TierPlan]:
+        """What the budget buys each table of the current version (rows, host bytes)."""
+        with self.store.acquire() as snapshot:
+            sizes = {name: TableSize.of(t) for name, t in snapshot.tables.items()}
+        return self.budget.plan(sizes)
+
+    def stats(self) -> dict[str, TierStats]:
+        """Every table's tier as the policy sees it."""
+        with self._lock:
+            states = dict(self._tables)
+        return {
+            name: TierStats(
+                int(s.residents.size),
+                s.capacity,
+                s.hits,
+                s.misses,
+                s.admissions,
+                s.evictions,
+                s.hit_ratio,
+            )
+            for name, s in states.items()
+        }
+
+    # -- the background thread -----------------------------------------------------------------
+    def start(self) -> None:
+        """Step every ``step_s`` and publish every ``refresh_s`` from a daemon thread (the first
+        publication after FIRST_REFRESH_S, or at once for an ``all`` budget)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="ibpembed-hot-tier", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        first = 0.0 if self.budget.kind == "all" else min(FIRST_REFRESH_S, self.refresh_s)
+        due = time.monotonic() + first
+        wait = min(self.step_s, first)
+        while not self._stop.wait(wait):
+            try:
+                self.step()
+                if time.monotonic() >= due:
+                    due = time.monotonic() + self.refresh_s
+                    published = self.publish()
+                    if published:
+                        log.debug("hot tier published: %s", published)
+            except Exception:  # a failed step keeps the published tiers; lookups go on
+                log.exception("hot tier step failed; keeping the published tiers")
+            wait = max(0.0, min(self.step_s, due - time.monotonic()))
+
+    def close(self) -> None:
+        """Stop the background thread (published tiers stay)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

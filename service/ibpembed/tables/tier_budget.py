@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The hot tier's budget: one setting (``--hot-tier``) saying how much host memory each table
+may spend on decoded rows, and how many rows that buys (arithmetic on table sizes only, so
+``ibpembed inspect`` prices a budget from file headers; the engine's tier spends it).
+
+Accepted spellings (case and blanks do not matter):
+
+- ``0``, ``off``, ``none``: no tier.
+- ``all``: every row decoded (the table then costs its stored bytes plus its tier).
+- ``5%``: 5 % of each table's raw bytes (rows x row bytes).
+- ``savings``, ``50%savings``: that share of each table's savings (raw - stored bytes); at
+  100 % the table with its tier takes at most its raw bytes, so compression still costs no
+  memory.
+- ``512MiB``, ``2GB``, ``4096``: bytes for the whole table set (KiB/MiB/GiB/TiB: powers of
+  1024; KB/MB/GB/TB: of 1000; a bare number: bytes), split between tables in proportion to
+  their raw bytes.
+
+A budget that buys every row of a table (at least what ``all`` costs) is clamped to ``all`` for
+that table. Negative, empty or unparsable values raise ValueError naming the accepted forms.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from ibpembed import codec
+from ibpembed.codec import CompressedTable
+
+BudgetKind = Literal["off", "all", "raw", "savings", "bytes"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
+_PERCENT = re.compile(_NUMBER + r"%(savings)?")
+_BYTES = re.compile(_NUMBER + r"([kmgt]i?b|b)?")
+FORMS = "0/off, all, N% (of raw bytes), savings or N%savings, or bytes (512MiB, 2GB, 4096)"
+
+
+@dataclass(frozen=True)
+class TableSize:
+    """What a budget needs to know of a table (a table file's header says as much)."""
+
+    num_rows: int
+    row_bytes: int
+    stored_bytes: int  # payload, index and metadata: what serving it costs without a tier
+
+    @classmethod
+    def of(cls, table: CompressedTable) -> TableSize:
+        return cls(table.num_rows, table.row_bytes, table.stored_bytes)
+
+    @property
+    def raw_bytes(self) -> int:
+        return self.num_rows * self.row_bytes
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """What a budget buys one table: its tier's rows and their host bytes."""
+
+    rows: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class TierBudget:
+    """A parsed ``--hot-tier`` value.
+
+    Attributes
+    ----------
+    kind : ``off``, ``all``, ``raw`` (a share of raw bytes), ``savings`` (a share of the
+        savings) or ``bytes`` (for the whole table set).
+    value : the share (``raw``, ``savings``; 0.05 for 5 %) or the bytes (``bytes``).
+    """
+
+    kind: BudgetKind
+    value: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str | TierBudget) -> TierBudget:
+        """``text`` as a budget (a budget is returned as it is); ValueError when malformed."""
+        if isinstance(text, TierBudget):
+            return text
+        spelt = "".join(str(text).split()).lower()
+        if spelt in ("off", "none"):
+            return cls("off")
+        if spelt == "all":
+            return cls("all")
+        if spelt == "savings":
+            return cls("savings", 1.0)
+        if spelt.startswith("-"):
+            raise ValueError(f"hot tier budget must not be negative, got {text!r} ({FORMS})")
+        percent = _PERCENT.fullmatch(spelt)
+        if percent is not None:
+            share = float(percent.group(1)) / 100
+            if share == 0:
+                return cls("off")
+            return cls("savings" if percent.group(2) else "raw", share)
+        size = _BYTES.fullmatch(spelt)
+        if size is None:
+            raise ValueError(f"hot tier budget {text!r} is not one of: {FORMS}")
+        count = float(size.group(1)) * _UNITS[size.group(2) or ""]
+        return cls("bytes", count) if count >= 1 else cls("off")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "off"
+
+    def table_bytes(self, size: TableSize, share: float) -> int:
+        """Bytes a table may spend on its tier; ``share``: its part of the table set's raw
+        bytes (what a ``bytes`` budget is split by)."""
+        if self.kind == "off":
+            return 0
+        if self.kind == "all":
+            return tier_cost(size.num_rows, size.row_bytes, size.num_rows)
+        if self.kind == "raw":
+            return int(self.value * size.raw_bytes)
+        if self.kind == "savings":
+            return int(self.value * max(size.raw_bytes - size.stored_bytes, 0))
+        return int(self.value * share)
+
+    def table_rows(self, size: TableSize, share: float) -> int:
+        """Rows a table's tier holds: ``num_rows`` for ``all`` and for every budget that buys
+        at least the whole table (the clamp)."""
+        return capacity_rows(size.num_rows, size.row_bytes, self.table_bytes(size, share))
+
+    def plan(self, sizes: Mapping[str, TableSize]) -> dict[str, TierPlan]:
+        """What the budget buys each table of a table set."""
+        total = sum(s.raw_bytes for s in sizes.values()) or 1
+        out = {}
+        for name, size in sizes.items():
+            rows = self.table_rows(size, size.raw_bytes / total)
+            out[name] = TierPlan(rows, tier_cost(size.num_rows, size.row_bytes, rows))
+        return out
+
+    def describe(self) -> str:
+        """The budget as an operator reads it (the banner)."""
+        if self.kind in ("off", "all"):
+            return self.kind
+        if self.kind == "bytes":
+            return f"{self.value / 2**20:,.0f} MiB for the table set"
+        what = "raw bytes" if self.kind == "raw" else "savings"
+        return f"{100 * self.value:g}% of each table's {what}"
+
+
+def tier_cost(num_rows: int, row_bytes: int, rows: int) -> int:
+    """Host bytes of a tier of ``rows`` rows (0 for none) of a table of ``num_rows``."""
+    if rows <= 0:
+        return 0
+    # The decoded tier's codec prices its own directory (tier_bytes_for); a codec without it
+    # builds the hot-row overlay: each row's copy and id, and two words per 64 rows.
+    native = getattr(codec, "tier_bytes_for", None)
+    if native is not None:
+        return int(native(num_rows, row_bytes, rows))
+    return rows * (row_bytes + 8) + 16 * -(-num_rows // 64)
+
+
+def capacity_rows(num_rows: int, row_bytes: int, budget_bytes: int) -> int:
+    """Most rows (``num_rows`` at most) whose tier costs at most ``budget_bytes``."""
+    if budget_bytes <= 0 or num_rows == 0:
+        return 0
+    if tier_cost(num_rows, row_bytes, num_rows) <= budget_bytes:
+        return num_rows
+    one = tier_cost(num_rows, row_bytes, 1)
+    per_row = tier_cost(num_rows, row_bytes, 2) - one
+    fixed = one - per_row
+    return min(num_rows - 1, max(budget_bytes - fixed, 0) // per_row)
