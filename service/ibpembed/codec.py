@@ -134,9 +134,10 @@ def tier_directory_bytes(num_rows: int) -> int:
 def tier_bytes_for(num_rows: int, row_bytes: int, count: int) -> int:
     """Host bytes of a decoded tier of ``count`` rows of a table of ``num_rows`` rows (what
     ``HotRows.bytes`` will be): the rows and their ids, plus the directory
-    (``tier_directory_bytes``) unless the tier holds every row."""
-    if not 0 <= count <= num_rows:
-        raise ValueError(f"a tier holds 0 to {num_rows} rows, got {count}")
+    (``tier_directory_bytes``) unless the tier holds every row (``count == num_rows``).
+    Prices any count >= 0, so that a caller may difference it."""
+    if count < 0:
+        raise ValueError(f"a tier holds at least 0 rows, got {count}")
     if count == 0:
         return 0
     directory = 0 if count == num_rows else tier_directory_bytes(num_rows)
