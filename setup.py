@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Builds ibpembed._C from csrc/: the CPU codec always, the CUDA kernels when torch has CUDA.
 
-Three translation units get ISA flags, each its own: csrc/codec/row_kernels_bmi2.cpp (-mbmi2),
-csrc/codec/row_kernels_avx512.cpp (BMI2 + AVX-512) and csrc/lookup/accumulate_avx2.cpp (-mavx2).
+Four translation units get ISA flags, each its own: csrc/codec/row_kernels_bmi2.cpp (-mbmi2),
+csrc/codec/row_kernels_avx512.cpp (BMI2 + AVX-512), csrc/lookup/accumulate_avx2.cpp (-mavx2) and
+csrc/lookup/accumulate_avx512.cpp (-mavx512f).
 They are built to objects first and linked in, because setuptools has no per-file flags. Which
 path runs is chosen at load time, never here.
 Set IBPEMBED_SKIP_CUDA_BUILD=1 to build the CPU extension on a CUDA torch.
@@ -33,6 +34,8 @@ ISA_SOURCES = {
         "-Wno-maybe-uninitialized",
     ],
     "csrc/lookup/accumulate_avx2.cpp": ["-mavx2"],
+    # AVX-512F carries FMA: contraction off keeps the pooled sums' multiply-then-add bits.
+    "csrc/lookup/accumulate_avx512.cpp": ["-mavx512f", "-ffp-contract=off"],
 }
 CXX_FLAGS = [
     "-O3",

@@ -55,6 +55,7 @@ ENGINE_SOURCES = (
     "codec/row_kernels_avx512.cpp",
     "lookup/lookup_cpu.cpp",
     "lookup/accumulate_avx2.cpp",
+    "lookup/accumulate_avx512.cpp",
 )
 
 

@@ -14,6 +14,7 @@
 
 #include "ibpembed/codec.h"
 #include "ibpembed/row_codec.h"
+#include "ibpembed/tier.h"
 
 namespace ibpembed::detail {
 namespace {
@@ -41,22 +42,12 @@ using LocalVector = std::vector<T, LocalAllocator<T>>;
 // NOTE(codec): the prefetch helpers must be always_inline. GCC's ipa-pure-const pass sees no
 // side effect in __builtin_prefetch, marks an out-of-line helper whose body is only prefetches
 // `const`, and then deletes every call to it: from a976f39 until this note, prefetch_index
-// compiled to nothing (its conditional hot_dir prefetch made it too big to be inlined early),
-// and lookups ran 25-35 % slower. tests/codec/test_isa_objects.py checks they are there.
+// compiled to nothing (a conditional prefetch of a hot-row directory made it too big to be
+// inlined early), and lookups ran 25-35 % slower. tests/codec/test_isa_objects.py checks they are there.
 [[gnu::always_inline]] inline void prefetch_index(const TableView& t, int64_t r) {
   __builtin_prefetch(t.row_units + r, 0, 3);
   __builtin_prefetch(t.block_base + r / kRowsPerBlock, 0, 3);
-  if (t.hot_dir != nullptr) __builtin_prefetch(t.hot_dir + 2 * (r >> 6), 0, 3);
-}
-
-// Row r's decoded copy in the table's hot-row overlay (format.h), or null when it has none.
-inline const uint8_t* hot_row(const TableView& t, int64_t r) {
-  if (t.hot_dir == nullptr) return nullptr;
-  const uint64_t* entry = t.hot_dir + 2 * (r >> 6);
-  const uint64_t bit = uint64_t{1} << (r & 63);
-  if ((entry[0] & bit) == 0) return nullptr;
-  const int64_t slot = static_cast<int64_t>(entry[1]) + popcount64(entry[0] & (bit - 1));
-  return t.hot_rows + slot * t.row_bytes;
+  if (t.tier_dir != nullptr) __builtin_prefetch(t.tier_dir + 2 * (r >> 6), 0, 3);
 }
 
 // NOTE(codec): slot lines are prefetched into L2, not L1 (prefetcht1): a round's lines are more
@@ -558,7 +549,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
     const int64_t r = ids[i];
     const int64_t round = i / S;
     LocatedRow& loc = ring[i % (2 * S)];
-    // Only compressed rows that are not hot take a slot, so a slot holding the row needs no
+    // Only compressed rows outside the tier take a slot, so a slot holding the row needs no
     // index lookup.
     const size_t index = repeats != nullptr ? repeats->slot(r) : 0;
     RepeatCache::Slot* const slot = repeats != nullptr ? &repeats->slots[index] : nullptr;
@@ -569,9 +560,9 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
       prefetch_lines(loc.src, t.row_bytes);
       return;
     }
-    if (const uint8_t* hot = hot_row(t, r); hot != nullptr) {  // read like a raw row
-      loc = LocatedRow{hot, t.row_bytes, false, false, nullptr};
-      prefetch_lines(hot, t.row_bytes);
+    if (const uint8_t* copy = tier_row(t, r); copy != nullptr) {  // read like a raw row
+      loc = LocatedRow{copy, t.row_bytes, false, false, nullptr};
+      prefetch_lines(copy, t.row_bytes);
       return;
     }
     const int64_t offset = row_offset(t, r);

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 //
 // CPU gather and pooled lookup: split across threads with at::parallel_for; pooled lookups sum
-// each row as decode_rows hands it over (fused, no decoded batch in memory). Inputs are validated
-// by the caller.
+// each row as decode_rows hands it over (fused, no decoded batch in memory). A table with a
+// decoded tier (format.h TableView::tier_rows) takes the lean path: a pre-pass resolves every id
+// to its tier row, tier rows are pooled straight from there, and only the misses go through
+// decode_rows. Inputs are validated by the caller.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -12,6 +14,7 @@
 #include "accumulate.h"
 #include "ibpembed/lookup.h"
 #include "ibpembed/numeric.h"
+#include "ibpembed/tier.h"
 
 namespace ibpembed {
 namespace {
@@ -77,8 +80,9 @@ uint8_t* thread_round_buffer(int64_t bytes) {
 }
 
 void pool_rows_portable(DType dtype, const uint8_t* const* rows, const float* weights,
-                        int64_t count, int64_t dim, float* acc) {
+                        int64_t count, int64_t dim, float* acc, const PrefetchAhead& ahead) {
   for (int64_t k = 0; k < count; ++k) {
+    prefetch_ahead(ahead, k);
     accumulate_row(dtype, rows[k], dim, weights != nullptr ? weights[k] : 1.0f, acc);
   }
 }
@@ -104,16 +108,105 @@ struct BagPooler {
       while (p.offsets[p.bag + 1] <= idx) ++p.bag;  // skips empty bags
       const int64_t run = std::min(count, p.offsets[p.bag + 1] - round_begin) - k;
       p.pool_rows(p.dtype, rows + k, p.weights != nullptr ? p.weights + idx : nullptr, run, p.dim,
-                  p.out + p.bag * p.dim);
+                  p.out + p.bag * p.dim, PrefetchAhead{});
       k += run;
     }
   }
 };
 
+// The lean path's prefetch distance in rows: fbgemm's CPU loop prefetches 16 ids ahead.
+constexpr int64_t kTierAhead = 16;
+
+// One thread's buffers for the lean path (row pointers per id, the misses), kept for its next
+// calls like the round buffer.
+struct TierBuffers {
+  std::vector<const uint8_t*> rows;
+  std::vector<int64_t> miss_ids;
+  std::vector<int64_t> miss_at;
+};
+
+TierBuffers& thread_tier_buffers(int64_t num_ids) {
+  thread_local TierBuffers buffers;
+  buffers.rows.resize(static_cast<size_t>(num_ids));
+  buffers.miss_ids.clear();
+  buffers.miss_at.clear();
+  return buffers;
+}
+
+// One thread's share of a pooled lookup on the lean path: rows[i] is id first + i's row, pooled
+// in index order, a bag run at a time, with the rows kTierAhead ids ahead prefetched meanwhile.
+// Misses reach rows[] a round at a time from decode_rows (consume), and every id up to a
+// round's last miss is pooled before the round's rows go stale.
+struct LeanPooler {
+  PoolRowsFn pool_rows;
+  DType dtype;
+  int64_t dim;
+  int64_t row_bytes;
+  const int64_t* offsets;
+  const float* weights;  // nullable; indexed like the ids
+  float* out;
+  const uint8_t** rows;  // [n]
+  const int64_t* miss_at;
+  int64_t first;  // index of the thread's first id
+  int64_t n;
+  int64_t bag;       // bag of the next id
+  int64_t next = 0;  // the next id to pool, from first
+
+  void pool_until(int64_t until) {
+    while (next < until) {
+      const int64_t idx = first + next;
+      while (offsets[bag + 1] <= idx) ++bag;  // skips empty bags
+      const int64_t run = std::min(until, offsets[bag + 1] - first) - next;
+      const int64_t ahead = std::max<int64_t>(0, std::min(run, n - next - kTierAhead));
+      pool_rows(dtype, rows + next, weights != nullptr ? weights + idx : nullptr, run, dim,
+                out + bag * dim, PrefetchAhead{rows + next + kTierAhead, ahead, row_bytes});
+      next += run;
+    }
+  }
+
+  static void consume(void* self, int64_t first, int64_t count, const uint8_t* const* rows) {
+    auto& p = *static_cast<LeanPooler*>(self);
+    for (int64_t k = 0; k < count; ++k) p.rows[p.miss_at[first + k]] = rows[k];
+    p.pool_until(p.miss_at[first + count - 1] + 1);
+  }
+};
+
+// Resolves ids[0, n) to tier rows: rows[i] for a hit, null and a miss entry otherwise. The
+// directory entries are prefetched kTierAhead ids ahead (16 bytes per 64 rows: a few MiB at
+// most, and Zipf keeps the hot ones cached).
+void resolve_tier(const TableView& t, const int64_t* ids, int64_t n, TierBuffers& b) {
+  if (t.tier_dir == nullptr) {
+    for (int64_t i = 0; i < n; ++i) b.rows[i] = t.tier_rows + ids[i] * t.tier_stride;
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kTierAhead < n) __builtin_prefetch(t.tier_dir + 2 * (ids[i + kTierAhead] >> 6), 0, 3);
+    const int64_t slot = tier_slot(t, ids[i]);
+    if (slot >= 0) {
+      b.rows[i] = t.tier_rows + slot * t.tier_stride;
+    } else {
+      b.rows[i] = nullptr;
+      b.miss_ids.push_back(ids[i]);
+      b.miss_at.push_back(i);
+    }
+  }
+}
+
+void scale_mean(const int64_t* offsets, int64_t bag_begin, int64_t bag_end, int64_t dim,
+                float* out) {
+  for (int64_t b = bag_begin; b < bag_end; ++b) {
+    const int64_t len = offsets[b + 1] - offsets[b];
+    if (len == 0) continue;
+    const float inv = 1.0f / static_cast<float>(len);
+    for (int64_t d = 0; d < dim; ++d) out[b * dim + d] *= inv;
+  }
+}
+
 }  // namespace
 
 PoolRowsFn select_pool_rows() {
 #if defined(__x86_64__)
+  if (cpu_has_avx512()) return &pool_rows_avx512;
   if (__builtin_cpu_supports("avx2")) return &pool_rows_avx2;
 #endif
   return &pool_rows_portable;
@@ -121,6 +214,15 @@ PoolRowsFn select_pool_rows() {
 
 void gather_rows_cpu(const RowKernels& k, const TableView& t, const int64_t* indices, int64_t n,
                      uint8_t* out) {
+  if (t.tier_rows != nullptr && t.tier_dir == nullptr) {  // every row in the tier: copies
+    at::parallel_for(0, n, kGatherGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        std::memcpy(out + i * t.row_bytes, t.tier_rows + indices[i] * t.tier_stride,
+                    static_cast<size_t>(t.row_bytes));
+      }
+    });
+    return;
+  }
   at::parallel_for(0, n, kGatherGrain, [&](int64_t begin, int64_t end) {
     k.decode_rows(t, indices + begin, end - begin, out + begin * t.row_bytes, nullptr);
   });
@@ -131,22 +233,35 @@ void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
                        const float* per_sample_weights, Pooling pooling, float* out) {
   static const PoolRowsFn pool_rows = select_pool_rows();
   const int64_t dim = pooled_dim(dtype, t.row_bytes);
+  // Misses are read through the index alone: the decoder never looks at the tier again.
+  TableView cold = t;
+  cold.tier_dir = nullptr;
+  cold.tier_rows = nullptr;
   at::parallel_for(0, num_bags, kBagGrain, [&](int64_t bag_begin, int64_t bag_end) {
     std::fill(out + bag_begin * dim, out + bag_end * dim, 0.0f);
     const int64_t first = offsets[bag_begin];
     const int64_t num_ids = offsets[bag_end] - first;
-    BagPooler pooler{pool_rows, dtype, dim, offsets, per_sample_weights, out, first, bag_begin};
-    const RowSink sink{&BagPooler::consume, &pooler, thread_repeat_cache(num_ids, t.row_bytes)};
-    uint8_t* round = thread_round_buffer(kDecodeStageRows * t.row_bytes);
-    k.decode_rows(t, indices + first, num_ids, round, &sink);
-    if (pooling == Pooling::kMean) {
-      for (int64_t b = bag_begin; b < bag_end; ++b) {
-        const int64_t len = offsets[b + 1] - offsets[b];
-        if (len == 0) continue;
-        const float inv = 1.0f / static_cast<float>(len);
-        for (int64_t d = 0; d < dim; ++d) out[b * dim + d] *= inv;
+    if (t.tier_rows == nullptr) {
+      BagPooler pooler{pool_rows, dtype, dim, offsets, per_sample_weights, out, first, bag_begin};
+      const RowSink sink{&BagPooler::consume, &pooler, thread_repeat_cache(num_ids, t.row_bytes)};
+      uint8_t* round = thread_round_buffer(kDecodeStageRows * t.row_bytes);
+      k.decode_rows(t, indices + first, num_ids, round, &sink);
+    } else {
+      TierBuffers& b = thread_tier_buffers(num_ids);
+      resolve_tier(t, indices + first, num_ids, b);
+      LeanPooler pooler{pool_rows,  dtype,      dim,        t.row_bytes,
+                        offsets,    per_sample_weights,     out,
+                        b.rows.data(), b.miss_at.data(), first, num_ids, bag_begin};
+      if (!b.miss_ids.empty()) {
+        const auto misses = static_cast<int64_t>(b.miss_ids.size());
+        const RowSink sink{&LeanPooler::consume, &pooler,
+                           thread_repeat_cache(misses, t.row_bytes)};
+        uint8_t* round = thread_round_buffer(kDecodeStageRows * t.row_bytes);
+        k.decode_rows(cold, b.miss_ids.data(), misses, round, &sink);
       }
+      pooler.pool_until(num_ids);
     }
+    if (pooling == Pooling::kMean) scale_mean(offsets, bag_begin, bag_end, dim, out);
   });
 }
 

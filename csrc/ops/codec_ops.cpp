@@ -4,7 +4,6 @@
 // ibp_compress (schemas in torch_bindings.cpp). Fitting and compression run on the CPU only.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstring>
@@ -26,16 +25,10 @@ void check_rows(const at::Tensor& rows) {
                     kMaxRowBytes, "] bytes, got ", rows.size(1));
 }
 
-// A zeroed payload buffer. NOTE(ops): lookups touch rows at random, so with 4 KiB pages almost
-// every row costs a TLB miss and a page walk; transparent huge pages (asked for before the first
-// touch) avoid most of them. Best effort: where THP is off the advice is ignored.
+// A zeroed payload buffer, on huge pages (advise_huge_pages, before the first touch).
 at::Tensor zeroed_payload(int64_t bytes) {
   at::Tensor payload = at::empty({bytes}, at::kByte);
-  constexpr uintptr_t kHugePage = uintptr_t{1} << 21;
-  const auto begin = reinterpret_cast<uintptr_t>(payload.data_ptr<uint8_t>());
-  const uintptr_t first = (begin + kHugePage - 1) & ~(kHugePage - 1);
-  const uintptr_t last = (begin + static_cast<uintptr_t>(bytes)) & ~(kHugePage - 1);
-  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+  advise_huge_pages(payload);
   std::memset(payload.data_ptr<uint8_t>(), 0, static_cast<size_t>(bytes));
   return payload;
 }

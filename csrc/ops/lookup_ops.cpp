@@ -50,23 +50,42 @@ TableView table_view(const at::Tensor& payload, const at::Tensor& block_base,
                    shape.code_bits};
 }
 
-// Attaches the optional hot-row overlay (format.h) to a table view: both tensors or neither.
-// Like the index, the directory is trusted past its shape (it is built from the table by
-// ibpembed.codec); the count of cached rows it implies must match hot_rows.
-void attach_hot_rows(TableView& t, const std::optional<at::Tensor>& hot_dir,
-                     const std::optional<at::Tensor>& hot_rows) {
-  check_hot_rows_shape(hot_dir, hot_rows, t.num_rows, t.row_bytes);
-  if (!hot_dir.has_value()) return;
-  check_cpu_contiguous(*hot_dir, "hot_dir", at::kLong);
-  check_cpu_contiguous(*hot_rows, "hot_rows", at::kByte);
+// Attaches the optional decoded tier (format.h) to a table view: both tensors or neither. Like
+// the index, the directory is trusted past its shape and its total here (checking every word
+// would cost a B = 1 lookup of a large table more than its rows); TableSet::add, which runs once
+// per table version, checks every word.
+void attach_tier(TableView& t, const std::optional<at::Tensor>& tier_dir,
+                 const std::optional<at::Tensor>& tier_rows) {
+  check_tier_shape(tier_dir, tier_rows, t.num_rows, t.row_bytes);
+  if (!tier_dir.has_value()) return;
+  check_cpu_contiguous(*tier_dir, "tier_dir", at::kLong);
+  check_cpu_contiguous(*tier_rows, "tier_rows", at::kByte);
+  t.tier_rows = tier_rows->data_ptr<uint8_t>();
+  t.tier_stride = tier_rows->size(1);
+  if (tier_dir->numel() == 0) return;
   const int64_t words = (t.num_rows + 63) / 64;
-  const auto* dir = reinterpret_cast<const uint64_t*>(hot_dir->data_ptr<int64_t>());
-  const int64_t cached =
-      words == 0 ? 0 : static_cast<int64_t>(dir[2 * words - 1]) + popcount64(dir[2 * words - 2]);
-  TORCH_CHECK_VALUE(cached == hot_rows->size(0), "hot_dir lists ", cached,
-                    " cached rows but hot_rows holds ", hot_rows->size(0));
-  t.hot_dir = dir;
-  t.hot_rows = hot_rows->data_ptr<uint8_t>();
+  const auto* dir = reinterpret_cast<const uint64_t*>(tier_dir->data_ptr<int64_t>());
+  const auto held = static_cast<int64_t>(dir[2 * words - 1]) + popcount64(dir[2 * words - 2]);
+  TORCH_CHECK_VALUE(held == tier_rows->size(0), "tier_dir lists ", held,
+                    " tier rows but tier_rows holds ", tier_rows->size(0));
+  t.tier_dir = dir;
+}
+
+// Every word of a tier directory: its count is the rows of the words before it, and no bit
+// lies past the table's last row.
+void check_tier_dir(const TableView& t) {
+  if (t.tier_dir == nullptr) return;
+  const int64_t words = (t.num_rows + 63) / 64;
+  uint64_t before = 0;
+  for (int64_t w = 0; w < words; ++w) {
+    TORCH_CHECK_VALUE(t.tier_dir[2 * w + 1] == before, "tier_dir[", 2 * w + 1, "] counts ",
+                      static_cast<int64_t>(t.tier_dir[2 * w + 1]), " rows before word ", w,
+                      ", the words before it hold ", before);
+    before += static_cast<uint64_t>(popcount64(t.tier_dir[2 * w]));
+  }
+  const int tail = static_cast<int>(t.num_rows - 64 * (words - 1));
+  TORCH_CHECK_VALUE(tail == 64 || (t.tier_dir[2 * words - 2] >> tail) == 0,
+                    "tier_dir marks rows past the table's ", t.num_rows);
 }
 
 // ids[begin, end) all in [0, num_rows); `call_table` >= 0 names, in the error, the row of
@@ -139,13 +158,16 @@ at::Tensor ibp_gather_cpu(const at::Tensor& payload, const at::Tensor& block_bas
                           const at::Tensor& row_units, const at::Tensor& bitmask,
                           const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
                           int64_t row_bytes, int64_t unit_bytes, int64_t num_rows,
-                          const at::Tensor& indices, const std::optional<at::Tensor>& hot_dir,
-                          const std::optional<at::Tensor>& hot_rows) {
+                          const at::Tensor& indices,
+                          const std::optional<at::Tensor>& tier_dir,
+                          const std::optional<at::Tensor>& tier_rows) {
   TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
                            row_bytes, unit_bytes, num_rows);
-  attach_hot_rows(t, hot_dir, hot_rows);
+  attach_tier(t, tier_dir, tier_rows);
   check_indices(indices, num_rows);
+  // On huge pages: the rows may become a decoded tier, read at random (codec.with_hot_rows).
   at::Tensor out = at::empty({indices.numel(), row_bytes}, at::kByte);
+  advise_huge_pages(out);
   read_rows([&] {
     gather_rows_cpu(active_kernels(), t, indices.data_ptr<int64_t>(), indices.numel(),
                     out.data_ptr<uint8_t>());
@@ -171,11 +193,11 @@ at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& blo
                                 const at::Tensor& offsets,
                                 const std::optional<at::Tensor>& per_sample_weights,
                                 int64_t dtype, int64_t pooling,
-                                const std::optional<at::Tensor>& hot_dir,
-                                const std::optional<at::Tensor>& hot_rows) {
+                                const std::optional<at::Tensor>& tier_dir,
+                                const std::optional<at::Tensor>& tier_rows) {
   TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
                            row_bytes, unit_bytes, num_rows);
-  attach_hot_rows(t, hot_dir, hot_rows);
+  attach_tier(t, tier_dir, tier_rows);
   const int64_t dim = check_pooling_args(dtype, pooling, row_bytes);
   const auto dt = static_cast<DType>(dtype);
   check_indices(indices, num_rows);
@@ -253,8 +275,8 @@ int64_t TableSet::add(const at::Tensor& payload, const at::Tensor& block_base,
                       const at::Tensor& row_units, const at::Tensor& bitmask,
                       const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
                       int64_t row_bytes, int64_t unit_bytes, int64_t num_rows, int64_t dtype,
-                      const std::optional<at::Tensor>& hot_dir,
-                      const std::optional<at::Tensor>& hot_rows) {
+                      const std::optional<at::Tensor>& tier_dir,
+                      const std::optional<at::Tensor>& tier_rows) {
   const c10::Device device = block_base.device();
   TORCH_CHECK_VALUE(entries_.empty() || device == device_, "a TableSet holds tables of one "
                     "device: this one's are on ", device_, ", the new table's on ", device);
@@ -262,7 +284,7 @@ int64_t TableSet::add(const at::Tensor& payload, const at::Tensor& block_base,
 #ifdef IBPEMBED_WITH_CUDA
     entries_.push_back(gpu::table_set_entry(payload, block_base, row_units, bitmask, mask, bitval,
                                             chunk_bits, row_bytes, unit_bytes, num_rows, dtype,
-                                            hot_dir, hot_rows));
+                                            tier_dir, tier_rows));
     device_ = device;
     device_entries_ = gpu::upload_entries(entries_, device);
     return static_cast<int64_t>(entries_.size()) - 1;
@@ -272,12 +294,13 @@ int64_t TableSet::add(const at::Tensor& payload, const at::Tensor& block_base,
   }
   TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
                            row_bytes, unit_bytes, num_rows);
-  attach_hot_rows(t, hot_dir, hot_rows);
+  attach_tier(t, tier_dir, tier_rows);
+  check_tier_dir(t);
   const int64_t dim = check_pooling_args(dtype, 0, row_bytes);
   std::vector<at::Tensor> owned{payload, block_base, row_units, bitmask, mask, bitval};
-  if (hot_dir.has_value()) {
-    owned.push_back(*hot_dir);
-    owned.push_back(*hot_rows);
+  if (tier_dir.has_value()) {
+    owned.push_back(*tier_dir);
+    owned.push_back(*tier_rows);
   }
   entries_.push_back(Entry{t, payload.numel(), static_cast<DType>(dtype), dim, std::move(owned)});
   return static_cast<int64_t>(entries_.size()) - 1;

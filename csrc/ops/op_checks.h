@@ -84,20 +84,27 @@ inline void check_weights_shape(const at::Tensor& weights, int64_t nnz) {
                     "), got shape ", weights.sizes());
 }
 
-// The hot-row overlay's pairing and shapes (format.h). The CPU impl also checks the directory's
-// count against hot_rows; the CUDA impl reads no overlay, but rejects what the CPU rejects.
-inline void check_hot_rows_shape(const std::optional<at::Tensor>& hot_dir,
-                                 const std::optional<at::Tensor>& hot_rows, int64_t num_rows,
-                                 int64_t row_bytes) {
-  TORCH_CHECK_VALUE(hot_dir.has_value() == hot_rows.has_value(),
-                    "hot_dir and hot_rows go together: pass both or neither");
-  if (!hot_dir.has_value()) return;
+// The decoded tier's pairing and shapes (format.h TableView::tier_dir): tier_dir int64
+// [ceil(N / 64) * 2] (per 64 rows a bit word, then the tier rows before it) or empty (every row,
+// row r at tier row r: then tier_rows has N rows), tier_rows uint8 [tier rows, stride >=
+// row_bytes]. The CUDA impl reads no tier, but rejects what the CPU rejects.
+inline void check_tier_shape(const std::optional<at::Tensor>& tier_dir,
+                             const std::optional<at::Tensor>& tier_rows, int64_t num_rows,
+                             int64_t row_bytes) {
+  TORCH_CHECK_VALUE(tier_dir.has_value() == tier_rows.has_value(),
+                    "tier_dir and tier_rows go together: pass both or neither");
+  if (!tier_dir.has_value()) return;
   const int64_t words = (num_rows + 63) / 64;
-  TORCH_CHECK_VALUE(hot_dir->dim() == 1 && hot_dir->numel() == 2 * words, "hot_dir must have ",
-                    2 * words, " entries (two per 64 rows), got shape ", hot_dir->sizes());
-  TORCH_CHECK_VALUE(hot_rows->dim() == 2 && hot_rows->size(1) == row_bytes,
-                    "hot_rows must be [cached rows, ", row_bytes, "], got shape ",
-                    hot_rows->sizes());
+  TORCH_CHECK_VALUE(tier_dir->dim() == 1 &&
+                        (tier_dir->numel() == 2 * words || tier_dir->numel() == 0),
+                    "tier_dir must have ", 2 * words, " entries (two per 64 rows) or none, got "
+                    "shape ", tier_dir->sizes());
+  TORCH_CHECK_VALUE(tier_rows->dim() == 2 && tier_rows->size(1) >= row_bytes,
+                    "tier_rows must be [tier rows, >= ", row_bytes, "], got shape ",
+                    tier_rows->sizes());
+  TORCH_CHECK_VALUE(tier_dir->numel() != 0 || tier_rows->size(0) == num_rows,
+                    "without tier_dir the tier holds every row: tier_rows must have ", num_rows,
+                    " rows, got ", tier_rows->size(0));
 }
 
 }  // namespace ibpembed

@@ -8,8 +8,10 @@
 //   bitmask int32 [ceil(N / 32)], mask int64 [V], bitval int64 [V * K] (uint64 bit patterns;
 //   the codebooks of format.h, K = 2^C - 1, so the code width C follows from the length),
 //   chunk_bits, row_bytes, unit_bytes, num_rows.
-// Gathers and pooled lookups also take an optional hot-row overlay (format.h) as two trailing
-// tensors: hot_dir int64 [ceil(N / 64) * 2] and hot_rows uint8 [cached rows, row_bytes].
+// Gathers and pooled lookups also take an optional decoded tier (format.h TableView::tier_dir)
+// as two trailing tensors: tier_dir int64 [ceil(N / 64) * 2] (per 64 rows a bit word and the
+// tier rows before it; empty: every row) and tier_rows uint8 [tier rows, stride >= row_bytes]
+// (op_checks.h check_tier_shape).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -41,8 +43,8 @@ at::Tensor ibp_gather_cpu(const at::Tensor& payload, const at::Tensor& block_bas
                           const at::Tensor& row_units, const at::Tensor& bitmask,
                           const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
                           int64_t row_bytes, int64_t unit_bytes, int64_t num_rows,
-                          const at::Tensor& indices, const std::optional<at::Tensor>& hot_dir,
-                          const std::optional<at::Tensor>& hot_rows);
+                          const at::Tensor& indices, const std::optional<at::Tensor>& tier_dir,
+                          const std::optional<at::Tensor>& tier_rows);
 at::Tensor ibp_decompress_cpu(const at::Tensor& payload, const at::Tensor& block_base,
                               const at::Tensor& row_units, const at::Tensor& bitmask,
                               const at::Tensor& mask, const at::Tensor& bitval,
@@ -56,8 +58,8 @@ at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& blo
                                 const at::Tensor& offsets,
                                 const std::optional<at::Tensor>& per_sample_weights,
                                 int64_t dtype, int64_t pooling,
-                                const std::optional<at::Tensor>& hot_dir,
-                                const std::optional<at::Tensor>& hot_rows);
+                                const std::optional<at::Tensor>& tier_dir,
+                                const std::optional<at::Tensor>& tier_rows);
 
 // Tables registered once for lookup_pooled_tables, validated as they are added.
 //
@@ -80,13 +82,13 @@ class TableSet : public torch::CustomClassHolder {
   };
 
   // Adds a table (the six tensors and four ints of lookup_pooled, its dtype code and the
-  // optional hot-row overlay); returns its position in the set.
+  // optional decoded tier, whose directory is checked here in full); returns its position.
   int64_t add(const at::Tensor& payload, const at::Tensor& block_base,
               const at::Tensor& row_units, const at::Tensor& bitmask, const at::Tensor& mask,
               const at::Tensor& bitval, int64_t chunk_bits, int64_t row_bytes,
               int64_t unit_bytes, int64_t num_rows, int64_t dtype,
-              const std::optional<at::Tensor>& hot_dir,
-              const std::optional<at::Tensor>& hot_rows);
+              const std::optional<at::Tensor>& tier_dir,
+              const std::optional<at::Tensor>& tier_rows);
 
   int64_t size() const { return static_cast<int64_t>(entries_.size()); }
 

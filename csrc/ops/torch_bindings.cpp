@@ -37,12 +37,12 @@ TORCH_LIBRARY(ibpembed, m) {
   m.def(
       "ibp_gather(Tensor payload, Tensor block_base, Tensor row_units, Tensor bitmask, "
       "Tensor mask, Tensor bitval, int chunk_bits, int row_bytes, int unit_bytes, int num_rows, "
-      "Tensor indices, Tensor? hot_dir=None, Tensor? hot_rows=None) -> Tensor");
+      "Tensor indices, Tensor? tier_dir=None, Tensor? tier_rows=None) -> Tensor");
   m.def(
       "lookup_pooled(Tensor payload, Tensor block_base, Tensor row_units, Tensor bitmask, "
       "Tensor mask, Tensor bitval, int chunk_bits, int row_bytes, int unit_bytes, int num_rows, "
       "Tensor indices, Tensor offsets, Tensor? per_sample_weights, int dtype, int pooling, "
-      "Tensor? hot_dir=None, Tensor? hot_rows=None) -> Tensor");
+      "Tensor? tier_dir=None, Tensor? tier_rows=None) -> Tensor");
   m.class_<TableSet>("TableSet").def(torch::init<>()).def("add", &TableSet::add);
   m.def(
       "lookup_pooled_tables(__torch__.torch.classes.ibpembed.TableSet tables, Tensor indices, "

@@ -111,8 +111,8 @@ def _gather_fake(
     unit_bytes,
     num_rows,
     indices,
-    hot_dir=None,
-    hot_rows=None,
+    tier_dir=None,
+    tier_rows=None,
 ) -> torch.Tensor:
     return block_base.new_empty((indices.shape[0], row_bytes), dtype=torch.uint8)
 
@@ -134,8 +134,8 @@ def _lookup_pooled_fake(
     per_sample_weights,
     dtype,
     pooling,
-    hot_dir=None,
-    hot_rows=None,
+    tier_dir=None,
+    tier_rows=None,
 ) -> torch.Tensor:
     return block_base.new_empty(
         (offsets.shape[0] - 1, pooled_dim(dtype, row_bytes)), dtype=torch.float32

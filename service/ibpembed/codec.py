@@ -12,6 +12,7 @@ The layout is documented in csrc/include/ibpembed/format.h.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -95,16 +96,21 @@ def slot_unit_bytes(row_bytes: int, align: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class HotRows:
-    """Decoded copies of some compressed rows of a table, read by CPU lookups in place of
-    decoding them (the hot-row overlay of format.h; build it with
-    ``CompressedTable.with_hot_rows``).
+    """A table's decoded tier: some of its rows held decoded at a fixed stride, which CPU lookups
+    read in place of the payload, found without the compact index (format.h
+    ``TableView::tier_slot``; build it with ``CompressedTable.with_hot_rows``).
 
     A cache in all but name: it holds nothing the payload does not, costs ``bytes`` of host
-    memory, and pays off on skewed traffic, where a small set of rows serves most lookups.
+    memory, and pays off on skewed traffic, where a small set of rows serves most lookups. Pooled
+    lookups resolve a batch's ids to tier rows first, pool those in a lean loop and decode only
+    the misses; a tier of every row (``directory`` empty) never reads the payload at all.
     """
 
-    ids: torch.Tensor  # int64 [K], sorted, distinct: the cached rows
-    directory: torch.Tensor  # int64 [ceil(N / 64) * 2]: per 64 rows a bit word, rows before it
+    ids: torch.Tensor  # int64 [K], sorted, distinct: the rows in the tier
+    # int64 [ceil(N / 64) * 2], a rank directory: per 64 rows a bit word (set = in the tier),
+    # then the tier rows before it, so row r sits at rows[count + popcount(lower bits)]; empty
+    # [0] when the tier holds every row (row r at rows[r]).
+    directory: torch.Tensor
     rows: torch.Tensor  # uint8 [K, row_bytes], row ids[k] at k
     # Share of the traffic sample that chose these rows which they served; 0 when unknown.
     # Lookup planning reads it (LookupEngine), decoding never does.
@@ -116,8 +122,26 @@ class HotRows:
 
     @property
     def bytes(self) -> int:
-        """Host memory of the overlay: the decoded rows, their ids and the directory."""
+        """Host memory of the tier: the decoded rows, their ids and the directory."""
         return self.rows.numel() + 8 * (self.ids.numel() + self.directory.numel())
+
+
+def tier_directory_bytes(num_rows: int) -> int:
+    """Bytes of a tier's rank directory: two 8-byte words per 64 table rows."""
+    return 16 * -(-num_rows // 64)
+
+
+def tier_bytes_for(num_rows: int, row_bytes: int, count: int) -> int:
+    """Host bytes of a decoded tier of ``count`` rows of a table of ``num_rows`` rows (what
+    ``HotRows.bytes`` will be): the rows and their ids, plus the directory
+    (``tier_directory_bytes``) unless the tier holds every row (``count == num_rows``).
+    Prices any count >= 0, so that a caller may difference it."""
+    if count < 0:
+        raise ValueError(f"a tier holds at least 0 rows, got {count}")
+    if count == 0:
+        return 0
+    directory = 0 if count == num_rows else tier_directory_bytes(num_rows)
+    return count * (row_bytes + 8) + directory
 
 
 @dataclass(frozen=True, eq=False)
@@ -141,7 +165,7 @@ class CompressedTable:
     dtype: torch.dtype
     unit_bytes: int
     quant: str | None = None
-    # Decoded copies of hot rows for CPU lookups (None: every row is decoded from the payload).
+    # The decoded tier read by CPU lookups (None: every row is read from the payload).
     hot: HotRows | None = None
 
     # -- sizes ---------------------------------------------------------------------------------
@@ -180,8 +204,36 @@ class CompressedTable:
 
     @property
     def hot_bytes(self) -> int:
-        """Host memory of the hot-row overlay (0 without one); not part of ``stored_bytes``."""
+        """Host memory of the decoded tier (0 without one); not part of ``stored_bytes``."""
         return self.hot.bytes if self.hot is not None else 0
+
+    @property
+    def tier_bytes(self) -> int:
+        """Host memory of the decoded tier (``hot_bytes``): the table then takes
+        ``stored_bytes + tier_bytes`` of host memory."""
+        return self.hot_bytes
+
+    @property
+    def tier_rows(self) -> int:
+        """Rows in the decoded tier (0 without one)."""
+        return self.hot.count if self.hot is not None else 0
+
+    def tier_capacity_rows(self, budget_bytes: int) -> int:
+        """The most rows a decoded tier of at most ``budget_bytes`` holds (see
+        ``tier_bytes_for``): 0 for a budget below one row plus the directory, ``num_rows`` for
+        one that covers every row (which needs no directory, so it can cost less than every row
+        but one with it). A budget past the whole table is
+        clamped to it; a negative or non-integer budget is a ValueError / TypeError.
+        """
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
+            raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        per_row = self.row_bytes + 8
+        if budget_bytes >= self.num_rows * per_row:
+            return self.num_rows
+        room = budget_bytes - tier_directory_bytes(self.num_rows)
+        return max(0, min(self.num_rows - 1, room // per_row))
 
     @property
     def poolable(self) -> bool:
@@ -216,7 +268,30 @@ class CompressedTable:
         )
 
     def _hot_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return (None, None) if self.hot is None else (self.hot.directory, self.hot.rows)
+        """The op's tier arguments (tier_slots, tier_rows): the decoded tier, or for a table
+        whose every row is stored raw at one stride its own payload, read as a tier of every
+        row (the lean path of raw rows), or none."""
+        if self.hot is not None:
+            return self.hot.directory, self.hot.rows
+        return self._raw_rows_as_tier
+
+    @functools.cached_property
+    def _raw_rows_as_tier(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        # Once per table object (a table never changes): O(N) checks of the index.
+        slot = self.unit_bytes * -(-self.row_bytes // self.unit_bytes)
+        n = self.num_rows
+        bases = torch.arange(self.block_base.numel() - 1, dtype=torch.int64) * (
+            ROWS_PER_BLOCK * slot
+        )
+        dense = (
+            self.payload.numel() >= n * slot
+            and bool(self.row_units[:n].eq(slot // self.unit_bytes).all())
+            and bool(self.block_base[:-1].eq(bases).all())
+        )
+        if not dense:
+            return None, None
+        rows = self.payload[: n * slot].view(n, slot)
+        return torch.empty(0, dtype=torch.int64), rows
 
     def _as_rows(self, raw: torch.Tensor) -> torch.Tensor:
         return raw.view(self.dtype).view(raw.shape[0], self.dim)
@@ -272,21 +347,30 @@ class CompressedTable:
             *self._hot_args(),
         )
 
-    # -- hot rows ------------------------------------------------------------------------------
+    # -- decoded tier ----------------------------------------------------------------------------
     def with_hot_rows(self, ids: torch.Tensor, *, coverage: float = 0.0) -> CompressedTable:
-        """This table with decoded copies of rows ``ids`` kept for CPU lookups (replacing any
-        earlier ones): those rows are then read like raw rows instead of being decoded. Ids of
-        rows stored raw are skipped (they need no decoding); an empty selection gives a table
-        without an overlay. The payload and index are shared, not copied. ``coverage``: see
-        ``HotRows``.
+        """This table with a decoded tier of rows ``ids`` for CPU lookups (replacing any earlier
+        one): those rows are then read decoded, found without the index, in a lean loop. Rows
+        stored raw are taken too (the tier spares them the index); ids covering every row give a
+        tier without a directory. An empty selection, or a table whose rows are all stored raw
+        at one stride (its payload already serves as such a tier), gives a table without one.
+        The payload and index are shared, not copied: the result is a new table object, so a
+        lookup holding the old one keeps reading the old tier (build aside, publish by swapping).
+        ``coverage``: see ``HotRows``. Its host memory: ``tier_bytes_for``.
         """
         ids = _as_indices(ids, "ids")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
             raise IndexError(f"hot row ids must lie in [0, {self.num_rows})")
-        ids = torch.unique(ids)  # sorted: the overlay keeps rows in row order
-        ids = ids[self.is_compressed(ids)]
-        if ids.numel() == 0:
-            return self.without_hot_rows()
+        ids = torch.unique(ids)  # sorted: the tier keeps rows in row order
+        base = self.without_hot_rows()
+        if ids.numel() == 0 or base._raw_rows_as_tier[1] is not None:
+            return base
+        directory = ids.new_empty(0) if ids.numel() == self.num_rows else self._rank_directory(ids)
+        rows = ops.ibp_gather(*self._args(), ids, None, None)
+        return dataclasses.replace(self, hot=HotRows(ids, directory, rows, coverage))
+
+    def _rank_directory(self, ids: torch.Tensor) -> torch.Tensor:
+        """HotRows.directory of sorted distinct ``ids``."""
         words = -(-self.num_rows // 64)
         word = torch.div(ids, 64, rounding_mode="floor")
         # Distinct bits of a word never carry, so their sum is their OR (bit 63 wraps to the
@@ -296,12 +380,10 @@ class CompressedTable:
         )
         per_word = torch.bincount(word, minlength=words)
         before = torch.cumsum(per_word, 0) - per_word
-        directory = torch.stack([bits, before], dim=1).flatten().contiguous()
-        rows = ops.ibp_gather(*self._args(), ids, None, None)
-        return dataclasses.replace(self, hot=HotRows(ids, directory, rows, coverage))
+        return torch.stack([bits, before], dim=1).flatten().contiguous()
 
     def without_hot_rows(self) -> CompressedTable:
-        """This table without a hot-row overlay (itself when it has none)."""
+        """This table without a decoded tier (itself when it has none)."""
         return self if self.hot is None else dataclasses.replace(self, hot=None)
 
     def is_compressed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -333,7 +415,7 @@ class CompressedTableSet:
     Parameters
     ----------
     tables : poolable tables of one device (float rows, or ``quant="int8_rowwise"``), with their
-        hot-row overlays (read on the CPU only); table ``k`` of a call is
+        decoded tiers (read on the CPU only); table ``k`` of a call is
         ``tables[table_bags[k, 0]]``.
     """
 

@@ -68,7 +68,8 @@ def _path_in_subprocess(
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "IBPEMBED_CPU_PATH": value}
     return subprocess.run(
-        [sys.executable, "-c", f"import ibpembed; {code}"],
+        # The package loads the codec (and the extension) on first use: import it by name.
+        [sys.executable, "-c", f"import ibpembed, ibpembed.codec; {code}"],
         env=env,
         capture_output=True,
         text=True,

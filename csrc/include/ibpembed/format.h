@@ -172,12 +172,15 @@ struct TableView {
   int chunk_bits;
   int num_chunks;
   int code_bits;  // C
-  // Optional hot-row overlay (CPU lookups only; null when the table has none): decoded copies of
-  // frequently read compressed rows, which lookups read in place of decoding them. Per 64 rows
-  // hot_dir holds two words: bit r % 64 set = row r is cached, then the number of cached rows
-  // before the word, so row r sits at hot_rows + (count + popcount(lower bits)) * row_bytes.
-  const uint64_t* hot_dir = nullptr;  // [ceil(N / 64) * 2]
-  const uint8_t* hot_rows = nullptr;  // [cached rows, row_bytes], in row order
+  // Optional decoded tier (CPU lookups only; null when the table has none): rows held decoded at
+  // a fixed stride, in row order, which lookups read in place of the payload, found without the
+  // index. tier_dir is a rank directory of two words per 64 rows: a bit per row (set = in the
+  // tier), then the number of tier rows before the word, so row r sits at tier row
+  // count + popcount(lower bits). A null tier_dir with tier_rows set means every row, row r at
+  // tier row r (a tier of all rows, or an all-raw table's own payload).
+  const uint64_t* tier_dir = nullptr;  // [ceil(N / 64) * 2] or null
+  const uint8_t* tier_rows = nullptr;  // [tier rows, tier_stride]
+  int64_t tier_stride = 0;             // >= row_bytes
 };
 
 // K, the patterns per position of a C-bit code (code 0 is the escape).

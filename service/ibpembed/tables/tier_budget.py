@@ -159,12 +159,7 @@ def tier_cost(num_rows: int, row_bytes: int, rows: int) -> int:
     """Host bytes of a tier of ``rows`` rows (0 for none) of a table of ``num_rows``."""
     if rows <= 0:
         return 0
-    # The decoded tier's codec prices its own directory (tier_bytes_for); a codec without it
-    # builds the hot-row overlay: each row's copy and id, and two words per 64 rows.
-    native = getattr(codec, "tier_bytes_for", None)
-    if native is not None:
-        return int(native(num_rows, row_bytes, rows))
-    return rows * (row_bytes + 8) + 16 * -(-num_rows // 64)
+    return codec.tier_bytes_for(num_rows, row_bytes, rows)
 
 
 def capacity_rows(num_rows: int, row_bytes: int, budget_bytes: int) -> int:

@@ -423,7 +423,7 @@ def _pooled_collection(
     for k, t in zip(output_key, output_table, strict=True):
         start, end = offsets[k], offsets[k + 1]
         bag_weights = None if weights is None else weights[start:end]
-        hot = hot_dir[t].numel() > 0
+        hot = hot_rows[t].numel() > 0  # a tier of every row has an empty directory
         pooled.append(
             ops.lookup_pooled(
                 payload[t],
