@@ -129,6 +129,6 @@ def _extension() -> cpp_extension.CppExtension:
 
 
 # setuptools runs this file as __main__; tools that need the flags above read them with
-# runpy.run_path (tests/codec/test_isa_objects.py, benchmarks/gpu_check.py, the aarch64 check).
+# runpy.run_path (tests/codec/test_isa_objects.py, benchmarks/gpu_check, the aarch64 check).
 if __name__ == "__main__":
     setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension})

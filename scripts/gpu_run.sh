@@ -7,7 +7,7 @@
 # folder (the first argument, else $OUT, else benchmarks/.cache/gpu_run):
 #
 #   gpu_check.json            the merged report: `python -m benchmarks` renders it into
-#                             BENCHMARKS.md's GPU section (copy it to benchmarks/.cache/results/)
+#                             BENCHMARKS.md's GPU section (copy it to benchmarks/results/)
 #   gpu_check_phases.tar.gz   every phase's own JSON
 #   gpu_check.log             everything printed, the build's errors and the sanitizer's included
 #   BENCHMARKS_gpu.md         BENCHMARKS.md rendered from this run alone (its GPU section filled)

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //
-// Baseline for benchmarks/gpu_check.py: the plain UVA gather the compressed kernels are measured
+// Baseline for benchmarks/gpu_check: the plain UVA gather the compressed kernels are measured
 // against. out[i] = table[ids[i]] read straight from pinned host memory through its device alias,
 // one warp per row, 16-byte loads, ids in request order, no staging, no decode. Benchmark-only
 // (rows must be a multiple of 16 bytes; ids are trusted), never part of ibpembed._C.

@@ -2,7 +2,7 @@
 //
 // torch.ops.ibpembed_bench.uva_gather(table, ids): registers the baseline of uva_gather.cu.
 // table is a pinned CPU uint8 [N, row_bytes] tensor (row_bytes a multiple of 16), ids a CUDA int64
-// tensor; the result is a CUDA uint8 [len(ids), row_bytes] tensor. Built by gpu_check.py with
+// tensor; the result is a CUDA uint8 [len(ids), row_bytes] tensor. Built by benchmarks/gpu_check with
 // torch.utils.cpp_extension.load on the GPU machine only.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

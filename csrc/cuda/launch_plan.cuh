@@ -23,7 +23,7 @@
 namespace ibpembed::gpu {
 
 // IBPEMBED_CUDA_STAGING=sync swaps cp.async for plain 16-byte loads and stores (the warp then
-// waits for each row before decoding the previous one): the A/B switch gpu_check.py uses to see
+// waits for each row before decoding the previous one): the A/B switch gpu_check uses to see
 // whether asynchronous staging pays, and a fallback for a platform whose cp.async cannot read
 // mapped host memory. Read at every launch, so a process can switch.
 inline Staging staging_with(int64_t buffer_bytes) {

@@ -150,7 +150,7 @@ DeviceTable device_table(const at::Tensor& payload, const at::Tensor& block_base
 // NOTE(cuda): a sort buys row locality only when ids are dense in the table and duplicates
 // decoded once; uniform ids over a large table share no lines when sorted, and the server
 // already sends distinct ids, so below a few thousand ids the sort (tens of microseconds of
-// fixed cost) is overhead. gpu_check.py times ibp_none both ways (ibp_none_nosort,
+// fixed cost) is overhead. gpu_check times ibp_none both ways (ibp_none_nosort,
 // ibp_none_sorted) at every batch size: that measurement, not this default, decides the rule.
 int64_t sort_min_ids() {
   const char* value = std::getenv("IBPEMBED_CUDA_SORT_MIN_IDS");
