@@ -43,9 +43,9 @@ class AdmissionSlot:
     """One admitted request's share of the engine's capacity (``max_inflight``).
 
     Held by every party that still has the request's memory: the worker running its kernels,
-    and a LookupStream until the response is written (HTTP/2 flow control can keep a computed
-    response waiting for as long as its client does not read). The capacity comes back when
-    the last holder lets go.
+    and a caller that took it with :meth:`LookupEngine.admit` to keep the result past the
+    return. The capacity comes back when the last holder lets go. (The server's streams do not
+    hold one while a response waits to be written: ``server/backlog.py`` bounds those.)
     """
 
     __slots__ = ("_engine", "_holders")
@@ -185,8 +185,8 @@ class LookupEngine:
     # -- admission -------------------------------------------------------------------------
     @property
     def inflight(self) -> int:
-        """Requests admitted and not yet finished: kernels still running, or a stream's
-        response not yet written, count."""
+        """Requests admitted and not yet finished: kernels still running, or a slot its caller
+        still holds, count."""
         return self._inflight
 
     def admit(self) -> AdmissionSlot:

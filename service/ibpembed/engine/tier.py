@@ -196,7 +196,9 @@ class _TableTier:
             self.coverage = float(_member(ids, chosen).mean())
 
     def _rank(self, ids: np.ndarray, capacity: int) -> np.ndarray:
-        if self.sketch is None or self.sketch.width < min(capacity, MAX_WIDTH):  # budget x4
+        # The sketch grows with the tier (SKETCH_WIDTH_PER_ROW counters a tier row): a budget
+        # raised at run time must not rank its new rows with a sketch sized for the old one.
+        if self.sketch is None or self.sketch.width < min(capacity, MAX_WIDTH):
             self.sketch = FrequencySketch(
                 SKETCH_WIDTH_PER_ROW * capacity, SKETCH_SAMPLE_PER_ROW * capacity
             )
