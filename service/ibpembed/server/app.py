@@ -283,7 +283,7 @@ class LookupServer:
             self.reloader = TableSetReloader(
                 store,
                 poll_s=cfg.reload_poll_s,
-                hot_rows=self.engine.tier,
+                tier=self.engine.tier,
                 observer=self.observer,
             )
         self.state.accepting, self.state.reason = True, "serving"

@@ -87,7 +87,7 @@ def in_daemon_thread(fn: Callable[[], T], name: str = "ibpembed-reload") -> asyn
     return future
 
 
-class HotRowRefresher(Protocol):
+class TierRefresher(Protocol):
     def refresh(self, tables: Collection[str] | None = None) -> dict[str, int]: ...
 
 
@@ -108,8 +108,8 @@ class TableSetReloader:
     ----------
     store : a store loaded from a table-set directory (``store.directory`` set).
     poll_s : seconds between manifest checks; 0 = reload on request (SIGHUP) only.
-    hot_rows : the engine's hot-row tracker; tables a reload replaced get fresh copies at once
-        rather than at its next refresh.
+    tier : the engine's hot tier (``engine.tier.HotTier``); tables a reload replaced get their
+        tier back at once rather than at its next refresh.
     observer : optional metrics hook.
     """
 
@@ -118,7 +118,7 @@ class TableSetReloader:
         store: TableStore,
         *,
         poll_s: float,
-        hot_rows: HotRowRefresher | None = None,
+        tier: TierRefresher | None = None,
         observer: ReloadObserver | None = None,
     ) -> None:
         if store.directory is None:
@@ -127,7 +127,7 @@ class TableSetReloader:
             raise ValueError(f"poll_s must be >= 0, got {poll_s}")
         self.store = store
         self.poll_s = poll_s
-        self.hot_rows = hot_rows
+        self.tier = tier
         self.observer = observer
         self._lock = asyncio.Lock()  # one reload at a time; SIGHUPs during one wait for it
         self._tried: _Stamp | Literal["never"] = "never"  # manifest the watcher last loaded
@@ -182,7 +182,7 @@ class TableSetReloader:
         return outcome
 
     def _reload_blocking(self) -> ReloadOutcome:
-        # A table's index tensor names its rows: a hot-row refresh republishes the same one.
+        # A table's index tensor names its rows: a tier refresh republishes the same one.
         with self.store.acquire() as before:
             old = {name: table.block_base for name, table in before.tables.items()}
         try:
@@ -203,12 +203,12 @@ class TableSetReloader:
             version = after.version
             new = {name: table.block_base for name, table in after.tables.items()}
         changed = tuple(sorted(n for n in old.keys() | new.keys() if old.get(n) is not new.get(n)))
-        # A stopping server (this reload may be abandoned) serves no hot rows any more.
-        if self.hot_rows is not None and changed and not self._stopped:
+        # A stopping server (this reload may be abandoned) serves no tier any more.
+        if self.tier is not None and changed and not self._stopped:
             try:
-                self.hot_rows.refresh([n for n in changed if n in new])
-            except Exception:  # the copies come back at the next periodic refresh
-                log.exception("hot-row refresh after the reload failed")
+                self.tier.refresh([n for n in changed if n in new])
+            except Exception:  # the tier comes back at its next periodic refresh
+                log.exception("hot tier refresh after the reload failed")
         return ReloadOutcome("ok", version, changed)
 
     # -- the manifest watcher --------------------------------------------------------------------
