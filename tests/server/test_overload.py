@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
+from ibpembed.server.servicer import EmbeddingLookupServicer
 from ibpembed_client import LookupClient, RetryPolicy, build_request
 from ibpembed_client.v1 import lookup_pb2 as pb
 from tools.serve_process import ServerProcess
@@ -73,6 +74,30 @@ def test_a_fresh_client_is_served_while_eight_stalled_streams_stay_open():
             # Nobody takes the stalled responses: the write timeout ends those streams and
             # frees their places.
             assert _wait_for(lambda: backlog.held == 0 and running.server.state.active == 0)
+        finally:
+            for call in stalled:
+                call.cancel()
+            channel.close()
+
+
+def test_a_timed_out_stream_frees_its_places_before_its_handler_is_collected(monkeypatch):
+    """The write timeout gives back a stream's backlog places as the RPC ends, not when
+    garbage collection finalizes its handler: here every handler is kept alive."""
+    handlers = []  # the LookupStream generators, referenced until the test ends
+    lookup_stream = EmbeddingLookupServicer.LookupStream
+
+    def kept(self, request_iterator, context):
+        handlers.append(lookup_stream(self, request_iterator, context))
+        return handlers[-1]
+
+    monkeypatch.setattr(EmbeddingLookupServicer, "LookupStream", kept)
+    settings = {"stream_window": 2, "stream_write_timeout_s": 0.5}
+    with RunningServer(make_store(), **settings) as running:
+        backlog = running.server.servicer.backlog
+        channel, stalled = _stalled_streams(running.target, streams=1, requests=6)
+        try:
+            assert _wait_for(lambda: handlers and running.server.state.active == 0)
+            assert _wait_for(lambda: backlog.held == 0, timeout=5.0), backlog.held
         finally:
             for call in stalled:
                 call.cancel()
