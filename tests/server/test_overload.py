@@ -13,6 +13,7 @@ import pytest
 from ibpembed.server.servicer import EmbeddingLookupServicer
 from ibpembed_client import LookupClient, RetryPolicy, build_request
 from ibpembed_client.v1 import lookup_pb2 as pb
+from tools.hostile import feature_names_request
 from tools.serve_process import ServerProcess
 
 from .helpers import RunningServer, make_store
@@ -117,30 +118,11 @@ def test_a_stream_that_reads_is_never_ended_by_the_write_timeout(window):
         assert running.server.servicer.backlog.held == 0
 
 
-def _features_message(count: int) -> bytes:
-    """A serialized LookupRequest naming ``count`` features (f0, f1, ...) with no ids, written
-    directly: building it through protobuf would take the test longer than the server."""
-
-    def varint(value: int) -> bytes:
-        out = bytearray()
-        while value >= 0x80:
-            out.append((value & 0x7F) | 0x80)
-            value >>= 7
-        out.append(value)
-        return bytes(out)
-
-    def feature(name: bytes) -> bytes:
-        inner = b"\x0a" + varint(len(name)) + name
-        return b"\x1a" + varint(len(inner)) + inner
-
-    return b"".join(feature(b"f%d" % i) for i in range(count))
-
-
 @pytest.mark.parametrize(
     ("message", "field"),
     [
-        (_features_message(1_000_000), "features"),  # more than served: refused by count
-        (b"".join([_features_message(2)] * 2), "features[2].name"),  # a repeat
+        (feature_names_request(1_000_000), "features"),  # more than served: refused by count
+        (b"".join([feature_names_request(2)] * 2), "features[2].name"),  # a repeat
     ],
     ids=["a-million-features", "repeated"],
 )
