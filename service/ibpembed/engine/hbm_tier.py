@@ -41,8 +41,6 @@ from ibpembed.tables.tier_budget import TableSize, TierBudget, TierPlan
 TierForm = Literal["decoded", "compressed"]
 FORMS: tuple[TierForm, ...] = ("decoded", "compressed")
 DEFAULT_FORM: TierForm = "decoded"
-# The server's default --hbm-tier (a GPU server only).
-DEFAULT_HBM_TIER = "5%"
 # The codec's pad: the kernels' 16-byte reads of a slot's last window may pass its end.
 PAYLOAD_PAD = 16
 # Bytes of the tier per table that do not depend on its rows: the residency map per row.
