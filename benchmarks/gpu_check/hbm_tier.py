@@ -33,6 +33,7 @@ from benchmarks.gpu_check.timing import timed
 
 if TYPE_CHECKING:  # the package imports ibpembed only once a phase runs (it may build it first)
     from ibpembed.codec import CompressedTable
+    from ibpembed.engine.hbm_tier import TierArrays
 
 ROW_BYTES = 512
 TABLE_GIB = 2.0  # raw bytes of the table (the timing phases use --table-gib)
@@ -170,7 +171,9 @@ class _Emulated:
         self._dir = tempfile.TemporaryDirectory(prefix="gpu_check_simt.")
         self.kernels = EmulatedKernels(build(Path(self._dir.name)))
 
-    def gather(self, table, ids: torch.Tensor, arrays) -> tuple[torch.Tensor, int, int]:
+    def gather(
+        self, table: CompressedTable, ids: torch.Tensor, arrays: TierArrays
+    ) -> tuple[torch.Tensor, int, int]:
         from tools.simt.harness import Tier
 
         counts = torch.zeros(2, dtype=torch.int64)
