@@ -46,7 +46,7 @@ def victim_object() -> Iterator[str]:
 
 
 def _varint(value: int) -> bytes:
-    # Apart from the server's own encoder (server/wire.py): these bytes are what probes it.
+    # Not server/wire.py's encoder: a probe of the server builds its bytes without its code.
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
