@@ -71,6 +71,7 @@ from ibpembed_client import (
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 from reliability.common import make_pki
+from tools.hostile import SECRET, feature_names_request, victim_object
 from tools.serve_process import IBPEMBED, REPO, ServerProcess
 
 TOKEN = "s3cret-Token-6f1d2c"  # what must never be printed
@@ -266,17 +267,6 @@ def secrets_in(text: str, pki: Path) -> list[str]:
 
 # -- isolation and overload -----------------------------------------------------------------------
 
-SECRET = b"victim-secret-0123456789abcdef!!"
-# Another process: creates an object only its user may open, holds it until stdin ends.
-_VICTIM = """
-import os, sys
-fd = os.open("/dev/shm" + sys.argv[1], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-os.ftruncate(fd, 1 << 16)
-os.pwrite(fd, sys.argv[2].encode(), 0)
-print("ready", flush=True)
-sys.stdin.read()
-os.unlink("/dev/shm" + sys.argv[1])
-"""
 ATTACK_EXPECTED = {
     "open_locally": "EACCES",
     "register_without_nonce": "FAILED_PRECONDITION",
@@ -301,15 +291,7 @@ def check_shm_isolation(work: Path) -> tuple[dict, list[str]]:
         ("no auth", (), None),
         ("token auth", ("--auth-tokens-file", str(tokens)), "attacker-secret"),
     ):
-        name = f"/ibpembed-victim-{uuid.uuid4().hex[:10]}"
-        victim = subprocess.Popen(
-            [sys.executable, "-c", _VICTIM, name, SECRET.decode()],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            victim.stdout.readline()
+        with victim_object() as name:
             with ServerProcess("--demo-max-rows", "100", "--device", "cpu", *flags) as server:
                 command = [sys.executable, "-m", "reliability.shm_attacker", server.target, name]
                 if token is not None:
@@ -321,9 +303,6 @@ def check_shm_isolation(work: Path) -> tuple[dict, list[str]]:
                 outcome = json.loads(done.stdout) if ok else {"error": done.stderr[-2000:]}
             with open("/dev/shm" + name, "rb") as f:
                 outcome["victim_bytes_unchanged"] = f.read(len(SECRET)) == SECRET
-        finally:
-            victim.stdin.close()
-            victim.wait(timeout=30)
         results[label] = outcome
         if outcome != {**ATTACK_EXPECTED, "victim_bytes_unchanged": True}:
             failures.append(f"shm isolation ({label}): {outcome}")
@@ -412,24 +391,6 @@ def check_stalled_streams() -> tuple[dict, list[str]]:
     return results, failures
 
 
-def _feature_names_request(count: int) -> bytes:
-    """A serialized LookupRequest naming ``count`` features with no ids."""
-
-    def varint(value: int) -> bytes:
-        out = bytearray()
-        while value >= 0x80:
-            out.append((value & 0x7F) | 0x80)
-            value >>= 7
-        out.append(value)
-        return bytes(out)
-
-    def feature(name: bytes) -> bytes:
-        inner = b"\x0a" + varint(len(name)) + name
-        return b"\x1a" + varint(len(inner)) + inner
-
-    return b"".join(feature(b"f%d" % i) for i in range(count))
-
-
 def check_request_sizes() -> tuple[dict, list[str]]:
     """RSS across refused 60 MiB requests; a request naming a million features; input_region
     counts past int64."""
@@ -441,7 +402,7 @@ def check_request_sizes() -> tuple[dict, list[str]]:
         feature.ids = np.full(count, first_id, dtype="<i8").tobytes()
         feature.lengths = np.array([count], "<i4").tobytes()
         large.append(request.SerializeToString())
-    million = _feature_names_request(1_000_000)
+    million = feature_names_request(1_000_000)
     results: dict = {}
     with ServerProcess("--demo-max-rows", "300", "--workers", "1", "--device", "cpu") as server:
         channel, _ = _stub(server.target, **{"grpc.max_send_message_length": 128 << 20})

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -22,7 +23,7 @@ from ibpembed_client.v1 import lookup_pb2_grpc
 SHM_DIR = "/dev/shm"
 
 
-def _code(call) -> str:
+def _code(call: Callable[[], object]) -> str:
     try:
         call()
     except grpc.RpcError as err:
@@ -45,7 +46,7 @@ def main() -> None:
     metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
     outcome: dict[str, str] = {}
     try:
-        os.open(SHM_DIR + args.victim, os.O_RDWR)
+        os.close(os.open(SHM_DIR + args.victim, os.O_RDWR))
         outcome["open_locally"] = "OK"
     except PermissionError:
         outcome["open_locally"] = "EACCES"

@@ -1,2 +1,3 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What tests, benchmarks and reliability campaigns share: the SIMT emulator, a server process."""
+"""What tests, benchmarks and reliability campaigns share: the SIMT emulator, a server process,
+hostile inputs."""

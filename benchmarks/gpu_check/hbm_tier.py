@@ -21,7 +21,7 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +30,10 @@ from benchmarks.gpu_check.common import GIB, Checks, log, same_bits
 from benchmarks.gpu_check.device import Pinned
 from benchmarks.gpu_check.tables import BigTable, build_big, id_stream, zipf_rows
 from benchmarks.gpu_check.timing import timed
+
+if TYPE_CHECKING:  # the package imports ibpembed only once a phase runs (it may build it first)
+    from ibpembed.codec import CompressedTable
+    from ibpembed.engine.hbm_tier import TierArrays
 
 ROW_BYTES = 512
 TABLE_GIB = 2.0  # raw bytes of the table (the timing phases use --table-gib)
@@ -40,13 +44,17 @@ BATCH = 16384
 DRY_BATCH = 256
 
 
-def compressed_table(big: BigTable):
-    """The big table's host arguments as a CompressedTable (what the tier builds from)."""
+def compressed_table(big: BigTable, *, placed: bool = False) -> CompressedTable:
+    """The big table as a CompressedTable: its host arguments (what a tier is built from), or
+    with ``placed`` its GPU ones (the payload's alias, small tensors on the GPU) that the kernels
+    read."""
     from ibpembed.codec import CompressedTable
 
     payload, block_base, row_units, bitmask, mask, bitval, chunk_bits, row_bytes, unit, n = (
         big.comp_cpu
     )
+    if placed:
+        payload, block_base, row_units, bitmask, mask, bitval = big.comp[:6]
     return CompressedTable(
         payload,
         block_base,
@@ -62,7 +70,7 @@ def compressed_table(big: BigTable):
     )
 
 
-def tier_rows(table, form: str, share: float) -> np.ndarray:
+def tier_rows(table: CompressedTable, form: str, share: float) -> np.ndarray:
     """The hottest rows a tier of ``share`` x raw bytes holds (Zipf ranks 0, 1, ...)."""
     from ibpembed.engine.hbm_tier import tier_capacity
 
@@ -87,7 +95,7 @@ def phase_hbm_tier(args: argparse.Namespace, gpu: bool) -> dict[str, Any]:
     rng = np.random.default_rng(35)
     stage = torch.empty(n, ROW_BYTES, dtype=torch.uint8, pin_memory=gpu)
     dest = torch.empty(n, ROW_BYTES, dtype=torch.uint8, device=dev)
-    placed = _placed(big, table) if gpu else table
+    placed = compressed_table(big, placed=True) if gpu else table
     results = []
     for alpha in ZIPF:
         ids = id_stream(rng, big.num_rows, n, f"zipf{alpha}")
@@ -150,28 +158,8 @@ def phase_hbm_tier(args: argparse.Namespace, gpu: bool) -> dict[str, Any]:
     }
 
 
-def ops():
+def ops() -> Any:
     return torch.ops.ibpembed
-
-
-def _placed(big: BigTable, table):
-    """The table with its GPU arguments (payload alias, small tensors on the GPU)."""
-    from ibpembed.codec import CompressedTable
-
-    payload, block_base, row_units, bitmask, mask, bitval = big.comp[:6]
-    return CompressedTable(
-        payload,
-        block_base,
-        row_units,
-        bitmask,
-        mask,
-        bitval,
-        table.chunk_bits,
-        table.num_rows,
-        table.dim,
-        table.dtype,
-        table.unit_bytes,
-    )
 
 
 class _Emulated:
@@ -183,7 +171,9 @@ class _Emulated:
         self._dir = tempfile.TemporaryDirectory(prefix="gpu_check_simt.")
         self.kernels = EmulatedKernels(build(Path(self._dir.name)))
 
-    def gather(self, table, ids: torch.Tensor, arrays) -> tuple[torch.Tensor, int, int]:
+    def gather(
+        self, table: CompressedTable, ids: torch.Tensor, arrays: TierArrays
+    ) -> tuple[torch.Tensor, int, int]:
         from tools.simt.harness import Tier
 
         counts = torch.zeros(2, dtype=torch.int64)

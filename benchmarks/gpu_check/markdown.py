@@ -121,7 +121,7 @@ def _gbps(row: dict[str, Any], method: str) -> float | None:
 
 def _hbm_tier_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The hbm_tier phase: per Zipf exponent, budget and form, the tier's GB/s against the raw
-    zero-copy gather and the pinned H2D copy of the same bytes (the issue's target: Zipf 1.05,
+    zero-copy gather and the pinned H2D copy of the same bytes (the tier's target: Zipf 1.05,
     5 % of raw, >= 2x raw zero-copy and >= 1x H2D)."""
     head = ["ids", "budget", "form", "rows", "hits", *HBM_COLUMNS, "tier/raw", "tier/h2d"]
     lines = ["| " + " | ".join(head) + " |", "|---|---:|---|" + "---:|" * (len(head) - 3)]

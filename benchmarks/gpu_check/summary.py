@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The timing rows turned into GB/s, ratios and the issue's targets (reported, never asserted),
+"""The timing rows turned into GB/s, ratios and the GPU path's targets (reported, never asserted),
 the sort rule's evidence, and the table the run prints last."""
 
 from __future__ import annotations

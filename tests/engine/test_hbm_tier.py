@@ -126,6 +126,11 @@ def test_publication_follows_the_traffic_and_each_table_version(form) -> None:
     tier.refresh()
     fresh = tier.tiers.get("t", v2)
     assert fresh is not None and fresh.table is v2
+    # A reader resolves tiers from the one mapping it took, whatever was published since.
+    assert tier.tiers.get("t", v1, before) is published
+    assert tier.tiers.get("t", v2, before) is None
+    with store.acquire() as snap:
+        assert tier.tier_of(snap, "t") is fresh
     assert fresh.counters is published.counters  # counts carry over publications
     slot = int(fresh.arrays.slot_of[top])
     if form == "decoded":

@@ -24,22 +24,11 @@ from ibpembed.server.regions import MAX_REGIONS_PER_OWNER
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, SharedMemoryRegion
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
+from tools.hostile import SECRET, victim_object
 
 from .helpers import RunningServer, make_store
 
 REPO = Path(__file__).resolve().parents[2]
-SECRET = b"victim-secret-0123456789abcdef!!"  # 32 bytes another process keeps in its shm
-# Another process creates an object only its user may open, holds it, and exits on stdin's end.
-VICTIM = """
-import os, sys
-fd = os.open("/dev/shm" + sys.argv[1], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-os.ftruncate(fd, 1 << 16)
-os.pwrite(fd, sys.argv[2].encode(), 0)
-print("ready", flush=True)
-sys.stdin.read()
-os.unlink("/dev/shm" + sys.argv[1])
-"""
-
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="the attacker drops to another user: needs root to start as"
 )
@@ -48,19 +37,8 @@ needs_root = pytest.mark.skipif(
 @pytest.fixture()
 def victim() -> Iterator[str]:
     """The shm name of another process's object holding SECRET (mode 0600, its user only)."""
-    name = f"/ibpembed-victim-{uuid.uuid4().hex[:10]}"
-    process = subprocess.Popen(
-        [sys.executable, "-c", VICTIM, name, SECRET.decode()],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout.readline().strip() == "ready"
+    with victim_object() as name:
         yield name
-    finally:
-        process.stdin.close()
-        process.wait(timeout=30)
 
 
 def _attack(target: str, victim: str, token: str | None) -> dict[str, str]:

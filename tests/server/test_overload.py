@@ -10,8 +10,10 @@ import grpc
 import numpy as np
 import pytest
 
+from ibpembed.server.servicer import EmbeddingLookupServicer
 from ibpembed_client import LookupClient, RetryPolicy, build_request
 from ibpembed_client.v1 import lookup_pb2 as pb
+from tools.hostile import feature_names_request
 from tools.serve_process import ServerProcess
 
 from .helpers import RunningServer, make_store
@@ -79,6 +81,30 @@ def test_a_fresh_client_is_served_while_eight_stalled_streams_stay_open():
             channel.close()
 
 
+def test_a_timed_out_stream_frees_its_places_before_its_handler_is_collected(monkeypatch):
+    """The write timeout gives back a stream's backlog places as the RPC ends, not when
+    garbage collection finalizes its handler: here every handler is kept alive."""
+    handlers = []  # the LookupStream generators, referenced until the test ends
+    lookup_stream = EmbeddingLookupServicer.LookupStream
+
+    def kept(self, request_iterator, context):
+        handlers.append(lookup_stream(self, request_iterator, context))
+        return handlers[-1]
+
+    monkeypatch.setattr(EmbeddingLookupServicer, "LookupStream", kept)
+    settings = {"stream_window": 2, "stream_write_timeout_s": 0.5}
+    with RunningServer(make_store(), **settings) as running:
+        backlog = running.server.servicer.backlog
+        channel, stalled = _stalled_streams(running.target, streams=1, requests=6)
+        try:
+            assert _wait_for(lambda: handlers and running.server.state.active == 0)
+            assert _wait_for(lambda: backlog.held == 0, timeout=5.0), backlog.held
+        finally:
+            for call in stalled:
+                call.cancel()
+            channel.close()
+
+
 @pytest.mark.parametrize("window", [1, 3])
 def test_a_stream_that_reads_is_never_ended_by_the_write_timeout(window):
     settings = {"stream_window": window, "stream_write_timeout_s": 0.5}
@@ -92,30 +118,11 @@ def test_a_stream_that_reads_is_never_ended_by_the_write_timeout(window):
         assert running.server.servicer.backlog.held == 0
 
 
-def _features_message(count: int) -> bytes:
-    """A serialized LookupRequest naming ``count`` features (f0, f1, ...) with no ids, written
-    directly: building it through protobuf would take the test longer than the server."""
-
-    def varint(value: int) -> bytes:
-        out = bytearray()
-        while value >= 0x80:
-            out.append((value & 0x7F) | 0x80)
-            value >>= 7
-        out.append(value)
-        return bytes(out)
-
-    def feature(name: bytes) -> bytes:
-        inner = b"\x0a" + varint(len(name)) + name
-        return b"\x1a" + varint(len(inner)) + inner
-
-    return b"".join(feature(b"f%d" % i) for i in range(count))
-
-
 @pytest.mark.parametrize(
     ("message", "field"),
     [
-        (_features_message(1_000_000), "features"),  # more than served: refused by count
-        (b"".join([_features_message(2)] * 2), "features[2].name"),  # a repeat
+        (feature_names_request(1_000_000), "features"),  # more than served: refused by count
+        (b"".join([feature_names_request(2)] * 2), "features[2].name"),  # a repeat
     ],
     ids=["a-million-features", "repeated"],
 )

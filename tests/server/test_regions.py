@@ -241,6 +241,26 @@ def test_bad_registrations(server, shm, fields, code, field):
         assert "GPU" in err.value.details()
 
 
+def test_a_registration_refused_for_its_arguments_keeps_its_nonce(server, shm):
+    """Arguments are checked before the nonce is spent: a region too small to hold the nonce is
+    INVALID_ARGUMENT, and the same nonce then registers the region at its right size."""
+    stub = lookup_pb2_grpc.EmbeddingLookupStub(grpc.insecure_channel(server.target))
+    challenge = pb.ChallengeRegionRequest(shm_name=shm.shm_name, offset=0)
+    nonce = stub.ChallengeRegion(challenge, timeout=30).nonce
+    shm.write(0, np.frombuffer(nonce, np.uint8))
+    request = pb.RegisterRegionRequest(name="kept-nonce", shm_name=shm.shm_name, nonce=nonce)
+    request.byte_size = len(nonce) - 1
+    with pytest.raises(grpc.RpcError) as err:
+        stub.RegisterRegion(request, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("byte_size")
+    request.byte_size = 1024
+    stub.RegisterRegion(request, timeout=30)
+    listed = stub.ListRegions(pb.ListRegionsRequest(), timeout=30).regions
+    assert [(r.name, r.byte_size) for r in listed] == [("kept-nonce", 1024)]
+    stub.UnregisterRegion(pb.UnregisterRegionRequest(name="kept-nonce"), timeout=30)
+
+
 def test_a_symlink_is_not_a_region(server, shm, tmp_path):
     target = tmp_path / "elsewhere"
     target.write_bytes(bytes(4096))

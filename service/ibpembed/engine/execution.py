@@ -15,7 +15,7 @@ import torch
 
 from ibpembed.codec import CompressedTable
 from ibpembed.engine.cuda import CudaStreams, to_host
-from ibpembed.engine.hbm_tier import HbmTier
+from ibpembed.engine.hbm_tier import HbmTier, gather
 from ibpembed.engine.planning import RequestPlan, TableWork, pooled_dim
 from ibpembed.engine.requests import KernelCall, LookupObserver, PackedRequest, Pooling
 from ibpembed.tables.store import TableSnapshot
@@ -256,10 +256,11 @@ class Executor:
         elif pooling == "none":
             # The GPU gather sorts the ids itself and decodes each run of equal ids once: a
             # torch.unique here (a sync) and its second sort would only add to it.
-            if self.hbm is not None:
-                values = self.hbm.gather(snap, item.table_name, ids)
-            else:
-                values = table.gather(ids)
+            # ``tier`` stays referenced until the values are on the host: the kernel reads its
+            # arrays after this call returns, and a tier replaced by a publication meanwhile
+            # would otherwise go back to the allocator, for the next tier's build to overwrite.
+            tier = None if self.hbm is None else self.hbm.tier_of(snap, item.table_name)
+            values = gather(table, ids, tier)
             sizes = [q.ids.size for q in qs]
         else:
             first, end = item.sample_span

@@ -41,8 +41,6 @@ from ibpembed.tables.tier_budget import TableSize, TierBudget, TierPlan
 TierForm = Literal["decoded", "compressed"]
 FORMS: tuple[TierForm, ...] = ("decoded", "compressed")
 DEFAULT_FORM: TierForm = "decoded"
-# The server's default --hbm-tier (a GPU server only).
-DEFAULT_HBM_TIER = "5%"
 # The codec's pad: the kernels' 16-byte reads of a slot's last window may pass its end.
 PAYLOAD_PAD = 16
 # Bytes of the tier per table that do not depend on its rows: the residency map per row.
@@ -217,9 +215,12 @@ class HbmTiers:
         self._tiers: Mapping[str, DeviceTier] = {}
         self._lock = threading.Lock()  # writers only: readers take the current mapping
 
-    def get(self, name: str, table: CompressedTable) -> DeviceTier | None:
-        """The tier to read ``table`` with: only one built from this very table version."""
-        tier = self._tiers.get(name)
+    def get(
+        self, name: str, table: CompressedTable, tiers: Mapping[str, DeviceTier] | None = None
+    ) -> DeviceTier | None:
+        """The tier to read ``table`` with: only one built from this very table version; from
+        ``tiers`` (a :meth:`current` mapping) when given, else the one published now."""
+        tier = (self._tiers if tiers is None else tiers).get(name)
         return tier if tier is not None and tier.table is table else None
 
     def publish(self, name: str, tier: DeviceTier | None) -> None:
@@ -394,11 +395,10 @@ class HbmTier(AdmissionPolicy):
             out[name] = TierPlan(rows, tier_bytes(table, self.form, rows))
         return out
 
-    def gather(self, snap: TableSnapshot, name: str, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of table ``name`` of ``snap``, through the tier of that very version
-        (tiers are keyed by the host table; the kernels read its placed copy)."""
-        tier = self.tiers.get(name, snap.tables[name])
-        return gather(snap.kernel_table(name), ids, tier)
+    def tier_of(self, snap: TableSnapshot, name: str) -> DeviceTier | None:
+        """The published tier of table ``name`` of ``snap``'s very version, if any (tiers are
+        keyed by the host table; the kernels read its placed copy, with :func:`gather`)."""
+        return self.tiers.get(name, snap.tables[name])
 
     def table_set(self, snap: TableSnapshot) -> CompressedTableSet | TieredTableSet:
         """``snap``'s pooling set read through the tiers published for its very table versions;
@@ -409,7 +409,8 @@ class HbmTier(AdmissionPolicy):
         if cached is not None and cached[0] is table_set and cached[1] is current:
             return cached[2]
         names = sorted(position, key=position.__getitem__)
-        tiers = [self.tiers.get(n, snap.tables[n]) for n in names]
+        # From the one mapping the set is cached under: a publication meanwhile makes another.
+        tiers = [self.tiers.get(n, snap.tables[n], current) for n in names]
         made: CompressedTableSet | TieredTableSet = table_set
         if any(t is not None for t in tiers):
             made = TieredTableSet(table_set, tiers)

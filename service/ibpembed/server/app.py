@@ -167,12 +167,7 @@ class LookupServer:
         )
         # Shared-memory regions clients registered; their descriptors close at stop.
         self.regions = RegionRegistry(config.max_regions)
-        # Stream requests read and not yet answered: at most max_inflight in all (the memory
-        # their responses hold), half of it per caller, so stalled streams leave others room.
-        backlog = StreamBacklog(
-            config.max_inflight,
-            min(config.max_inflight, max(config.stream_window, config.max_inflight // 2)),
-        )
+        backlog = StreamBacklog.for_server(config.max_inflight, config.stream_window)
         self.servicer = EmbeddingLookupServicer(
             None,
             stream_window=config.stream_window,

@@ -36,12 +36,16 @@ class StreamBacklog:
         self._held: collections.Counter[Hashable] = collections.Counter()
         self._waiters: list[asyncio.Future[None]] = []
 
+    @classmethod
+    def for_server(cls, max_inflight: int, stream_window: int) -> StreamBacklog:
+        """The server's backlog: ``max_inflight`` places in all (the memory their responses
+        hold), half of them per caller so that stalled streams leave others room, and at least
+        one stream's window so that a caller's one stream can fill it."""
+        return cls(max_inflight, min(max_inflight, max(stream_window, max_inflight // 2)))
+
     @property
     def held(self) -> int:
         return self._held.total()
-
-    def held_by(self, caller: Hashable) -> int:
-        return self._held[caller]
 
     async def acquire(self, caller: Hashable) -> None:
         """Take a place for ``caller``, waiting while it holds its share or all are taken."""

@@ -86,7 +86,8 @@ class ServerConfig:
         64,
         "Lookups admitted at once (running or waiting for a worker); more get"
         " RESOURCE_EXHAUSTED. Also the LookupStream requests read and not yet answered, all"
-        " streams together (one caller's at most half): a full backlog stops a stream reading.",
+        " streams together (one caller's at most half, or one `stream_window` if more): a full"
+        " backlog stops a stream reading.",
     )
     max_message_mb: int = _setting(
         64,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import inspect
 import logging
 import time
@@ -236,11 +237,15 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 if observer is not None:
                     requests = _arriving(request_iterator, method, observer, arrivals)
                 try:
-                    async for response in behavior(requests, context):
-                        if observer is not None:
-                            arrived, token = arrivals.popleft()
-                            observer.lookup_done(token, time.perf_counter() - arrived, response)
-                        await self._write(context, response)
+                    # Closed on every way out: a write that timed out or was cancelled leaves the
+                    # behavior suspended at its yield, and what it holds (backlog places, its
+                    # reader task) would wait for garbage collection to finalize it.
+                    async with contextlib.aclosing(behavior(requests, context)) as responses:
+                        async for response in responses:
+                            if observer is not None:
+                                arrived, token = arrivals.popleft()
+                                observer.lookup_done(token, time.perf_counter() - arrived, response)
+                            await self._write(context, response)
                 finally:
                     self.state.active -= 1
                     if observer is not None and arrivals:

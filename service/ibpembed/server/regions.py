@@ -274,9 +274,10 @@ class RegionRegistry:
         _check_shm_name(shm_name)
         if byte_size <= 0:
             raise InvalidArgument("byte_size", "must be > 0")
-        self._take_challenge(owner, shm_name, offset, nonce)
         if byte_size < len(nonce):
             raise InvalidArgument("byte_size", f"must be >= {len(nonce)} (the nonce's bytes)")
+        # Spent only once the arguments hold: a malformed request is no attempt.
+        self._take_challenge(owner, shm_name, offset, nonce)
         with self._lock:
             self._check_room(owner, name)
         path = SHM_DIR + shm_name

@@ -102,8 +102,10 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self.stream_window = stream_window
         self.regions = RegionRegistry() if regions is None else regions
         self.identities = CallerIdentities() if identities is None else identities
-        # Default: the server's, for the default --max-inflight of 64 (half of it per caller).
-        self.backlog = StreamBacklog(64, 32) if backlog is None else backlog
+        # Default: the server's, for the default --max-inflight of 64.
+        if backlog is None:
+            backlog = StreamBacklog.for_server(64, stream_window)
+        self.backlog = backlog
         # (versions held, withdrawn features) -> features served
         self._served: tuple[tuple[tuple[int, ...], int], int] = (((), 0), 0)
         self.observer = observer
