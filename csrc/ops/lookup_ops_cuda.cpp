@@ -692,6 +692,9 @@ int64_t TierSet::add(const c10::intrusive_ptr<TableSet>& tables,
                      const std::optional<at::Tensor>& slot_offset,
                      const std::optional<at::Tensor>& payload, bool decoded,
                      const std::optional<at::Tensor>& counters) {
+  TORCH_CHECK_VALUE(!tables_ || tables_.get() == tables.get(),
+                    "a TierSet's tiers all belong to the TableSet of its first add");
+  tables_ = tables;
   const int64_t position = size_;
   const TableSet::Entry& e = tables->at(position);  // the set's table of the same position
   const c10::Device device = tables->device();
@@ -725,6 +728,9 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_hbm_cuda(
     const std::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
   TORCH_CHECK_VALUE(tiers->size() == tables->size(), "a TierSet has one tier (or none) per "
                     "table of its TableSet: ", tiers->size(), " for ", tables->size(), " tables");
+  TORCH_CHECK_VALUE(tiers->size() == 0 || tiers->tables() == tables.get(),
+                    "this TierSet was built for another TableSet (its residency maps are sized "
+                    "for that set's tables)");
   const auto* device_tiers =
       tiers->size() == 0 ? nullptr
                          : reinterpret_cast<const DeviceTier*>(tiers->device_tiers().data_ptr());

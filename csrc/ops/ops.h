@@ -178,8 +178,12 @@ class TierSet : public torch::CustomClassHolder {
               const std::optional<at::Tensor>& counters);
   int64_t size() const { return size_; }
   const at::Tensor& device_tiers() const { return device_tiers_; }
+  // The set whose tables these tiers were checked against (null before the first add): a
+  // residency map is sized for its own table, so a lookup through another set would read past it.
+  const TableSet* tables() const { return tables_.get(); }
 
  private:
+  c10::intrusive_ptr<TableSet> tables_;
   std::vector<uint8_t> host_;  // the tiers as the kernels read them, back to back
   int64_t size_ = 0;
   std::vector<at::Tensor> owned_;  // keeps every tensor a tier points into alive

@@ -56,6 +56,25 @@ def test_tiered_gather_and_pooled_equal_the_cpu_ops(form) -> None:
     )
 
 
+def test_a_tier_set_is_refused_for_a_table_set_it_was_not_built_for() -> None:
+    """A residency map is sized for its own table: the op refuses a TierSet built against
+    another TableSet of the same size instead of reading past the map."""
+    small = place_table(compress(make_table(torch.float32, 100, 16, "trained_like", seed=1)),
+                        torch.device("cuda"))  # fmt: skip
+    large = place_table(compress(make_table(torch.float32, 5000, 16, "trained_like", seed=2)),
+                        torch.device("cuda"))  # fmt: skip
+    tiered = TieredTableSet(
+        CompressedTableSet([small]), [_tier(small, torch.arange(50), "decoded")]
+    )
+    other = CompressedTableSet([large])
+    ids = torch.tensor([4999], device="cuda")
+    offsets = torch.tensor([0, 1], device="cuda")
+    with pytest.raises(ValueError, match="another TableSet"):
+        torch.ops.ibpembed.lookup_pooled_tables_hbm(
+            other._handle, tiered._handle, ids, offsets, torch.tensor([[0, 0, 1]]), None, 0
+        )
+
+
 @pytest.mark.parametrize("pooling", ["none", "sum"])
 def test_a_served_engine_reads_its_hbm_tier_and_never_a_stale_row(pooling) -> None:
     values = make_table(torch.float32, 2000, 32, "trained_like", seed=5)
