@@ -7,6 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
+# Loaded before the extension, which links against the libraries torch loads: this conftest is
+# imported before any test module of the folder, and the package no longer imports torch itself.
+import torch  # noqa: F401
+
 from ibpembed import _C, cpu_path
 
 
