@@ -35,3 +35,29 @@ def test_quick_run_reports_every_engine_and_budget(tmp_path: Path) -> None:
     section = (tmp_path / "B.md").read_text().split("## Hot tier")[1].split("\n## ")[0]
     assert "| engine | host GiB fp32 | host GiB bf16 |" in section
     assert "Not measured" not in section
+
+
+def test_targets_are_judged_from_the_runs_they_apply_to() -> None:
+    """Each target's ratio comes from its own run; an unmeasured run adds no row."""
+
+    def run(dtype: str, alpha: float, tier: float, compressed: float) -> dict:
+        rates = {
+            hot_tier.COMPRESSED: compressed,
+            f"{hot_tier.COMPRESSED} + tier 10%": tier,
+            hot_tier.RAW: 10.0,
+            "torchrec EBC": 8.0,
+            "F.embedding_bag": 12.5,
+        }
+        host = {name: 100 for name in rates}
+        host[hot_tier.COMPRESSED] = 88
+        return {"dtype": dtype, "alpha": alpha, "mlookups_per_s": rates, "host_bytes": host}
+
+    rows = {
+        what: (got, want) for what, got, want in hot_tier.targets([run("fp32", 1.05, 9.0, 3.0)])
+    }
+    tier = "compressed + the largest tier within raw rows' bytes (tier 10%), Zipf 1.05 fp32"
+    assert rows[f"{tier}, vs raw rows"] == (0.9, 1.0)
+    assert rows[f"{tier}, vs torchrec EBC"] == (9.0 / 8.0, 1.0)
+    assert rows["compressed, no tier, vs raw rows, Zipf 1.05 fp32"] == (0.3, 0.6)
+    assert rows["raw rows vs F.embedding_bag, Zipf 1.05 fp32"] == (0.8, 1.0)
+    assert not any("uniform" in what or "bf16" in what for what in rows)
