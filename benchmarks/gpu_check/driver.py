@@ -205,12 +205,17 @@ class Driver:
             self.run("served", "served")
         if "h2d" in self.only:
             self.run("h2d", "h2d")
+        # What the deadline cuts first comes last: the 512-byte timing (the row size the
+        # compressed-vs-raw and H2D targets are judged at), then the HBM tier (its only
+        # measurement), then the rest of the row sweep, the real table, the huge-page A/B, and
+        # the sanitizer.
+        first, *rest = TIMING_ORDER
+        if "timing" in self.only:
+            self.run(f"timing_{first}", "timing", ["--rows", str(first)])
         if "hbm_tier" in self.only:
             self.run("hbm_tier", "hbm_tier")
-        # The row sweep before the sanitizer: the sanitizer is the first thing to cut when time
-        # runs short.
         if "timing" in self.only:
-            for r in TIMING_ORDER:
+            for r in rest:
                 self.run(f"timing_{r}", "timing", ["--rows", str(r)])
             self.run("timing_real", "timing", ["--rows", "0"])
             # The huge-page A/B: c10 then backs large host allocations with 2 MB pages.
