@@ -42,8 +42,14 @@ def memory_gib() -> float | None:
     return None
 
 
+# What a run writes: not the code that measured.
+NOT_CODE = (":(exclude)benchmarks/results", ":(exclude)BENCHMARKS.md")
+
+
 def commit() -> str:
-    """The checkout's short commit, ``+dirty`` when tracked files differ from it."""
+    """The checkout's short commit, ``+dirty`` when tracked files differ from it. The results
+    and the page a run writes do not count: a run of several benchmarks rewrites them as it
+    goes, which says nothing about the code that measured."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -54,7 +60,7 @@ def commit() -> str:
             timeout=30,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", *NOT_CODE],
             cwd=REPO,
             capture_output=True,
             text=True,
