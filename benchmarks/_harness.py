@@ -42,8 +42,8 @@ def memory_gib() -> float | None:
     return None
 
 
-# What a run writes: not the code that measured.
-NOT_CODE = (":(exclude)benchmarks/results", ":(exclude)BENCHMARKS.md")
+# What a run writes (results, the page, the charts): not the code that measured.
+NOT_CODE = (":(exclude)benchmarks/results", ":(exclude)BENCHMARKS.md", ":(exclude)docs/img")
 
 
 def commit() -> str:

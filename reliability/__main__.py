@@ -45,7 +45,9 @@ def _commit() -> str:
                               check=True, timeout=30).stdout.strip()  # fmt: skip
 
     try:
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        # A run's own results and the README it renders do not make the code dirty.
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                    ":(exclude)reliability/results", ":(exclude)reliability/README.md")  # fmt: skip
         return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
