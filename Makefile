@@ -20,6 +20,7 @@ help:  ## this list
 $(DEPS_STAMP): $(REQUIREMENTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -r requirements/dev.txt
+	$(PIP) install --no-deps -r requirements/data.txt
 	$(PIP) install --no-deps -r requirements/torchrec.txt
 	$(PIP) install --no-deps -e clients/python
 	$(PIP) install --no-deps -r requirements/triton.txt
@@ -48,7 +49,6 @@ test: $(BUILD_STAMP) lint  ## lint, then every test (tests/, benchmarks/tests/, 
 	$(PY) -m pytest -q
 
 bench: $(BUILD_STAMP)  ## every benchmark at full size, then BENCHMARKS.md (about 20 min)
-	$(PIP) install --no-deps -r requirements/data.txt
 	$(PY) -m benchmarks
 
 bench-quick: $(BUILD_STAMP)  ## every benchmark at smoke size (minutes; not results)

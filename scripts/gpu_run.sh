@@ -13,6 +13,8 @@
 #   BENCHMARKS_gpu.md         BENCHMARKS.md rendered from this run alone (its GPU section filled)
 #
 # Usage: scripts/gpu_run.sh [OUT_DIR] [gpu_check options, e.g. --skip-build --only timing]
+# The real table is packed from a wheel the GPU machine cannot install: run
+# `python -m benchmarks.gpu_check.real_table` beforehand and carry benchmarks/.cache/real_table.
 # GPU_RUN_BUDGET_S (default 530) is the whole call's budget; gpu_check stops starting phases 40 s
 # before it and `timeout` ends it 15 s before, which leaves time to render and list the files.
 set -uo pipefail

@@ -1,25 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 """The big tables the timing phases read: GiBs of rows registered in place, made at memcpy cost
 by repeating one compressed tile (synthetic DLRM-profile rows, or a slice of a real embedding
-table packed in data/), the same rows stored raw for the same kernels, and the id streams."""
+table: real_table.py), the same rows stored raw for the same kernels, and the id streams."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from benchmarks.gpu_check.common import BAG_SIZE, Checks, has_baseline, same_bits, sort_min_ids
 from benchmarks.gpu_check.device import Pinned
+from benchmarks.gpu_check.real_table import real_table
 
 TILE_BYTES = 64 << 20  # big tables are copies of one compressed tile of this many raw bytes
 FIT_SAMPLE_ROWS = 65536
-# A real table carried with the run: 13,000 rows of the all-MiniLM-L6-v2 word embeddings
-# (384 fp32, 1,536-byte rows; Apache-2.0 weights), packed here (its meta says from where).
-REAL_TABLE = Path(__file__).resolve().parent / "data" / "minilm_words.ibpt"
 
 
 @dataclass
@@ -81,17 +78,18 @@ def build_big(
 ) -> BigTable:
     """~total_bytes of rows, one compressed tile repeated at memcpy cost: fp32 DLRM-profile rows
     of ``row_bytes`` (``profile="dlrm-bf16"``: rounded to bf16 values, the low 16 bits zero), or
-    with ``real`` the real table of REAL_TABLE as it was packed (its own row size)."""
+    with ``real`` the real table of :mod:`real_table` as it was packed (its own row size)."""
     from benchmarks import data
 
     if real:
         from ibpembed.tables import format as tf
 
-        c = tf.read_table(REAL_TABLE, verify=True).table
+        path = real_table()
+        c = tf.read_table(path, verify=True).table
         tile_rows = c.num_rows // 32 * 32  # whole blocks: the tiling repeats blocks
         tile = c.gather(torch.arange(tile_rows))
         row_bytes = c.row_bytes
-        source = f"{REAL_TABLE.name}: {tile_rows} real rows of {c.dim} {c.dtype}"
+        source = f"{path.name}: {tile_rows} real rows of {c.dim} {c.dtype}"
     else:
         dim = row_bytes // 4
         tile_rows = max(32, min(TILE_BYTES, total_bytes) // row_bytes // 32 * 32)
