@@ -367,8 +367,8 @@ def _setup(log: dict[str, Any], results: Results) -> list[str]:
         "- Ratios are measured side by side in one process or one run: absolute numbers on a "
         "shared machine drift between runs, ratios much less.",
         "",
-        "| section | command | commit, date | load average | seconds |",
-        "|---|---|---|---:|---:|",
+        "| section | command | commit, date | load average |",
+        "|---|---|---|---:|",
     ]
     for section in SECTIONS:
         data = results.get(section.name)
@@ -388,7 +388,7 @@ def _setup(log: dict[str, Any], results: Results) -> list[str]:
         when = ", ".join(str(data[key]) for key in ("commit", "revision", "date") if data.get(key))
         lines.append(
             f"| [{section.name}](#{section.name}) | `{command}`{quick} | {when or '—'} | "
-            f"{load_text} | {entry.get('seconds', '—')} |"
+            f"{load_text} |"
         )
     return lines
 
