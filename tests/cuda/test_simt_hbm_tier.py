@@ -115,6 +115,21 @@ def test_pooled_tables_with_and_without_tiers_in_one_launch(kernels) -> None:
 
 
 @pytest.mark.parametrize("form", FORMS)
+def test_tier_rows_at_directory_word_edges_in_a_table_of_a_partial_last_word(kernels, form) -> None:
+    c = _table(rows=200)  # 3 whole words of 64 rows and 8 rows of a fourth
+    held = torch.tensor([0, 3, 62, 63, 64, 65, 127, 128, 191, 192, 199])
+    tier = Tier.of(build_tier(c, held, form))
+    ids = torch.arange(c.num_rows).flip(0)  # every row, each once
+    rows, error = kernels.gather(c, ids, Grid(3, 2), tier=tier)
+    assert error == 0 and torch.equal(rows, _cpu_rows(c, ids))
+    assert tier.counters.tolist() == [held.numel(), c.num_rows - held.numel()]
+    offsets = torch.arange(0, c.num_rows + 1, 8)
+    got, error = kernels.pooled(c, ids, offsets, None, 0, 0, Grid(2, 3), tier=tier)
+    assert error == 0
+    torch.testing.assert_close(got, c.lookup(ids, offsets), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", FORMS)
 def test_an_update_between_two_batches_is_never_served_stale(kernels, form) -> None:
     values = make_table(torch.float32, 128, 40, "trained_like", seed=2)
     store = TableStore.from_tables({"t": compress(values, align=1)})
@@ -161,8 +176,10 @@ def test_a_corrupt_directory_is_reported_not_read_through(kernels, form, base) -
     assert not rows[1:3].any()  # nothing was staged for the corrupt rows: no slot was read
 
     offsets = torch.tensor([0, 2, 4, 6])
-    _, error = kernels.pooled(c, ids, offsets, None, 0, 0, Grid(2, 2), tier=Tier.of(arrays))
+    got, error = kernels.pooled(c, ids, offsets, None, 0, 0, Grid(2, 2), tier=Tier.of(arrays))
     assert error & ERR_TABLE
+    # The bag of intact rows pools as on the CPU.
+    torch.testing.assert_close(got[2:], c.lookup(ids[4:], offsets[:2]), rtol=0, atol=0)
 
 
 def test_a_corrupt_slot_offset_is_reported_not_read_through(kernels) -> None:
