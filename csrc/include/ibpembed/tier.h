@@ -31,8 +31,8 @@ IBP_HD RankSlot rank_slot(const uint64_t* dir, int64_t r) {
   return RankSlot{(entry[0] & bit) != 0, entry[1], entry[1] + below};
 }
 
-// Row r's tier row, or -1 when the tier does not hold it (t.tier_rows set; the op checked the
-// directory in full, so its slots are in range).
+// Row r's tier row, or -1 when the tier does not hold it (t.tier_rows set). No bound check: the
+// CPU ops trust the directory as they trust the index (lookup_ops.cpp attach_tier).
 IBP_HD int64_t tier_slot(const TableView& t, int64_t r) {
   if (t.tier_dir == nullptr) return r;
   const RankSlot s = rank_slot(t.tier_dir, r);
