@@ -67,9 +67,12 @@ TORCH_LIBRARY_FRAGMENT(ibpembed, m) {
   m.def(
       "ibp_gather_hbm(Tensor payload, Tensor block_base, Tensor row_units, Tensor bitmask, "
       "Tensor mask, Tensor bitval, int chunk_bits, int row_bytes, int unit_bytes, int num_rows, "
-      "Tensor indices, Tensor tier_slot_of, Tensor tier_slot_offset, Tensor tier_payload, "
-      "bool tier_decoded, Tensor tier_counters) -> Tensor");
-  m.class_<gpu::TierSet>("TierSet").def(torch::init<>()).def("add", &gpu::TierSet::add);
+      "Tensor indices, Tensor tier_dir, Tensor? tier_slot_offset, Tensor tier_payload, "
+      "int tier_slots, Tensor tier_counters) -> Tensor");
+  m.class_<gpu::TierSet>("TierSet")
+      .def(torch::init<>())
+      .def("add", &gpu::TierSet::add)
+      .def("upload", &gpu::TierSet::upload);
   m.def(
       "lookup_pooled_tables_hbm(__torch__.torch.classes.ibpembed.TableSet tables, "
       "__torch__.torch.classes.ibpembed.TierSet tiers, Tensor indices, Tensor offsets, "
