@@ -126,6 +126,23 @@ PYBIND11_MODULE(_C, module) {
         ibpembed::set_active_cpu_path(path);
       },
       "Switch the CPU codec path for this process (tests and benchmarks).");
+  module.def(
+      "pattern_lookup",
+      [] { return std::string(ibpembed::pattern_lookup_name(ibpembed::active_pattern_lookup())); },
+      "How the avx512 path's codebook decoder finds patterns: 'gather' or 'tables'.");
+  module.def(
+      "default_pattern_lookup",
+      [] { return std::string(ibpembed::pattern_lookup_name(ibpembed::default_pattern_lookup())); },
+      "The pattern lookup chosen when IBPEMBED_PATTERN_LOOKUP is unset.");
+  module.def(
+      "set_pattern_lookup",
+      [](const std::string& name) {
+        ibpembed::PatternLookup lookup;
+        TORCH_CHECK_VALUE(ibpembed::pattern_lookup_from_name(name.c_str(), &lookup),
+                          "pattern lookup must be 'gather' or 'tables', got '", name, "'");
+        ibpembed::set_active_pattern_lookup(lookup);
+      },
+      "Switch the avx512 decoder's pattern lookup for this process (tests and benchmarks).");
 #ifdef IBPEMBED_WITH_CUDA
   module.def("host_mapped_alias", &ibpembed::gpu::host_mapped_alias, pybind11::arg("host"),
              pybind11::arg("read_only"), pybind11::arg("device_index"),
