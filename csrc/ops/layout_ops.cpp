@@ -9,7 +9,6 @@
 // hour for a billion), here it is a few nanoseconds a row. The copy of the slots' bytes, once
 // every place is known, runs in parallel.
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 
 #include <cstring>
 #include <tuple>
@@ -95,13 +94,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ibp_line_aware_cpu(const at::Tens
   }
   new_base[blocks] = total;
 
-  // The gaps stay zero (at::zeros); each slot's own bytes are copied.
-  at::Tensor new_payload = at::zeros({cursor + kPayloadPad}, at::kByte);
+  // Each slot's bytes, then zeros up to the next slot (the gap) or past the end (the pad): every
+  // byte is written once. NOTE(ops): no huge-page advice (unlike a compressed payload that
+  // lookups read): this payload is written to a file once, and with the kernel's default THP
+  // defrag policy an advised region's first touch compacts memory, which took 1M rows from
+  // 0.12 s to 1.0 s here.
+  const int64_t end_bytes = cursor + kPayloadPad;
+  at::Tensor new_payload = at::empty({end_bytes}, at::kByte);
   const uint8_t* src = payload.data_ptr<uint8_t>();
   uint8_t* dst = new_payload.data_ptr<uint8_t>();
+  if (num_rows == 0) std::memset(dst, 0, static_cast<size_t>(end_bytes));
   at::parallel_for(0, num_rows, 1 << 14, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      std::memcpy(dst + to[r], src + from[r], static_cast<size_t>(units[r] * unit_bytes));
+      const int64_t size = units[r] * unit_bytes;
+      const int64_t next = r + 1 < num_rows ? to[r + 1] : end_bytes;
+      std::memcpy(dst + to[r], src + from[r], static_cast<size_t>(size));
+      std::memset(dst + to[r] + size, 0, static_cast<size_t>(next - to[r] - size));
     }
   });
   return {new_payload, new_block_base, new_row_units};
