@@ -177,7 +177,7 @@ class _Emulated:
         from tools.simt.harness import Tier
 
         counts = torch.zeros(2, dtype=torch.int64)
-        tier = Tier(arrays.slot_of, arrays.slot_offset, arrays.payload, arrays.decoded, counts)
+        tier = Tier.of(arrays, counts)
         rows, error = self.kernels.gather(table, ids, tier=tier)
         if error:
             raise RuntimeError(f"emulated tiered gather reported error bits {error}")

@@ -38,6 +38,22 @@ std::atomic<CpuPath>& active() {
   return path;
 }
 
+PatternLookup initial_pattern_lookup() {
+  const char* env = std::getenv("IBPEMBED_PATTERN_LOOKUP");
+  if (env == nullptr || *env == '\0') return default_pattern_lookup();
+  PatternLookup lookup;
+  if (!pattern_lookup_from_name(env, &lookup)) {
+    throw std::runtime_error(
+        std::string("IBPEMBED_PATTERN_LOOKUP must be 'gather' or 'tables', got '") + env + "'");
+  }
+  return lookup;
+}
+
+std::atomic<PatternLookup>& active_lookup() {
+  static std::atomic<PatternLookup> lookup{initial_pattern_lookup()};
+  return lookup;
+}
+
 }  // namespace
 
 bool cpu_has_bmi2() {
@@ -102,6 +118,36 @@ bool cpu_path_from_name(const char* name, CpuPath* path) {
   for (const CpuPath candidate : kAllPaths) {
     if (std::strcmp(name, cpu_path_name(candidate)) == 0) {
       *path = candidate;
+      return true;
+    }
+  }
+  return false;
+}
+
+PatternLookup default_pattern_lookup() {
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_is("intel") ? PatternLookup::kGather : PatternLookup::kByteTables;
+#else
+  return PatternLookup::kByteTables;
+#endif
+}
+
+PatternLookup active_pattern_lookup() {
+  return active_lookup().load(std::memory_order_relaxed);
+}
+
+void set_active_pattern_lookup(PatternLookup lookup) {
+  active_lookup().store(lookup, std::memory_order_relaxed);
+}
+
+const char* pattern_lookup_name(PatternLookup lookup) {
+  return lookup == PatternLookup::kGather ? "gather" : "tables";
+}
+
+bool pattern_lookup_from_name(const char* name, PatternLookup* lookup) {
+  for (const PatternLookup candidate : {PatternLookup::kGather, PatternLookup::kByteTables}) {
+    if (std::strcmp(name, pattern_lookup_name(candidate)) == 0) {
+      *lookup = candidate;
       return true;
     }
   }

@@ -13,15 +13,18 @@
 // set bits per byte (sign, exponent, mantissa), so "deposit" is a multishift and a masked OR per
 // run-per-byte layer (ByteDeposit). A block of 16 chunks (64 bytes of row) decodes as
 //   codes    cut out of one 8-byte word by vpmultishiftqb, one copy per byte of a lane;
-//   pattern  the masked bits packed (pext(bitval, mask): <= 2 bytes when fitted) are looked up a
-//            byte at a time with vpermi2b in 128-byte tables (16 codes x 8 lanes, 8 x 16 or
-//            4 x 16), then deposited into the mask;
+//   pattern  one 32-bit pattern per lane from its code: gathered whole (GatheredPatterns), or
+//            looked up a byte at a time in shuffle tables and deposited (BytePatternTables);
 //   field    vpermb brings each lane's free-field bytes in from a 64-byte window at constant
 //            offsets, and they are deposited into the free mask;
 //   escapes  code 0 (pattern 0): their masked bits come from the exception area, in stream
 //            order, ORed into the register before the block is stored.
-// Measured on Zen 4 while building it: a vpgatherdd of whole patterns cost more than all the rest
-// of a block; masked stores and reading the stored row back (to patch escapes) stalled.
+// Which pattern lookup is faster depends on the core (active_pattern_lookup(), codec.h): on Zen 4
+// a vpgatherdd of whole patterns cost more than all the rest of a block, while on an Intel
+// Sapphire Rapids-class core the byte tables' shuffles queue on port 5 behind the free fields'
+// and the gather, on the load ports, decodes D = 128 fp32 rows 1.45x faster (77 against 110 ns a
+// row from L2; development A/B, same build). Masked stores and reading the stored row back (to
+// patch escapes) stalled on Zen 4.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -115,11 +118,134 @@ class ByteDeposit {
   LocalVector<Zmm> select_;   // the bits of each byte that layer fills
 };
 
+// A chunk's pattern from its code, looked up 16 lanes at a time and deposited into place: the
+// two lookups the codebook decoder is built with. Both return 0 for an escaped lane (code 0).
+//
+// Byte tables: the masked bits packed (pext(bitval, mask): <= 2 bytes when fitted) are looked up
+// a byte at a time with vpermi2b in 128-byte tables (16 codes x 8 lanes, 8 x 16 or 4 x 16), then
+// deposited into the mask. Every step is a port-5 shuffle on Intel cores.
+class BytePatternTables {
+ public:
+  BytePatternTables(const TableView& t, int num_blocks) {
+    const int v = t.num_chunks;
+    const int c = t.code_bits;
+    LocalVector<uint32_t> masks(v);
+    for (int j = 0; j < v; ++j) {
+      masks[j] = static_cast<uint32_t>(t.mask[j]);
+      pattern_bytes_ = std::max(pattern_bytes_, (__builtin_popcount(masks[j]) + 7) / 8);
+    }
+    const int lanes_per_table = std::min(kLanes, 128 >> c);
+    alignas(64) uint8_t base[64];
+    for (int lane = 0; lane < kLanes; ++lane) {
+      for (int byte = 0; byte < 4; ++byte) {
+        base[4 * lane + byte] = static_cast<uint8_t>((lane % lanes_per_table) << c);
+      }
+    }
+    lane_table_base_ = _mm512_load_si512(base);
+    tables_per_block_ = kLanes / lanes_per_table;
+    for (int p = 0; p < kMaxPatternBytes; ++p) {
+      for (int g = 0; g < tables_per_block_; ++g) {
+        uint64_t bytes = 0;
+        for (int lane = g * lanes_per_table; lane < (g + 1) * lanes_per_table; ++lane) {
+          bytes |= uint64_t{1} << (4 * lane + p);
+        }
+        table_bytes_[p][g] = _cvtu64_mask64(bytes);
+      }
+    }
+    build_tables(t, num_blocks, lanes_per_table);
+    deposit_.build(masks, LocalVector<int>(v, 0));
+  }
+
+  // `codes`: each lane's code in every byte of the lane.
+  __m512i lookup(__m512i codes, size_t b) const {
+    const __m512i index = _mm512_or_si512(codes, lane_table_base_);
+    const Zmm* table = tables_.data() + b * pattern_bytes_ * tables_per_block_ * 2;
+    __m512i packed = _mm512_setzero_si512();
+    for (int p = 0; p < pattern_bytes_; ++p) {
+      for (int g = 0; g < tables_per_block_; ++g, table += 2) {
+        packed = _mm512_or_si512(
+            packed,
+            _mm512_maskz_permutex2var_epi8(table_bytes_[p][g], table[0].v, index, table[1].v));
+      }
+    }
+    return deposit_.apply(_mm512_setzero_si512(), packed, b);
+  }
+
+ private:
+  // Per block, pattern byte p and lane group g: a 128-byte table of the packed patterns
+  // pext(bitval, mask) of the group's lanes, byte p, at ((lane % group size) << C) | code.
+  void build_tables(const TableView& t, int num_blocks, int lanes_per_table) {
+    const int c = t.code_bits;
+    const int k = codebook_size(c);
+    tables_.assign(static_cast<size_t>(num_blocks) * pattern_bytes_ * tables_per_block_ * 2,
+                   Zmm{_mm512_setzero_si512()});
+    auto* bytes = reinterpret_cast<uint8_t*>(tables_.data());
+    for (int j = 0; j < t.num_chunks; ++j) {
+      const int b = j / kLanes;
+      const int g = j % kLanes / lanes_per_table;
+      const int in_group = j % lanes_per_table;
+      for (int code = 1; code <= k; ++code) {
+        const uint64_t packed =
+            Bmi2BitOps::extract(t.bitval[static_cast<int64_t>(j) * k + code - 1], t.mask[j]);
+        for (int p = 0; p < pattern_bytes_; ++p) {
+          const size_t table =
+              (static_cast<size_t>(b) * pattern_bytes_ + p) * tables_per_block_ + g;
+          bytes[table * 128 + ((in_group << c) | code)] = static_cast<uint8_t>(packed >> (8 * p));
+        }
+      }
+    }
+  }
+
+  int pattern_bytes_ = 1;
+  int tables_per_block_ = 1;
+  __mmask64 table_bytes_[kMaxPatternBytes][kLanes] = {};  // bytes a (p, g) lookup writes
+  __m512i lane_table_base_;
+  LocalVector<Zmm> tables_;  // [((block * pattern_bytes + p) * tables_per_block + g) * 2]
+  ByteDeposit deposit_;
+};
+
+// Gathered patterns: one vpgatherdd of whole 32-bit patterns per block, from a table of 16
+// entries per chunk. Its 16 loads go to the load ports and leave port 5 to the free fields'
+// shuffles: on Intel cores (Sapphire Rapids class) it decodes fp32 rows about 1.4x faster than
+// the byte tables; on Zen 4 a gather cost more than the rest of a block.
+class GatheredPatterns {
+ public:
+  GatheredPatterns(const TableView& t, int num_blocks)
+      : patterns_(static_cast<size_t>(num_blocks) * kLanes * kCodes, 0) {
+    const int k = codebook_size(t.code_bits);
+    for (int j = 0; j < t.num_chunks; ++j) {
+      for (int code = 1; code <= k; ++code) {
+        patterns_[static_cast<size_t>(j) * kCodes + code] =
+            static_cast<uint32_t>(t.bitval[static_cast<int64_t>(j) * k + code - 1]);
+      }
+    }
+    alignas(64) uint32_t base[kLanes];
+    for (int lane = 0; lane < kLanes; ++lane) base[lane] = static_cast<uint32_t>(lane * kCodes);
+    lane_base_ = _mm512_load_si512(base);
+  }
+
+  // `codes`: each lane's code in every byte of the lane.
+  __m512i lookup(__m512i codes, size_t b) const {
+    // 0xEA: (codes & 0xFF) | lane_base, the lane's entry in the block's table.
+    const __m512i index =
+        _mm512_ternarylogic_epi32(codes, _mm512_set1_epi32(0xFF), lane_base_, 0xEA);
+    return _mm512_i32gather_epi32(index, patterns_.data() + b * kLanes * kCodes, 4);
+  }
+
+ private:
+  static constexpr int kCodes = 1 << kMaxCodeBits;
+
+  LocalVector<uint32_t> patterns_;  // [chunk * kCodes + code]; code 0 (escape): 0
+  __m512i lane_base_;
+};
+
+template <class Patterns>
 class CodebookRowDecoder {
  public:
   static bool supports(const TableView& t) { return t.chunk_bits == 32 && t.code_bits > 1; }
 
-  explicit CodebookRowDecoder(const TableView& t) : free_count_(t.num_chunks) {
+  explicit CodebookRowDecoder(const TableView& t)
+      : free_count_(t.num_chunks), patterns_(t, (t.num_chunks + kLanes - 1) / kLanes) {
     const int v = t.num_chunks;
     const int c = t.code_bits;
     const int num_blocks = (v + kLanes - 1) / kLanes;
@@ -129,13 +255,9 @@ class CodebookRowDecoder {
       free_count_[j] = static_cast<uint8_t>(free_bits<32>(t.mask[j]));
       field[j] = pos;
       pos += free_count_[j];
-      const int masked = 32 - free_count_[j];
-      pattern_bytes_ = std::max(pattern_bytes_, (masked + 7) / 8);
     }
     exception_start_ = pos;
     build_code_extraction(c);
-    build_pattern_tables(t, num_blocks);
-
     // One window and one 4-byte read per lane suffice when every field fits 32 bits at any bit
     // shift (>= 7 masked bits) and a block's fields span at most 64 bytes; the bit shift then
     // folds into the deposit. Otherwise vpshrdvd aligns each field from 8 bytes.
@@ -144,15 +266,12 @@ class CodebookRowDecoder {
       const int last = std::min((b + 1) * kLanes, v) - 1;
       single_load_ &= field[last] / 8 + 4 - field[b * kLanes] / 8 <= kBlockBytes;
     }
-    LocalVector<uint32_t> masks(v);
     LocalVector<uint32_t> free_masks(v);
     LocalVector<int> field_shift(v);
     for (int j = 0; j < v; ++j) {
-      masks[j] = static_cast<uint32_t>(t.mask[j]);
-      free_masks[j] = ~masks[j];
+      free_masks[j] = ~static_cast<uint32_t>(t.mask[j]);
       field_shift[j] = single_load_ ? static_cast<int>(field[j] % 8) : 0;
     }
-    pattern_deposit_.build(masks, LocalVector<int>(v, 0));
     field_deposit_.build(free_masks, field_shift);
     blocks_.resize(num_blocks);
     for (int b = 0; b < num_blocks; ++b) {
@@ -202,7 +321,7 @@ class CodebookRowDecoder {
       const __m512i word = _mm512_set1_epi64(static_cast<int64_t>(code_word));
       const __m512i codes =
           _mm512_and_si512(_mm512_multishift_epi64_epi8(code_shift_, word), code_mask_);
-      __m512i x = pattern_deposit_.apply(_mm512_setzero_si512(), packed_patterns(codes, b), b);
+      __m512i x = patterns_.lookup(codes, b);
       x = field_deposit_.apply(x, free_fields(in, blk), b);
       // Escaped chunks (pattern 0) take their masked bits from the exception area, in stream
       // order; patched in the register, since reading the row back would wait on the store.
@@ -239,9 +358,8 @@ class CodebookRowDecoder {
   };
 
   // Codes of lane i at bit i * C of the block's code word, copied into every byte of the lane
-  // (each byte indexes one pattern byte), plus the lane's table offset.
+  // (the byte tables index one pattern byte with each).
   void build_code_extraction(int c) {
-    const int lanes_per_table = std::min(kLanes, 128 >> c);
     alignas(64) uint8_t shift[64];
     alignas(64) uint8_t code_mask[64];
     for (int lane = 0; lane < kLanes; ++lane) {
@@ -252,63 +370,6 @@ class CodebookRowDecoder {
     }
     code_shift_ = _mm512_load_si512(shift);
     code_mask_ = _mm512_load_si512(code_mask);
-    alignas(64) uint8_t base[64];
-    for (int lane = 0; lane < kLanes; ++lane) {
-      for (int byte = 0; byte < 4; ++byte) {
-        base[4 * lane + byte] = static_cast<uint8_t>((lane % lanes_per_table) << c);
-      }
-    }
-    lane_table_base_ = _mm512_load_si512(base);
-    tables_per_block_ = kLanes / lanes_per_table;
-    for (int p = 0; p < kMaxPatternBytes; ++p) {
-      for (int g = 0; g < tables_per_block_; ++g) {
-        uint64_t bytes = 0;
-        for (int lane = g * lanes_per_table; lane < (g + 1) * lanes_per_table; ++lane) {
-          bytes |= uint64_t{1} << (4 * lane + p);
-        }
-        table_bytes_[p][g] = _cvtu64_mask64(bytes);
-      }
-    }
-  }
-
-  // Per block, pattern byte p and lane group g: a 128-byte table of the packed patterns
-  // pext(bitval, mask) of the group's lanes, byte p, at ((lane % group size) << C) | code.
-  void build_pattern_tables(const TableView& t, int num_blocks) {
-    const int c = t.code_bits;
-    const int k = codebook_size(c);
-    const int lanes_per_table = kLanes / tables_per_block_;
-    tables_.assign(static_cast<size_t>(num_blocks) * pattern_bytes_ * tables_per_block_ * 2,
-                   Zmm{_mm512_setzero_si512()});
-    auto* bytes = reinterpret_cast<uint8_t*>(tables_.data());
-    for (int j = 0; j < t.num_chunks; ++j) {
-      const int b = j / kLanes;
-      const int g = j % kLanes / lanes_per_table;
-      const int in_group = j % lanes_per_table;
-      for (int code = 1; code <= k; ++code) {
-        const uint64_t packed =
-            Bmi2BitOps::extract(t.bitval[static_cast<int64_t>(j) * k + code - 1], t.mask[j]);
-        for (int p = 0; p < pattern_bytes_; ++p) {
-          const size_t table =
-              (static_cast<size_t>(b) * pattern_bytes_ + p) * tables_per_block_ + g;
-          bytes[table * 128 + ((in_group << c) | code)] = static_cast<uint8_t>(packed >> (8 * p));
-        }
-      }
-    }
-  }
-
-  // Packed patterns of the block's lanes (escaped lanes: 0), in the low pattern_bytes_ bytes.
-  __m512i packed_patterns(__m512i codes, size_t b) const {
-    const __m512i index = _mm512_or_si512(codes, lane_table_base_);
-    const Zmm* table = tables_.data() + b * pattern_bytes_ * tables_per_block_ * 2;
-    __m512i packed = _mm512_setzero_si512();
-    for (int p = 0; p < pattern_bytes_; ++p) {
-      for (int g = 0; g < tables_per_block_; ++g, table += 2) {
-        packed = _mm512_or_si512(
-            packed,
-            _mm512_maskz_permutex2var_epi8(table_bytes_[p][g], table[0].v, index, table[1].v));
-      }
-    }
-    return packed;
   }
 
   // Every lane's free bits (and garbage around them) from its constant stream offset: from bit
@@ -326,15 +387,10 @@ class CodebookRowDecoder {
 
   LocalVector<uint8_t> free_count_;
   uint64_t exception_start_ = 0;
-  int pattern_bytes_ = 1;
-  int tables_per_block_ = 1;
-  __mmask64 table_bytes_[kMaxPatternBytes][kLanes] = {};  // bytes a (p, g) lookup writes
   bool single_load_ = true;
   __m512i code_shift_;
   __m512i code_mask_;
-  __m512i lane_table_base_;
-  LocalVector<Zmm> tables_;  // [((block * pattern_bytes + p) * tables_per_block + g) * 2]
-  ByteDeposit pattern_deposit_;
+  Patterns patterns_;
   ByteDeposit field_deposit_;
   LocalVector<Block> blocks_;
 };
@@ -344,8 +400,11 @@ void decode_rows_avx512(const TableView& t, const int64_t* ids, int64_t n, uint8
   // Every call, however few its rows: the decoder's tables are built once per thread and table
   // (DecoderCache), after which it beats the scalar decoder from the first row (development
   // measurement: 1 row 7.0 us per call either way, 16 rows 8.1 vs 10.3 us, D = 128 fp32).
-  if (CodebookRowDecoder::supports(t)) {
-    return detail::decode_rows_with<CodebookRowDecoder>(t, ids, n, out, sink);
+  if (CodebookRowDecoder<GatheredPatterns>::supports(t)) {
+    if (active_pattern_lookup() == PatternLookup::kGather) {
+      return detail::decode_rows_with<CodebookRowDecoder<GatheredPatterns>>(t, ids, n, out, sink);
+    }
+    return detail::decode_rows_with<CodebookRowDecoder<BytePatternTables>>(t, ids, n, out, sink);
   }
   detail::decode_rows<Bmi2BitOps>(t, ids, n, out, sink);
 }

@@ -32,17 +32,23 @@ struct DeviceTable {
 };
 
 // A table's HBM tier (service/ibpembed/engine/hbm_tier.py): copies of its hottest rows in device
-// memory, found through a residency map. A row with a slot is read from `payload` (HBM), every
-// other row from the table's payload (zero-copy over PCIe), in the same launch. slot_of ==
-// nullptr: no tier. The slots are exact copies of what the table serves for the rows, so results
-// do not depend on the tier.
+// memory, found through a residency map. A row the map holds is read from `payload` (HBM), every
+// other row from the table's payload (zero-copy over PCIe), in the same launch. dir == nullptr:
+// no tier. The slots are exact copies of what the table serves for the rows, so results do not
+// depend on the tier.
+//
+// The map is the rank directory of ibpembed/tier.h (rank_slot: 16 bytes per 64 table rows, slots
+// in row order), which the CPU's decoded tier reads too. Slot s lies in `payload` at
+//   decoded form: s * round16(row_bytes), round16(row_bytes) bytes (a fixed stride: no offsets);
+//   compressed form: [slot_offset[s], slot_offset[s + 1]) (slots vary in size).
+// The kernels check every slot the directory yields against num_slots and every window against
+// payload_bytes, so a corrupt directory or offset is reported (kErrTable), never read through.
 struct DeviceTier {
-  const int32_t* slot_of;      // [num_rows]: the row's slot, or -1
-  const int64_t* slot_offset;  // [num_slots + 1]: slot s is payload bytes [slot_offset[s], [s + 1])
+  const uint64_t* dir;         // [2 * ceil(num_rows / 64)]
+  const int64_t* slot_offset;  // [num_slots + 1] (compressed form); nullptr (decoded form)
   const uint8_t* payload;      // device memory, 16-byte aligned
   int64_t payload_bytes;       // readable bytes at payload (kPayloadPad past the last slot)
   int64_t num_slots;
-  int32_t decoded;             // 1: every slot holds the decoded row; 0: the row's slot as stored
   // [2] on the device: ids the residency map sent to the tier, and to host memory (a sorted
   // gather resolves a run of equal ids once); nullptr: not counted.
   unsigned long long* counters;

@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock* kWarpSize, kMinBlocksPerSm)
         window->rows[lane] = resolve_row(t, tier, id);
         source = window->rows[lane].source;
       }
-      if (tier != nullptr && tier->slot_of != nullptr) {
+      if (tier != nullptr && tier->dir != nullptr) {
         const unsigned hits = __popc(__ballot_sync(kFullWarp, source == kRowInTier));
         const unsigned misses = __popc(__ballot_sync(kFullWarp, source == kRowInTable));
         count_tier_reads(tier, hits, misses, lane);

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "ibpembed/tier.h"
 #include "kernels.h"
 #include "warp_decode.cuh"
 
@@ -126,11 +127,6 @@ __device__ __forceinline__ StagedRow stage_slot(const SlotSource& src, int64_t r
   return s;
 }
 
-// The tier slot of row r (in range), or -1 when the tier does not hold it (or there is no tier).
-__device__ __forceinline__ int32_t tier_slot(const DeviceTier* tier, int64_t r) {
-  return tier == nullptr || tier->slot_of == nullptr ? -1 : tier->slot_of[r];
-}
-
 // Adds a warp's tier hits and misses to the device counters (lane 0, one atomic each).
 __device__ __forceinline__ void count_tier_reads(const DeviceTier* tier, unsigned hits,
                                                  unsigned misses, int lane) {
@@ -141,20 +137,39 @@ __device__ __forceinline__ void count_tier_reads(const DeviceTier* tier, unsigne
   }
 }
 
-// Where row r's copy in tier slot `slot` lies, as resolve_row() finds a slot of the table.
+// Where row r (in range) is in `tier` (may be null): not held, or its slot in the tier's payload,
+// found as resolve_row() finds a slot of the table.
 struct TierSlot {
   int64_t offset;
   int64_t slot_bytes;
-  bool compressed;
-  bool ok;  // a slot of the tier: a corrupt residency map is reported, never read through
+  bool held;        // the residency map holds the row
+  bool compressed;  // the slot holds the row as the table stores it, compressed
+  bool ok;          // a slot of the tier: a corrupt directory is reported, never read through
 };
 
-__device__ __forceinline__ TierSlot locate_tier_slot(const TableView& t, const DeviceTier& tier,
-                                                     int64_t r, int32_t slot) {
-  if (slot >= tier.num_slots) return TierSlot{0, 0, false, false};
-  const int64_t offset = tier.slot_offset[slot];
-  const int64_t bytes = tier.slot_offset[slot + 1] - offset;
-  return TierSlot{offset, bytes, tier.decoded == 0 && row_is_compressed(t, r), bytes >= 0};
+__device__ __forceinline__ TierSlot find_tier_slot(const TableView& t, const DeviceTier* tier,
+                                                   int64_t r) {
+  TierSlot x{0, 0, false, false, true};
+  if (tier == nullptr || tier->dir == nullptr) return x;
+  const RankSlot s = rank_slot(tier->dir, r);
+  if (!s.held) return x;
+  x.held = true;
+  const auto slots = static_cast<uint64_t>(tier->num_slots);
+  if (s.base >= slots || s.slot >= slots) {
+    x.ok = false;
+    return x;
+  }
+  const auto slot = static_cast<int64_t>(s.slot);
+  if (tier->slot_offset == nullptr) {  // decoded form: a fixed stride
+    x.slot_bytes = round16(t.row_bytes);
+    x.offset = slot * x.slot_bytes;
+    return x;
+  }
+  x.offset = tier->slot_offset[slot];
+  x.slot_bytes = tier->slot_offset[slot + 1] - x.offset;
+  x.compressed = row_is_compressed(t, r);
+  x.ok = x.slot_bytes >= 0;
+  return x;
 }
 
 // Warp-uniform r. Finds row r's slot, in `tier` (may be null) when it holds the row, else in the
@@ -169,10 +184,9 @@ __device__ __forceinline__ StagedRow stage_row(const DeviceTable& dt, const Devi
     cp_async_commit();
     return StagedRow{0, 0, false, false};
   }
-  const int32_t slot = tier_slot(tier, r);
-  count_tier_reads(tier, slot >= 0, slot < 0, lane);
-  if (slot >= 0) {
-    const TierSlot x = locate_tier_slot(t, *tier, r, slot);
+  const TierSlot x = find_tier_slot(t, tier, r);
+  count_tier_reads(tier, x.held, !x.held, lane);
+  if (x.held) {
     if (!x.ok) {
       report(error, kErrTable, lane);
       cp_async_commit();
@@ -211,9 +225,8 @@ struct ResolvedRow {
 __device__ __forceinline__ ResolvedRow resolve_row(const TableView& t, const DeviceTier* tier,
                                                    int64_t r) {
   if (r < 0 || r >= t.num_rows) return ResolvedRow{0, 0, 0, kRowOutOfRange};
-  const int32_t slot = tier_slot(tier, r);
-  if (slot >= 0) {
-    const TierSlot x = locate_tier_slot(t, *tier, r, slot);
+  const TierSlot x = find_tier_slot(t, tier, r);
+  if (x.held) {
     return ResolvedRow{x.offset, x.slot_bytes, x.compressed, x.ok ? kRowInTier : kRowBadSlot};
   }
   const int64_t b = r >> 5;

@@ -60,7 +60,7 @@
 namespace ibpembed::gpu {
 namespace {
 
-constexpr DeviceTier kNoTier{nullptr, nullptr, nullptr, 0, 0, 0, nullptr};
+constexpr DeviceTier kNoTier{nullptr, nullptr, nullptr, 0, 0, nullptr};
 
 void check_device_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
                          const c10::Device& device) {
@@ -624,34 +624,48 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> pooled_tables(
   return {std::move(out), seconds};
 }
 
-// A tier's tensors checked against a table of `num_rows` on `device`: the kernels then read the
-// residency map and offsets in bounds; the slots' bounds they check as they read.
-DeviceTier device_tier(const at::Tensor& slot_of, const at::Tensor& slot_offset,
-                       const at::Tensor& payload, bool decoded, const at::Tensor& counters,
-                       int64_t num_rows, const c10::Device& device) {
-  check_device_tensor(slot_of, "tier slot_of", at::kInt, device);
-  check_device_tensor(slot_offset, "tier slot_offset", at::kLong, device);
+// A tier's tensors checked against a table of `num_rows` rows of `row_bytes` on `device`: the
+// kernels then read the directory and the slot offsets in bounds. What the directory says is
+// checked by the kernels as they read it (a slot past num_slots is kErrTable, never followed),
+// and so is every slot's window against the payload: reading the whole directory here would
+// cost a device-to-host copy of 0.25 bytes per table row at every call.
+DeviceTier device_tier(const at::Tensor& dir, const std::optional<at::Tensor>& slot_offset,
+                       const at::Tensor& payload, int64_t num_slots, const at::Tensor& counters,
+                       int64_t num_rows, int64_t row_bytes, const c10::Device& device) {
+  check_device_tensor(dir, "tier directory", at::kLong, device);
   check_device_tensor(payload, "tier payload", at::kByte, device);
   check_device_tensor(counters, "tier counters", at::kLong, device);
-  TORCH_CHECK_VALUE(slot_of.dim() == 1 && slot_of.numel() == num_rows,
-                    "tier slot_of must hold one int32 per row of the table (", num_rows,
-                    "), got ", slot_of.sizes());
-  TORCH_CHECK_VALUE(slot_offset.dim() == 1 && slot_offset.numel() >= 1 &&
-                        slot_offset.numel() - 1 <= std::numeric_limits<int32_t>::max(),
-                    "tier slot_offset must be 1-D with slots + 1 entries, got ",
-                    slot_offset.sizes());
+  const int64_t words = (num_rows + 63) / 64;
+  TORCH_CHECK_VALUE(dir.dim() == 1 && dir.numel() == 2 * words,
+                    "the tier directory must hold two int64 words per 64 rows of the table (",
+                    2 * words, " for ", num_rows, " rows), got ", dir.sizes());
+  TORCH_CHECK_VALUE(num_slots >= 0 && num_slots <= num_rows, "a tier of a table of ", num_rows,
+                    " rows holds 0 to ", num_rows, " slots, got ", num_slots);
   TORCH_CHECK_VALUE(payload.dim() == 1 && payload.numel() >= kPayloadPad &&
                         reinterpret_cast<uintptr_t>(payload.data_ptr()) % 16 == 0,
                     "tier payload must be 1-D, 16-byte aligned, with its ", kPayloadPad,
                     " pad bytes");
+  const int64_t* offsets = nullptr;
+  if (slot_offset.has_value()) {  // compressed form
+    check_device_tensor(*slot_offset, "tier slot_offset", at::kLong, device);
+    TORCH_CHECK_VALUE(slot_offset->dim() == 1 && slot_offset->numel() == num_slots + 1,
+                      "tier slot_offset must be 1-D with slots + 1 (", num_slots + 1,
+                      ") entries, got ", slot_offset->sizes());
+    offsets = slot_offset->data_ptr<int64_t>();
+  } else {  // decoded form: slot s at s * round16(row_bytes)
+    const int64_t stride = round16(row_bytes);
+    TORCH_CHECK_VALUE((payload.numel() - kPayloadPad) / stride >= num_slots,
+                      "a decoded tier of ", num_slots, " slots of ", stride,
+                      " bytes needs a payload of ", num_slots, " * ", stride, " + ", kPayloadPad,
+                      " bytes, got ", payload.numel());
+  }
   TORCH_CHECK_VALUE(counters.dim() == 1 && counters.numel() == 2,
                     "tier counters must be int64 [2] (hits, misses), got ", counters.sizes());
-  return DeviceTier{slot_of.data_ptr<int32_t>(),
-                    slot_offset.data_ptr<int64_t>(),
+  return DeviceTier{reinterpret_cast<const uint64_t*>(dir.data_ptr<int64_t>()),
+                    offsets,
                     payload.data_ptr<uint8_t>(),
                     payload.numel(),
-                    slot_offset.numel() - 1,
-                    decoded ? 1 : 0,
+                    num_slots,
                     reinterpret_cast<unsigned long long*>(counters.data_ptr<int64_t>())};
 }
 
@@ -670,15 +684,16 @@ at::Tensor ibp_gather_hbm_cuda(const at::Tensor& payload, const at::Tensor& bloc
                                const at::Tensor& mask, const at::Tensor& bitval,
                                int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
                                int64_t num_rows, const at::Tensor& indices,
-                               const at::Tensor& tier_slot_of, const at::Tensor& tier_slot_offset,
-                               const at::Tensor& tier_payload, bool tier_decoded,
+                               const at::Tensor& tier_dir,
+                               const std::optional<at::Tensor>& tier_slot_offset,
+                               const at::Tensor& tier_payload, int64_t tier_slots,
                                const at::Tensor& tier_counters) {
   const c10::Device device = block_base.device();
   const c10::cuda::CUDAGuard guard(device);
   DeviceTable table = device_table(payload, block_base, row_units, bitmask, mask, bitval,
                                    chunk_bits, row_bytes, unit_bytes, num_rows);
-  const DeviceTier tier = device_tier(tier_slot_of, tier_slot_offset, tier_payload, tier_decoded,
-                                      tier_counters, num_rows, device);
+  const DeviceTier tier = device_tier(tier_dir, tier_slot_offset, tier_payload, tier_slots,
+                                      tier_counters, num_rows, row_bytes, device);
   check_indices_tensor(indices, device);
   if (indices.numel() < sort_min_ids()) {
     return gather(table, tier, indices, at::Tensor(), indices.numel(), &indices, device);
@@ -688,38 +703,50 @@ at::Tensor ibp_gather_hbm_cuda(const at::Tensor& payload, const at::Tensor& bloc
 }
 
 int64_t TierSet::add(const c10::intrusive_ptr<TableSet>& tables,
-                     const std::optional<at::Tensor>& slot_of,
+                     const std::optional<at::Tensor>& dir,
                      const std::optional<at::Tensor>& slot_offset,
-                     const std::optional<at::Tensor>& payload, bool decoded,
+                     const std::optional<at::Tensor>& payload, int64_t num_slots,
                      const std::optional<at::Tensor>& counters) {
+  TORCH_CHECK_VALUE(!uploaded(), "a TierSet takes no tiers once uploaded (a publication is "
+                    "read whole or not at all): build a new one");
   TORCH_CHECK_VALUE(!tables_ || tables_.get() == tables.get(),
                     "a TierSet's tiers all belong to the TableSet of its first add");
-  tables_ = tables;
-  const int64_t position = size_;
+  const int64_t position = size();
   const TableSet::Entry& e = tables->at(position);  // the set's table of the same position
   const c10::Device device = tables->device();
   TORCH_CHECK_VALUE(device.is_cuda(), "a TierSet is for a TableSet of GPU tables; this one's are "
                     "on ", device);
+  tables_ = tables;
   DeviceTier tier = kNoTier;
-  if (slot_of.has_value()) {
-    TORCH_CHECK_VALUE(slot_offset.has_value() && payload.has_value() && counters.has_value(),
-                      "a tier needs slot_of, slot_offset, payload and counters together");
-    tier = device_tier(*slot_of, *slot_offset, *payload, decoded, *counters, e.view.num_rows,
-                       device);
-    owned_.insert(owned_.end(), {*slot_of, *slot_offset, *payload, *counters});
+  if (dir.has_value()) {
+    TORCH_CHECK_VALUE(payload.has_value() && counters.has_value(),
+                      "a tier needs its directory, payload and counters together");
+    tier = device_tier(*dir, slot_offset, *payload, num_slots, *counters, e.view.num_rows,
+                       e.view.row_bytes, device);
+    owned_.insert(owned_.end(), {*dir, *payload, *counters});
+    if (slot_offset.has_value()) owned_.push_back(*slot_offset);
+  } else {
+    TORCH_CHECK_VALUE(!slot_offset.has_value() && !payload.has_value() && !counters.has_value(),
+                      "a table without a tier takes no tier tensors");
   }
-  const auto* bytes_of = reinterpret_cast<const uint8_t*>(&tier);
-  host_.insert(host_.end(), bytes_of, bytes_of + sizeof(DeviceTier));
-  ++size_;
-  const auto bytes = static_cast<int64_t>(host_.size());
-  device_tiers_ = at::empty({bytes}, at::TensorOptions(device).dtype(at::kByte));
-  // As upload_entries: on the current stream, waited for, so every stream sees it in place.
+  host_.push_back(tier);
+  return position;
+}
+
+void TierSet::upload() {
+  TORCH_CHECK_VALUE(!uploaded(), "this TierSet is uploaded already");
+  TORCH_CHECK_VALUE(tables_, "a TierSet needs its tiers (or none) added before upload()");
+  const c10::Device device = tables_->device();
+  const auto bytes = static_cast<int64_t>(host_.size() * sizeof(DeviceTier));
+  at::Tensor out = at::empty({bytes}, at::TensorOptions(device).dtype(at::kByte));
+  // As upload_entries: on the current stream, waited for, so every stream sees it in place (and
+  // host_ may change only after the copy has read it: it no longer changes at all).
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  C10_CUDA_CHECK(cudaMemcpyAsync(device_tiers_.data_ptr(), host_.data(),
-                                 static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream));
+  C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), host_.data(), static_cast<size_t>(bytes),
+                                 cudaMemcpyHostToDevice, stream));
   C10_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return position;
+  device_tiers_ = out;
 }
 
 std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_hbm_cuda(
@@ -731,6 +758,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_hbm_cuda(
   TORCH_CHECK_VALUE(tiers->size() == 0 || tiers->tables() == tables.get(),
                     "this TierSet was built for another TableSet (its residency maps are sized "
                     "for that set's tables)");
+  TORCH_CHECK_VALUE(tiers->size() == 0 || tiers->uploaded(),
+                    "a TierSet is read only after upload(): its tiers are not on the GPU yet");
   const auto* device_tiers =
       tiers->size() == 0 ? nullptr
                          : reinterpret_cast<const DeviceTier*>(tiers->device_tiers().data_ptr());

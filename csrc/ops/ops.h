@@ -126,6 +126,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cpu(
 }  // namespace ibpembed
 
 #ifdef IBPEMBED_WITH_CUDA
+#include "../cuda/kernels.h"
+
 // -- lookup_ops_cuda.cpp: the same lookups on a GPU (CUDA builds only) --------------------------
 namespace ibpembed::gpu {
 at::Tensor ibp_gather_cuda(const at::Tensor& payload, const at::Tensor& block_base,
@@ -173,18 +175,24 @@ TableSet::Entry table_set_entry(const at::Tensor& payload, const at::Tensor& blo
 at::Tensor upload_entries(const std::vector<TableSet::Entry>& entries, const c10::Device& device);
 
 // The HBM tiers of a TableSet's tables (service/ibpembed/engine/hbm_tier.py), one per position
-// (or none), for lookup_pooled_tables_hbm: each tier's residency map, slot offsets, payload
-// and counters, checked against its table as they are added, and uploaded as the kernels read
-// them (kernels.h DeviceTier). Built per tier publication; a TableSet per table version.
+// (or none), for lookup_pooled_tables_hbm: each tier's rank directory, slot offsets (compressed
+// form only), payload, slot count and counters, checked against its table as they are added;
+// upload() then copies them all, as the kernels read them (kernels.h DeviceTier), to the GPU in
+// one copy and waits once. A set is read only once uploaded and takes no adds after: a lookup
+// sees every tier of a publication or none. Built per tier publication; a TableSet per table
+// version.
 class TierSet : public torch::CustomClassHolder {
  public:
-  // Adds the tier of table `size()` of `tables` (no tensors: that table has none).
-  int64_t add(const c10::intrusive_ptr<TableSet>& tables,
-              const std::optional<at::Tensor>& slot_of,
+  // Adds the tier of table `size()` of `tables` (no tensors: that table has none); slot_offset
+  // absent: the decoded form.
+  int64_t add(const c10::intrusive_ptr<TableSet>& tables, const std::optional<at::Tensor>& dir,
               const std::optional<at::Tensor>& slot_offset,
-              const std::optional<at::Tensor>& payload, bool decoded,
+              const std::optional<at::Tensor>& payload, int64_t num_slots,
               const std::optional<at::Tensor>& counters);
-  int64_t size() const { return size_; }
+  // Copies the tiers added so far to the GPU (on the current stream) and waits for the copy.
+  void upload();
+  int64_t size() const { return static_cast<int64_t>(host_.size()); }
+  bool uploaded() const { return device_tiers_.defined(); }
   const at::Tensor& device_tiers() const { return device_tiers_; }
   // The set whose tables these tiers were checked against (null before the first add): a
   // residency map is sized for its own table, so a lookup through another set would read past it.
@@ -192,22 +200,22 @@ class TierSet : public torch::CustomClassHolder {
 
  private:
   c10::intrusive_ptr<TableSet> tables_;
-  std::vector<uint8_t> host_;  // the tiers as the kernels read them, back to back
-  int64_t size_ = 0;
+  std::vector<DeviceTier> host_;   // the tiers as the kernels read them
   std::vector<at::Tensor> owned_;  // keeps every tensor a tier points into alive
   at::Tensor device_tiers_;
 };
 
 // ibp_gather of a table read through its HBM tier: rows the residency map holds from the tier's
 // payload, the others from the table's, in one launch; the kernels count hits and misses into
-// tier_counters (int64 [2]).
+// tier_counters (int64 [2]). tier_slot_offset absent: the decoded form.
 at::Tensor ibp_gather_hbm_cuda(const at::Tensor& payload, const at::Tensor& block_base,
                                const at::Tensor& row_units, const at::Tensor& bitmask,
                                const at::Tensor& mask, const at::Tensor& bitval,
                                int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
                                int64_t num_rows, const at::Tensor& indices,
-                               const at::Tensor& tier_slot_of, const at::Tensor& tier_slot_offset,
-                               const at::Tensor& tier_payload, bool tier_decoded,
+                               const at::Tensor& tier_dir,
+                               const std::optional<at::Tensor>& tier_slot_offset,
+                               const at::Tensor& tier_payload, int64_t tier_slots,
                                const at::Tensor& tier_counters);
 // lookup_pooled_tables with each table read through its tier in `tiers`.
 std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_hbm_cuda(

@@ -74,9 +74,12 @@ TORCH_LIBRARY_FRAGMENT(ibpembed, m) {
   m.def(
       "ibp_gather_hbm(Tensor payload, Tensor block_base, Tensor row_units, Tensor bitmask, "
       "Tensor mask, Tensor bitval, int chunk_bits, int row_bytes, int unit_bytes, int num_rows, "
-      "Tensor indices, Tensor tier_slot_of, Tensor tier_slot_offset, Tensor tier_payload, "
-      "bool tier_decoded, Tensor tier_counters) -> Tensor");
-  m.class_<gpu::TierSet>("TierSet").def(torch::init<>()).def("add", &gpu::TierSet::add);
+      "Tensor indices, Tensor tier_dir, Tensor? tier_slot_offset, Tensor tier_payload, "
+      "int tier_slots, Tensor tier_counters) -> Tensor");
+  m.class_<gpu::TierSet>("TierSet")
+      .def(torch::init<>())
+      .def("add", &gpu::TierSet::add)
+      .def("upload", &gpu::TierSet::upload);
   m.def(
       "lookup_pooled_tables_hbm(__torch__.torch.classes.ibpembed.TableSet tables, "
       "__torch__.torch.classes.ibpembed.TierSet tiers, Tensor indices, Tensor offsets, "
@@ -130,6 +133,23 @@ PYBIND11_MODULE(_C, module) {
         ibpembed::set_active_cpu_path(path);
       },
       "Switch the CPU codec path for this process (tests and benchmarks).");
+  module.def(
+      "pattern_lookup",
+      [] { return std::string(ibpembed::pattern_lookup_name(ibpembed::active_pattern_lookup())); },
+      "How the avx512 path's codebook decoder finds patterns: 'gather' or 'tables'.");
+  module.def(
+      "default_pattern_lookup",
+      [] { return std::string(ibpembed::pattern_lookup_name(ibpembed::default_pattern_lookup())); },
+      "The pattern lookup chosen when IBPEMBED_PATTERN_LOOKUP is unset.");
+  module.def(
+      "set_pattern_lookup",
+      [](const std::string& name) {
+        ibpembed::PatternLookup lookup;
+        TORCH_CHECK_VALUE(ibpembed::pattern_lookup_from_name(name.c_str(), &lookup),
+                          "pattern lookup must be 'gather' or 'tables', got '", name, "'");
+        ibpembed::set_active_pattern_lookup(lookup);
+      },
+      "Switch the avx512 decoder's pattern lookup for this process (tests and benchmarks).");
 #ifdef IBPEMBED_WITH_CUDA
   module.def("host_mapped_alias", &ibpembed::gpu::host_mapped_alias, pybind11::arg("host"),
              pybind11::arg("read_only"), pybind11::arg("device_index"),

@@ -22,9 +22,11 @@ from ibpembed.layout import (
     num_chunks,
 )
 
-# The CPU path (IBPEMBED_CPU_PATH, or the CPU's fastest) resolves on first use; resolve it now so
-# that a bad value fails the import, not a server's first lookup.
+# The CPU path (IBPEMBED_CPU_PATH, or the CPU's fastest) and the avx512 decoder's pattern lookup
+# (IBPEMBED_PATTERN_LOOKUP) resolve on first use; resolve them now so that a bad value fails the
+# import, not a server's first lookup.
 _C.cpu_path()
+_C.pattern_lookup()
 
 ops = torch.ops.ibpembed
 

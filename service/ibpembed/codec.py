@@ -61,6 +61,13 @@ def cpu_path() -> str:
     return _C.cpu_path()
 
 
+def pattern_lookup() -> str:
+    """How the ``avx512`` path's codebook decoder finds each chunk's pattern: ``"gather"`` (one
+    vector gather per 16 chunks; the default on Intel CPUs) or ``"tables"`` (byte-table
+    shuffles; the default elsewhere). ``IBPEMBED_PATTERN_LOOKUP`` overrides it."""
+    return _C.pattern_lookup()
+
+
 def available_cpu_paths() -> list[str]:
     """The CPU paths this machine runs, the default first (the path chosen when
     ``IBPEMBED_CPU_PATH`` is unset), then the others fastest first."""

@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ref, bmi2 and avx512 CPU paths produce identical bytes; the path is chosen at load time."""
+"""The ref, bmi2 and avx512 CPU paths (the last with each of its pattern lookups) produce
+identical bytes; the path is chosen at load time."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -15,28 +17,46 @@ from hypothesis import strategies as st
 
 from ibpembed import _C, compress, cpu_path
 from ibpembed._ops import ops
-from ibpembed.codec import available_cpu_paths
+from ibpembed.codec import available_cpu_paths, pattern_lookup
 from tests.codec.tables import same_bits, tables
 
 FAST_PATHS = [
     pytest.param(p, marks=pytest.mark.skipif(p not in available_cpu_paths(), reason=f"no {p}"))
     for p in ("bmi2", "avx512")
 ]
+# The avx512 path's codebook decoder with each pattern lookup (bmi2 has none: either name runs
+# the same decoder).
+FAST_DECODERS = [
+    pytest.param(
+        path, lookup, marks=pytest.mark.skipif(path not in available_cpu_paths(), reason=path)
+    )
+    for path, lookup in (("bmi2", "gather"), ("avx512", "gather"), ("avx512", "tables"))
+]
 
 
-@pytest.mark.parametrize("path", FAST_PATHS)
+@pytest.fixture
+def restore_lookup() -> Iterator[None]:
+    before = pattern_lookup()
+    yield
+    _C.set_pattern_lookup(before)
+
+
+@pytest.mark.parametrize(("path", "lookup"), FAST_DECODERS)
 @given(
     table=tables(),
     chunk_bits=st.sampled_from((16, 32, 64)),
     code_bits=st.sampled_from((1, 2, 3, 4)),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_fast_paths_match_the_reference_path(path, table, chunk_bits, code_bits, seed) -> None:
+def test_fast_paths_match_the_reference_path(
+    path, lookup, table, chunk_bits, code_bits, seed
+) -> None:
     """Same bytes from both encoders; each decoder reads what the other wrote. The gather takes
     256 ids: several rounds of the decode pipeline."""
     ids = torch.from_numpy(np.random.default_rng(seed).integers(0, table.shape[0], 256))
-    before = cpu_path()
+    before, lookup_before = cpu_path(), pattern_lookup()
     try:
+        _C.set_pattern_lookup(lookup)
         _C.set_cpu_path("ref")
         c_ref = compress(table, chunk_bits=chunk_bits, code_bits=code_bits)
         rows_ref = c_ref.decompress()
@@ -48,6 +68,7 @@ def test_fast_paths_match_the_reference_path(path, table, chunk_bits, code_bits,
         cross_back = c_fast.gather(ids)
     finally:
         _C.set_cpu_path(before)
+        _C.set_pattern_lookup(lookup_before)
     assert torch.equal(c_ref.payload, c_fast.payload)
     assert torch.equal(c_ref.bitmask, c_fast.bitmask)
     assert same_bits(rows_ref, table) and same_bits(rows_fast, table)
@@ -63,10 +84,18 @@ def test_default_path_is_the_fastest_the_cpu_runs() -> None:
     assert cpu_path() == expected == available_cpu_paths()[0] == _C.default_cpu_path()
 
 
+def test_default_pattern_lookup_is_the_gather_on_intel_cpus() -> None:
+    # The vendor read independently of the extension's own check.
+    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+        intel = "GenuineIntel" in f.read()
+    assert _C.default_pattern_lookup() == ("gather" if intel else "tables")
+    assert pattern_lookup() == _C.default_pattern_lookup()
+
+
 def _path_in_subprocess(
-    value: str, code: str = "print(ibpembed.cpu_path())"
+    value: str, code: str = "print(ibpembed.cpu_path())", variable: str = "IBPEMBED_CPU_PATH"
 ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "IBPEMBED_CPU_PATH": value}
+    env = {**os.environ, variable: value}
     return subprocess.run(
         # The package loads the codec (and the extension) on first use: import it by name.
         [sys.executable, "-c", f"import ibpembed, ibpembed.codec; {code}"],
@@ -92,6 +121,21 @@ def test_env_override_rejects_unknown_values_at_import() -> None:
 def test_set_cpu_path_validates(restore_path) -> None:
     with pytest.raises(ValueError, match="'ref', 'bmi2' or 'avx512'"):
         _C.set_cpu_path("fast")
+
+
+def test_pattern_lookup_env_override() -> None:
+    code = "print(ibpembed.codec.pattern_lookup())"
+    result = _path_in_subprocess("tables", code=code, variable="IBPEMBED_PATTERN_LOOKUP")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "tables"
+    bad = _path_in_subprocess("scatter", code="pass", variable="IBPEMBED_PATTERN_LOOKUP")
+    assert bad.returncode != 0
+    assert "IBPEMBED_PATTERN_LOOKUP must be 'gather' or 'tables'" in bad.stderr
+
+
+def test_set_pattern_lookup_validates(restore_lookup) -> None:
+    with pytest.raises(ValueError, match="'gather' or 'tables'"):
+        _C.set_pattern_lookup("scatter")
 
 
 def _random_layout(

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ibpembed import codec
+from ibpembed import _C, codec
 from ibpembed import reference as ref
 from ibpembed._ops import ops
 from ibpembed.codec import slot_unit_bytes
@@ -441,10 +441,16 @@ def test_cpp_codec_random_codebooks_match_reference(
     assert_same_layout((payload, block_base, row_units, bitmask), expected)
 
     args = (payload, block_base, row_units, bitmask, mask, bitval, chunk_bits, npy.shape[1], unit)
-    assert torch.equal(ops.ibp_decompress(*args, rows), u8)
     # Several rounds of the decode pipeline.
     ids = torch.from_numpy(rng.integers(0, rows, 256))
-    assert torch.equal(ops.ibp_gather(*args, rows, ids), u8[ids])
+    before = _C.pattern_lookup()
+    try:
+        for lookup in ("gather", "tables"):  # the avx512 decoder's two pattern lookups
+            _C.set_pattern_lookup(lookup)
+            assert torch.equal(ops.ibp_decompress(*args, rows), u8), lookup
+            assert torch.equal(ops.ibp_gather(*args, rows, ids), u8[ids]), lookup
+    finally:
+        _C.set_pattern_lookup(before)
 
 
 @given(

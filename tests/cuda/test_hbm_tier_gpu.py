@@ -75,6 +75,43 @@ def test_a_tier_set_is_refused_for_a_table_set_it_was_not_built_for() -> None:
         )
 
 
+def test_a_tier_set_is_read_whole_once_uploaded_and_takes_no_tier_after() -> None:
+    """A publication's tiers reach the GPU in one upload: a set is not read before it, takes
+    no add after it, and the op checks each tier's tensors as it is added."""
+    table = place_table(compress(make_table(torch.float32, 300, 16, "trained_like", seed=4)),
+                        torch.device("cuda"))  # fmt: skip
+    table_set = CompressedTableSet([table, table])
+    tier = _tier(table, torch.arange(0, 300, 2), "decoded")
+    a = tier.arrays
+    handle = torch.classes.ibpembed.TierSet()
+    with pytest.raises(ValueError, match="two int64 words per 64 rows"):
+        handle.add(table_set._handle, a.directory[:-2], None, a.payload, a.num_slots,
+                   tier.counters.device_counts)  # fmt: skip
+    with pytest.raises(ValueError, match="decoded tier of"):
+        handle.add(table_set._handle, a.directory, None, a.payload[:64], a.num_slots,
+                   tier.counters.device_counts)  # fmt: skip
+    handle.add(table_set._handle, a.directory, None, a.payload, a.num_slots,
+               tier.counters.device_counts)  # fmt: skip
+    handle.add(table_set._handle, None, None, None, 0, None)
+    ids = torch.tensor([0, 1, 2, 3], device="cuda")
+    offsets = torch.tensor([0, 2, 4], device="cuda")
+    bags = torch.tensor([[0, 0, 1], [1, 1, 1]])
+    with pytest.raises(ValueError, match="after upload"):
+        torch.ops.ibpembed.lookup_pooled_tables_hbm(
+            table_set._handle, handle, ids, offsets, bags, None, 0
+        )
+    handle.upload()
+    with pytest.raises(ValueError, match="no tiers once uploaded"):
+        handle.add(table_set._handle, None, None, None, 0, None)
+    values, _ = torch.ops.ibpembed.lookup_pooled_tables_hbm(
+        table_set._handle, handle, ids, offsets, bags, None, 0
+    )
+    want, _ = table_set.lookup(bags, ids, offsets)  # the same set read without tiers
+    for got, expected in zip(values, want, strict=True):
+        assert torch.equal(got, expected)
+    assert tier.counters.device_counts.tolist() == [1, 1]  # rows 0 and 1: a hit and a miss
+
+
 @pytest.mark.parametrize("pooling", ["none", "sum"])
 def test_a_served_engine_reads_its_hbm_tier_and_never_a_stale_row(pooling) -> None:
     values = make_table(torch.float32, 2000, 32, "trained_like", seed=5)

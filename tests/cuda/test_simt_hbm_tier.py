@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ibpembed import CompressedTable, compress
-from ibpembed.engine.hbm_tier import FORMS, TierArrays, build_tier
+from ibpembed.engine.hbm_tier import FORMS, build_tier
 from ibpembed.tables.store import TableStore
 from tests.codec.tables import make_table
 from tests.cuda import request_ids
@@ -28,16 +28,6 @@ ERR_TABLE = 4  # kernels.h ErrorBits
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory: pytest.TempPathFactory) -> EmulatedKernels:
     return EmulatedKernels(build(tmp_path_factory.mktemp("simt_tier")))
-
-
-def _emulated(arrays: TierArrays) -> Tier:
-    return Tier(
-        arrays.slot_of,
-        arrays.slot_offset,
-        arrays.payload,
-        arrays.decoded,
-        torch.zeros(2, dtype=torch.int64),
-    )
 
 
 def _cpu_rows(c: CompressedTable, ids: torch.Tensor) -> torch.Tensor:
@@ -62,7 +52,7 @@ TIER_ROWS = {
 @pytest.mark.parametrize("sort", [True, False])
 def test_gather_with_a_tier_is_bit_exact(kernels, form, which, sort) -> None:
     c = _table()
-    tier = _emulated(build_tier(c, TIER_ROWS[which](c.num_rows), form))
+    tier = Tier.of(build_tier(c, TIER_ROWS[which](c.num_rows), form))
     ids = request_ids(np.random.default_rng(7), c.num_rows, 90, hot_copies=40)  # duplicates
     rows, error = kernels.gather(c, ids, Grid(2, 2), sort=sort, tier=tier)
     assert error == 0
@@ -82,7 +72,7 @@ def test_gather_with_a_tier_is_bit_exact(kernels, form, which, sort) -> None:
 @pytest.mark.parametrize("chunk_bits", [16, 64])
 def test_gather_with_a_tier_at_other_chunk_widths(kernels, form, chunk_bits) -> None:
     c = _table(96, 33, chunk_bits)
-    tier = _emulated(build_tier(c, torch.arange(1, c.num_rows, 2), form))
+    tier = Tier.of(build_tier(c, torch.arange(1, c.num_rows, 2), form))
     ids = request_ids(np.random.default_rng(chunk_bits), c.num_rows, 70)
     rows, error = kernels.gather(c, ids, Grid(3, 4, async_copies=False), tier=tier)
     assert error == 0
@@ -94,7 +84,7 @@ def test_gather_with_a_tier_at_other_chunk_widths(kernels, form, chunk_bits) -> 
 @pytest.mark.parametrize("pooling", [0, 1])
 def test_pooled_with_a_tier_is_bit_exact(kernels, form, which, pooling) -> None:
     c = _table()
-    tier = _emulated(build_tier(c, TIER_ROWS[which](c.num_rows), form))
+    tier = Tier.of(build_tier(c, TIER_ROWS[which](c.num_rows), form))
     rng = np.random.default_rng(pooling)
     lengths = rng.integers(0, 12, 20)
     lengths[::6] = 0
@@ -113,7 +103,7 @@ def test_pooled_with_a_tier_is_bit_exact(kernels, form, which, pooling) -> None:
 
 def test_pooled_tables_with_and_without_tiers_in_one_launch(kernels) -> None:
     a, b = _table(120, 40), _table(80, 24)
-    tiers = [_emulated(build_tier(a, torch.arange(0, 120, 2), "compressed")), None]
+    tiers = [Tier.of(build_tier(a, torch.arange(0, 120, 2), "compressed")), None]
     ids = torch.from_numpy(np.random.default_rng(3).integers(0, 80, 60))
     offsets = torch.arange(0, 61, 6)
     outs, error = kernels.pooled_tables(
@@ -125,12 +115,27 @@ def test_pooled_tables_with_and_without_tiers_in_one_launch(kernels) -> None:
 
 
 @pytest.mark.parametrize("form", FORMS)
+def test_tier_rows_at_directory_word_edges_in_a_table_of_a_partial_last_word(kernels, form) -> None:
+    c = _table(rows=200)  # 3 whole words of 64 rows and 8 rows of a fourth
+    held = torch.tensor([0, 3, 62, 63, 64, 65, 127, 128, 191, 192, 199])
+    tier = Tier.of(build_tier(c, held, form))
+    ids = torch.arange(c.num_rows).flip(0)  # every row, each once
+    rows, error = kernels.gather(c, ids, Grid(3, 2), tier=tier)
+    assert error == 0 and torch.equal(rows, _cpu_rows(c, ids))
+    assert tier.counters.tolist() == [held.numel(), c.num_rows - held.numel()]
+    offsets = torch.arange(0, c.num_rows + 1, 8)
+    got, error = kernels.pooled(c, ids, offsets, None, 0, 0, Grid(2, 3), tier=tier)
+    assert error == 0
+    torch.testing.assert_close(got, c.lookup(ids, offsets), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", FORMS)
 def test_an_update_between_two_batches_is_never_served_stale(kernels, form) -> None:
     values = make_table(torch.float32, 128, 40, "trained_like", seed=2)
     store = TableStore.from_tables({"t": compress(values, align=1)})
     with store.acquire() as snap:
         before = snap.tables["t"]
-    tier_before = _emulated(build_tier(before, torch.arange(64), form))
+    tier_before = Tier.of(build_tier(before, torch.arange(64), form))
     ids = torch.arange(0, 128, 5)
     rows, error = kernels.gather(before, ids, tier=tier_before)
     assert error == 0 and torch.equal(rows, _cpu_rows(before, ids))
@@ -145,15 +150,43 @@ def test_an_update_between_two_batches_is_never_served_stale(kernels, form) -> N
     stale, _ = kernels.gather(after, ids, tier=tier_before)
     assert not torch.equal(stale, want)
     # Until its own tier is published the new version is read from host memory; then from it.
-    for tier in (None, _emulated(build_tier(after, torch.arange(64), form))):
+    for tier in (None, Tier.of(build_tier(after, torch.arange(64), form))):
         rows, error = kernels.gather(after, ids, tier=tier)
         assert error == 0 and torch.equal(rows, want)
 
 
-def test_a_corrupt_residency_map_is_reported_not_read_through(kernels) -> None:
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize(
+    "base",
+    [
+        4,  # past the tier's 4 slots: the first held row of the word would be slot 4
+        1 << 40,  # far past it
+        -1,  # 2^64 - 1 as the uint64 the kernels read: base + 1 wraps to slot 0
+    ],
+)
+def test_a_corrupt_directory_is_reported_not_read_through(kernels, form, base) -> None:
     c = _table()
-    arrays = build_tier(c, torch.arange(4), "decoded")
-    arrays.slot_of[1] = 1000  # a slot the tier does not have
-    rows, error = kernels.gather(c, torch.tensor([0, 1, 2]), tier=_emulated(arrays))
+    arrays = build_tier(c, torch.tensor([1, 2, 70, 71]), form)  # words 0 and 1, 2 rows each
+    arrays.directory[1] = base  # word 0's base: rows 1 and 2 resolve past the tier
+    ids = torch.tensor([0, 1, 2, 70, 71, 100])
+    rows, error = kernels.gather(c, ids, tier=Tier.of(arrays))
     assert error & ERR_TABLE
-    assert torch.equal(rows[[0, 2]], _cpu_rows(c, torch.tensor([0, 2])))
+    fine = torch.tensor([0, 3, 4, 5])  # not in the tier, or in its intact word 1
+    assert torch.equal(rows[fine], _cpu_rows(c, ids[fine]))
+    assert not rows[1:3].any()  # nothing was staged for the corrupt rows: no slot was read
+
+    offsets = torch.tensor([0, 2, 4, 6])
+    got, error = kernels.pooled(c, ids, offsets, None, 0, 0, Grid(2, 2), tier=Tier.of(arrays))
+    assert error & ERR_TABLE
+    # The bag of intact rows pools as on the CPU.
+    torch.testing.assert_close(got[2:], c.lookup(ids[4:], offsets[:2]), rtol=0, atol=0)
+
+
+def test_a_corrupt_slot_offset_is_reported_not_read_through(kernels) -> None:
+    c = _table()
+    arrays = build_tier(c, torch.arange(4), "compressed")
+    assert arrays.slot_offset is not None
+    arrays.slot_offset[2] = 1 << 40  # slot 1 ends, and slot 2 starts, far past the payload
+    rows, error = kernels.gather(c, torch.tensor([0, 1, 2, 3]), tier=Tier.of(arrays))
+    assert error & ERR_TABLE
+    assert torch.equal(rows[[0, 3]], _cpu_rows(c, torch.tensor([0, 3])))

@@ -4,16 +4,19 @@ them run in tests/cuda/test_simt_hbm_tier.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from ibpembed.codec import compress
+from ibpembed.codec import CompressedTableSet, HotRows, compress
 from ibpembed.engine.hbm_tier import (
-    MAP_BYTES_PER_ROW,
+    FORMS,
     PAYLOAD_PAD,
     HbmTier,
     build_tier,
+    map_bytes,
     parse_form,
     slot_spans,
     tier_bytes,
@@ -29,7 +32,7 @@ DIM = 24
 
 def _table(rows: int = 300, seed: int = 0):
     values = make_table(torch.float32, rows, DIM, "trained_like", seed=seed)
-    values[7] = torch.randn(DIM) * 1e30  # stored raw
+    values[min(7, rows - 1)] = torch.randn(DIM) * 1e30  # stored raw
     return compress(values, align=1)
 
 
@@ -37,25 +40,107 @@ def _zipf(n: int, rows: int, seed: int = 0) -> np.ndarray:
     return (np.random.default_rng(seed).zipf(1.3, n) - 1) % rows
 
 
+def _read_directory(directory: torch.Tensor, num_rows: int) -> np.ndarray:
+    """Each row's slot by the directory (-1: not held), read word by word as tier.h's
+    rank_slot states it: bit r & 63 of word r >> 6 set, slot = base + set bits below it."""
+    words = directory.numpy().view(np.uint64).reshape(-1, 2)
+    slots = np.full(num_rows, -1, dtype=np.int64)
+    for r in range(num_rows):
+        bits, base = int(words[r >> 6, 0]), int(words[r >> 6, 1])
+        if bits >> (r & 63) & 1:
+            slots[r] = base + bin(bits & ((1 << (r & 63)) - 1)).count("1")
+    return slots
+
+
+def _directory_cases() -> list[tuple[int, np.ndarray]]:
+    rng = np.random.default_rng(11)
+    cases = [
+        (300, np.array([], dtype=np.int64)),  # empty
+        (300, np.arange(300)),  # every row
+        (256, np.arange(256)),  # every row, a whole number of words
+        (200, np.array([0, 62, 63, 64, 65, 127, 128, 191, 192, 199])),  # word edges, the tail
+        (64, np.array([63])),  # bit 63: the int64 word's sign bit
+        (65, np.array([63, 64])),
+        (1, np.array([0])),
+    ]
+    for num_rows in (97, 1000, 4099):  # not multiples of 64
+        for share in (0.01, 0.3, 0.9):
+            rows = np.flatnonzero(rng.random(num_rows) < share)
+            cases.append((num_rows, rows))
+    return cases
+
+
+@pytest.mark.parametrize(("num_rows", "rows"), _directory_cases())
+def test_the_rank_directory_gives_each_tier_row_its_slot_and_no_other_row_one(
+    num_rows, rows
+) -> None:
+    c = _table(num_rows)
+    t = build_tier(c, torch.from_numpy(rows), "decoded")
+    assert t.directory.dtype == torch.int64
+    assert t.directory.numel() == 2 * -(-num_rows // 64)  # 16 bytes per 64 rows
+    assert t.directory.nbytes == map_bytes(c)
+    want = np.full(num_rows, -1, dtype=np.int64)
+    want[rows] = np.arange(rows.size)  # slots in row order
+    assert np.array_equal(_read_directory(t.directory, num_rows), want)
+    # The CPU decoded tier's directory of the same rows, word for word (a tier of every row
+    # needs none on the CPU; the GPU's always has one).
+    if 0 < rows.size < num_rows:
+        cpu = c.with_hot_rows(torch.from_numpy(rows))
+        assert cpu.hot is not None and torch.equal(cpu.hot.directory, t.directory)
+
+
+@pytest.mark.parametrize(("num_rows", "rows"), _directory_cases()[:6])
+def test_the_cpu_ops_read_a_decoded_hbm_tier_through_its_directory(num_rows, rows) -> None:
+    """tier.h's rank_slot, compiled into the CPU ops, finds every row of a decoded HBM tier;
+    the CPU TableSet checks the directory word by word as it is added."""
+    if rows.size == 0:
+        return
+    c = _table(num_rows)
+    t = build_tier(c, torch.from_numpy(rows), "decoded")
+    stride = -(-c.row_bytes // 16) * 16
+    slots = t.payload[: t.num_slots * stride].view(t.num_slots, stride)
+    tier_rows = slots[:, : c.row_bytes].contiguous()
+    # Poison the tier copies: a row read from the tier now differs from the table's.
+    tier_rows.view(-1, DIM * 4)[:, :4] ^= 0x5A
+    read = dataclasses.replace(c, hot=HotRows(t.rows, t.directory, tier_rows))
+    ids = torch.arange(num_rows)
+    got = read.gather(ids)
+    held = torch.zeros(num_rows, dtype=torch.bool)
+    held[rows] = True
+    assert torch.equal(got[~held], c.gather(ids[~held]))  # misses: the table's rows
+    want = c.gather(ids[held]).contiguous().view(torch.uint8).view(-1, c.row_bytes).clone()
+    want[:, :4] ^= 0x5A
+    assert torch.equal(got[held].contiguous().view(torch.uint8).view(-1, c.row_bytes), want)
+    CompressedTableSet([read])  # every word checked
+    broken = t.directory.clone()
+    broken[-1] += 1  # the last word's base one past the rows before it
+    with pytest.raises(ValueError, match="tier_dir"):
+        CompressedTableSet([dataclasses.replace(read, hot=HotRows(t.rows, broken, tier_rows))])
+
+
 def test_the_residency_map_names_each_tier_row_and_nothing_else() -> None:
     c = _table()
     rows = torch.tensor([250, 3, 7, 100, 3])  # unsorted, a repeat
-    for form in ("decoded", "compressed"):
+    for form in FORMS:
         t = build_tier(c, rows, form)
         assert t.rows.tolist() == [3, 7, 100, 250] and t.num_slots == 4
-        assert t.slot_of.dtype == torch.int32 and t.slot_of.numel() == c.num_rows
-        held = (t.slot_of >= 0).nonzero().flatten()
-        assert held.tolist() == [3, 7, 100, 250]
-        assert t.slot_of[held].tolist() == [0, 1, 2, 3]
-        assert t.payload.numel() == int(t.slot_offset[-1]) + PAYLOAD_PAD
+        slots = _read_directory(t.directory, c.num_rows)
+        assert np.flatnonzero(slots >= 0).tolist() == [3, 7, 100, 250]
+        assert slots[[3, 7, 100, 250]].tolist() == [0, 1, 2, 3]
         assert t.decoded == (form == "decoded")
+        if form == "decoded":
+            assert t.slot_offset is None  # a fixed stride: no offsets
+            assert t.payload.numel() == 4 * (-(-c.row_bytes // 16) * 16) + PAYLOAD_PAD
+        else:
+            assert t.slot_offset is not None
+            assert t.payload.numel() == int(t.slot_offset[-1]) + PAYLOAD_PAD
 
 
 def test_decoded_slots_hold_the_rows_16_byte_aligned() -> None:
     c = _table()
     t = build_tier(c, torch.arange(0, 300, 7), "decoded")
     stride = -(-c.row_bytes // 16) * 16
-    assert torch.equal(t.slot_offset, torch.arange(t.num_slots + 1) * stride)
+    assert t.payload.numel() == t.num_slots * stride + PAYLOAD_PAD
     got = t.payload[: t.num_slots * stride].view(t.num_slots, stride)[:, : c.row_bytes]
     want = c.gather(t.rows).contiguous().view(torch.uint8).view(t.num_slots, -1)
     assert torch.equal(got, want)
@@ -88,16 +173,30 @@ def test_bad_rows_and_forms_are_refused() -> None:
 
 def test_capacity_pays_the_map_first_and_the_compressed_form_holds_more_rows() -> None:
     c = _table(3000)
-    map_bytes = MAP_BYTES_PER_ROW * c.num_rows
-    assert tier_capacity(c, "decoded", map_bytes) == 0
+    fixed = map_bytes(c) + PAYLOAD_PAD
+    assert tier_capacity(c, "decoded", fixed) == 0
     one = tier_bytes(c, "decoded", 1)
     assert tier_capacity(c, "decoded", one) == 1 and tier_capacity(c, "decoded", one - 1) == 0
     assert build_tier(c, torch.tensor([5]), "decoded").nbytes == one
-    budget = map_bytes + 64 * 1024
+    for rows in (1, 17, 3000):  # a decoded tier's bytes are exact
+        assert build_tier(c, torch.arange(rows), "decoded").nbytes == tier_bytes(c, "decoded", rows)
+    budget = fixed + 64 * 1024
     decoded = tier_capacity(c, "decoded", budget)
     compressed = tier_capacity(c, "compressed", budget)
     assert 0 < decoded < compressed
     assert tier_capacity(c, "decoded", 10**12) == c.num_rows
+
+
+def test_the_map_costs_a_quarter_byte_per_row() -> None:
+    """16 bytes per 64 rows: a billion-row table's map is 250 MB, not 4 GB; the budget pays
+    for it before rows, so a 1 % tier of 512-byte rows is nearly all rows."""
+    billion = compress(make_table(torch.float32, 64, 128, "trained_like", seed=1), align=1)
+    billion = dataclasses.replace(billion, num_rows=10**9)  # sizes only: nothing is read
+    assert map_bytes(billion) == 16 * (10**9 // 64) == 250_000_000
+    one_percent = billion.raw_bytes // 100
+    rows = tier_capacity(billion, "decoded", one_percent)
+    assert rows == (one_percent - map_bytes(billion) - PAYLOAD_PAD) // 512
+    assert rows > 0.95 * one_percent // 512
 
 
 @pytest.mark.parametrize("form", ["decoded", "compressed"])
@@ -112,7 +211,7 @@ def test_publication_follows_the_traffic_and_each_table_version(form) -> None:
     published = tier.tiers.get("t", v1)
     assert published is not None and published.table is v1
     top = np.bincount(ids, minlength=300).argmax()
-    assert int(published.arrays.slot_of[top]) >= 0  # the hottest row is in
+    assert top in published.arrays.rows.tolist()  # the hottest row is in
     before = tier.tiers.current()
 
     # A row update makes a new version: the old tier is never handed out with it, and the next
@@ -132,13 +231,15 @@ def test_publication_follows_the_traffic_and_each_table_version(form) -> None:
     with store.acquire() as snap:
         assert tier.tier_of(snap, "t") is fresh
     assert fresh.counters is published.counters  # counts carry over publications
-    slot = int(fresh.arrays.slot_of[top])
+    slot = int(_read_directory(fresh.arrays.directory, 300)[top])
+    assert slot >= 0
     if form == "decoded":
-        stride = int(fresh.arrays.slot_offset[1])
+        stride = -(-4 * DIM // 16) * 16
         row = fresh.arrays.payload[slot * stride : slot * stride + 4 * DIM].view(torch.float32)
         assert torch.equal(row, torch.full((DIM,), 3.0))
     else:
         offset, size = slot_spans(v2, torch.tensor([int(top)]))
+        assert fresh.arrays.slot_offset is not None
         a = int(fresh.arrays.slot_offset[slot])
         got = fresh.arrays.payload[a : a + int(size)]
         assert torch.equal(got, v2.payload[int(offset) : int(offset + size)])

@@ -43,7 +43,7 @@ def test_kernel_counts_reach_metrics(tmp_path) -> None:
     rows, error = kernels.gather(
         table,
         lookup,
-        tier=Tier(a.slot_of, a.slot_offset, a.payload, a.decoded, published.counters.device_counts),
+        tier=Tier.of(a, published.counters.device_counts),
     )
     assert error == 0 and torch.equal(rows.view(torch.float32).view(-1, 16), table.gather(lookup))
 

@@ -15,11 +15,15 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ibpembed import CompressedTable
 from ibpembed.layout import INT8_ROWWISE_CODE
+
+if TYPE_CHECKING:
+    from ibpembed.engine.hbm_tier import TierArrays
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -38,37 +42,44 @@ class _DeviceTier(ctypes.Structure):
     """csrc/cuda/kernels.h's DeviceTier."""
 
     _fields_ = [
-        ("slot_of", _P),
+        ("dir", _P),
         ("slot_offset", _P),
         ("payload", _P),
         ("payload_bytes", _I64),
         ("num_slots", _I64),
-        ("decoded", ctypes.c_int32),
         ("counters", _P),
     ]
 
 
 @dataclass(frozen=True)
 class Tier:
-    """An HBM tier as the kernels read it (host tensors here): the residency map, the slots'
-    offsets and payload (``ibpembed.engine.hbm_tier.TierArrays``), and an int64 [2] tensor the
-    kernels add their hits and misses to."""
+    """An HBM tier as the kernels read it (host tensors here): the rank directory, the
+    compressed form's slot offsets (None: decoded), the payload and the slot count
+    (``ibpembed.engine.hbm_tier.TierArrays``), and an int64 [2] tensor the kernels add their
+    hits and misses to."""
 
-    slot_of: torch.Tensor
-    slot_offset: torch.Tensor
+    directory: torch.Tensor
+    slot_offset: torch.Tensor | None
     payload: torch.Tensor
-    decoded: bool
+    num_slots: int
     counters: torch.Tensor
+
+    @classmethod
+    def of(cls, arrays: TierArrays, counters: torch.Tensor | None = None) -> Tier:
+        """The tier of ``arrays`` (its tensors, not copies), counting into ``counters`` (a
+        new zero array when None)."""
+        if counters is None:
+            counters = torch.zeros(2, dtype=torch.int64)
+        return cls(arrays.directory, arrays.slot_offset, arrays.payload, arrays.num_slots, counters)
 
     def struct(self) -> _DeviceTier:
         assert self.payload.data_ptr() % 16 == 0, "a tier's payload must be 16-byte aligned"
         return _DeviceTier(
-            self.slot_of.data_ptr(),
-            self.slot_offset.data_ptr(),
+            self.directory.data_ptr(),
+            None if self.slot_offset is None else self.slot_offset.data_ptr(),
             self.payload.data_ptr(),
             self.payload.numel(),
-            self.slot_offset.numel() - 1,
-            int(self.decoded),
+            self.num_slots,
             self.counters.data_ptr(),
         )
 
@@ -281,7 +292,7 @@ class EmulatedKernels:
         cs = [c for c, _ in tables]
         tier_array = None
         if tiers is not None:
-            none = _DeviceTier(None, None, None, 0, 0, 0, None)
+            none = _DeviceTier(None, None, None, 0, 0, None)
             tier_array = (_DeviceTier * len(tiers))(
                 *(none if t is None else t.struct() for t in tiers)
             )

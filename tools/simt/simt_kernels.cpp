@@ -34,14 +34,14 @@ DeviceTable table_of(const uint8_t* payload, int64_t payload_bytes, const int64_
                      payload_bytes};
 }
 
-// The tier `tier` points at, or none (a null residency map).
+// The tier `tier` points at, or none (a null rank directory).
 DeviceTier tier_or_none(const DeviceTier* tier) {
-  return tier != nullptr ? *tier : DeviceTier{nullptr, nullptr, nullptr, 0, 0, 0, nullptr};
+  return tier != nullptr ? *tier : DeviceTier{nullptr, nullptr, nullptr, 0, 0, nullptr};
 }
 
 // What cp.async may read besides the tables' payloads: a tier's payload.
 void add_readable(std::vector<simt::Region>& readable, const DeviceTier& tier) {
-  if (tier.slot_of != nullptr) readable.push_back({tier.payload, tier.payload + tier.payload_bytes});
+  if (tier.dir != nullptr) readable.push_back({tier.payload, tier.payload + tier.payload_bytes});
 }
 
 int finish(const std::string& failure, const int32_t* error, char* message, int message_len) {

@@ -180,6 +180,19 @@ const char* cpu_path_name(CpuPath path);
 // The path named `name` ("ref", "bmi2", "avx512"); false if there is none.
 bool cpu_path_from_name(const char* name, CpuPath* path);
 
+// How the avx512 path's codebook decoder finds each chunk's pattern (row_kernels_avx512.cpp):
+// one gather of whole patterns per 16 chunks, or byte tables through shuffles. Both decode the
+// same bits; which is faster depends on the core, not on the ISA.
+enum class PatternLookup { kGather, kByteTables };
+// gather on Intel CPUs, byte tables elsewhere (gathers are slow on AMD Zen 4).
+PatternLookup default_pattern_lookup();
+// IBPEMBED_PATTERN_LOOKUP=gather|tables if set, else default_pattern_lookup().
+PatternLookup active_pattern_lookup();
+void set_active_pattern_lookup(PatternLookup lookup);
+const char* pattern_lookup_name(PatternLookup lookup);
+// The lookup named `name` ("gather", "tables"); false if there is none.
+bool pattern_lookup_from_name(const char* name, PatternLookup* lookup);
+
 // ----------------------------------------------------------------------------------------------
 // Compress, in two passes over a row range so the caller can parallelise and allocate once:
 // plan_slots, a prefix sum of the slot sizes, then RowKernels::encode_rows.

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 //
-// Finding a row in a table's decoded tier (format.h TableView::tier_dir): CPU lookups only.
+// The rank directory that finds a row in a tier of some of a table's rows, and the CPU lookups'
+// decoded tier read through it (format.h TableView::tier_dir). The GPU's HBM tier
+// (csrc/cuda/kernels.h DeviceTier) uses the same directory, so its layout is stated here once.
 #pragma once
 
 #include <cstdint>
@@ -10,13 +12,31 @@
 
 namespace ibpembed {
 
-// Row r's tier row, or -1 when the tier does not hold it (t.tier_rows set).
+// Where row r is in a tier, by the tier's rank directory `dir`: two uint64 words per 64 rows of
+// the table (16 bytes, 0.25 per row), a bit word (bit r & 63 set: the tier holds row r) and the
+// slot of the word's first held row (the rows the words before it hold). Slots follow row ids,
+// so a held row's slot is that base plus the held rows below it in its word.
+struct RankSlot {
+  bool held;
+  uint64_t base;  // the word's base
+  uint64_t slot;  // when held: base + the held rows below r in its word
+};
+
+// A reader that has not checked the directory in full checks base and slot against its slot
+// count (base first: a corrupt base near 2^64 wraps the sum back into range).
+IBP_HD RankSlot rank_slot(const uint64_t* dir, int64_t r) {
+  const uint64_t* entry = dir + 2 * (r >> 6);
+  const uint64_t bit = uint64_t{1} << (r & 63);
+  const uint64_t below = static_cast<uint64_t>(popcount64(entry[0] & (bit - 1)));
+  return RankSlot{(entry[0] & bit) != 0, entry[1], entry[1] + below};
+}
+
+// Row r's tier row, or -1 when the tier does not hold it (t.tier_rows set). No bound check: the
+// CPU ops trust the directory as they trust the index (lookup_ops.cpp attach_tier).
 IBP_HD int64_t tier_slot(const TableView& t, int64_t r) {
   if (t.tier_dir == nullptr) return r;
-  const uint64_t* entry = t.tier_dir + 2 * (r >> 6);
-  const uint64_t bit = uint64_t{1} << (r & 63);
-  if ((entry[0] & bit) == 0) return -1;
-  return static_cast<int64_t>(entry[1]) + popcount64(entry[0] & (bit - 1));
+  const RankSlot s = rank_slot(t.tier_dir, r);
+  return s.held ? static_cast<int64_t>(s.slot) : -1;
 }
 
 // Row r's tier copy, or null when the table has no tier or the tier does not hold it.

@@ -2,14 +2,17 @@
 """The HBM tier: copies of each table's hottest rows in GPU memory, read by the CUDA kernels in
 the same launch as the rows they read zero-copy from host memory.
 
-A tier of one table version (:class:`DeviceTier`) is three tensors on the GPU and a flag:
+A tier of one table version (:class:`DeviceTier`) is two or three tensors on the GPU:
 
-- ``slot_of``, int32 [num_rows]: the residency map, each row's tier slot or -1;
-- ``slot_offset``, int64 [slots + 1]: where slot s lies in ``payload``;
+- ``directory``, int64 [2 * ceil(num_rows / 64)]: the residency map, the rank directory of the
+  CPU's decoded tier (csrc/include/ibpembed/tier.h ``rank_slot``): per 64 rows a bit word (set:
+  the tier holds the row) and the slot of the word's first held row; slots follow row ids. 16
+  bytes per 64 rows (0.25 per row), whatever the tier's size;
 - ``payload``, uint8: the slots back to back, 16-byte aligned, with the codec's pad;
-- ``decoded`` (``--hbm-tier-form``): a slot holds the decoded row (read like a raw row, no
-  decode) or the row's slot as the table stores it (1/(1-s) times the rows in the same bytes,
-  decoded in the kernel like a host row).
+- the form (``--hbm-tier-form``): ``decoded``, a slot holds the decoded row at a fixed stride
+  (``row_bytes`` rounded up to 16; read like a raw row, no decode), or ``compressed``, the row's
+  slot as the table stores it (1/(1-s) times the rows in the same bytes, decoded in the kernel
+  like a host row), found through ``slot_offset``, int64 [slots + 1].
 
 A slot is an exact copy of what the table version serves for its row, so results never depend
 on the tier, and a tier is only ever used with the table version it was built from
@@ -33,7 +36,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ibpembed.codec import CompressedTable, CompressedTableSet, Pooling
+from ibpembed.codec import CompressedTable, CompressedTableSet, Pooling, tier_directory_bytes
 from ibpembed.engine.tier import DEFAULT_WINDOW_IDS, STEP_S, AdmissionPolicy
 from ibpembed.tables.store import TableSnapshot, TableStore
 from ibpembed.tables.tier_budget import TableSize, TierBudget, TierPlan
@@ -43,9 +46,7 @@ FORMS: tuple[TierForm, ...] = ("decoded", "compressed")
 DEFAULT_FORM: TierForm = "decoded"
 # The codec's pad: the kernels' 16-byte reads of a slot's last window may pass its end.
 PAYLOAD_PAD = 16
-# Bytes of the tier per table that do not depend on its rows: the residency map per row.
-MAP_BYTES_PER_ROW = 4
-# Bytes per tier row besides its slot: its slot offset.
+# Bytes per compressed tier row besides its slot: its slot offset (decoded slots need none).
 OFFSET_BYTES_PER_ROW = 8
 # Slots copied per step of a compressed tier's build.
 BUILD_CHUNK_ROWS = 1 << 16
@@ -63,16 +64,23 @@ def _round16(n: int) -> int:
 
 
 def slot_bytes_per_row(table: CompressedTable, form: TierForm) -> float:
-    """Mean tier bytes of one row of ``table`` in ``form`` (its slot and its offset)."""
+    """Mean tier bytes of one row of ``table`` in ``form``: its slot (and a compressed slot's
+    offset)."""
     if form == "decoded":
-        return _round16(table.row_bytes) + OFFSET_BYTES_PER_ROW
+        return _round16(table.row_bytes)
     return table.payload_bytes / max(table.num_rows, 1) + OFFSET_BYTES_PER_ROW
 
 
-def _fixed_bytes(table: CompressedTable) -> int:
-    """GPU bytes of a tier of ``table`` whatever its rows: the residency map, the pad and the
-    slot offsets' closing entry."""
-    return MAP_BYTES_PER_ROW * table.num_rows + PAYLOAD_PAD + OFFSET_BYTES_PER_ROW
+def map_bytes(table: CompressedTable) -> int:
+    """GPU bytes of a tier's residency map (its rank directory), whatever the tier's size."""
+    return tier_directory_bytes(table.num_rows)
+
+
+def _fixed_bytes(table: CompressedTable, form: TierForm) -> int:
+    """GPU bytes of a tier of ``table`` whatever its rows: the residency map, the pad and (the
+    compressed form) the slot offsets' closing entry."""
+    closing = OFFSET_BYTES_PER_ROW if form == "compressed" else 0
+    return map_bytes(table) + PAYLOAD_PAD + closing
 
 
 def tier_bytes(table: CompressedTable, form: TierForm, rows: int) -> int:
@@ -80,12 +88,12 @@ def tier_bytes(table: CompressedTable, form: TierForm, rows: int) -> int:
     table's mean slot for the compressed one."""
     if rows <= 0:
         return 0
-    return _fixed_bytes(table) + int(rows * slot_bytes_per_row(table, form))
+    return _fixed_bytes(table, form) + int(rows * slot_bytes_per_row(table, form))
 
 
 def tier_capacity(table: CompressedTable, form: TierForm, budget_bytes: int) -> int:
     """Rows of ``table`` a tier of ``budget_bytes`` holds (the residency map paid first)."""
-    left = budget_bytes - _fixed_bytes(table)
+    left = budget_bytes - _fixed_bytes(table, form)
     if left <= 0:
         return 0
     return min(table.num_rows, int(left // slot_bytes_per_row(table, form)))
@@ -109,11 +117,14 @@ def slot_spans(table: CompressedTable, rows: torch.Tensor) -> tuple[torch.Tensor
 class TierArrays:
     """A tier's tensors (see the module docstring), on one device."""
 
-    slot_of: torch.Tensor
-    slot_offset: torch.Tensor
+    directory: torch.Tensor
+    slot_offset: torch.Tensor | None  # the compressed form's; None: decoded
     payload: torch.Tensor
-    decoded: bool
     rows: torch.Tensor  # int64, sorted: the rows of the tier, slot i holds rows[i]
+
+    @property
+    def decoded(self) -> bool:
+        return self.slot_offset is None
 
     @property
     def num_slots(self) -> int:
@@ -121,14 +132,14 @@ class TierArrays:
 
     @property
     def nbytes(self) -> int:
-        return self.slot_of.nbytes + self.slot_offset.nbytes + self.payload.nbytes
+        offsets = 0 if self.slot_offset is None else self.slot_offset.nbytes
+        return self.directory.nbytes + offsets + self.payload.nbytes
 
     def to(self, device: torch.device) -> TierArrays:
         return TierArrays(
-            self.slot_of.to(device),
-            self.slot_offset.to(device),
+            self.directory.to(device),
+            None if self.slot_offset is None else self.slot_offset.to(device),
             self.payload.to(device),
-            self.decoded,
             self.rows,
         )
 
@@ -140,16 +151,14 @@ def build_tier(table: CompressedTable, rows: torch.Tensor, form: TierForm) -> Ti
     if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= table.num_rows):
         raise IndexError(f"tier rows must lie in [0, {table.num_rows}) of the table")
     n = rows.numel()
-    slot_of = torch.full((table.num_rows,), -1, dtype=torch.int32)
-    slot_of[rows] = torch.arange(n, dtype=torch.int32)
+    directory = table._rank_directory(rows)  # the CPU tier's layout: tier.h rank_slot
     if form == "decoded":
         stride = _round16(table.row_bytes)
         payload = torch.zeros(n * stride + PAYLOAD_PAD, dtype=torch.uint8)
         if n:
             decoded = table.gather(rows).cpu().contiguous().view(torch.uint8)
             payload[: n * stride].view(n, stride)[:, : table.row_bytes] = decoded.view(n, -1)
-        slot_offset = torch.arange(n + 1, dtype=torch.int64) * stride
-        return TierArrays(slot_of, slot_offset, payload, True, rows)
+        return TierArrays(directory, None, payload, rows)
     offset, size = slot_spans(table, rows)
     slot_offset = torch.zeros(n + 1, dtype=torch.int64)
     torch.cumsum(size, 0, out=slot_offset[1:])
@@ -168,7 +177,7 @@ def build_tier(table: CompressedTable, rows: torch.Tensor, form: TierForm) -> Ti
             slot_offset[part], sizes
         )
         payload[start:end] = source_payload[torch.repeat_interleave(offset[part], sizes) + within]
-    return TierArrays(slot_of, slot_offset, payload, False, rows)
+    return TierArrays(directory, slot_offset, payload, rows)
 
 
 class TierCounters:
@@ -244,10 +253,10 @@ def gather(table: CompressedTable, ids: torch.Tensor, tier: DeviceTier | None) -
     raw = torch.ops.ibpembed.ibp_gather_hbm(
         *table._args(),
         ids.to(torch.int64).contiguous(),
-        a.slot_of,
+        a.directory,
         a.slot_offset,
         a.payload,
-        a.decoded,
+        a.num_slots,
         tier.counters.device_counts,
     )
     return table._as_rows(raw)
@@ -263,17 +272,19 @@ class TieredTableSet:
         self._handle = torch.classes.ibpembed.TierSet()
         for tier in tiers:
             if tier is None:
-                self._handle.add(table_set._handle, None, None, None, False, None)
+                self._handle.add(table_set._handle, None, None, None, 0, None)
                 continue
             a = tier.arrays
             self._handle.add(
                 table_set._handle,
-                a.slot_of,
+                a.directory,
                 a.slot_offset,
                 a.payload,
-                a.decoded,
+                a.num_slots,
                 tier.counters.device_counts,
             )
+        # One copy of every tier's pointers to the GPU and one wait, for the whole set.
+        self._handle.upload()
 
     def lookup(
         self,
