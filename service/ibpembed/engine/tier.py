@@ -113,12 +113,12 @@ class HitRatioGate:
 # (BENCHMARKS.md, *Hot tier*: 2 GiB DLRM-profile tables, one thread), interpolating each tier's
 # speed against no tier linearly in the hit ratio between its uniform and its Zipf 0.8 column:
 # at 28 % hits for fp32 rows and a 1 % tier (0.93x at 1.0 %, 1.01x at 32.8 %), 25 % for 5 % and
-# 10 % tiers, 11-17 % for bf16 rows. The pre-pass reads a rank directory of 16 bytes per 64 rows,
-# so it costs less on smaller tables: on a 256 MiB one (and the faster avx512 decoder) the 1 %
-# tier pays from about 9 %. So the gate closes below 15 % (a uniform tier of up to ~14 % of the
-# rows, the 1 % default and ``savings`` included: there a tier cost 4-12 %) and opens at 30 %,
-# where the tier paid in every case measured; between the two a tier keeps its state, at most a
-# few percent from the best choice either way.
+# 10 % tiers, 11-17 % for bf16 rows. Smaller tables break even sooner: on a 256 MiB fp32 one
+# the policy's 1 % tier ran 0.93-0.96x no tier at 0.9 % hits (uniform), 1.00-1.02x at 11.8 %
+# (Zipf 0.6), 1.05-1.08x at 20.6 % (Zipf 0.7). So the gate closes below 15 % (a uniform tier of
+# up to ~14 % of the rows, the 1 % default and ``savings`` included: there a tier cost 4-12 %)
+# and opens at 30 %, where the tier paid in every case measured; between the two a tier keeps
+# its state, a few percent at most from the better choice either way.
 HOT_TIER_GATE = HitRatioGate(close_below=0.15, open_at=0.30)
 
 
