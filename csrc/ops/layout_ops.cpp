@@ -5,9 +5,10 @@
 // lowers the 128-byte lines it touches (service/ibpembed/tables/gpu_layout.py says why).
 //
 // NOTE(ops): each slot's place depends on where the one before it ended, so the placement is one
-// sequential pass; in numpy it took a Python loop over the rows (seconds per million rows, an
-// hour for a billion), here it is a few nanoseconds a row. The copy of the slots' bytes, once
-// every place is known, runs in parallel.
+// sequential pass. In Python it was a loop over the rows (2-3.5 s per million rows, about an
+// hour for a billion); here the pass and the copy take about 0.12 us a row, most of it the new
+// payload's first touch (8M 256-byte rows: 1.0 s against 16 s). The copy of the slots' bytes,
+// once every place is known, runs in parallel.
 #include <ATen/ops/empty.h>
 
 #include <cstring>

@@ -89,8 +89,8 @@ def line_aware(t: CompressedTable) -> CompressedTable:
     raw slot). Compact, with the same rows bit for bit; the padding bytes are zero.
 
     Each slot's place depends on where the one before it ended, so the placement is one
-    sequential pass: the ``ibp_line_aware`` op (csrc/ops/layout_ops.cpp), a few nanoseconds a
-    row where a Python loop took seconds per million rows."""
+    sequential pass: the ``ibp_line_aware`` op (csrc/ops/layout_ops.cpp), about 0.12 us a row
+    with the copy, where a Python loop took 2-3.5 us."""
     payload, block_base, row_units = ops.ibp_line_aware(
         t.payload,
         t.block_base,
