@@ -173,6 +173,18 @@ def test_line_aware_equals_the_reference_on_compressed_tables(dtype, dim, kind) 
     assert same_bits(all_rows(got), all_rows(c))
 
 
+def test_line_aware_equals_the_reference_on_an_int8_rowwise_table() -> None:
+    rng = np.random.default_rng(8)
+    codes = rng.integers(0, 256, (999, 132), dtype=np.uint8)  # 4-byte scale/bias, 128 codes
+    codes[:, 0:4] = np.frombuffer(np.array([0.01, -0.5], dtype=np.float16).tobytes(), np.uint8)
+    codes[:, 4:] &= 0x3F  # trained codes leave high bits alone: something to compress
+    table = torch.from_numpy(codes)
+    c = compress(table, quant="int8_rowwise")
+    got = gpu_layout.line_aware(c)
+    assert_same_layout(got, reference_line_aware(c))
+    assert same_bits(all_rows(got), table)
+
+
 def dlrm_profile(rows: int, dim: int, seed: int) -> torch.Tensor:
     """fp32 rows with a trained DLRM table's value profile (benchmarks.data.dlrm_table's
     recipe): per-row log-normal scales, a third of rows still at their uniform init, zero rows,
