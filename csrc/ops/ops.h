@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //
 // Declarations of every op implementation that torch_bindings.cpp registers: the CPU impls
-// (codec_ops.cpp, lookup_ops.cpp) and, in CUDA builds, the CUDA impls (lookup_ops_cuda.cpp).
+// (codec_ops.cpp, layout_ops.cpp, lookup_ops.cpp) and, in CUDA builds, the CUDA impls (lookup_ops_cuda.cpp).
 //
 // A compressed table travels as six tensors plus four ints, in this order everywhere:
 //   payload uint8 [bytes + pad], block_base int64 [blocks + 1], row_units uint8 [blocks * 32],
@@ -37,6 +37,14 @@ at::Tensor ibp_slot_bytes_cpu(const at::Tensor& rows, int64_t chunk_bits, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ibp_compress_cpu(
     const at::Tensor& rows, int64_t chunk_bits, const at::Tensor& mask, const at::Tensor& bitval,
     int64_t unit_bytes);
+
+// -- layout_ops.cpp: a table's slots relaid for a GPU's zero-copy reads (CPU only) -------------
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ibp_line_aware_cpu(const at::Tensor& payload,
+                                                                  const at::Tensor& block_base,
+                                                                  const at::Tensor& row_units,
+                                                                  int64_t row_bytes,
+                                                                  int64_t unit_bytes,
+                                                                  int64_t num_rows);
 
 // -- lookup_ops.cpp: gathers and pooled lookups on the CPU -------------------------------------
 at::Tensor ibp_gather_cpu(const at::Tensor& payload, const at::Tensor& block_base,

@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 //
 // Registration only: every ibpembed op schema, the CPU implementations (codec_ops.cpp,
-// lookup_ops.cpp), the CUDA implementations in CUDA builds (lookup_ops_cuda.cpp), and the Python
-// module's process-level controls. Python code calls torch.ops.ibpembed.* on every build without
-// branching; the dispatcher picks the backend from the tensors' devices.
+// layout_ops.cpp, lookup_ops.cpp), the CUDA implementations in CUDA builds
+// (lookup_ops_cuda.cpp), and the Python module's process-level controls. Python code calls
+// torch.ops.ibpembed.* on every build without branching; the dispatcher picks the backend from
+// the tensors' devices.
 //
 // The argument order of a compressed table is in ops.h. lookup_pooled_tables reads several
 // tables in one call: they are registered once in a TableSet (torch.classes.ibpembed.TableSet),
@@ -30,6 +31,11 @@ TORCH_LIBRARY(ibpembed, m) {
   m.def(
       "ibp_compress(Tensor rows, int chunk_bits, Tensor mask, Tensor bitval, int unit_bytes) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
+  // A compressed table's payload, block_base and row_units with each slot moved to the next
+  // 32-byte boundary where that lowers the 128-byte lines it touches (pack --for-gpu).
+  m.def(
+      "ibp_line_aware(Tensor payload, Tensor block_base, Tensor row_units, int row_bytes, "
+      "int unit_bytes, int num_rows) -> (Tensor, Tensor, Tensor)");
   m.def(
       "ibp_decompress(Tensor payload, Tensor block_base, Tensor row_units, Tensor bitmask, "
       "Tensor mask, Tensor bitval, int chunk_bits, int row_bytes, int unit_bytes, int num_rows) "
@@ -55,6 +61,7 @@ TORCH_LIBRARY_IMPL(ibpembed, CPU, m) {
   m.impl("ibp_fit_codebooks", &ibp_fit_codebooks_cpu);
   m.impl("ibp_slot_bytes", &ibp_slot_bytes_cpu);
   m.impl("ibp_compress", &ibp_compress_cpu);
+  m.impl("ibp_line_aware", &ibp_line_aware_cpu);
   m.impl("ibp_decompress", &ibp_decompress_cpu);
   m.impl("ibp_gather", &ibp_gather_cpu);
   m.impl("lookup_pooled", &lookup_pooled_cpu_op);

@@ -82,6 +82,18 @@ def _compress_fake(rows, chunk_bits, mask, bitval, unit_bytes) -> tuple[torch.Te
     )
 
 
+@torch.library.register_fake("ibpembed::ibp_line_aware")
+def _line_aware_fake(
+    payload, block_base, row_units, row_bytes, unit_bytes, num_rows
+) -> tuple[torch.Tensor, ...]:
+    payload_bytes = torch.library.get_ctx().new_dynamic_size()
+    return (
+        payload.new_empty((payload_bytes,)),
+        torch.empty_like(block_base),
+        torch.empty_like(row_units),
+    )
+
+
 # Lookup outputs live where the table's small tensors live: on a GPU the payload stays in pinned
 # host memory (a CPU tensor) while block_base and the rest are CUDA tensors.
 @torch.library.register_fake("ibpembed::ibp_decompress")

@@ -32,6 +32,10 @@ def _cases() -> list[tuple[str, tuple]]:
         ),
         ("ibp_slot_bytes", (ROWS, TABLE.chunk_bits, TABLE.mask, TABLE.bitval, TABLE.unit_bytes)),
         ("ibp_compress", (ROWS, TABLE.chunk_bits, TABLE.mask, TABLE.bitval, TABLE.unit_bytes)),
+        (
+            "ibp_line_aware",
+            (*CODED._args()[:3], CODED.row_bytes, CODED.unit_bytes, CODED.num_rows),
+        ),
         ("ibp_decompress", args),
         ("ibp_gather", (*args, ids)),
         ("lookup_pooled", (*args, ids, torch.tensor([0, 1, 4]), None, 0, 0)),
@@ -42,7 +46,7 @@ def _cases() -> list[tuple[str, tuple]]:
 @pytest.mark.parametrize(("name", "args"), _cases(), ids=lambda c: str(c)[:30])
 def test_opcheck(name: str, args: tuple) -> None:
     op = getattr(ops, name).default
-    if name == "ibp_compress":
+    if name in ("ibp_compress", "ibp_line_aware"):
         # A data-dependent payload size: the dynamic-shape AOT check does not apply.
         tests = ("test_schema", "test_autograd_registration", "test_faketensor")
         torch.library.opcheck(op, args, test_utils=tests)

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The hot tier as an operator sees it: the real ``ibpembed serve --hot-tier``, its banner, and
-its tier metrics scraped over HTTP; a malformed budget stops the server at start."""
+its tier metrics scraped over HTTP; the gate's state (on or off and why) in the exposition; a
+malformed budget stops the server at start."""
 
 from __future__ import annotations
 
@@ -9,8 +10,14 @@ import subprocess
 import time
 
 import numpy as np
+import prometheus_client
 import pytest
+import torch
 
+from ibpembed.codec import compress
+from ibpembed.engine.tier import HOT_TIER_GATE, HotTier
+from ibpembed.server.metrics import ServerMetrics
+from ibpembed.tables.store import TableStore
 from ibpembed_client import LookupClient, RetryPolicy
 from tests.metrics.helpers import fetch, free_port, parse, value
 from tests.server.helpers import DEMO_300
@@ -59,6 +66,31 @@ def test_serve_exports_the_tier_and_prints_its_budget() -> None:
     assert "cat_0" in _series(samples, "ibpembed_hot_row_evictions_total")
     # Tables nobody looked up have no tier and no traffic counted.
     assert value(samples, "ibpembed_table_hot_row_bytes", table="cat_1") == 0
+
+
+def test_the_gate_says_whether_each_tier_is_on_and_why() -> None:
+    rows = 10_000
+    values = torch.randn(rows, 32, generator=torch.Generator().manual_seed(0))
+    store = TableStore.from_tables({"flat": compress(values), "skewed": compress(values)})
+    tier = HotTier(store, budget="1%")
+    metrics = ServerMetrics(store, device="cpu")
+    metrics.watch_hot_tier(tier)
+    rng = np.random.default_rng(0)
+    ranked = rng.permutation(rows)
+    for _ in range(HOT_TIER_GATE.steps + 1):
+        zipf = ranked[np.minimum(rng.zipf(1.3, 10_000) - 1, rows - 1)]
+        tier.record([("flat", rng.integers(0, rows, 10_000), rows), ("skewed", zipf, rows)])
+        tier.step()
+    tier.publish()
+    samples = parse(prometheus_client.generate_latest(metrics.registry).decode())
+    assert value(samples, "ibpembed_hot_tier_on", table="flat", reason="flat") == 0
+    assert value(samples, "ibpembed_hot_tier_on", table="skewed", reason="skewed") == 1
+    flat = value(samples, "ibpembed_hot_row_would_be_hit_ratio", table="flat")
+    skewed = value(samples, "ibpembed_hot_row_would_be_hit_ratio", table="skewed")
+    assert 0 < flat < HOT_TIER_GATE.close_below <= HOT_TIER_GATE.open_at <= skewed <= 1
+    # What the tier holds follows: the flat table's tier was withdrawn.
+    assert value(samples, "ibpembed_table_hot_row_bytes", table="flat") == 0
+    assert value(samples, "ibpembed_table_hot_row_bytes", table="skewed") > 0
 
 
 @pytest.mark.parametrize("bad", ["-5%", "lots", "5%%"])

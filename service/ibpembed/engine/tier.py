@@ -22,6 +22,16 @@ rows either way: the policy only moves time and memory.
   (``TableStore.set_hot_rows``) and published with one snapshot swap. Lookups never wait for
   it; a lookup holding an older snapshot reads that snapshot's tier.
 
+- **The gate** (:class:`HitRatioGate`, the host tier's; the HBM tier has none): a partial tier
+  pays only where it serves enough lookups, since every lookup of a table with a tier pays a
+  pre-pass that resolves its ids to tier rows. Each step also counts the *would-be* hits, the
+  step's ids found in the target set chosen before them (out of sample: what a tier published
+  then would have served). Over the last ``steps`` steps with lookups (and at least
+  ``min_ids`` ids) a table whose would-be hit ratio falls below ``close_below`` gets no tier
+  published (so its lookups skip the pre-pass); the policy keeps ranking its rows, and a ratio
+  back at ``open_at`` publishes its tier again. A change is published at that step, not at the
+  next refresh, and logged once.
+
 Consistency: a tier is built from the table version it is published into, a row update carries
 the updated rows' new bits into the next version's tier (``TableStore.update_rows``), a reload
 publishes its tables without a tier (the reloader asks for a new one at once), and pinned older
@@ -34,6 +44,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
@@ -65,6 +76,51 @@ FIRST_REFRESH_S = 5.0
 # window is about ten times the cache).
 SKETCH_WIDTH_PER_ROW = 4
 SKETCH_SAMPLE_PER_ROW = 10
+
+
+@dataclass(frozen=True)
+class HitRatioGate:
+    """When a table's tier is worth publishing, from its would-be hit ratio (the module
+    docstring, *The gate*).
+
+    Attributes
+    ----------
+    close_below : a ratio below this over the window withdraws the table's tier.
+    open_at : a ratio at or above this over the window publishes it again (>= close_below; the
+        band between them keeps a table whose ratio hovers there from rebuilding its tier at
+        every refresh).
+    steps : steps with lookups in the window.
+    min_ids : ids the window must hold before it decides (under lighter traffic the ratio is
+        noise, and the tier's cost no matter): until then the tier keeps its state.
+    """
+
+    close_below: float
+    open_at: float
+    steps: int = 3
+    min_ids: int = 1000
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.close_below <= self.open_at <= 1:
+            raise ValueError(
+                "a gate needs 0 <= close_below <= open_at <= 1, got "
+                f"{self.close_below}, {self.open_at}"
+            )
+        if self.steps < 1 or self.min_ids < 0:
+            raise ValueError(f"a gate needs steps >= 1, min_ids >= 0, got {self}")
+
+
+# The host tier's gate. NOTE(tier): where a tier starts to pay, from the hot-tier benchmark
+# (BENCHMARKS.md, *Hot tier*: 2 GiB DLRM-profile tables, one thread), interpolating each tier's
+# speed against no tier linearly in the hit ratio between its uniform and its Zipf 0.8 column:
+# at 28 % hits for fp32 rows and a 1 % tier (0.93x at 1.0 %, 1.01x at 32.8 %), 25 % for 5 % and
+# 10 % tiers, 11-17 % for bf16 rows. Smaller tables break even sooner: on a 256 MiB fp32 one
+# the policy's 1 % tier ran 0.93-0.96x no tier at 0.9 % hits (uniform), 1.00-1.02x at 11.8 %
+# (Zipf 0.6), 1.05-1.08x at 20.6 % (Zipf 0.7). So the gate closes below 15 % (a uniform tier of
+# up to ~14 % of the rows, the 1 % default and ``savings`` included: there a tier cost 4-12 %)
+# and opens at 30 %, where the tier paid in every case measured; between the two a tier keeps
+# its state (off there, a small table's tier forgoes up to 5-8 %; on, a 2 GiB table's costs up
+# to ~4 %).
+HOT_TIER_GATE = HitRatioGate(close_below=0.15, open_at=0.30)
 
 
 def hot_row_ids(table: CompressedTable, recent_ids: torch.Tensor, budget: float) -> torch.Tensor:
@@ -137,6 +193,12 @@ class TierStats:
     hits, misses : recorded ids found / not found in the published tier, since start.
     admissions, evictions : rows that entered / left the target set, since start.
     hit_ratio : hits per recorded id over the last step that saw lookups.
+    on : whether the policy publishes the table's tier (its gate is open).
+    reason : why: ``measuring`` (on: the window has not decided yet), ``skewed`` (on: the
+        would-be hit ratio reached the gate's ``open_at``, or stays above its ``close_below``),
+        ``flat`` (off: it fell below ``close_below``), ``ungated`` (on: a policy without a gate).
+    would_be_hit_ratio : share of the gate's window's ids that the target set chosen before them
+        held (0 until the window decides).
     """
 
     rows: int
@@ -146,12 +208,15 @@ class TierStats:
     admissions: int
     evictions: int
     hit_ratio: float
+    on: bool
+    reason: str
+    would_be_hit_ratio: float
 
 
 class _TableTier:
     """The admission state of one table (of one shape: a reload that resizes it starts anew)."""
 
-    def __init__(self, num_rows: int, window_ids: int) -> None:
+    def __init__(self, num_rows: int, window_ids: int, gate: HitRatioGate | None) -> None:
         self.num_rows = num_rows
         size = min(window_ids, max(MIN_WINDOW_IDS, WINDOW_IDS_PER_ROW * num_rows))
         self.pending = _IdRing(size)  # guarded by HotTier._lock
@@ -164,6 +229,32 @@ class _TableTier:
         self.coverage = 0.0  # share of the last step's ids the residents hold
         self.hits = self.misses = self.admissions = self.evictions = 0
         self.hit_ratio = 0.0
+        self.gate = gate
+        # (would-be hits, ids) of the last gate.steps steps that measured
+        self.window: deque[tuple[int, int]] = deque(maxlen=gate.steps if gate else 1)
+        self.would_be_hit_ratio = 0.0
+        self.on = True  # whether the tier is to be published
+        self.reason = "measuring" if gate else "ungated"
+        self.published_on = True  # ``on`` as last published
+        self.moved = False  # the gate opened or closed since the last publication's attempt
+
+    def measure(self, ids: np.ndarray) -> bool:
+        """Count ``ids`` against the target set chosen before them (call before :meth:`admit`)
+        and re-decide the gate; True when it opened or closed."""
+        gate = self.gate
+        if gate is None or ids.size == 0 or self.residents.size == 0:
+            return False  # no gate, no lookups, or no target set yet to measure against
+        self.window.append((int(_member(ids, self.residents).sum()), ids.size))
+        seen = sum(n for _, n in self.window)
+        if len(self.window) < gate.steps or seen < gate.min_ids:
+            return False
+        ratio = sum(h for h, _ in self.window) / seen
+        self.would_be_hit_ratio = ratio
+        on = ratio >= (gate.close_below if self.on else gate.open_at)
+        self.reason = "skewed" if on else "flat"
+        changed, self.on = on != self.on, on
+        self.moved |= changed
+        return changed
 
     def count(self, ids: np.ndarray, tier_rows: np.ndarray | None) -> None:
         """Hits and misses of the published tier (its sorted rows, or None)."""
@@ -245,6 +336,7 @@ class AdmissionPolicy(ABC):
     window_ids : ids buffered per table between steps at most (8 bytes each, allocated at the
         table's first lookup); smaller tables buffer 8 per row, at least MIN_WINDOW_IDS.
     thread_name : the background thread's name.
+    gate : when a table's tier is published (:class:`HitRatioGate`); None: always.
     """
 
     def __init__(
@@ -256,6 +348,7 @@ class AdmissionPolicy(ABC):
         step_s: float = STEP_S,
         window_ids: int = DEFAULT_WINDOW_IDS,
         thread_name: str = "ibpembed-hot-tier",
+        gate: HitRatioGate | None = None,
     ) -> None:
         self.budget = TierBudget.parse(budget)
         if not self.budget.enabled:
@@ -269,6 +362,7 @@ class AdmissionPolicy(ABC):
         self.step_s = step_s
         self.window_ids = int(window_ids)
         self.thread_name = thread_name
+        self.gate = gate
         self._lock = threading.Lock()  # guards _tables and the buffers; held for a copy at most
         self._work = threading.Lock()  # one step or publication at a time
         self._tables: dict[str, _TableTier] = {}
@@ -304,7 +398,7 @@ class AdmissionPolicy(ABC):
                 state = self._tables.get(name)
                 # A reload that resized the table starts it anew: the old ids name other rows.
                 if state is None or state.num_rows != num_rows:
-                    state = self._tables[name] = _TableTier(num_rows, self.window_ids)
+                    state = self._tables[name] = _TableTier(num_rows, self.window_ids, self.gate)
                 state.pending.add(ids)
 
     def step(self) -> None:
@@ -326,19 +420,35 @@ class AdmissionPolicy(ABC):
                         self._tables.pop(name, None)
                         if self.budget.kind != "all":
                             continue
-                        state = self._tables[name] = _TableTier(table.num_rows, self.window_ids)
+                        state = self._tables[name] = _TableTier(
+                            table.num_rows, self.window_ids, self.gate
+                        )
                     work.append((name, state, table, state.pending.take()))
             for name, state, table, ids in work:
                 capacity = self.capacity(table, table.raw_bytes / total_raw)
                 state.count(ids, self.held(name, table))
+                if state.measure(ids) and self.gate is not None:
+                    log.info(
+                        "%s: table %r's tier %s: %.1f%% of its last %d ids were in the %d rows "
+                        "it would hold (off below %.0f%%, on from %.0f%%)",
+                        self.thread_name,
+                        name,
+                        "on" if state.on else "off",
+                        100 * state.would_be_hit_ratio,
+                        sum(n for _, n in state.window),
+                        state.residents.size,
+                        100 * self.gate.close_below,
+                        100 * self.gate.open_at,
+                    )
                 if ids.size or capacity != state.capacity or capacity >= table.num_rows:
                     state.capacity = capacity
                     state.admit(ids)
 
     def publish(self, tables: Collection[str] | None = None) -> dict[str, int]:
-        """Publish a new tier for every table whose target set changed since its last
-        publication; ``tables``: for these whatever changed (a reload replaced them, and their
-        tiers with them). Returns the tier rows per table published."""
+        """Publish a new tier for every table whose target set changed, or whose gate opened or
+        closed, since its last publication (a closed gate publishes none: the table's lookups
+        then skip the tier's pre-pass); ``tables``: for these whatever changed (a reload
+        replaced them, and their tiers with them). Returns the tier rows per table published."""
         cached: dict[str, int] = {}
         with self._work:
             with self._lock:
@@ -351,11 +461,18 @@ class AdmissionPolicy(ABC):
                     continue
                 forced = tables is not None and name in tables
                 lost = state.cached > 0 and self.lost(name, table)
-                if state.published is state.residents and not forced and not lost:
+                # A closed gate publishes no tier, whatever the target set does meanwhile.
+                changed = state.on != state.published_on or (
+                    state.on and state.published is not state.residents
+                )
+                state.moved = False  # a failure is retried at the next refresh, not every step
+                if not changed and not forced and not lost:
                     continue
+                rows = state.residents if state.on else state.residents[:0]
                 try:
-                    cached[name] = self.install(name, table, state.residents, state.coverage)
+                    cached[name] = self.install(name, table, rows, state.coverage)
                     state.published, state.cached = state.residents, cached[name]
+                    state.published_on = state.on
                 except (KeyError, IndexError):  # replaced or reshaped since the snapshot
                     continue
                 except Exception:  # e.g. out of memory for the tier: the others still publish
@@ -380,9 +497,18 @@ class AdmissionPolicy(ABC):
                 s.admissions,
                 s.evictions,
                 s.hit_ratio,
+                s.on,
+                s.reason,
+                s.would_be_hit_ratio,
             )
             for name, s in states.items()
         }
+
+    def _gate_moved(self) -> bool:
+        """Whether a table's gate opened or closed since its last publication's attempt."""
+        with self._lock:
+            states = list(self._tables.values())
+        return any(s.moved for s in states)
 
     # -- the background thread -----------------------------------------------------------------
     def start(self) -> None:
@@ -400,8 +526,12 @@ class AdmissionPolicy(ABC):
         while not self._stop.wait(wait):
             try:
                 self.step()
-                if time.monotonic() >= due:
-                    due = time.monotonic() + self.refresh_s
+                # A gate that moved publishes at once: a closed one stops the pre-pass's cost,
+                # an opened one starts the savings; the refresh keeps its own schedule.
+                refresh = time.monotonic() >= due
+                if refresh or self._gate_moved():
+                    if refresh:
+                        due = time.monotonic() + self.refresh_s
                     published = self.publish()
                     if published:
                         log.debug("%s published: %s", self.thread_name, published)
@@ -419,7 +549,27 @@ class AdmissionPolicy(ABC):
 
 class HotTier(AdmissionPolicy):
     """Online admission into the host's decoded hot tier (``--hot-tier``): tiers are published
-    into the store's tables (``TableStore.set_hot_rows``). See :class:`AdmissionPolicy`."""
+    into the store's tables (``TableStore.set_hot_rows``), behind ``gate`` (HOT_TIER_GATE by
+    default). See :class:`AdmissionPolicy`."""
+
+    def __init__(
+        self,
+        store: TableStore,
+        *,
+        budget: TierBudget | str,
+        refresh_s: float = 30.0,
+        step_s: float = STEP_S,
+        window_ids: int = DEFAULT_WINDOW_IDS,
+        gate: HitRatioGate | None = HOT_TIER_GATE,
+    ) -> None:
+        super().__init__(
+            store,
+            budget=budget,
+            refresh_s=refresh_s,
+            step_s=step_s,
+            window_ids=window_ids,
+            gate=gate,
+        )
 
     def capacity(self, table: CompressedTable, share: float) -> int:
         return self.budget.table_rows(TableSize.of(table), share)

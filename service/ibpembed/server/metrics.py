@@ -39,6 +39,8 @@ metric                                                 type       labels
 ``ibpembed_hot_row_hits_total``                        counter    table
 ``ibpembed_hot_row_misses_total``                      counter    table
 ``ibpembed_hot_row_hit_ratio``                         gauge      table
+``ibpembed_hot_row_would_be_hit_ratio``                gauge      table
+``ibpembed_hot_tier_on``                               gauge      table, reason
 ``ibpembed_hot_row_admissions_total``                  counter    table
 ``ibpembed_hot_row_evictions_total``                   counter    table
 ``ibpembed_table_hot_row_budget_bytes``                gauge      table
@@ -392,7 +394,8 @@ class _TableCollector(Collector):
 
 class _HotTierCollector(Collector):
     """The hot tier's policy, table by table: hits and misses of the published tier, the hit
-    ratio of the last interval, admissions and evictions, and the bytes the budget buys."""
+    ratio of the last interval, the gate (on or off, why, and the would-be hit ratio it
+    decides on), admissions and evictions, and the bytes the budget buys."""
 
     def __init__(self, tier: HotTier) -> None:
         self.tier = tier
@@ -414,6 +417,20 @@ class _HotTierCollector(Collector):
                 "Share of the looked-up ids of the policy's last interval with lookups that the"
                 " published hot tier held.",
                 labels=["table"],
+            ),
+            "would_be": GaugeMetricFamily(
+                f"{NAMESPACE}_hot_row_would_be_hit_ratio",
+                "Share of the looked-up ids of the hot tier gate's window (its last steps with"
+                " lookups) that the rows the policy chose before them held: the hit ratio a"
+                " published tier would have had; 0 until the window decides.",
+                labels=["table"],
+            ),
+            "on": GaugeMetricFamily(
+                f"{NAMESPACE}_hot_tier_on",
+                "1 while the table's hot tier is published, 0 while its gate holds it back;"
+                " reason: measuring (not decided yet), skewed (would-be hit ratio high enough),"
+                " flat (too low: the tier's pre-pass would cost more than it saves).",
+                labels=["table", "reason"],
             ),
             "admissions": CounterMetricFamily(
                 f"{NAMESPACE}_hot_row_admissions",
@@ -437,6 +454,8 @@ class _HotTierCollector(Collector):
             families["hits"].add_metric([name], stats.hits)
             families["misses"].add_metric([name], stats.misses)
             families["ratio"].add_metric([name], stats.hit_ratio)
+            families["would_be"].add_metric([name], stats.would_be_hit_ratio)
+            families["on"].add_metric([name, stats.reason], 1.0 if stats.on else 0.0)
             families["admissions"].add_metric([name], stats.admissions)
             families["evictions"].add_metric([name], stats.evictions)
         for name, plan in sorted(self.tier.plan().items()):

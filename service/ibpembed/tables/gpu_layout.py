@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from ibpembed import layout
+from ibpembed._ops import ops
 from ibpembed.codec import CompressedTable
 
 SECTOR = 32
@@ -83,52 +83,24 @@ def wire_cost(t: CompressedTable) -> WireCost:
     )
 
 
-def _lines(offset: int, size: int) -> int:
-    return (offset % LINE + size + LINE - 1) // LINE
-
-
 def line_aware(t: CompressedTable) -> CompressedTable:
     """``t`` with each slot moved to the next 32-byte boundary where that lowers the lines it
     touches and the slot before it can grow by the gap (it is compressed and stays shorter than a
-    raw slot). Compact, with the same rows bit for bit; the padding bytes are zero."""
-    unit = t.unit_bytes
-    max_units = -(-t.row_bytes // unit)
-    offsets, sizes = slot_offsets(t)
-    units = t.row_units.numpy().astype(np.int64)
-    new_units = units.copy()
-    new_offsets = np.empty(t.num_rows, dtype=np.int64)
-    cursor = 0
-    # Sequential: each choice moves every slot after it.
-    for r in range(t.num_rows):
-        size = int(sizes[r])
-        aligned = -(-cursor // SECTOR) * SECTOR
-        gap = (aligned - cursor) // unit
-        if (
-            r > 0
-            and gap
-            and (aligned - cursor) % unit == 0
-            and new_units[r - 1] + gap < max_units
-            and _lines(aligned, size) < _lines(cursor, size)
-        ):
-            new_units[r - 1] += gap
-            cursor = aligned
-        new_offsets[r] = cursor
-        cursor += size
-    payload = np.zeros(cursor + layout.PAYLOAD_PAD, dtype=np.uint8)
-    source = t.payload.numpy()
-    for r in range(t.num_rows):  # the slots' own bytes; the gaps stay zero
-        payload[new_offsets[r] : new_offsets[r] + sizes[r]] = source[
-            offsets[r] : offsets[r] + sizes[r]
-        ]
-    row_units = torch.from_numpy(new_units.astype(np.uint8))
-    block_bytes = new_units.reshape(-1, layout.ROWS_PER_BLOCK).sum(axis=1) * unit
-    block_base = np.concatenate([[0], np.cumsum(block_bytes)]).astype(np.int64)
+    raw slot). Compact, with the same rows bit for bit; the padding bytes are zero.
+
+    Each slot's place depends on where the one before it ended, so the placement is one
+    sequential pass: the ``ibp_line_aware`` op (csrc/ops/layout_ops.cpp), about 0.12 us a row
+    with the copy, where a Python loop took 2-3.5 us."""
+    payload, block_base, row_units = ops.ibp_line_aware(
+        t.payload,
+        t.block_base,
+        t.row_units,
+        t.row_bytes,
+        t.unit_bytes,
+        t.num_rows,
+    )
     return dataclasses.replace(
-        t,
-        payload=torch.from_numpy(payload),
-        block_base=torch.from_numpy(block_base),
-        row_units=row_units,
-        hot=None,
+        t, payload=payload, block_base=block_base, row_units=row_units, hot=None
     )
 
 
