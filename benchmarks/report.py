@@ -206,11 +206,13 @@ SECTIONS = (
         "through a rank directory, and those rows are pooled in one loop that prefetches a fixed "
         "distance ahead; only the misses go through the index and the decoder. Under Zipf "
         "traffic a tier of a few percent of the raw bytes serves most lookups, and the misses, "
-        "decoded from DRAM, take most of the time: a miss costs its loads (~80 ns for a 512-byte "
-        "fp32 row) plus its decode (113-128 ns), which do not overlap, so a 10 % tier with 81 % "
-        "hits runs at about hits-at-raw-speed plus misses-at-the-uniform-compressed-rate "
-        "([why](docs/notes/2026-12-01-cold-row-decode-overlap.md)); under uniform ids only a tier "
-        "of every row helps ([the lean path](docs/codec.md#the-decoded-tier)).",
+        "decoded from DRAM, take most of the time: a cold 512-byte fp32 row costs about 160 ns "
+        "of index and slot loads and about 200 ns more to decode, against 75 ns for the same "
+        "decoder on rows in cache, because its reads of the slot queue behind the prefetches of "
+        "the rows ahead ([why](docs/notes/2026-12-01-gathered-patterns.md)). So a 10 % tier with "
+        "81 % hits runs at about hits-at-raw-speed plus misses-at-the-uniform-compressed-rate; "
+        "under uniform ids only a tier of every row helps "
+        "([the lean path](docs/codec.md#the-decoded-tier)).",
         (),
         headline=_tier_headline,
     ),
