@@ -141,7 +141,6 @@ struct LeanPooler {
   PoolRowsFn pool_rows;
   DType dtype;
   int64_t dim;
-  int64_t row_bytes;
   const int64_t* offsets;
   const float* weights;  // nullable; indexed like the ids
   float* out;
@@ -159,7 +158,7 @@ struct LeanPooler {
       const int64_t run = std::min(until, offsets[bag + 1] - first) - next;
       const int64_t ahead = std::max<int64_t>(0, std::min(run, n - next - kTierAhead));
       pool_rows(dtype, rows + next, weights != nullptr ? weights + idx : nullptr, run, dim,
-                out + bag * dim, PrefetchAhead{rows + next + kTierAhead, ahead, row_bytes});
+                out + bag * dim, PrefetchAhead{rows + next + kTierAhead, ahead});
       next += run;
     }
   }
@@ -249,8 +248,7 @@ void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
     } else {
       TierBuffers& b = thread_tier_buffers(num_ids);
       resolve_tier(t, indices + first, num_ids, b);
-      LeanPooler pooler{pool_rows,  dtype,      dim,        t.row_bytes,
-                        offsets,    per_sample_weights,     out,
+      LeanPooler pooler{pool_rows,     dtype,           dim,   offsets, per_sample_weights, out,
                         b.rows.data(), b.miss_at.data(), first, num_ids, bag_begin};
       if (!b.miss_ids.empty()) {
         const auto misses = static_cast<int64_t>(b.miss_ids.size());
