@@ -117,6 +117,21 @@ struct BagPooler {
 // The lean path's prefetch distance in rows: fbgemm's CPU loop prefetches 16 ids ahead.
 constexpr int64_t kTierAhead = 16;
 
+// Bytes of a row the lean path prefetches kTierAhead ids ahead. NOTE(lookup): fp32 rows take
+// their first line only: a software prefetch holds an L1 fill buffer until its line arrives, and
+// eight lines a row, 16 rows ahead, kept the buffers full while the fast fp32 loop waited on its
+// own prefetches; the core's prefetchers bring the row's other lines once its first is asked
+// for. Rows that take longer to pool per line (bf16, converted as they are added) keep every
+// line: there the single line left the loop waiting on the others. Raw-row lookups from 2 GiB
+// tables on the Intel Xeon VM (one thread, alternating builds, M lookups/s, all lines -> first
+// line): fp32 D = 128 uniform 10.1-10.3 -> 11.6-13.0, Zipf 1.05 22.5-24.5 -> 27.8-30.1; D = 384
+// Zipf 1.05 8.7-9.1 -> 10.9-11.8; D = 64 within noise; bf16 D = 128 Zipf 1.05 26.5-28.7 ->
+// 22.4-23.7 and D = 256 18.5-19.8 -> 14.0-14.7. Two lines, every other line, the last line, or
+// the lines into L2 were no better than these.
+int64_t lean_prefetch_bytes(DType dtype, int64_t row_bytes) {
+  return dtype == DType::kFloat32 ? std::min<int64_t>(64, row_bytes) : row_bytes;
+}
+
 // One thread's buffers for the lean path (row pointers per id, the misses), kept for its next
 // calls like the round buffer.
 struct TierBuffers {
@@ -141,6 +156,7 @@ struct LeanPooler {
   PoolRowsFn pool_rows;
   DType dtype;
   int64_t dim;
+  int64_t prefetch_bytes;  // lean_prefetch_bytes()
   const int64_t* offsets;
   const float* weights;  // nullable; indexed like the ids
   float* out;
@@ -158,7 +174,7 @@ struct LeanPooler {
       const int64_t run = std::min(until, offsets[bag + 1] - first) - next;
       const int64_t ahead = std::max<int64_t>(0, std::min(run, n - next - kTierAhead));
       pool_rows(dtype, rows + next, weights != nullptr ? weights + idx : nullptr, run, dim,
-                out + bag * dim, PrefetchAhead{rows + next + kTierAhead, ahead});
+                out + bag * dim, PrefetchAhead{rows + next + kTierAhead, ahead, prefetch_bytes});
       next += run;
     }
   }
@@ -248,8 +264,18 @@ void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
     } else {
       TierBuffers& b = thread_tier_buffers(num_ids);
       resolve_tier(t, indices + first, num_ids, b);
-      LeanPooler pooler{pool_rows,     dtype,           dim,   offsets, per_sample_weights, out,
-                        b.rows.data(), b.miss_at.data(), first, num_ids, bag_begin};
+      LeanPooler pooler{pool_rows,
+                        dtype,
+                        dim,
+                        lean_prefetch_bytes(dtype, t.row_bytes),
+                        offsets,
+                        per_sample_weights,
+                        out,
+                        b.rows.data(),
+                        b.miss_at.data(),
+                        first,
+                        num_ids,
+                        bag_begin};
       if (!b.miss_ids.empty()) {
         const auto misses = static_cast<int64_t>(b.miss_ids.size());
         const RowSink sink{&LeanPooler::consume, &pooler,
