@@ -68,7 +68,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ibp_line_aware_cpu(const at::Tens
   for (int64_t r = 0; r < num_rows; ++r) {
     if (r % kRowsPerBlock == 0) source = base[r / kRowsPerBlock];
     const int64_t size = units[r] * unit_bytes;
-    TORCH_CHECK_VALUE(source >= 0 && source + size <= payload_bytes, "row ", r,
+    // Compared as `source <= payload_bytes - size`: a corrupt base near 2^63 would wrap
+    // `source + size` back into range.
+    TORCH_CHECK_VALUE(source >= 0 && source <= payload_bytes - size, "row ", r,
                       "'s slot lies outside the payload (", payload_bytes, " bytes)");
     from[r] = source;
     source += size;

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 //
 // Declarations of every op implementation that torch_bindings.cpp registers: the CPU impls
-// (codec_ops.cpp, layout_ops.cpp, lookup_ops.cpp) and, in CUDA builds, the CUDA impls (lookup_ops_cuda.cpp).
+// (codec_ops.cpp, layout_ops.cpp, lookup_ops.cpp) and, in CUDA builds, the CUDA impls
+// (lookup_ops_cuda.cpp).
 //
 // A compressed table travels as six tensors plus four ints, in this order everywhere:
 //   payload uint8 [bytes + pad], block_base int64 [blocks + 1], row_units uint8 [blocks * 32],

@@ -10,20 +10,34 @@ import torch
 
 from ibpembed import _C, compress, cpu_path
 from ibpembed._ops import ops
-from ibpembed.codec import CompressedTable, available_cpu_paths
+from ibpembed.codec import CompressedTable, available_cpu_paths, pattern_lookup
 
+# Each decoder: the avx512 path's codebook decoder with each pattern lookup (each instantiation
+# has its own per-thread cache); the lookup does not matter to the other paths.
 PATHS = [
-    pytest.param(p, marks=pytest.mark.skipif(p not in available_cpu_paths(), reason=f"no {p}"))
-    for p in ("ref", "bmi2", "avx512")
+    pytest.param(
+        (p, lookup),
+        id=f"{p}-{lookup}" if p == "avx512" else p,
+        marks=pytest.mark.skipif(p not in available_cpu_paths(), reason=f"no {p}"),
+    )
+    for p, lookup in (
+        ("ref", "gather"),
+        ("bmi2", "gather"),
+        ("avx512", "gather"),
+        ("avx512", "tables"),
+    )
 ]
 
 
 @pytest.fixture
 def path(request):
-    before = cpu_path()
-    _C.set_cpu_path(request.param)
-    yield request.param
+    before, lookup_before = cpu_path(), pattern_lookup()
+    name, lookup = request.param
+    _C.set_cpu_path(name)
+    _C.set_pattern_lookup(lookup)
+    yield name
     _C.set_cpu_path(before)
+    _C.set_pattern_lookup(lookup_before)
 
 
 def _gather(table: CompressedTable, ids: torch.Tensor, mask, bitval) -> torch.Tensor:

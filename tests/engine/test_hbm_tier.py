@@ -89,12 +89,10 @@ def test_the_rank_directory_gives_each_tier_row_its_slot_and_no_other_row_one(
         assert cpu.hot is not None and torch.equal(cpu.hot.directory, t.directory)
 
 
-@pytest.mark.parametrize(("num_rows", "rows"), _directory_cases()[:6])
+@pytest.mark.parametrize(("num_rows", "rows"), [c for c in _directory_cases()[:6] if c[1].size])
 def test_the_cpu_ops_read_a_decoded_hbm_tier_through_its_directory(num_rows, rows) -> None:
     """tier.h's rank_slot, compiled into the CPU ops, finds every row of a decoded HBM tier;
     the CPU TableSet checks the directory word by word as it is added."""
-    if rows.size == 0:
-        return
     c = _table(num_rows)
     t = build_tier(c, torch.from_numpy(rows), "decoded")
     stride = -(-c.row_bytes // 16) * 16

@@ -238,6 +238,15 @@ def test_line_aware_rejects_an_inconsistent_table(change, message) -> None:
         gpu_layout.line_aware(c)
 
 
+def test_line_aware_rejects_a_base_whose_slot_end_wraps_past_2_63() -> None:
+    # 33 rows: the last block holds one row, so no later row of its block would catch a slot
+    # end that wrapped to a negative number; the copy would read far outside the payload.
+    c = compress(trained(33, 32, 9))
+    near_2_63 = torch.tensor([0, 2**63 - 8, 2**63 - 8])
+    with pytest.raises(ValueError, match="row 32's slot lies outside the payload"):
+        gpu_layout.line_aware(dataclasses.replace(c, block_base=near_2_63))
+
+
 def test_the_file_format_accepts_a_line_aware_layout(tmp_path: Path) -> None:
     from ibpembed.tables import writer
 
