@@ -25,10 +25,11 @@ fit, chunk and code width chosen by the codec or forced), and each against the i
 reference (``ibpembed.reference``: same masks and codebooks, same payload bytes, same rows; for
 fitted or perturbed codebooks).
 
-Jobs cycle through the CPU paths the CPU runs (``IBPEMBED_CPU_PATH=avx512`` / ``bmi2`` / ``ref``;
-``--jobs 3`` fuzzes all three on an AVX-512 machine). A
-mismatch is saved (``--failures DIR``) with the command that replays its batch; the exit status
-is 1 if any case failed.
+Batches cycle through the decoders the CPU runs, switched in process: every CPU path
+(``avx512`` / ``bmi2`` / ``ref``), and the ``avx512`` path with each of its pattern lookups
+(``gather`` / ``tables``), so every job fuzzes all of them. A mismatch is saved (``--failures
+DIR``) with the command that replays its batch (on the same decoder); the exit status is 1 if
+any case failed.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -570,23 +572,50 @@ def batch_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
 
 
+def decoders() -> list[tuple[str, str]]:
+    """(CPU path, pattern lookup) of every decoder this CPU runs; the lookup only matters to
+    the avx512 path."""
+    out = []
+    for path in codec.available_cpu_paths():
+        lookups = ("gather", "tables") if path == "avx512" else (_C.default_pattern_lookup(),)
+        out += [(path, lookup) for lookup in lookups]
+    return out
+
+
+@contextmanager
+def batch_decoder(index: int) -> Iterator[str]:
+    """This process on batch ``index``'s decoder while the batch runs; yields its name."""
+    path, lookup = decoders()[index % len(decoders())]
+    before = _C.cpu_path(), _C.pattern_lookup()
+    _C.set_cpu_path(path)
+    _C.set_pattern_lookup(lookup)
+    try:
+        yield f"{path}/{lookup}" if path == "avx512" else path
+    finally:
+        _C.set_cpu_path(before[0])
+        _C.set_pattern_lookup(before[1])
+
+
 def run_job(plan: JobPlan, on_batch: Callable[[Stats], None] | None = None) -> Stats:
     """Run batches ``job, job + jobs, ...`` until this job's share of cases is done."""
     torch.set_num_threads(1)  # parallelism comes from the jobs; threads would oversubscribe
     stats = Stats()
-    path = _C.cpu_path()
     b = 0
     while stats.cases < plan.cases:
-        index = b * plan.jobs + plan.job
-        run_batch(plan, index, stats, path)
+        run_batch(plan, b * plan.jobs + plan.job, stats)
         b += 1
         if on_batch is not None:
             on_batch(stats)
     return stats
 
 
-def run_batch(plan: JobPlan, index: int, stats: Stats, path: str) -> None:
-    """Build batch ``index``, run every check on it, add to ``stats``."""
+def run_batch(plan: JobPlan, index: int, stats: Stats) -> None:
+    """Build batch ``index``, run every check on it with its decoder, add to ``stats``."""
+    with batch_decoder(index) as path:
+        _run_batch(plan, index, stats, path)
+
+
+def _run_batch(plan: JobPlan, index: int, stats: Stats, path: str) -> None:
     seed = batch_seed(plan.seed, index)
     batch = make_batch(seed)
     problems, compressed, calls = check_batch(batch, seed)
@@ -618,10 +647,7 @@ def run_batch(plan: JobPlan, index: int, stats: Stats, path: str) -> None:
 
 
 def _record(plan: JobPlan, index: int, batch: Batch, problems: list[str], path: str) -> dict:
-    replay = (
-        f"IBPEMBED_CPU_PATH={path} python -m reliability.fuzz_codec --seed {plan.seed} "
-        f"--batch {index}"
-    )
+    replay = f"python -m reliability.fuzz_codec --seed {plan.seed} --batch {index}"
     entry = {
         "batch": index,
         "problems": problems,
@@ -663,18 +689,10 @@ def run(
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = []
-    paths = codec.available_cpu_paths()
-    saved = os.environ.get("IBPEMBED_CPU_PATH")
     for plan in plans:
-        # A spawned child reads the environment when it starts; the path is fixed at import.
-        os.environ["IBPEMBED_CPU_PATH"] = paths[plan.job % len(paths)]
         proc = ctx.Process(target=_worker, args=(plan, queue))
         proc.start()
         procs.append(proc)
-    if saved is None:
-        os.environ.pop("IBPEMBED_CPU_PATH", None)
-    else:
-        os.environ["IBPEMBED_CPU_PATH"] = saved
     total = Stats()
     for _ in procs:
         total.merge(queue.get())
@@ -735,7 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.batch is not None:
         plan = JobPlan(0, 1, args.seed, 1, 1, 1, args.failures)
         stats = Stats()
-        run_batch(plan, args.batch, stats, _C.cpu_path())
+        run_batch(plan, args.batch, stats)
         print("mismatch" if stats.mismatches else "ok", stats.cases, "cases")
         return 1 if stats.mismatches else 0
     stats, seconds = run(

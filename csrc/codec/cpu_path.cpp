@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 
@@ -124,9 +125,19 @@ bool cpu_path_from_name(const char* name, CpuPath* path) {
   return false;
 }
 
+bool gathers_slowed_by_microcode() {
+  std::ifstream status("/sys/devices/system/cpu/vulnerabilities/gather_data_sampling");
+  std::string line;
+  return std::getline(status, line) && line.rfind("Mitigation: Microcode", 0) == 0;
+}
+
+// NOTE(codec): Intel cores from Skylake to Tiger Lake, once the microcode that mitigates Gather
+// Data Sampling is loaded, run every vector gather several times slower (Intel's guidance on
+// the mitigation); those take the byte tables. Sapphire Rapids and later are not affected.
 PatternLookup default_pattern_lookup() {
 #if defined(__x86_64__) || defined(__i386__)
-  return __builtin_cpu_is("intel") ? PatternLookup::kGather : PatternLookup::kByteTables;
+  return __builtin_cpu_is("intel") && !gathers_slowed_by_microcode() ? PatternLookup::kGather
+                                                                     : PatternLookup::kByteTables;
 #else
   return PatternLookup::kByteTables;
 #endif

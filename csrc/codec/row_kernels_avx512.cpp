@@ -22,8 +22,8 @@
 // Which pattern lookup is faster depends on the core (active_pattern_lookup(), codec.h): on Zen 4
 // a vpgatherdd of whole patterns cost more than all the rest of a block, while on an Intel
 // Sapphire Rapids-class core the byte tables' shuffles queue on port 5 behind the free fields'
-// and the gather, on the load ports, decodes D = 128 fp32 rows 1.45x faster (77 against 110 ns a
-// row from L2; development A/B, same build). Masked stores and reading the stored row back (to
+// and the gather, on the load ports, decodes D = 128 fp32 rows 1.4x faster (74-79 against
+// 109-114 ns a row from L2; docs/notes/2026-12-01-gathered-patterns.md). Masked stores and reading the stored row back (to
 // patch escapes) stalled on Zen 4.
 #include <immintrin.h>
 
@@ -206,8 +206,7 @@ class BytePatternTables {
 
 // Gathered patterns: one vpgatherdd of whole 32-bit patterns per block, from a table of 16
 // entries per chunk. Its 16 loads go to the load ports and leave port 5 to the free fields'
-// shuffles: on Intel cores (Sapphire Rapids class) it decodes fp32 rows about 1.4x faster than
-// the byte tables; on Zen 4 a gather cost more than the rest of a block.
+// shuffles (see the file's NOTE for the measurement).
 class GatheredPatterns {
  public:
   GatheredPatterns(const TableView& t, int num_blocks)

@@ -8,7 +8,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ibpembed import _C
 from ibpembed._ops import ops
+from ibpembed.codec import available_cpu_paths
 from reliability import fuzz_codec as fc
 
 
@@ -20,9 +22,24 @@ def test_fuzz_batch_round_trips_bit_exact(index: int) -> None:
         job=0, jobs=1, seed=7, cases=1, solo_every=10, reference_every=every, failures=None
     )
     stats = fc.Stats()
-    fc.run_batch(plan, index, stats, "current")
+    fc.run_batch(plan, index, stats)
     assert stats.mismatches == []
     assert stats.cases >= 1 and stats.rows >= stats.cases
+
+
+def test_batches_cycle_through_every_decoder_and_restore_the_process_one() -> None:
+    before = _C.cpu_path(), _C.pattern_lookup()
+    plan = fc.JobPlan(
+        job=0, jobs=1, seed=7, cases=1, solo_every=0, reference_every=0, failures=None
+    )
+    stats = fc.Stats()
+    for index in range(len(fc.decoders())):
+        fc.run_batch(plan, index, stats)
+    expected = {f"{p}/{lookup}" if p == "avx512" else p for p, lookup in fc.decoders()}
+    assert set(stats.by_cpu_path) == expected
+    if "avx512" in available_cpu_paths():
+        assert {"avx512/gather", "avx512/tables"} <= expected
+    assert (_C.cpu_path(), _C.pattern_lookup()) == before
 
 
 def test_checker_reports_a_corrupted_decode(monkeypatch) -> None:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,11 +85,13 @@ def test_default_path_is_the_fastest_the_cpu_runs() -> None:
     assert cpu_path() == expected == available_cpu_paths()[0] == _C.default_cpu_path()
 
 
-def test_default_pattern_lookup_is_the_gather_on_intel_cpus() -> None:
-    # The vendor read independently of the extension's own check.
+def test_default_pattern_lookup_is_the_gather_on_intel_cpus_without_gds_microcode() -> None:
+    # The vendor and the Gather Data Sampling status read independently of the extension.
     with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
         intel = "GenuineIntel" in f.read()
-    assert _C.default_pattern_lookup() == ("gather" if intel else "tables")
+    gds = Path("/sys/devices/system/cpu/vulnerabilities/gather_data_sampling")
+    slowed = gds.exists() and gds.read_text().startswith("Mitigation: Microcode")
+    assert _C.default_pattern_lookup() == ("gather" if intel and not slowed else "tables")
     assert pattern_lookup() == _C.default_pattern_lookup()
 
 

@@ -139,6 +139,7 @@ def test_values_match_what_was_sent(served):
         version=ibpembed.__version__,
         device="cpu",
         cpu_path=ibpembed.cpu_path(),
+        pattern_lookup=ibpembed.codec.pattern_lookup(),
         torch=torch.__version__,
     )
     assert info == 1
@@ -154,7 +155,9 @@ def test_no_request_values_in_labels(served):
     for needle in (SECRET_FEATURE, str(SECRET_ID), "req-5ec2e7"):
         assert needle not in text
     labels = {k for (_, labels) in served.scrape() for k, _ in labels}
-    assert labels == {"version", "device", "cpu_path", "torch", "method", "code", "pooling"} | {
+    assert labels == {"version", "device", "cpu_path", "pattern_lookup", "torch", "method"} | {
+        "code",
+        "pooling",
         "le",
         "table",
         "result",

@@ -184,7 +184,8 @@ bool cpu_path_from_name(const char* name, CpuPath* path);
 // one gather of whole patterns per 16 chunks, or byte tables through shuffles. Both decode the
 // same bits; which is faster depends on the core, not on the ISA.
 enum class PatternLookup { kGather, kByteTables };
-// gather on Intel CPUs, byte tables elsewhere (gathers are slow on AMD Zen 4).
+// gather on Intel CPUs, byte tables elsewhere (gathers are slow on AMD Zen 4) and on Intel cores
+// whose Gather Data Sampling mitigation is in microcode (which slows every gather).
 PatternLookup default_pattern_lookup();
 // IBPEMBED_PATTERN_LOOKUP=gather|tables if set, else default_pattern_lookup().
 PatternLookup active_pattern_lookup();

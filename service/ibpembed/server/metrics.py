@@ -17,7 +17,8 @@ and request ids never become labels.
 =====================================================  =========  ==================================
 metric                                                 type       labels
 =====================================================  =========  ==================================
-``ibpembed_build_info``                                gauge      version, device, cpu_path, torch
+``ibpembed_build_info``                                gauge      version, device, cpu_path,
+                                                                  pattern_lookup, torch
 ``ibpembed_requests_total``                            counter    method, code
 ``ibpembed_lookup_duration_seconds``                   histogram  method, pooling
 ``ibpembed_inflight_requests``                         gauge      —
@@ -81,6 +82,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 import ibpembed
+from ibpembed.codec import pattern_lookup
 from ibpembed.engine import KernelCall
 from ibpembed.engine.hbm_tier import HbmTier
 from ibpembed.engine.tier import HotTier
@@ -663,6 +665,7 @@ class ServerMetrics:
                 "version": ibpembed.__version__,
                 "device": device,
                 "cpu_path": ibpembed.cpu_path(),
+                "pattern_lookup": pattern_lookup(),
                 "torch": torch.__version__,
             }
         )
