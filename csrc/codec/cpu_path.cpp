@@ -125,7 +125,7 @@ bool cpu_path_from_name(const char* name, CpuPath* path) {
   return false;
 }
 
-bool gathers_slowed_by_microcode() {
+static bool gathers_slowed_by_microcode() {
   std::ifstream status("/sys/devices/system/cpu/vulnerabilities/gather_data_sampling");
   std::string line;
   return std::getline(status, line) && line.rfind("Mitigation: Microcode", 0) == 0;
