@@ -125,11 +125,13 @@ bool cpu_path_from_name(const char* name, CpuPath* path) {
   return false;
 }
 
+#if defined(__x86_64__) || defined(__i386__)
 static bool gathers_slowed_by_microcode() {
   std::ifstream status("/sys/devices/system/cpu/vulnerabilities/gather_data_sampling");
   std::string line;
   return std::getline(status, line) && line.rfind("Mitigation: Microcode", 0) == 0;
 }
+#endif
 
 // NOTE(codec): Intel cores from Skylake to Tiger Lake, once the microcode that mitigates Gather
 // Data Sampling is loaded, run every vector gather several times slower (Intel's guidance on
