@@ -372,12 +372,15 @@ class CompressedTable:
         base = self.without_hot_rows()
         if ids.numel() == 0 or base._raw_rows_as_tier[1] is not None:
             return base
-        directory = ids.new_empty(0) if ids.numel() == self.num_rows else self._rank_directory(ids)
+        directory = ids.new_empty(0) if ids.numel() == self.num_rows else self.rank_directory(ids)
         rows = ops.ibp_gather(*self._args(), ids, None, None)
         return dataclasses.replace(self, hot=HotRows(ids, directory, rows, coverage))
 
-    def _rank_directory(self, ids: torch.Tensor) -> torch.Tensor:
-        """HotRows.directory of sorted distinct ``ids``."""
+    def rank_directory(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rank directory of a tier holding the sorted distinct ``ids`` (HotRows.directory,
+        and the HBM tier's residency map): int64 [2 * ceil(num_rows / 64)], per 64 table rows a
+        bit word (bit r % 64: the tier holds row r) and the tier slot of the word's first held
+        row (csrc/include/ibpembed/tier.h ``rank_slot``)."""
         words = -(-self.num_rows // 64)
         word = torch.div(ids, 64, rounding_mode="floor")
         # Distinct bits of a word never carry, so their sum is their OR (bit 63 wraps to the

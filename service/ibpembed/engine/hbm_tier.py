@@ -151,7 +151,7 @@ def build_tier(table: CompressedTable, rows: torch.Tensor, form: TierForm) -> Ti
     if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= table.num_rows):
         raise IndexError(f"tier rows must lie in [0, {table.num_rows}) of the table")
     n = rows.numel()
-    directory = table._rank_directory(rows)  # the CPU tier's layout: tier.h rank_slot
+    directory = table.rank_directory(rows)  # the CPU tier's layout: tier.h rank_slot
     if form == "decoded":
         stride = _round16(table.row_bytes)
         payload = torch.zeros(n * stride + PAYLOAD_PAD, dtype=torch.uint8)
