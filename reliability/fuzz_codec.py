@@ -585,7 +585,8 @@ def decoders() -> list[tuple[str, str]]:
 @contextmanager
 def batch_decoder(index: int) -> Iterator[str]:
     """This process on batch ``index``'s decoder while the batch runs; yields its name."""
-    path, lookup = decoders()[index % len(decoders())]
+    every = decoders()
+    path, lookup = every[index % len(every)]
     before = _C.cpu_path(), _C.pattern_lookup()
     _C.set_cpu_path(path)
     _C.set_pattern_lookup(lookup)

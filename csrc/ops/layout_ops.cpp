@@ -41,17 +41,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ibp_line_aware_cpu(const at::Tens
   check_cpu_contiguous(payload, "payload", at::kByte);
   check_cpu_contiguous(block_base, "block_base", at::kLong);
   check_cpu_contiguous(row_units, "row_units", at::kByte);
-  TORCH_CHECK_VALUE(row_bytes > 0 && row_bytes <= kMaxRowBytes, "row_bytes out of range: ",
-                    row_bytes);
-  TORCH_CHECK_VALUE(num_rows >= 0, "num_rows must be >= 0");
-  TORCH_CHECK_VALUE(unit_bytes > 0 && unit_bytes == slot_unit_bytes(row_bytes, unit_bytes),
-                    "unit_bytes ", unit_bytes, " is not a valid slot unit for ", row_bytes,
-                    "-byte rows");
-  const int64_t blocks = num_blocks(num_rows);
-  TORCH_CHECK_VALUE(block_base.numel() == blocks + 1, "block_base must have ", blocks + 1,
-                    " entries, got ", block_base.numel());
-  TORCH_CHECK_VALUE(row_units.numel() == blocks * kRowsPerBlock, "row_units must have ",
-                    blocks * kRowsPerBlock, " entries, got ", row_units.numel());
+  const int64_t blocks = check_index_shapes(block_base, row_units, row_bytes, unit_bytes, num_rows);
 
   // A slot may grow by a gap only while it stays shorter than a raw slot (format.h): a slot of
   // max_units is a raw row, which its readers take at its length.

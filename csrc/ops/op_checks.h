@@ -41,14 +41,10 @@ struct TableShape {
   int code_bits;  // C: the codebooks' code width
 };
 
-// The table arguments' ints, and the shapes of the index, bitmask, masks and codebooks they
-// imply. Values (the payload's length against the index, masks within the chunk width) are the
-// backend's: the CPU checks them here, the CUDA kernels as they read.
-inline TableShape check_table_shapes(const at::Tensor& block_base, const at::Tensor& row_units,
-                                     const at::Tensor& bitmask, const at::Tensor& mask,
-                                     const at::Tensor& bitval, int64_t chunk_bits,
-                                     int64_t row_bytes, int64_t unit_bytes, int64_t num_rows) {
-  check_chunk_bits(chunk_bits);
+// The row geometry's ints (row width, slot unit, row count) and the index shapes they imply;
+// returns the number of index blocks.
+inline int64_t check_index_shapes(const at::Tensor& block_base, const at::Tensor& row_units,
+                                  int64_t row_bytes, int64_t unit_bytes, int64_t num_rows) {
   TORCH_CHECK_VALUE(row_bytes > 0 && row_bytes <= kMaxRowBytes, "row_bytes out of range: ",
                     row_bytes);
   TORCH_CHECK_VALUE(num_rows >= 0, "num_rows must be >= 0");
@@ -60,6 +56,18 @@ inline TableShape check_table_shapes(const at::Tensor& block_base, const at::Ten
                     " entries, got ", block_base.numel());
   TORCH_CHECK_VALUE(row_units.numel() == blocks * kRowsPerBlock, "row_units must have ",
                     blocks * kRowsPerBlock, " entries, got ", row_units.numel());
+  return blocks;
+}
+
+// The table arguments' ints, and the shapes of the index, bitmask, masks and codebooks they
+// imply. Values (the payload's length against the index, masks within the chunk width) are the
+// backend's: the CPU checks them here, the CUDA kernels as they read.
+inline TableShape check_table_shapes(const at::Tensor& block_base, const at::Tensor& row_units,
+                                     const at::Tensor& bitmask, const at::Tensor& mask,
+                                     const at::Tensor& bitval, int64_t chunk_bits,
+                                     int64_t row_bytes, int64_t unit_bytes, int64_t num_rows) {
+  check_chunk_bits(chunk_bits);
+  check_index_shapes(block_base, row_units, row_bytes, unit_bytes, num_rows);
   TORCH_CHECK_VALUE(bitmask.numel() == (num_rows + 31) / 32, "bitmask must have ",
                     (num_rows + 31) / 32, " words, got ", bitmask.numel());
   const int v = chunks_per_row(row_bytes, static_cast<int>(chunk_bits));
