@@ -38,11 +38,14 @@ def main() -> None:
     parser.add_argument("--token", default=None)
     parser.add_argument("--uid", type=int, default=65534)
     args = parser.parse_args()
+    # The channel is made first: grpc imports its channel module on first use, and a checkout
+    # the stranger cannot read (a private temporary directory) would then fail the import. It
+    # connects on the first call, after the drop.
+    stub = lookup_pb2_grpc.EmbeddingLookupStub(grpc.insecure_channel(args.target))
     # Everything is imported; from here on this process has a stranger's rights only.
     os.setgroups([])
     os.setgid(args.uid)
     os.setuid(args.uid)
-    stub = lookup_pb2_grpc.EmbeddingLookupStub(grpc.insecure_channel(args.target))
     metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
     outcome: dict[str, str] = {}
     try:
