@@ -24,7 +24,7 @@ class FrequencySketch:
     width : counters per row, rounded up to a power of two in [MIN_WIDTH, MAX_WIDTH]
         (DEPTH x width x 4 bytes of memory). A few times the ids the caller ranks keeps the
         over-estimates small.
-    sample : increments between halvings (TinyLFU's window: about ten times the ids ranked).
+    sample : increments between halvings (TinyLFU's window: ten times the ids ranked or more).
     seed : picks the hash functions.
     """
 
