@@ -43,9 +43,9 @@ def _zipf(rng: np.random.Generator) -> np.ndarray:
     return _RANKED[rng.choice(ROWS, STEP_IDS, p=_P)].astype(np.int64)
 
 
-def _table(store: TableStore) -> CompressedTable:
+def _table(store: TableStore, name: str = "t") -> CompressedTable:
     with store.acquire() as snap:
-        return snap.tables["t"]
+        return snap.tables[name]
 
 
 def _steps_until(tier: HotTier, on: bool, ids, rng: np.random.Generator, limit: int) -> int:
@@ -155,6 +155,33 @@ def test_the_background_thread_publishes_a_gate_change_without_waiting_for_the_r
                 time.sleep(0.02)
     finally:
         tier.close()
+
+
+def test_a_gate_change_publishes_its_own_table_and_leaves_the_others_to_the_refresh() -> None:
+    store = TableStore.from_tables({"t": compress(_values()), "u": compress(_values(1))})
+    tier = HotTier(store, budget="1%", refresh_s=3600, step_s=0.02)
+    rng = np.random.default_rng(4)
+    for _ in range(GATE.steps + 1):
+        tier.record([("t", _zipf(rng), ROWS), ("u", _zipf(rng), ROWS)])
+        tier.step()
+    tier.publish()
+    u_tier = _table(store, "u").hot
+    assert _table(store, "t").hot is not None and u_tier is not None
+    admitted = tier.stats()["u"].admissions
+    # u's traffic takes on rows outside its tier (its gate stays open: most ids still hit).
+    outside = np.setdiff1d(np.arange(ROWS), u_tier.ids.numpy())[:50]
+    tier.start()
+    try:
+        give_up = time.monotonic() + 30
+        while _table(store, "t").hot is not None:
+            assert time.monotonic() < give_up, "t's closed gate was not published"
+            u_ids = np.concatenate([_zipf(rng), np.repeat(outside, 100)])
+            tier.record([("t", _uniform(rng), ROWS), ("u", u_ids, ROWS)])
+            time.sleep(0.02)
+    finally:
+        tier.close()
+    assert tier.stats()["u"].admissions > admitted  # u's target set changed...
+    assert _table(store, "u").hot is u_tier  # ...and waits for the refresh
 
 
 def test_a_policy_without_a_gate_publishes_whatever_the_traffic() -> None:

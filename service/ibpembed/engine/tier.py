@@ -452,11 +452,14 @@ class AdmissionPolicy(ABC):
                     state.capacity = capacity
                     state.admit(ids)
 
-    def publish(self, tables: Collection[str] | None = None) -> dict[str, int]:
+    def publish(
+        self, tables: Collection[str] | None = None, *, only: Collection[str] | None = None
+    ) -> dict[str, int]:
         """Publish a new tier for every table whose target set changed, or whose gate opened or
         closed, since its last publication (a closed gate publishes none: the table's lookups
         then skip the tier's pre-pass); ``tables``: for these whatever changed (a reload
-        replaced them, and their tiers with them). Returns the tier rows per table published."""
+        replaced them, and their tiers with them); ``only``: consider these tables alone.
+        Returns the tier rows per table published."""
         cached: dict[str, int] = {}
         with self._work:
             with self._lock:
@@ -464,6 +467,8 @@ class AdmissionPolicy(ABC):
             with self.store.acquire() as snapshot:
                 current = dict(snapshot.tables)
             for name, state in states.items():
+                if only is not None and name not in only:
+                    continue
                 table = current.get(name)
                 if table is None or table.num_rows != state.num_rows:
                     continue
@@ -512,11 +517,11 @@ class AdmissionPolicy(ABC):
             for name, s in states.items()
         }
 
-    def _gate_moved(self) -> bool:
-        """Whether a table's gate opened or closed since its last publication's attempt."""
+    def _gate_moved(self) -> set[str]:
+        """The tables whose gate opened or closed since their last publication's attempt."""
         with self._lock:
-            states = list(self._tables.values())
-        return any(s.moved for s in states)
+            states = dict(self._tables)
+        return {name for name, s in states.items() if s.moved}
 
     # -- the background thread -----------------------------------------------------------------
     def start(self) -> None:
@@ -534,13 +539,15 @@ class AdmissionPolicy(ABC):
         while not self._stop.wait(wait):
             try:
                 self.step()
-                # A gate that moved publishes at once: a closed one stops the pre-pass's cost,
-                # an opened one starts the savings; the refresh keeps its own schedule.
+                # A gate that moved publishes its table at once: a closed one stops the
+                # pre-pass's cost, an opened one starts the savings. The other tables keep the
+                # refresh's schedule: a tier is rebuilt at most every refresh_s.
                 refresh = time.monotonic() >= due
-                if refresh or self._gate_moved():
+                moved = set() if refresh else self._gate_moved()
+                if refresh or moved:
                     if refresh:
                         due = time.monotonic() + self.refresh_s
-                    published = self.publish()
+                    published = self.publish(only=None if refresh else moved)
                     if published:
                         log.debug("%s published: %s", self.thread_name, published)
             except Exception:  # a failed step keeps the published tiers; lookups go on
