@@ -689,7 +689,7 @@ def target_summary(results: dict[str, Any]) -> list[tuple[str, str, str]]:
             hot = rates[HOT_ENGINE]
             out.append(
                 (
-                    f"the same with hot-row copies ({_pct(HOT_ROW_BUDGET, 0)} of raw; {where})",
+                    f"the same with a decoded tier ({_pct(HOT_ROW_BUDGET, 0)} of raw; {where})",
                     f"{hot / raw:.2f}×",
                     "met" if hot >= raw else "missed",
                 )

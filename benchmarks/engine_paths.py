@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Engine pooled-lookup paths: decode-once (dedupe) vs fused, with and without hot-row copies.
+"""Engine pooled-lookup paths: decode-once (dedupe) vs fused, with and without a decoded tier.
 
     python -m benchmarks.engine_paths [--quick] [--out DIR]
 
 ``LookupEngine`` pools a table's ids either by deduplicating them (sort, decode each distinct
 row once, ``embedding_bag``) or with the fused decode+pool kernel over every id (which decodes
 repeated ids once as far as its per-call cache of decoded rows reaches); the default sorts only
-tables with at least ``DEDUPE_MIN_IDS`` ids, and a table whose hot-row copies served at least
+tables with at least ``DEDUPE_MIN_IDS`` ids, and a table whose decoded tier served at least
 half of the lookups that ranked them takes the fused kernel. This measures four engines side by
 side (dedupe from 64 ids, fused, the default without and with copies), in one process, on the
 same requests (CPU time per request, best of several alternating passes, one torch thread):
@@ -126,7 +126,7 @@ def measure(tables: dict, warm: list[Request], timed: list[Request], passes: int
             if engine.tier is not None:
                 engine.tier.refresh()
                 engine.tier.close()  # no background admission on the timed requests
-        agree = agreement(variants, timed)  # with the copies in place, before any timing
+        agree = agreement(variants, timed)  # with the tiers in place, before any timing
         best = dict.fromkeys(variants, float("inf"))
         for p in range(passes):
             order = list(variants.items())
@@ -157,7 +157,7 @@ def demo_case(batch: int, max_rows: int, passes: int) -> dict:
     features = demo.feature_names()
     rows = {f: tables[f].num_rows for f in features}
 
-    # One stream (one seed: the same hot rows throughout), its first requests rank the copies.
+    # One stream (one seed: the same hot rows throughout), its first requests rank the tiers.
     stream = make_requests(rows, batch_size=batch, hotness=hotness_for(features, "dcnv2"),
                            alpha=1.05, pooling="sum", count=WARMUP_REQUESTS + 8)  # fmt: skip
     requests = [decode_request(r)[0] for r in stream]

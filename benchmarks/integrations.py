@@ -17,7 +17,7 @@ One table set (the 26 DLRM-DCNv2-profile demo tables, D=128, cardinalities cappe
 
 Every path runs one request at a time (closed loop, one client thread): QPS is 1 / mean latency,
 p50 and p99 are per request, so the paths compare on the same footing on a shared machine. The
-servers run one worker and one torch thread, as does this process. No hot-row copies anywhere
+servers run one worker and one torch thread, as does this process. No decoded tier anywhere
 (so every path decodes the same rows). Results: DIR/integrations.json and DIR/integrations.md.
 """
 

@@ -57,7 +57,7 @@ def _codec_headline(codec: dict[str, Any]) -> list[HeadlineRow]:
     rates = gather["mlookups_per_s"].get("1") if gather else None
     if rates:
         where = f"pooled SUM, fp32 table of {gather['table_gib']:.2f} GiB, 1 thread"
-        # The tier's row is the hot_tier section's (it replaced the hot-row copies).
+        # The tier's row is the hot_tier section's.
         ours = rates["ibpembed compressed"]
         if "torchrec EBC" in rates:
             peer = rates["torchrec EBC"]
@@ -171,8 +171,8 @@ SECTIONS = (
         "far more. On a CPU a compressed fp32 lookup cannot beat raw rows: a compressed slot "
         "spans about as many 64-byte lines as the raw row, so the lookup reads no fewer lines "
         "and decodes on top ([why](docs/notes/2026-11-30-compressed-fp32-vs-raw-rows.md)); "
-        "hot-row copies close part of the gap. The PCIe table is where compression pays: a GPU "
-        "gather reads 32-byte sectors, and fewer of them.",
+        "a decoded tier of the hot rows closes part of the gap. The PCIe table is where "
+        "compression pays: a GPU gather reads 32-byte sectors, and fewer of them.",
         (),
         headline=_codec_headline,
     ),
@@ -189,7 +189,7 @@ SECTIONS = (
     ),
     Section(
         "engine_paths",
-        "Engine paths: decode-once vs fused, with and without hot-row copies",
+        "Engine paths: decode-once vs fused, with and without a decoded tier",
         "Which kernel path should a request take, and does the engine's rule pick the faster?",
         "The engine decodes repeated ids once only where a request repeats enough of them; "
         "otherwise the fused gather-and-pool kernel wins. Hot-row copies help when the hot set "

@@ -136,14 +136,14 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def compressed_bytes(module: CompressedEmbeddingBagCollection) -> int:
-    """Host bytes of a compressed collection, hot-row copies included."""
+    """Host bytes of a compressed collection, its decoded tier included."""
     return sum(t.stored_bytes + t.hot_bytes for t in module.table_bytes())
 
 
 def compressed_variants(
     ebc: EmbeddingBagCollection, traffic: list[KeyedJaggedTensor]
 ) -> list[tuple[str, CompressedEmbeddingBagCollection]]:
-    """The compressed module as built, and with hot-row copies ranked on earlier ``traffic``
+    """The compressed module as built, and with a decoded tier ranked on earlier ``traffic``
     (the server's default budget, ``ibpembed.engine.tier``)."""
     hot = CompressedEmbeddingBagCollection.from_ebc(ebc)
     hot.cache_hot_rows(traffic)
@@ -295,7 +295,7 @@ def markdown(ml: list[dict[str, object]], syn: list[dict[str, object]], args) ->
         f"median over {args.batches} batches after {args.warmup} warm-up, IQR in brackets. "
         "Each table's hot ids are the same in every "
         f"batch. *{HOT_LABEL}*: `cache_hot_rows` on 8 other batches of the same "
-        "distribution (1 % of raw bytes per table); host bytes include the copies.",
+        "distribution (1 % of raw bytes per table); host bytes include the tier.",
         "",
         "MovieLens-100k DLRM (real trained tables, 6 features, D=16). Time is the whole model's "
         "forward; accuracy is on the 10 % held-out real ratings.",

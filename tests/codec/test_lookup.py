@@ -207,7 +207,7 @@ def test_repeated_ids_pool_to_the_bits_of_raw_rows(
 ) -> None:
     # A pooled call decodes a repeated id once and reads its copy afterwards, from a
     # direct-mapped cache whose slots are contended: every row must still be the row its id
-    # names, in every round, with or without hot-row copies in the mix.
+    # names, in every round, with or without a decoded tier in the mix.
     rng = np.random.default_rng(seed)
     rows = 500
     table = make_table(dtype, rows, dim, "trained_like", seed)

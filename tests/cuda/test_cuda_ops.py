@@ -135,7 +135,7 @@ def test_pooled_int8_rowwise_and_edge_values() -> None:
 
 
 def test_hot_row_overlay_is_accepted_and_changes_nothing() -> None:
-    """The CPU lookups' hot-row copies travel in the same op call; the kernels decode anyway."""
+    """The CPU lookups' decoded tier travels in the same op call; the kernels decode anyway."""
     table = make_table(torch.float32, 300, 33, "trained_like", seed=2)
     c = compress(table).with_hot_rows(torch.arange(0, 300, 3))
     assert c.hot is not None

@@ -59,7 +59,7 @@ def test_device_placement_copies_the_small_tensors_and_aliases_the_payload() -> 
         host, dev = getattr(table, name), getattr(placed, name)
         assert dev.device == META and dev.shape == host.shape and dev.dtype == host.dtype
     assert placed.payload.device == META and placed.payload.shape == table.payload.shape
-    assert placed.hot is None  # the CUDA kernels read no hot-row copies
+    assert placed.hot is None  # the CUDA kernels read no decoded tier
     assert table.hot is not None and table.block_base.device.type == "cpu"  # host untouched
     assert register.calls == [
         (table.payload.data_ptr(), table.payload.untyped_storage().nbytes(), True)

@@ -88,7 +88,7 @@ class LookupEngine:
         ids is at most this (Zipf traffic: 0.1-0.5); otherwise the fused decode+pool kernel
         runs over every id, decoding repeats once as far as its per-call cache of decoded rows
         (512 KiB per thread) reaches. 0 = always fused. NONE lookups always decode each
-        distinct row once. Tables whose hot-row copies served at least FUSED_MIN_HOT_COVERAGE
+        distinct row once. Tables whose decoded tier served at least FUSED_MIN_HOT_COVERAGE
         of the lookups that chose them take the fused kernel (see ``hot_tier``).
     dedupe_min_ids : see ``dedupe_max_unique_fraction``. Measured on CPU (D=128 fp32, one
         thread, per table of the demo set at B=512): the fused kernel is faster up to 13.8k ids

@@ -296,7 +296,7 @@ class _KernelTally(Collector):
             f"{NAMESPACE}_decoded_bytes",
             "Bytes of rows read from the compressed store: each distinct row once when the"
             " engine deduplicates a table's ids, else every id (rows the kernel serves from"
-            " hot-row copies or from its per-call cache of decoded rows included).",
+            " the decoded tier or from its per-call cache of decoded rows included).",
             labels=["table"],
         )
         for table, total in sorted(decoded.items()):

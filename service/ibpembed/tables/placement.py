@@ -13,7 +13,7 @@ mask, bitval
 payload                            host bytes registered in place (``cudaHostRegister``) and
                                    read through their device alias, a CUDA tensor made once
                                    per host buffer (:class:`HostAliases`); no copy
-hot-row copies                     dropped: a CPU-lookup cache the CUDA kernels do not read
+decoded tier                       dropped: a CPU-lookup cache the CUDA kernels do not read
 =================================  ==========================================================
 
 A table already on the device (payload included) keeps its tensors. Host bytes with the GPU

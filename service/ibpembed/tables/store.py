@@ -103,7 +103,7 @@ class TableBytes:
 
     @property
     def total(self) -> int:
-        """Host bytes of the table, the hot-row copies included."""
+        """Host bytes of the table, its decoded tier included."""
         return self.stored + self.index + self.metadata + self.hot
 
     @property
@@ -167,7 +167,7 @@ class TableSnapshot:
 
 def _mapping(table: CompressedTable) -> int:
     """What a table reads its rows from: its payload's memory, shared by the versions of the
-    table that hot-row copies make (another object each) and distinct for a fresh buffer."""
+    table that decoded tiers make (another object each) and distinct for a fresh buffer."""
     return table.payload.untyped_storage().data_ptr()
 
 
@@ -433,7 +433,7 @@ class TableStore:
     ) -> None:
         """Publish the next snapshot; ``shards`` default: the current ranges of kept tables.
 
-        ``same_rows``: every table holds the same rows as before (only hot-row copies changed),
+        ``same_rows``: every table holds the same rows as before (only decoded tiers changed),
         so the snapshot keeps the current version number: versions number table contents.
         ``version``: the number a manifest gave the set; used when it is newer than the newest
         held, else the snapshot takes the next number (see the module's *Kept versions*).
@@ -741,9 +741,9 @@ class TableStore:
 
 
 def _updated_hot_rows(hot: HotRows | None, ids: torch.Tensor, rows: torch.Tensor) -> HotRows | None:
-    """The hot-row copies after rows ``ids`` (sorted) became ``rows``: cached rows take their new
-    bits (whether the row is now stored compressed or raw, the copy is exact); the copies are
-    shared with the previous version unless one of them changed."""
+    """The decoded tier after rows ``ids`` (sorted) became ``rows``: tier rows take their new
+    bits (whether the row is now stored compressed or raw, the tier row is exact); the tier is
+    shared with the previous version unless one of its rows changed."""
     if hot is None:
         return None
     at = torch.searchsorted(hot.ids, ids).clamp(max=hot.count - 1)

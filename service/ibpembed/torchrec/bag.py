@@ -172,11 +172,11 @@ class CompressedEmbeddingBag(nn.Module):
         """Keep decoded copies of rows ``ids`` for CPU lookups (replacing earlier ones; empty
         ``ids`` drops them); see ``CompressedTable.with_hot_rows``. Returns the rows cached.
 
-        CPU modules only: the CUDA kernels decode every row on the GPU and ignore copies.
+        CPU modules only: the CUDA kernels decode every row on the GPU and ignore the tier.
         """
         if self.block_base.device.type != "cpu":
             raise RuntimeError(
-                "hot-row copies serve CPU lookups; this table's index is on "
+                "a decoded tier serves CPU lookups; this table's index is on "
                 f"{self.block_base.device}"
             )
         hot = self.compressed_table().with_hot_rows(ids).hot

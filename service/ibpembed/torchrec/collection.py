@@ -229,7 +229,7 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         """Keep decoded copies of each table's most frequent rows in ``batches`` (a sample of
         real traffic), within ``budget`` x the table's raw bytes, the server's policy
         (``ibpembed.engine.tier``). CPU forwards then read those rows instead of decoding them;
-        outputs do not change. Call it again to re-rank; ``budget=0`` drops the copies.
+        outputs do not change. Call it again to re-rank; ``budget=0`` drops the tier.
 
         Returns the rows cached per table.
         """

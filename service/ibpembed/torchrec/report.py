@@ -17,7 +17,7 @@ class TableReport:
     num_embeddings, embedding_dim : table shape.
     raw_bytes : bytes of the dense torchrec weight.
     stored_bytes : bytes of everything needed to decode (payload, index, bitmask, masks).
-    hot_bytes : bytes of hot-row copies (``cache_hot_rows``), on top of ``stored_bytes``.
+    hot_bytes : bytes of the decoded tier (``cache_hot_rows``), on top of ``stored_bytes``.
     """
 
     module: str
