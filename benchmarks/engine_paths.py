@@ -49,8 +49,8 @@ WARMUP_REQUESTS = 8
 VARIANTS = {  # name: (dedupe_max_unique_fraction, dedupe_min_ids, hot_tier)
     "dedupe (from 64 ids)": (0.5, 64, "off"),
     "fused": (0.0, DEDUPE_MIN_IDS, "off"),
-    "engine default, no copies": (0.5, DEDUPE_MIN_IDS, "off"),
-    "engine default + hot rows": (0.5, DEDUPE_MIN_IDS, DEFAULT_TIER),
+    "engine default, no tier": (0.5, DEDUPE_MIN_IDS, "off"),
+    "engine default + tier": (0.5, DEDUPE_MIN_IDS, DEFAULT_TIER),
 }
 
 REFERENCE_VARIANT = "fused"  # the others' results are compared with this one's
