@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from ibpembed.codec import compress
-from ibpembed.engine.tier import HOT_TIER_GATE, HotTier
+from ibpembed.engine.sketch import DEPTH, MIN_WIDTH
+from ibpembed.engine.tier import (
+    DEFAULT_WINDOW_IDS,
+    HOT_TIER_GATE,
+    MIN_WINDOW_IDS,
+    WINDOW_IDS_PER_ROW,
+    HotTier,
+)
 from ibpembed.server.metrics import ServerMetrics
 from ibpembed.tables.store import TableStore
 from ibpembed_client import LookupClient, RetryPolicy
@@ -91,6 +98,12 @@ def test_the_gate_says_whether_each_tier_is_on_and_why() -> None:
     # What the tier holds follows: the flat table's tier was withdrawn.
     assert value(samples, "ibpembed_table_hot_row_bytes", table="flat") == 0
     assert value(samples, "ibpembed_table_hot_row_bytes", table="skewed") > 0
+    # The policy's own memory, outside the budget: its id buffer, its sketch, its target set
+    # (the published tier shares the target set's array).
+    ring = 8 * min(DEFAULT_WINDOW_IDS, max(MIN_WINDOW_IDS, WINDOW_IDS_PER_ROW * rows))
+    for name, stats in tier.stats().items():
+        expected = ring + DEPTH * MIN_WIDTH + 8 * stats.rows
+        assert value(samples, "ibpembed_hot_tier_policy_bytes", table=name) == expected
 
 
 @pytest.mark.parametrize("bad", ["-5%", "lots", "5%%"])

@@ -206,6 +206,8 @@ class TierStats:
         ``flat`` (off: it fell below ``close_below``), ``ungated`` (on: a policy without a gate).
     would_be_hit_ratio : share of the gate's window's ids that the target set chosen before them
         held (0 until the window decides).
+    policy_bytes : host memory of the policy's own state for the table (its buffer of recorded
+        ids, its sketch, its target set), on top of the tier's rows.
     """
 
     rows: int
@@ -218,6 +220,7 @@ class TierStats:
     on: bool
     reason: str
     would_be_hit_ratio: float
+    policy_bytes: int = 0
 
 
 class _TableTier:
@@ -244,6 +247,13 @@ class _TableTier:
         self.reason = "measuring" if gate else "ungated"
         self.published_on = True  # ``on`` as last published
         self.moved = False  # the gate opened or closed since the last publication's attempt
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of this state: the id buffer, the sketch and the target sets."""
+        sets = {id(a): a.nbytes for a in (self.residents, self.published) if a is not None}
+        sketch = self.sketch.nbytes if self.sketch is not None else 0
+        return self.pending.ids.nbytes + sketch + sum(sets.values())
 
     def measure(self, ids: np.ndarray) -> bool:
         """Count ``ids`` against the target set chosen before them (call before :meth:`admit`)
@@ -512,6 +522,7 @@ class AdmissionPolicy(ABC):
                 s.on,
                 s.reason,
                 s.would_be_hit_ratio,
+                s.nbytes,
             )
             for name, s in states.items()
         }

@@ -45,6 +45,7 @@ metric                                                 type       labels
 ``ibpembed_hot_row_admissions_total``                  counter    table
 ``ibpembed_hot_row_evictions_total``                   counter    table
 ``ibpembed_table_hot_row_budget_bytes``                gauge      table
+``ibpembed_hot_tier_policy_bytes``                     gauge      table
 ``ibpembed_loading``                                   gauge      —
 ``ibpembed_loading_progress_ratio``                    gauge      —
 ``ibpembed_output_bytes_total``                        counter    transport
@@ -445,6 +446,12 @@ class _HotTierCollector(Collector):
                 "Rows the hot tier's policy evicted for more frequent ones.",
                 labels=["table"],
             ),
+            "policy": GaugeMetricFamily(
+                f"{NAMESPACE}_hot_tier_policy_bytes",
+                "Host bytes of the hot tier policy's own state for the table (its buffer of"
+                " recorded ids, its frequency sketch, its target set), outside the budget.",
+                labels=["table"],
+            ),
             "budget": GaugeMetricFamily(
                 f"{NAMESPACE}_table_hot_row_budget_bytes",
                 "Bytes of decoded rows the --hot-tier budget buys the table (its tier's size"
@@ -460,6 +467,7 @@ class _HotTierCollector(Collector):
             families["on"].add_metric([name, stats.reason], 1.0 if stats.on else 0.0)
             families["admissions"].add_metric([name], stats.admissions)
             families["evictions"].add_metric([name], stats.evictions)
+            families["policy"].add_metric([name], stats.policy_bytes)
         for name, plan in sorted(self.tier.plan().items()):
             families["budget"].add_metric([name], plan.bytes)
         yield from families.values()
