@@ -16,6 +16,7 @@
 
 #include "ibpembed/codec.h"
 #include "ibpembed/numeric.h"
+#include "mapping_guard.h"
 #include "ops.h"
 
 namespace ibpembed {
@@ -150,6 +151,20 @@ PYBIND11_MODULE(_C, module) {
         ibpembed::set_active_pattern_lookup(lookup);
       },
       "Switch the avx512 decoder's pattern lookup for this process (tests and benchmarks).");
+  module.def("install_mapping_guard", &ibpembed::install_mapping_guard,
+             "Install the SIGBUS handler of guarded table-file mappings (once per process).");
+  module.def(
+      "guard_mapping",
+      [](uintptr_t begin, uint64_t bytes) { return ibpembed::guard_mapping(begin, bytes); },
+      pybind11::arg("begin"), pybind11::arg("bytes"),
+      "Guard a mapped range against SIGBUS; returns its slot (-1: no slot free).");
+  module.def("unguard_mapping", &ibpembed::unguard_mapping, pybind11::arg("slot"),
+             "Stop guarding a slot's range (before it is unmapped).");
+  module.def(
+      "mapping_faults_at", [](uintptr_t address) { return ibpembed::mapping_faults_at(address); },
+      pybind11::arg("address"), "Faults absorbed in the guarded range holding an address.");
+  module.def("mapping_faults_total", &ibpembed::mapping_faults_total,
+             "Faults absorbed in every guarded range since the process started.");
 #ifdef IBPEMBED_WITH_CUDA
   module.def("host_mapped_alias", &ibpembed::gpu::host_mapped_alias, pybind11::arg("host"),
              pybind11::arg("read_only"), pybind11::arg("device_index"),

@@ -4,6 +4,7 @@ in place, a manifest nested past the recursion limit, input counts past int64.""
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import time
@@ -70,6 +71,41 @@ def test_a_table_file_truncated_in_place_is_withdrawn_and_the_server_lives(tmp_p
         assert _until(lambda: _refused(client) is None)
         assert_serves(client, 1)
         assert server.alive()
+
+
+@pytest.mark.parametrize("pooling", ["none", "sum"])
+@pytest.mark.parametrize(
+    ("cut", "why"),
+    [
+        # Whole pages past the new end: reading them raises SIGBUS, which the guard absorbs.
+        (lambda size: size // 2 // mmap.PAGESIZE * mmap.PAGESIZE, "shortened in place"),
+        # The page holding the new end reads zeros past it, with no fault: the corrupt rows
+        # they decode to send the server to the file's stamp.
+        (lambda size: size // 2 + 100, "changed size in place"),
+    ],
+    ids=["whole-pages", "mid-page"],
+)
+def test_lookups_reading_a_file_truncated_under_them_are_refused_and_the_server_lives(
+    tmp_path: Path, pooling: str, cut, why: str
+):
+    """No poll (``--reload-poll-s 0``): the lookups alone find the truncation. The lookup that
+    reads it, and every later one of the table, is refused: its rows may have read as zeros."""
+    directory = tmp_path / "set"
+    pack(directory, 1)
+    path = directory / read_manifest(directory).tables["emb"].file
+    flags = ("--tables", str(directory), "--reload-poll-s", "0", "--hot-tier", "off")
+    with (
+        ServerProcess(*flags) as server,
+        LookupClient(server.target, timeout=30, retry=NO_RETRY) as client,
+    ):
+        assert_serves(client, 1)
+        os.truncate(path, cut(path.stat().st_size))
+        for ids in (list(range(ROWS)), [0]):  # every row, then a row before the new end
+            with pytest.raises(LookupServiceError) as err:
+                client.lookup({"item": [ids]}, pooling=pooling)
+            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, server.log()
+            assert why in err.value.details
+        assert server.alive() and client.is_serving()
 
 
 def test_a_manifest_nested_too_deep_is_rejected_once(tmp_path: Path):

@@ -28,8 +28,8 @@ from ibpembed.engine.requests import (
     TableDescription,
 )
 from ibpembed.engine.tier import HotTier
-from ibpembed.errors import DeadlineExceeded, NotFound, Overloaded
-from ibpembed.tables.store import TableStore
+from ibpembed.errors import DeadlineExceeded, FailedPrecondition, NotFound, Overloaded
+from ibpembed.tables.store import TableSnapshot, TableStore
 from ibpembed.tables.tier_budget import TierBudget
 
 T = TypeVar("T")
@@ -300,29 +300,50 @@ class LookupEngine:
         if options.deadline is not None and time.monotonic() >= options.deadline:
             raise DeadlineExceeded("deadline passed while the request waited for a worker")
         options.check()
-        pooling, output_dtype = options.pooling, options.output_dtype
         with self.store.acquire(options.table_version) as snap:
-            if isinstance(features, PackedRequest):
-                limit = output_limit(options, self.max_output_bytes)
-                values = self._executor.run_in_one_call(snap, features, pooling, limit)
-                if values is not None:
-                    if output_dtype != torch.float32:
-                        values = rounded(values, output_dtype)
-                    return LookupResult(
-                        version=snap.version,
-                        features=[
-                            FeatureResult(n, v) for n, v in zip(features.names, values, strict=True)
-                        ],
-                    )
-                features = features.queries()  # the general path, which names any bad field
-            plan = plan_request(snap, features, options, self.max_output_bytes)
-            out = self._executor.run_plan(snap, plan, pooling, len(features))
-            if output_dtype != torch.float32:
-                out = rounded(out, output_dtype)
-            return LookupResult(
-                version=snap.version,
-                features=[FeatureResult(q.name, v) for q, v in zip(features, out, strict=True)],
-            )
+            try:
+                return self._run(snap, features, options)
+            except ValueError as err:  # rows the kernels found corrupt
+                self._refuse_changed_files(snap, features, err)
+                raise
+
+    def _refuse_changed_files(self, snap: TableSnapshot, features: Request, err: Exception) -> None:
+        """Refuse a request that read corrupt rows from a table whose file was changed in place
+        under it (a file shortened in place reads zeros up to the end of its last page, with no
+        fault), and withdraw the table at once instead of at the next poll."""
+        withdrawn = self.store.check_files()
+        names = (
+            features.names if isinstance(features, PackedRequest) else [q.name for q in features]
+        )
+        for feature in names:
+            name = snap.features.get(feature)
+            if name in withdrawn:
+                raise FailedPrecondition(f"table {name!r} is withdrawn: {withdrawn[name]}") from err
+
+    def _run(self, snap: TableSnapshot, features: Request, options: LookupOptions) -> LookupResult:
+        """:meth:`run` on a snapshot."""
+        pooling, output_dtype = options.pooling, options.output_dtype
+        if isinstance(features, PackedRequest):
+            limit = output_limit(options, self.max_output_bytes)
+            values = self._executor.run_in_one_call(snap, features, pooling, limit)
+            if values is not None:
+                if output_dtype != torch.float32:
+                    values = rounded(values, output_dtype)
+                return LookupResult(
+                    version=snap.version,
+                    features=[
+                        FeatureResult(n, v) for n, v in zip(features.names, values, strict=True)
+                    ],
+                )
+            features = features.queries()  # the general path, which names any bad field
+        plan = plan_request(snap, features, options, self.max_output_bytes)
+        out = self._executor.run_plan(snap, plan, pooling, len(features))
+        if output_dtype != torch.float32:
+            out = rounded(out, output_dtype)
+        return LookupResult(
+            version=snap.version,
+            features=[FeatureResult(q.name, v) for q, v in zip(features, out, strict=True)],
+        )
 
     def runs_inline(self, features: Request) -> bool:
         """Whether :meth:`lookup` runs this request on the calling thread."""

@@ -50,6 +50,7 @@ from ibpembed.server.metrics import ServerMetrics
 from ibpembed.server.regions import RegionRegistry
 from ibpembed.server.reload import ReloadObserver, TableSetReloader, in_daemon_thread
 from ibpembed.server.servicer import EmbeddingLookupServicer, OutputObserver, add_to_server
+from ibpembed.tables import mapping_guard
 from ibpembed.tables.store import TableStore
 from ibpembed_client.v1 import lookup_pb2
 
@@ -466,6 +467,8 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     tables load: nothing is in flight then, and the load is abandoned)."""
     # Process-wide, hence here and not in LookupServer (see ServerConfig.torch_threads).
     torch.set_num_threads(config.torch_threads)
+    # A table file shortened in place under the server costs its lookups, not the process.
+    mapping_guard.enable()
     keep_freed_memory(config.malloc_retain_mb)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

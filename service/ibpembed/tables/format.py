@@ -32,7 +32,7 @@ import xxhash
 from ibpembed import _C, codec, layout
 from ibpembed.codec import CompressedTable
 from ibpembed.layout import DTYPE_CODES, INT8_ROWWISE_CODE, codebook_entries
-from ibpembed.tables import _layout
+from ibpembed.tables import _layout, mapping_guard
 
 MAGIC = b"IBPTABLE"
 VERSION = 2
@@ -485,6 +485,7 @@ def read_table(
             read_header(path, f.read(), size)  # raises with the most precise message
         access = mmap.ACCESS_READ if shared else mmap.ACCESS_COPY
         data = mmap.mmap(f.fileno(), 0, access=access)
+    mapping_guard.guard(data)
     view = memoryview(data)
     try:
         header = read_header(path, view, size)

@@ -5,8 +5,9 @@ mapped.
 A table file is served from a memory mapping of it. ``ibpembed pack`` never writes a served
 file (it writes new files and renames the manifest over the old one), but an operator's ``cp``
 over the file, ``truncate`` or a non-atomic sync writes the inode that is mapped: pages past a
-new, shorter end fault with SIGBUS on access, which kills the server, and rewritten pages serve
-other rows than the ones published. A file replaced by a new inode (rename, unlink) is harmless:
+new, shorter end fault with SIGBUS on access (which :mod:`ibpembed.tables.mapping_guard` turns
+into zero pages and a refusal), and rewritten pages serve other rows than the ones published.
+A file replaced by a new inode (rename, unlink) is harmless:
 the mapping keeps the old one. So the identity, size and modification time of each file are
 recorded when it is mapped, and a file whose inode is still the one at its path but whose size
 or time changed is damaged: its table must not be read again.

@@ -547,8 +547,8 @@ class TableStore:
         reason instead of reading pages that may fault or hold other rows. A reload (SIGHUP,
         or a new manifest) maps the file again. Returns the tables withdrawn now, with why.
 
-        Fails closed only from this check on: a lookup reading the table as it is truncated
-        can still fault (docs/known-issues.md).
+        The engine runs it at once when a lookup reads corrupt rows; a lookup that faults on a
+        truncated file is refused by :mod:`ibpembed.tables.mapping_guard` until then.
         """
         with self._write_lock:
             held = {_mapping(t) for snap in self._kept for t in snap.tables.values()}
