@@ -5,6 +5,7 @@ planning, kernels and hot tier live in the package's other modules."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from ibpembed.tables.store import TableSnapshot, TableStore
 from ibpembed.tables.tier_budget import TierBudget
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 # Requests with at most this many ids run on the calling (event-loop) thread instead of a
 # worker: handing a request to a worker thread and back costs more than their kernels
 # (docs/serving.md, *The thread hand-off*, measured with benchmarks.service --handoff).
@@ -312,6 +314,8 @@ class LookupEngine:
         under it (a file shortened in place reads zeros up to the end of its last page, with no
         fault), and withdraw the table at once instead of at the next poll."""
         withdrawn = self.store.check_files()
+        for table, why in withdrawn.items():  # newly withdrawn: logged once, as the poll does
+            log.error("table %s withdrawn, its lookups refused: %s", table, why)
         names = (
             features.names if isinstance(features, PackedRequest) else [q.name for q in features]
         )
