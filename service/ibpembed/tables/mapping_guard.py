@@ -13,6 +13,7 @@ truncation faults: a file rewritten in place at the same size is the poll's alon
 
 from __future__ import annotations
 
+import logging
 import mmap
 import warnings
 import weakref
@@ -22,6 +23,7 @@ import torch
 from ibpembed import _C
 from ibpembed.codec import CompressedTable
 
+log = logging.getLogger(__name__)
 _enabled = False
 
 
@@ -40,9 +42,11 @@ def guard(data: mmap.mmap) -> None:
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
         begin = torch.frombuffer(data, dtype=torch.uint8, count=1).data_ptr()
     slot = _C.guard_mapping(begin, len(data))
-    if slot >= 0:
-        # Runs as the mapping is released, before it is unmapped: the slot never outlives it.
-        weakref.finalize(data, _C.unguard_mapping, slot)
+    if slot < 0:
+        log.warning("every SIGBUS guard slot is taken: a table file mapped now is not guarded")
+        return
+    # Runs as the mapping is released, before it is unmapped: the slot never outlives it.
+    weakref.finalize(data, _C.unguard_mapping, slot)
 
 
 def faults() -> int:
