@@ -20,11 +20,16 @@ SCRIPT = textwrap.dedent(
     from ibpembed.tables import format as fmt, mapping_guard
     from ibpembed.tables.writer import write_table
 
-    guard_first = sys.argv[2] == "guarded"
+    guard_first = sys.argv[2] in ("guarded", "churn")
     if guard_first:
         mapping_guard.enable()
     values = torch.randn(20_000, 64, generator=torch.Generator().manual_seed(0))
     path = write_table(os.path.join(sys.argv[1], "t.ibpt"), codec.compress(values), name="t").path
+    if sys.argv[2] == "churn":  # more mappings made and released than the guard has slots
+        small = write_table(os.path.join(sys.argv[1], "s.ibpt"), codec.compress(values[:8]),
+                            name="s").path
+        for _ in range(5000):
+            fmt.read_table(small).table.gather(torch.tensor([0]))
     table = fmt.read_table(path, prefetch=True).table
     if not guard_first:
         mapping_guard.enable()  # too late for the table mapped above
@@ -55,6 +60,12 @@ def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
 def test_a_guarded_mapping_reads_zeros_past_a_new_end_and_is_marked(tmp_path: Path) -> None:
     result = _run(tmp_path, "guarded")
     assert result.returncode == 0 and result.stdout.strip() == "alive", result.stderr
+
+
+def test_released_mappings_give_their_slots_back(tmp_path: Path) -> None:
+    result = _run(tmp_path, "churn")
+    assert result.returncode == 0 and result.stdout.strip() == "alive", result.stderr
+    assert "slot" not in result.stderr
 
 
 def test_a_mapping_made_before_the_guard_keeps_the_default_and_the_process_dies(
