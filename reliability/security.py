@@ -505,12 +505,63 @@ def check_table_files(work: Path) -> tuple[dict, list[str]]:
         time.sleep(2.0)  # ten polls
         rejections = sum("nested too deeply" in line for line in server.stderr_lines)
         results["rejections of a manifest nested 100,000 deep over 10 polls"] = rejections
+    racing, alive = _lookups_racing_a_truncation(work / "racing")
+    results["lookups racing a truncation, no poll: outcomes"] = racing
+    results["server alive after it (no poll)"] = alive
     failures = []
     if truncated != "FAILED_PRECONDITION" or not results["server alive after it"]:
         failures.append(f"truncated table: {truncated}")
     if rejections != 1:
         failures.append(f"deep manifest rejected {rejections} times (want once)")
+    # A lookup in flight as the file is cut may read before or after the cut.
+    unexpected = set(racing) - {
+        "OK before",
+        "FAILED_PRECONDITION before",
+        "FAILED_PRECONDITION after",
+    }
+    if unexpected or not racing.get("FAILED_PRECONDITION after") or not alive:
+        failures.append(f"lookups racing a truncation (no poll): {racing}, alive {alive}")
     return results, failures
+
+
+def _lookups_racing_a_truncation(directory: Path) -> tuple[dict[str, int], bool]:
+    """Lookups of every row, back to back, while the table file is truncated in place at a page
+    boundary, with the poll off (``--reload-poll-s 0``): only the lookups can find it. Outcomes
+    by whether the lookup started before or after the truncation: every lookup after it must be
+    refused (an OK would be rows read as zeros), and the server must live."""
+    rows = torch.randn(20_000, 16, generator=torch.Generator().manual_seed(1))
+    pack_table_set(directory, TableSet((TableSource("emb", rows, feature_names=("item",)),)))
+    path = directory / read_manifest(directory).tables["emb"].file
+    flags = ("--tables", str(directory), "--reload-poll-s", "0", "--hot-tier", "off")
+    outcomes: dict[str, int] = {}
+    truncated_at = float("inf")
+    stop = threading.Event()
+    with (
+        ServerProcess(*flags, "--device", "cpu") as server,
+        LookupClient(server.target, timeout=30, retry=NO_RETRY) as client,
+    ):
+
+        def look() -> None:
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    client.lookup({"item": [list(range(0, 20_000, 7))]}, pooling="none")
+                    code = "OK"
+                except LookupServiceError as err:
+                    code = err.code.name
+                key = f"{code} {'after' if started > truncated_at else 'before'}"
+                outcomes[key] = outcomes.get(key, 0) + 1
+
+        thread = threading.Thread(target=look)
+        thread.start()
+        time.sleep(0.5)
+        page = os.sysconf("SC_PAGE_SIZE")
+        os.truncate(path, path.stat().st_size // 2 // page * page)
+        truncated_at = time.monotonic()
+        time.sleep(1.0)
+        stop.set()
+        thread.join()
+        return outcomes, server.alive()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
