@@ -30,6 +30,7 @@ from ibpembed.engine.requests import (
 )
 from ibpembed.engine.tier import HotTier
 from ibpembed.errors import DeadlineExceeded, FailedPrecondition, NotFound, Overloaded
+from ibpembed.tables import mapping_guard
 from ibpembed.tables.store import TableSnapshot, TableStore
 from ibpembed.tables.tier_budget import TierBudget
 
@@ -304,25 +305,46 @@ class LookupEngine:
         options.check()
         with self.store.acquire(options.table_version) as snap:
             try:
-                return self._run(snap, features, options)
-            except ValueError as err:  # rows the kernels found corrupt
-                self._refuse_changed_files(snap, features, err)
+                result = self._run(snap, features, options)
+            except Exception as err:
+                self._refuse_damaged_files(snap, features, err)
                 raise
+            self._refuse_damaged_files(snap, features, None)
+            return result
 
-    def _refuse_changed_files(self, snap: TableSnapshot, features: Request, err: Exception) -> None:
-        """Refuse a request that read corrupt rows from a table whose file was changed in place
-        under it (a file shortened in place reads zeros up to the end of its last page, with no
-        fault), and withdraw the table at once instead of at the next poll."""
-        withdrawn = self.store.check_files()
-        for table, why in withdrawn.items():  # newly withdrawn: logged once, as the poll does
-            log.error("table %s withdrawn, its lookups refused: %s", table, why)
+    def _refuse_damaged_files(
+        self, snap: TableSnapshot, features: Request, err: Exception | None
+    ) -> None:
+        """Refuse a request that read a table whose file was shortened in place under it: a read
+        past the new end faulted (its rows may be zeros, :mod:`ibpembed.tables.mapping_guard`),
+        or, for a request the kernels found corrupt rows in (``err``: a ValueError), the file's
+        stamp says it changed (zeros read up to the end of its last page raise no fault); that
+        check withdraws the table at once instead of at the next poll. One counter read while
+        no file ever faulted and the request succeeded."""
+        corrupt = isinstance(err, ValueError)
+        if not corrupt and mapping_guard.faults() == 0:
+            return
         names = (
             features.names if isinstance(features, PackedRequest) else [q.name for q in features]
         )
-        for feature in names:
-            name = snap.features.get(feature)
-            if name in withdrawn:
-                raise FailedPrecondition(f"table {name!r} is withdrawn: {withdrawn[name]}") from err
+        tables = {snap.features[f] for f in names if f in snap.features}
+        for name in sorted(tables):
+            if mapping_guard.faulted(snap.tables[name]):
+                raise FailedPrecondition(
+                    f"table {name!r}: its file was shortened in place while it was served, so "
+                    "its rows cannot be read; publish it whole again (a new file renamed over "
+                    "it) and reload"
+                ) from err
+        if not corrupt:
+            return
+        withdrawn = self.store.check_files()
+        for table, why in withdrawn.items():  # newly withdrawn: logged once, as the poll does
+            log.error("table %s withdrawn, its lookups refused: %s", table, why)
+        gone = sorted(tables & withdrawn.keys())
+        if gone:
+            raise FailedPrecondition(
+                f"table {gone[0]!r} is withdrawn: {withdrawn[gone[0]]}"
+            ) from err
 
     def _run(self, snap: TableSnapshot, features: Request, options: LookupOptions) -> LookupResult:
         """:meth:`run` on a snapshot."""

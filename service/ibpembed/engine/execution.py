@@ -18,8 +18,6 @@ from ibpembed.engine.cuda import CudaStreams, to_host
 from ibpembed.engine.hbm_tier import HbmTier, gather
 from ibpembed.engine.planning import RequestPlan, TableWork, pooled_dim
 from ibpembed.engine.requests import KernelCall, LookupObserver, PackedRequest, Pooling
-from ibpembed.errors import FailedPrecondition
-from ibpembed.tables import mapping_guard
 from ibpembed.tables.store import TableSnapshot
 
 # Pooled lookups of a table with fewer ids go straight to the fused kernel, whose per-call cache
@@ -116,9 +114,7 @@ class Executor:
                 pooling,  # type: ignore[arg-type]
             )
         except (IndexError, ValueError):  # an id out of range or a negative length
-            refuse_faulted(snap, (e[2] for e in entries))  # or rows read as zeros
             return None
-        refuse_faulted(snap, (e[2] for e in entries))
         if self.recorder is not None:  # after the kernel: it has checked every id
             id_ends = np.cumsum(request.id_counts).tolist()
             self.recorder.record(
@@ -161,25 +157,19 @@ class Executor:
         out: list[torch.Tensor | None] = [None] * count
         calls: list[KernelCall] = []
         rest = plan.work
-        read = [item.table_name for item in plan.work]
-        try:
-            with self.streams.request():
-                batch = _Batch(*self.streams.upload([plan.ids, plan.offsets, plan.weights]))
-                if pooling != "none":
-                    batched: list[TableWork] = []
-                    rest = []
-                    for item in plan.work:
-                        (rest if self.dedupes(item) else batched).append(item)
-                    if batched:
-                        self._run_tables(snap, batch, batched, pooling, calls, out)
-                for item in rest:
-                    results = self._run_table(snap, plan, batch, item, pooling, calls)
-                    for pos, values in zip(item.positions, results, strict=True):
-                        out[pos] = values
-        except Exception:
-            refuse_faulted(snap, read)  # zeros read from a shortened file fail as corrupt rows
-            raise
-        refuse_faulted(snap, read)
+        with self.streams.request():
+            batch = _Batch(*self.streams.upload([plan.ids, plan.offsets, plan.weights]))
+            if pooling != "none":
+                batched: list[TableWork] = []
+                rest = []
+                for item in plan.work:
+                    (rest if self.dedupes(item) else batched).append(item)
+                if batched:
+                    self._run_tables(snap, batch, batched, pooling, calls, out)
+            for item in rest:
+                results = self._run_table(snap, plan, batch, item, pooling, calls)
+                for pos, values in zip(item.positions, results, strict=True):
+                    out[pos] = values
         if self.observer is not None:
             self.observer.kernels_done(pooling, calls)
         return out  # type: ignore[return-value]
@@ -339,21 +329,6 @@ class _Batch:
         self.ids = ids
         self.offsets = offsets
         self.weights = weights
-
-
-def refuse_faulted(snap: TableSnapshot, names: Iterable[str]) -> None:
-    """Refuse a request whose tables include one whose mapped file faulted (shortened in place):
-    its rows may have read as zeros (:mod:`ibpembed.tables.mapping_guard`). One counter read
-    while no file ever faulted."""
-    if mapping_guard.faults() == 0:
-        return
-    for name in names:
-        if mapping_guard.faulted(snap.tables[name]):
-            raise FailedPrecondition(
-                f"table {name!r}: its file was shortened in place while it was served, so its "
-                "rows cannot be read; publish it whole again (a new file renamed over it) and "
-                "reload"
-            )
 
 
 def rounded(values: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
