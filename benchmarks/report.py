@@ -363,12 +363,17 @@ def _body(markdown: str) -> str:
     return body
 
 
+def _day(stamp: str) -> str:
+    """A run's date without its time of day (the report states figures, not a run log)."""
+    return stamp[:10] if len(stamp) > 10 and stamp[4] == "-" and stamp[7] == "-" else stamp
+
+
 def _setup(log: dict[str, Any], results: Results) -> list[str]:
     run = log.get("_run", {})
     lines = [
         f"- **Machine**: {run.get('machine', 'unknown')}; Python {run.get('python', '?')}, "
         f"torch {run.get('torch', '?')}.",
-        f"- **Date**: {run.get('date', 'unknown')}; **commit** `{run.get('commit', '?')}`; "
+        f"- **Date**: {_day(run.get('date', 'unknown'))}; **commit** `{run.get('commit', '?')}`; "
         f"**command** `{run.get('command', 'python -m benchmarks')}`.",
         *([f"- **Results files**: {run['note']}"] if run.get("note") else []),
         "- Ratios are measured side by side in one process or one run: absolute numbers on a "
@@ -392,7 +397,9 @@ def _setup(log: dict[str, Any], results: Results) -> list[str]:
         machine = data.get("machine")
         if machine and run.get("machine") and machine != run["machine"]:
             quick += f" on {machine}"
-        when = ", ".join(str(data[key]) for key in ("commit", "revision", "date") if data.get(key))
+        when = ", ".join(
+            _day(str(data[key])) for key in ("commit", "revision", "date") if data.get(key)
+        )
         lines.append(
             f"| [{section.name}](#{section.name}) | `{command}`{quick} | {when or '—'} | "
             f"{load_text} |"

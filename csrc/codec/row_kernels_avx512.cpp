@@ -23,8 +23,8 @@
 // a vpgatherdd of whole patterns cost more than all the rest of a block, while on an Intel
 // Sapphire Rapids-class core the byte tables' shuffles queue on port 5 behind the free fields'
 // and the gather, on the load ports, decodes D = 128 fp32 rows 1.4x faster (74-79 against
-// 109-114 ns a row from L2; docs/notes/2026-12-01-gathered-patterns.md). Masked stores and reading the stored row back (to
-// patch escapes) stalled on Zen 4.
+// 109-114 ns a row from L2; docs/notes/2026-12-01-gathered-patterns.md). Masked stores and
+// reading the stored row back (to patch escapes) stalled on Zen 4.
 #include <immintrin.h>
 
 #include <algorithm>

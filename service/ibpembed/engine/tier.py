@@ -119,13 +119,13 @@ class HitRatioGate:
 # The host tier's gate. NOTE(tier): where a tier starts to pay, from the hot-tier benchmark
 # (BENCHMARKS.md, *Hot tier*: 2 GiB DLRM-profile tables, one thread), interpolating each tier's
 # speed against no tier linearly in the hit ratio between its uniform and its Zipf 0.8 column.
-# Two runs disagree: in one, fp32 rows broke even at 16 % hits for a 1 % tier (0.93x at 1.0 %,
-# 1.08x at 32.8 %) and 14-15 % for 5 % and 10 % tiers, bf16 rows at 21-28 %; in the current
-# one the uniform columns ran 0.96-1.01x and the tiers broke even at 4-9 % hits. Smaller tables
+# The break-even moves with the host's state: fp32 rows broke even at 16 % hits for a 1 % tier
+# (0.93x at 1.0 %, 1.08x at 32.8 %) and 14-15 % for 5 % and 10 % tiers, bf16 rows at 21-28 %;
+# other runs put the uniform columns at 0.96-1.01x and the break-even at 4-9 %. Smaller tables
 # break even sooner: on a 256 MiB fp32 one the policy's 1 % tier ran 0.93-0.96x no tier at 0.9 %
 # hits (uniform), 1.00-1.02x at 11.8 % (Zipf 0.6), 1.05-1.08x at 20.6 % (Zipf 0.7). So the gate
 # closes below 15 % (a uniform tier of up to ~14 % of the rows, the 1 % default and ``savings``
-# included, which cost up to 16 % in the slower run) and opens at 30 %, where the tier paid in
+# included, which cost up to 16 % in the slower runs) and opens at 30 %, where the tier paid in
 # every case measured; between the two a tier keeps its state.
 HOT_TIER_GATE = HitRatioGate(close_below=0.15, open_at=0.30)
 
