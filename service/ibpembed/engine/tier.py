@@ -251,9 +251,11 @@ class _TableTier:
     @property
     def nbytes(self) -> int:
         """Host bytes of this state: the id buffer, the sketch and the target sets."""
-        sets = {id(a): a.nbytes for a in (self.residents, self.published) if a is not None}
+        published = self.published
+        shared = published is None or published is self.residents
         sketch = self.sketch.nbytes if self.sketch is not None else 0
-        return self.pending.ids.nbytes + sketch + sum(sets.values())
+        sets = self.residents.nbytes + (0 if shared else published.nbytes)
+        return self.pending.ids.nbytes + sketch + sets
 
     def measure(self, ids: np.ndarray) -> bool:
         """Count ``ids`` against the target set chosen before them (call before :meth:`admit`)
