@@ -22,7 +22,7 @@ from ibpembed.engine.hbm_tier import (
     tier_bytes,
     tier_capacity,
 )
-from ibpembed.engine.tier import HotTier
+from ibpembed.engine.tier import HotTier, policy_state_bytes
 from ibpembed.tables.store import TableStore
 from ibpembed.tables.tier_budget import tier_cost
 from tests.codec.tables import make_table
@@ -249,8 +249,9 @@ def test_the_hbm_and_host_tiers_share_one_admission_policy() -> None:
     hbm = HbmTier(store, budget="20%", device="cpu")
     table = _current(store)
     capacity = hbm.capacity(table, 1.0)
-    # The host budget, in bytes, that buys as many rows.
-    host = HotTier(store, budget=str(tier_cost(table.num_rows, table.row_bytes, capacity)))
+    # The host budget, in bytes, that buys as many rows (and the policy's state for them).
+    rows_bytes = tier_cost(table.num_rows, table.row_bytes, capacity)
+    host = HotTier(store, budget=str(rows_bytes + policy_state_bytes(table.num_rows, capacity)))
     assert host.capacity(table, 1.0) == capacity
     ids = _zipf(4000, 300, seed=3)
     for policy in (hbm, host):

@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from ibpembed.codec import compress
-from ibpembed.engine.sketch import DEPTH, MIN_WIDTH
+from ibpembed.engine.sketch import DEPTH, FrequencySketch
 from ibpembed.engine.tier import (
     DEFAULT_WINDOW_IDS,
     HOT_TIER_GATE,
     MIN_WINDOW_IDS,
-    WINDOW_IDS_PER_ROW,
+    SKETCH_WIDTH_PER_ROW,
+    WINDOW_IDS_PER_TIER_ROW,
     HotTier,
 )
 from ibpembed.server.metrics import ServerMetrics
@@ -43,8 +44,8 @@ def test_serve_exports_the_tier_and_prints_its_budget() -> None:
     flags = ("--metrics-port", str(port), "--hot-tier", "10%", "--hot-tier-refresh-s", "1")
     with ServerProcess(*DEMO_300, *flags) as server:
         banner = re.search(
-            r"hot tier 10% of each table's raw bytes: up to ([\d,]+) bytes of decoded rows, "
-            r"(-?[\d.]+)% saved net of it",
+            r"hot tier 10% of each table's raw bytes: up to ([\d,]+) bytes of decoded rows and "
+            r"[\d,]+ of admission state, (-?[\d.]+)% saved net of both",
             server.log(),
         )
         assert banner is not None, server.log()
@@ -79,7 +80,7 @@ def test_the_gate_says_whether_each_tier_is_on_and_why() -> None:
     rows = 10_000
     values = torch.randn(rows, 32, generator=torch.Generator().manual_seed(0))
     store = TableStore.from_tables({"flat": compress(values), "skewed": compress(values)})
-    tier = HotTier(store, budget="1%")
+    tier = HotTier(store, budget="5%")
     metrics = ServerMetrics(store, device="cpu")
     metrics.watch_hot_tier(tier)
     rng = np.random.default_rng(0)
@@ -98,12 +99,18 @@ def test_the_gate_says_whether_each_tier_is_on_and_why() -> None:
     # What the tier holds follows: the flat table's tier was withdrawn.
     assert value(samples, "ibpembed_table_hot_row_bytes", table="flat") == 0
     assert value(samples, "ibpembed_table_hot_row_bytes", table="skewed") > 0
-    # The policy's own memory, outside the budget: its id buffer, its sketch, its target set
-    # (the published tier shares the target set's array).
-    ring = 8 * min(DEFAULT_WINDOW_IDS, max(MIN_WINDOW_IDS, WINDOW_IDS_PER_ROW * rows))
+    # The policy's own memory: its id buffer and sketch, sized by the tier, and its target set
+    # (the published tier shares the target set's array), within what the budget paid for it.
+    plans = tier.plan()
     for name, stats in tier.stats().items():
-        expected = ring + DEPTH * MIN_WIDTH + 8 * stats.rows
+        ring = 8 * min(
+            DEFAULT_WINDOW_IDS, max(MIN_WINDOW_IDS, WINDOW_IDS_PER_TIER_ROW * stats.capacity)
+        )
+        sketch = DEPTH * FrequencySketch.width_for(SKETCH_WIDTH_PER_ROW * stats.capacity)
+        expected = ring + sketch + 8 * stats.rows
         assert value(samples, "ibpembed_hot_tier_policy_bytes", table=name) == expected
+        assert 0 < expected <= plans[name].state_bytes
+        assert stats.rows == stats.capacity == plans[name].rows
 
 
 @pytest.mark.parametrize("bad", ["-5%", "lots", "5%%"])

@@ -194,24 +194,31 @@ def test_inspect_prices_a_hot_tier(packed: Path, capsys) -> None:
     """--hot-tier adds each table's tier bytes and the savings net of it (header sizes only)."""
     assert run(["inspect", str(packed), "--json"]) == 0
     plain = {s["table"]: s for s in json.loads(capsys.readouterr().out)["summary"]}
-    for budget in ("10%", "savings", "all", "0"):
+    for budget in ("10%", "100%", "savings", "all", "0"):
         assert run(["inspect", str(packed), "--json", "--hot-tier", budget]) == 0
         summary = {s["table"]: s for s in json.loads(capsys.readouterr().out)["summary"]}
         for name, s in summary.items():
             raw, stored, tier = s["raw_bytes"], s["stored_bytes"], s["tier_bytes"]
+            policy = s["policy_bytes"]  # the admission policy's state, paid from the budget
             assert stored == plain[name]["stored_bytes"]
-            assert s["net_savings"] == pytest.approx(1 - (stored + tier) / raw)
-            if budget == "10%":
-                assert 0 < tier <= raw // 10
+            assert s["net_savings"] == pytest.approx(1 - (stored + tier + policy) / raw)
+            assert (tier > 0) == (policy > 0)  # no rows bought: no state kept either
+            if budget in ("10%", "100%"):
+                assert tier + policy <= raw * int(budget[:-1]) // 100
             elif budget == "savings":  # the table with its tier stays within its raw bytes
-                assert stored + tier <= max(raw, stored)
+                assert stored + tier + policy <= max(raw, stored)
             elif budget == "all":
                 assert tier >= raw  # every row decoded, plus what finds them
             else:
                 assert tier == 0 and s["net_savings"] == pytest.approx(s["savings"])
+        if budget == "10%":  # 1.9 kB: less than the policy's smallest id buffer
+            assert summary["t_user"]["tier_bytes"] == 0
+        if budget == "100%":
+            assert summary["t_user"]["tier_bytes"] > 0
     assert run(["inspect", str(packed), "--hot-tier", "5%"]) == 0
     text = capsys.readouterr().out
-    assert "tier_bytes" in text and "net_savings" in text and "total" in text
+    assert "tier_bytes" in text and "policy_bytes" in text and "net_savings" in text
+    assert "total" in text
 
 
 @pytest.mark.parametrize("bad", ["-5%", "lots", "5%%"])

@@ -46,7 +46,20 @@ def test_every_spelling_parses(text: str, kind: str, value: float) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["-1", "-5%", "- 2GB", "", "lots", "5%%", "1e3", "5 % of raw", "%"]
+    "text",
+    [
+        "-1",
+        "-5%",
+        "- 2GB",
+        "",
+        "lots",
+        "5%%",
+        "1e3",
+        "5 % of raw",
+        "%",
+        "9" * 400,
+        "1" + "0" * 400 + "%",
+    ],
 )
 def test_bad_budgets_name_the_accepted_forms(text: str) -> None:
     with pytest.raises(ValueError, match="hot tier budget") as error:
@@ -87,6 +100,36 @@ def test_what_each_kind_buys_a_table() -> None:
     assert TierBudget.parse("off").plan({"t": SIZE})["t"] == TierPlan(0, 0)
     incompressible = TableSize(ROWS, ROW_BYTES, stored_bytes=raw + 1)
     assert TierBudget.parse("savings").plan({"t": incompressible})["t"] == TierPlan(0, 0)
+
+
+def test_tables_of_one_or_two_rows_are_priced_without_dividing_by_zero() -> None:
+    # 8-byte rows: a tier row costs its bytes and its id, a partial tier a directory besides.
+    for num_rows in (1, 2, 3):
+        every = tier_cost(num_rows, 8, num_rows)
+        assert capacity_rows(num_rows, 8, every) == num_rows
+        for budget in range(every):
+            rows = capacity_rows(num_rows, 8, budget)
+            assert rows < num_rows and tier_cost(num_rows, 8, rows) <= budget
+            assert tier_cost(num_rows, 8, rows + 1) > budget or rows + 1 == num_rows
+
+
+def _state(num_rows: int, rows: int) -> int:
+    """A policy's state: a fixed buffer and a step every 64 rows, as a sketch's width steps."""
+    return 0 if rows == 0 else 4096 + 24 * rows + 512 * (rows // 64)
+
+
+@pytest.mark.parametrize("budget", [0, 4095, 5000, 20_000, 300_000, 5_200_000, 10**9])
+def test_a_policy_state_is_paid_from_the_budget(budget: int) -> None:
+    rows = capacity_rows(ROWS, ROW_BYTES, budget, _state)
+    cost = [tier_cost(ROWS, ROW_BYTES, k) + _state(ROWS, k) for k in range(ROWS + 1)]
+    assert rows == max(k for k in range(ROWS + 1) if k == 0 or cost[k] <= budget)
+    plan = TierBudget.parse(str(budget) if budget else "0").plan({"t": SIZE}, _state)["t"]
+    assert plan == TierPlan(rows, tier_cost(ROWS, ROW_BYTES, rows), _state(ROWS, rows))
+    assert plan.total_bytes <= budget or plan.rows == ROWS
+    # With savings, the table with its tier and the policy stays within its raw bytes.
+    savings = TierBudget.parse("savings").plan({"t": SIZE}, _state)["t"]
+    assert SIZE.stored_bytes + savings.total_bytes <= SIZE.raw_bytes
+    assert savings.rows < TierBudget.parse("savings").plan({"t": SIZE})["t"].rows
 
 
 def test_a_byte_budget_is_split_between_tables_by_raw_bytes() -> None:

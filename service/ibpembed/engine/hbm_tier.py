@@ -335,6 +335,9 @@ class HbmTier(AdmissionPolicy):
         step_s: float = STEP_S,
         window_ids: int = DEFAULT_WINDOW_IDS,
     ) -> None:
+        # Before the policy's own set-up, which asks capacity() what each table's budget buys.
+        self.form = parse_form(form)
+        self.device = torch.device(device)
         super().__init__(
             store,
             budget=budget,
@@ -343,8 +346,6 @@ class HbmTier(AdmissionPolicy):
             window_ids=window_ids,
             thread_name="ibpembed-hbm-tier",
         )
-        self.form = parse_form(form)
-        self.device = torch.device(device)
         self.tiers = HbmTiers()
         # Per table, across publications: the counts a tier's kernels add up only ever grow.
         self._counters: dict[str, TierCounters] = {}

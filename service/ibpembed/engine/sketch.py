@@ -38,7 +38,7 @@ class FrequencySketch:
     def __init__(self, width: int, sample: int, *, seed: int = 0) -> None:
         if sample < 1:
             raise ValueError(f"sample must be >= 1, got {sample}")
-        self.width = min(MAX_WIDTH, max(MIN_WIDTH, 1 << max(width - 1, 0).bit_length()))
+        self.width = self.width_for(width)
         self._shift = np.uint64(64 - (self.width.bit_length() - 1))
         # Odd 64-bit multipliers: multiply-shift hashing (the high bits of id * a).
         rng = np.random.default_rng(seed)
@@ -46,6 +46,11 @@ class FrequencySketch:
         self.counts = np.zeros((DEPTH, self.width), dtype=np.uint8)
         self.sample = sample
         self.added = 0  # increments since the last halving
+
+    @staticmethod
+    def width_for(width: int) -> int:
+        """Counters per row of a sketch asked for ``width``."""
+        return min(MAX_WIDTH, max(MIN_WIDTH, 1 << max(width - 1, 0).bit_length()))
 
     @property
     def nbytes(self) -> int:

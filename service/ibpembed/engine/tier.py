@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from ibpembed.codec import CompressedTable
-from ibpembed.engine.sketch import MAX_WIDTH, FrequencySketch
+from ibpembed.engine.sketch import DEPTH, FrequencySketch
 from ibpembed.tables.store import TableStore
 from ibpembed.tables.tier_budget import TableSize, TierBudget, TierPlan, capacity_rows
 
@@ -62,11 +62,15 @@ log = logging.getLogger(__name__)
 DEFAULT_BUDGET = 0.01
 # The server's default --hot-tier.
 DEFAULT_TIER = "1%"
-# Ids buffered per table between steps (8 bytes each): a second of a busy table's traffic.
+# Ids buffered per table between steps at most (8 bytes each): a second of a busy table's traffic.
 DEFAULT_WINDOW_IDS = 1 << 18
-# A smaller table buffers this many ids per row (at least MIN_WINDOW_IDS).
-WINDOW_IDS_PER_ROW = 8
-MIN_WINDOW_IDS = 4096
+# A smaller tier buffers this many ids per tier row, at least MIN_WINDOW_IDS. NOTE(tier): the
+# buffer is a sample under heavy traffic (the latest ids stand for the rest); the sketch's
+# ranking depends on the increments per halving window, not on how fast they arrive, so a
+# smaller sample only stretches that window over more steps. Sized by the table instead (8 ids
+# a row), a 1M-row D = 16 fp32 table's 2 MiB buffer cost three times its 1 % tier.
+WINDOW_IDS_PER_TIER_ROW = 4
+MIN_WINDOW_IDS = 1024
 # Seconds between steps of the admission policy (and updates of the hit ratio).
 STEP_S = 1.0
 # Seconds from start to the first publication: a fresh server should not serve its first
@@ -180,6 +184,12 @@ class _IdRing:
         self.ids[: n - head] = ids[head:]
         self.next = (start + n) % capacity
 
+    def resized(self, capacity: int) -> _IdRing:
+        """A buffer of ``capacity`` ids holding the latest of this one's unseen ids."""
+        ring = _IdRing(capacity)
+        ring.add(self.take())
+        return ring
+
     def take(self) -> np.ndarray:
         """A copy of the ids added since the last call (the latest ``capacity`` of them)."""
         n, self.unseen = self.unseen, 0
@@ -223,15 +233,34 @@ class TierStats:
     policy_bytes: int = 0
 
 
+def _ring_ids(rows: int, window_ids: int) -> int:
+    """Ids the buffer of a table whose tier takes ``rows`` rows holds between steps."""
+    return min(window_ids, max(MIN_WINDOW_IDS, WINDOW_IDS_PER_TIER_ROW * rows))
+
+
+def policy_state_bytes(num_rows: int, rows: int, window_ids: int = DEFAULT_WINDOW_IDS) -> int:
+    """Host bytes the policy holds at most for a table of ``num_rows`` rows whose tier takes
+    ``rows``: its id buffer, its sketch (only to rank a partial tier) and two target sets (the
+    one published and the next). What :class:`HotTier` pays from the budget
+    (:data:`ibpembed.tables.tier_budget.StateBytes`)."""
+    if rows == 0:  # no state: the policy records no ids for a table its budget buys no row of
+        return 0
+    ring = 8 * _ring_ids(rows, window_ids)
+    ranked = rows < num_rows
+    sketch = DEPTH * FrequencySketch.width_for(SKETCH_WIDTH_PER_ROW * rows) if ranked else 0
+    return ring + sketch + 2 * 8 * rows
+
+
 class _TableTier:
     """The admission state of one table (of one shape: a reload that resizes it starts anew)."""
 
-    def __init__(self, num_rows: int, window_ids: int, gate: HitRatioGate | None) -> None:
+    def __init__(
+        self, num_rows: int, capacity: int, window_ids: int, gate: HitRatioGate | None
+    ) -> None:
         self.num_rows = num_rows
-        size = min(window_ids, max(MIN_WINDOW_IDS, WINDOW_IDS_PER_ROW * num_rows))
-        self.pending = _IdRing(size)  # guarded by HotTier._lock
+        self.pending = _IdRing(_ring_ids(capacity, window_ids))  # guarded by HotTier._lock
         # The rest: the policy's thread (HotTier._work) only.
-        self.capacity = 0
+        self.capacity = 0  # as of the last admission
         self.sketch: FrequencySketch | None = None
         self.residents = np.empty(0, np.int64)  # sorted: the target set
         self.published: np.ndarray | None = None  # the residents last published
@@ -306,12 +335,15 @@ class _TableTier:
             self.coverage = float(_member(ids, chosen).mean())
 
     def _rank(self, ids: np.ndarray, capacity: int) -> np.ndarray:
-        # The sketch grows with the tier (SKETCH_WIDTH_PER_ROW counters a tier row): a budget
-        # raised at run time must not rank its new rows with a sketch sized for the old one.
-        if self.sketch is None or self.sketch.width < min(capacity, MAX_WIDTH):
-            self.sketch = FrequencySketch(
-                SKETCH_WIDTH_PER_ROW * capacity, SKETCH_SAMPLE_PER_ROW * capacity
-            )
+        # The sketch follows the tier (SKETCH_WIDTH_PER_ROW counters and SKETCH_SAMPLE_PER_ROW
+        # increments per halving a tier row): a capacity that grows must not rank its new rows
+        # with a sketch sized for fewer, and one that shrinks must not keep more memory than the
+        # budget pays for. Capacities move only with a reload or a byte budget's split.
+        sample = SKETCH_SAMPLE_PER_ROW * capacity
+        width = FrequencySketch.width_for(SKETCH_WIDTH_PER_ROW * capacity)
+        if self.sketch is None or self.sketch.width != width:
+            self.sketch = FrequencySketch(width, sample)
+        self.sketch.sample = sample
         residents = self.residents
         seen, counts = np.unique(ids, return_counts=True)
         self.sketch.add(seen, counts)
@@ -384,9 +416,14 @@ class AdmissionPolicy(ABC):
         self.gate = gate
         self._lock = threading.Lock()  # guards _tables and the buffers; held for a copy at most
         self._work = threading.Lock()  # one step or publication at a time
+        # A state for each table whose budget buys rows, made by the steps (the first here).
         self._tables: dict[str, _TableTier] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        with self.store.acquire() as snapshot:
+            current = dict(snapshot.tables)
+        with self._lock:
+            self._size_states(current)
 
     # -- what a tier decides -------------------------------------------------------------------
     @abstractmethod
@@ -411,14 +448,40 @@ class AdmissionPolicy(ABC):
 
     def record(self, lookups: Iterable[tuple[str, np.ndarray, int]]) -> None:
         """Buffer one request's ids: (table, int64 rows of it, the table's ``num_rows``) per
-        table it read; repeats count. One call per request: the lock is taken once."""
+        table it read; repeats count. One call per request: the lock is taken once. Tables
+        whose budget buys no row, and tables a reload added or resized until the next step
+        sizes their state, record nothing."""
         with self._lock:
             for name, ids, num_rows in lookups:
                 state = self._tables.get(name)
-                # A reload that resized the table starts it anew: the old ids name other rows.
-                if state is None or state.num_rows != num_rows:
-                    state = self._tables[name] = _TableTier(num_rows, self.window_ids, self.gate)
-                state.pending.add(ids)
+                if state is not None and state.num_rows == num_rows:
+                    state.pending.add(ids)
+
+    def _size_states(self, current: dict[str, CompressedTable]) -> dict[str, int]:
+        """Each current table's capacity; under ``_lock``, a state (and its buffer) for each
+        table that has rows to rank or a tier to withdraw, sized for its capacity, and none
+        for the others, so the policy holds what :func:`policy_state_bytes` prices."""
+        total_raw = sum(t.raw_bytes for t in current.values()) or 1
+        capacities = {
+            name: self.capacity(table, table.raw_bytes / total_raw)
+            for name, table in current.items()
+        }
+        for gone in set(self._tables) - set(current):  # dropped by a reload
+            del self._tables[gone]
+        for name, table in current.items():
+            capacity, state = capacities[name], self._tables.get(name)
+            if state is not None and state.num_rows != table.num_rows:
+                state = None  # resized by a reload: the buffered ids name rows of the old table
+            if capacity == 0 and (state is None or state.cached == 0):
+                # Nothing to rank and no tier to withdraw: the policy holds nothing for it.
+                self._tables.pop(name, None)
+            elif state is None:
+                self._tables[name] = _TableTier(
+                    table.num_rows, capacity, self.window_ids, self.gate
+                )
+            elif state.pending.ids.size != _ring_ids(capacity, self.window_ids):
+                state.pending = state.pending.resized(_ring_ids(capacity, self.window_ids))
+        return capacities
 
     def step(self) -> None:
         """Count the buffered ids of every table against its published tier, into its sketch,
@@ -426,25 +489,14 @@ class AdmissionPolicy(ABC):
         with self._work:
             with self.store.acquire() as snapshot:
                 current = dict(snapshot.tables)
-            total_raw = sum(t.raw_bytes for t in current.values()) or 1
             with self._lock:
-                for gone in set(self._tables) - set(current):  # dropped by a reload
-                    del self._tables[gone]
-                work = []
-                for name, table in current.items():
-                    state = self._tables.get(name)
-                    if state is None or state.num_rows != table.num_rows:
-                        # Resized by a reload: the buffered ids name rows of the old table.
-                        # Only an "all" tier is built for tables nobody looked up yet.
-                        self._tables.pop(name, None)
-                        if self.budget.kind != "all":
-                            continue
-                        state = self._tables[name] = _TableTier(
-                            table.num_rows, self.window_ids, self.gate
-                        )
-                    work.append((name, state, table, state.pending.take()))
+                capacities = self._size_states(current)
+                work = [
+                    (name, state, current[name], state.pending.take())
+                    for name, state in self._tables.items()
+                ]
             for name, state, table, ids in work:
-                capacity = self.capacity(table, table.raw_bytes / total_raw)
+                capacity = capacities[name]
                 state.count(ids, self.held(name, table))
                 if state.measure(ids) and self.gate is not None:
                     log.info(
@@ -599,7 +651,10 @@ class HotTier(AdmissionPolicy):
         )
 
     def capacity(self, table: CompressedTable, share: float) -> int:
-        return self.budget.table_rows(TableSize.of(table), share)
+        return self.budget.table_rows(TableSize.of(table), share, self._state_bytes)
+
+    def _state_bytes(self, num_rows: int, rows: int) -> int:
+        return policy_state_bytes(num_rows, rows, self.window_ids)
 
     def held(self, name: str, table: CompressedTable) -> np.ndarray | None:
         return None if table.hot is None else table.hot.ids.numpy()
@@ -614,4 +669,4 @@ class HotTier(AdmissionPolicy):
     def plan(self) -> dict[str, TierPlan]:
         with self.store.acquire() as snapshot:
             sizes = {name: TableSize.of(t) for name, t in snapshot.tables.items()}
-        return self.budget.plan(sizes)
+        return self.budget.plan(sizes, self._state_bytes)

@@ -414,10 +414,13 @@ def _tier_line(engine: LookupEngine, raw: int, stored: int) -> str:
     """The hot tier's budget and the savings left net of it (nothing when there is none)."""
     if engine.tier is None:
         return ""
-    tier = sum(p.bytes for p in engine.tier.plan().values())
+    plans = engine.tier.plan().values()
+    rows = sum(p.bytes for p in plans)
+    state = sum(p.state_bytes for p in plans)
     return (
-        f"hot tier {engine.tier.budget.describe()}: up to {tier:,} bytes of decoded rows, "
-        f"{1 - (stored + tier) / max(raw, 1):.1%} saved net of it\n"
+        f"hot tier {engine.tier.budget.describe()}: up to {rows:,} bytes of decoded rows and "
+        f"{state:,} of admission state, {1 - (stored + rows + state) / max(raw, 1):.1%} saved "
+        "net of both\n"
     )
 
 

@@ -449,13 +449,13 @@ class _HotTierCollector(Collector):
             "policy": GaugeMetricFamily(
                 f"{NAMESPACE}_hot_tier_policy_bytes",
                 "Host bytes of the hot tier policy's own state for the table (its buffer of"
-                " recorded ids, its frequency sketch, its target set), outside the budget.",
+                " recorded ids, its frequency sketch, its target sets), paid from the budget.",
                 labels=["table"],
             ),
             "budget": GaugeMetricFamily(
                 f"{NAMESPACE}_table_hot_row_budget_bytes",
                 "Bytes of decoded rows the --hot-tier budget buys the table (its tier's size"
-                " once full).",
+                " once full), after the policy's state is paid from it.",
                 labels=["table"],
             ),
         }

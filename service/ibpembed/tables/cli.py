@@ -343,15 +343,19 @@ def _tier_budget(text: str) -> TierBudget:
 
 
 def _add_tier(summaries: list[dict[str, Any]], budget: TierBudget) -> None:
-    """Each table's hot tier under ``budget`` (``tier_bytes``) and its savings net of it."""
+    """Each table's hot tier under ``budget`` as the server's policy spends it (``tier_bytes``
+    of decoded rows, ``policy_bytes`` of admission state) and its savings net of both."""
+    from ibpembed.engine.tier import policy_state_bytes  # the engine's torch import, only here
+
     sizes = {
         s["table"]: TableSize(s["rows"], s["raw_bytes"] // max(s["rows"], 1), s["stored_bytes"])
         for s in summaries
     }
-    plans = budget.plan(sizes)
+    plans = budget.plan(sizes, policy_state_bytes)
     for s in summaries:
-        s["tier_bytes"] = plans[s["table"]].bytes
-        held = s["stored_bytes"] + s["tier_bytes"]
+        plan = plans[s["table"]]
+        s["tier_bytes"], s["policy_bytes"] = plan.bytes, plan.state_bytes
+        held = s["stored_bytes"] + plan.total_bytes
         s["net_savings"] = 1 - held / s["raw_bytes"] if s["raw_bytes"] else 0.0
 
 
@@ -370,8 +374,14 @@ def _summary_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     }
     if summaries and "tier_bytes" in summaries[0]:
         tier = sum(s["tier_bytes"] for s in summaries)
-        total |= {"tier_bytes": tier, "net_savings": 1 - (stored + tier) / raw if raw else 0.0}
-    counts = ("raw_bytes", "stored_bytes", "tier_bytes")
+        state = sum(s["policy_bytes"] for s in summaries)
+        held = stored + tier + state
+        total |= {
+            "tier_bytes": tier,
+            "policy_bytes": state,
+            "net_savings": 1 - held / raw if raw else 0.0,
+        }
+    counts = ("raw_bytes", "stored_bytes", "tier_bytes", "policy_bytes")
     shares = ("savings", "net_savings")
     return [
         s
@@ -414,7 +424,7 @@ def _inspect(args: argparse.Namespace) -> int:
     columns = ("table", "rows", "dim", "dtype", "raw_bytes", "stored_bytes", "savings")
     if args.hot_tier is not None:
         _add_tier(summaries, args.hot_tier)
-        columns = (*columns, "tier_bytes", "net_savings")
+        columns = (*columns, "tier_bytes", "policy_bytes", "net_savings")
     if args.json:
         print(json.dumps({**result, "summary": summaries}, indent=1))
         return EXIT_OK

@@ -17,12 +17,17 @@ Accepted spellings (case and blanks do not matter):
 
 A budget that buys every row of a table (at least what ``all`` costs) is clamped to ``all`` for
 that table. Negative, empty or unparsable values raise ValueError naming the accepted forms.
+
+A budget covers everything the tier holds in host memory: its rows, their ids and directory and,
+for a tier that follows the traffic online, the admission policy's own state (a
+:data:`StateBytes` the policy passes in), so that ``savings`` keeps its promise.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -48,6 +53,11 @@ _PERCENT = re.compile(_NUMBER + r"%(savings)?")
 _BYTES = re.compile(_NUMBER + r"([kmgt]i?b|b)?")
 FORMS = "0/off, all, N% (of raw bytes), savings or N%savings, or bytes (512MiB, 2GB, 4096)"
 
+# Host bytes an admission policy holds for a table of ``num_rows`` rows whose tier takes ``rows``
+# of them (``rows`` = 0 included: a policy records a table's ids whatever its budget buys); must
+# not decrease as ``rows`` grows.
+StateBytes = Callable[[int, int], int]
+
 
 @dataclass(frozen=True)
 class TableSize:
@@ -68,10 +78,16 @@ class TableSize:
 
 @dataclass(frozen=True)
 class TierPlan:
-    """What a budget buys one table: its tier's rows and their host bytes."""
+    """What a budget buys one table: its tier's rows, their host bytes, and the host bytes of
+    the admission policy's state for the table (0 for a tier chosen offline)."""
 
     rows: int
     bytes: int
+    state_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes + self.state_bytes
 
 
 @dataclass(frozen=True)
@@ -105,6 +121,8 @@ class TierBudget:
         percent = _PERCENT.fullmatch(spelt)
         if percent is not None:
             share = float(percent.group(1)) / 100
+            if not math.isfinite(share):
+                raise ValueError(f"hot tier budget {text!r} is too large ({FORMS})")
             if share == 0:
                 return cls("off")
             return cls("savings" if percent.group(2) else "raw", share)
@@ -112,37 +130,47 @@ class TierBudget:
         if size is None:
             raise ValueError(f"hot tier budget {text!r} is not one of: {FORMS}")
         count = float(size.group(1)) * _UNITS[size.group(2) or ""]
+        if not math.isfinite(count):
+            raise ValueError(f"hot tier budget {text!r} is too large ({FORMS})")
         return cls("bytes", count) if count >= 1 else cls("off")
 
     @property
     def enabled(self) -> bool:
         return self.kind != "off"
 
-    def table_bytes(self, size: TableSize, share: float) -> int:
-        """Bytes a table may spend on its tier; ``share``: its part of the table set's raw
-        bytes (what a ``bytes`` budget is split by)."""
+    def table_bytes(self, size: TableSize, share: float, state: StateBytes | None = None) -> int:
+        """Bytes a table may spend on its tier, the policy's ``state`` included; ``share``: its
+        part of the table set's raw bytes (what a ``bytes`` budget is split by)."""
         if self.kind == "off":
             return 0
         if self.kind == "all":
-            return tier_cost(size.num_rows, size.row_bytes, size.num_rows)
+            every = size.num_rows
+            extra = state(every, every) if state is not None else 0
+            return tier_cost(every, size.row_bytes, every) + extra
         if self.kind == "raw":
             return int(self.value * size.raw_bytes)
         if self.kind == "savings":
             return int(self.value * max(size.raw_bytes - size.stored_bytes, 0))
         return int(self.value * share)
 
-    def table_rows(self, size: TableSize, share: float) -> int:
+    def table_rows(self, size: TableSize, share: float, state: StateBytes | None = None) -> int:
         """Rows a table's tier holds: ``num_rows`` for ``all`` and for every budget that buys
-        at least the whole table (the clamp)."""
-        return capacity_rows(size.num_rows, size.row_bytes, self.table_bytes(size, share))
+        at least the whole table (the clamp); ``state``: the admission policy's, paid from the
+        same budget."""
+        budget = self.table_bytes(size, share, state)
+        return capacity_rows(size.num_rows, size.row_bytes, budget, state)
 
-    def plan(self, sizes: Mapping[str, TableSize]) -> dict[str, TierPlan]:
-        """What the budget buys each table of a table set."""
+    def plan(
+        self, sizes: Mapping[str, TableSize], state: StateBytes | None = None
+    ) -> dict[str, TierPlan]:
+        """What the budget buys each table of a table set (with ``state``: an online policy's
+        state paid from the budget and counted in each plan)."""
         total = sum(s.raw_bytes for s in sizes.values()) or 1
         out = {}
         for name, size in sizes.items():
-            rows = self.table_rows(size, size.raw_bytes / total)
-            out[name] = TierPlan(rows, tier_cost(size.num_rows, size.row_bytes, rows))
+            rows = self.table_rows(size, size.raw_bytes / total, state)
+            held = state(size.num_rows, rows) if state is not None and self.enabled else 0
+            out[name] = TierPlan(rows, tier_cost(size.num_rows, size.row_bytes, rows), held)
         return out
 
     def describe(self) -> str:
@@ -162,13 +190,33 @@ def tier_cost(num_rows: int, row_bytes: int, rows: int) -> int:
     return codec.tier_bytes_for(num_rows, row_bytes, rows)
 
 
-def capacity_rows(num_rows: int, row_bytes: int, budget_bytes: int) -> int:
-    """Most rows (``num_rows`` at most) whose tier costs at most ``budget_bytes``."""
+def capacity_rows(
+    num_rows: int, row_bytes: int, budget_bytes: int, state: StateBytes | None = None
+) -> int:
+    """Most rows (``num_rows`` at most) whose tier, with the policy's ``state`` for it, costs
+    at most ``budget_bytes``."""
     if budget_bytes <= 0 or num_rows == 0:
         return 0
-    if tier_cost(num_rows, row_bytes, num_rows) <= budget_bytes:
+
+    def cost(rows: int) -> int:
+        extra = state(num_rows, rows) if state is not None else 0
+        return tier_cost(num_rows, row_bytes, rows) + extra
+
+    # Every row needs no directory, so it may cost less than every row but one: tried first.
+    if cost(num_rows) <= budget_bytes:
         return num_rows
-    one = tier_cost(num_rows, row_bytes, 1)
-    per_row = tier_cost(num_rows, row_bytes, 2) - one
-    fixed = one - per_row
-    return min(num_rows - 1, max(budget_bytes - fixed, 0) // per_row)
+    if state is None:  # rows and ids, plus a fixed directory (codec.tier_bytes_for): solved
+        per_row = row_bytes + 8
+        fixed = codec.tier_directory_bytes(num_rows)
+        return min(num_rows - 1, max(budget_bytes - fixed, 0) // per_row)
+    # Below every row the cost only grows with the rows (a policy's state must not shrink).
+    low, high = 0, num_rows - 1  # low fits (or is 0), high + 1 does not
+    if cost(1) > budget_bytes:
+        return 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        if cost(mid) <= budget_bytes:
+            low = mid
+        else:
+            high = mid - 1
+    return low
