@@ -117,6 +117,17 @@ class TableBytes:
         return self.raw / self.total
 
 
+def _buffers(table: CompressedTable) -> list[tuple[int, int]]:
+    """(address, bytes) of each buffer under the table's tensors, its tier's included. Buffers
+    are told apart by address: a storage object is a fresh wrapper at every call."""
+    tensors = [table.payload, table.block_base, table.row_units, table.bitmask]
+    tensors += [table.mask, table.bitval]
+    if table.hot is not None:
+        tensors += [table.hot.ids, table.hot.directory, table.hot.rows]
+    storages = [t.untyped_storage() for t in tensors]
+    return [(s.data_ptr(), s.nbytes()) for s in storages if s.nbytes()]
+
+
 @dataclass(frozen=True)
 class TableSnapshot:
     """One published version of the whole table set. Never changes after publication."""
@@ -379,28 +390,21 @@ class TableStore:
             return tuple(s.version for s in self._kept)
 
     def older_versions_bytes(self) -> int:
-        """Host bytes held only for kept versions older than the current one: their tables that
-        the current version does not share (each counted once)."""
+        """Host bytes held only for kept versions older than the current one: the buffers of
+        their tables (payload, index, metadata, tier) that the current version does not share,
+        each counted once. A row update shares the payload's buffer and replaces the rest, so
+        buffers are compared one by one, not table by table."""
         with self._lock:
             kept = list(self._kept)
-        # Tables are told apart by the address of the buffer under their payload (a storage
-        # object is a fresh wrapper at every call: its id() names nothing).
-        current = {t.payload.untyped_storage().data_ptr() for t in kept[-1].tables.values()}
-        seen: set[int] = set()
-        total = 0
-        for snapshot in kept[:-1]:
-            for table in snapshot.tables.values():
-                storage = table.payload.untyped_storage()
-                if storage.data_ptr() in current or storage.data_ptr() in seen:
-                    continue
-                seen.add(storage.data_ptr())
-                total += (
-                    max(table.payload_bytes, storage.nbytes())
-                    + table.index_bytes
-                    + table.metadata_bytes
-                    + table.hot_bytes
-                )
-        return total
+        current = {ptr for t in kept[-1].tables.values() for ptr, _ in _buffers(t)}
+        older = {
+            ptr: nbytes
+            for snapshot in kept[:-1]
+            for table in snapshot.tables.values()
+            for ptr, nbytes in _buffers(table)
+            if ptr not in current
+        }
+        return sum(older.values())
 
     def live_versions(self) -> set[int]:
         """The current version and every older one a lookup still holds."""
