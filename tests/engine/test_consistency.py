@@ -5,14 +5,18 @@ table version that served it, pinned older versions included."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from ibpembed.codec import compress
 from ibpembed.engine import FeatureQuery, LookupEngine, LookupOptions
+from ibpembed.engine.requests import PackedRequest
 from ibpembed.errors import VersionNotHeld
 from ibpembed.tables.store import TableStore
 from tests.codec.tables import same_bits
@@ -109,3 +113,44 @@ def test_updates_and_reloads_under_lookups_never_serve_a_stale_tier_row(tmp_path
         table = snap.tables["t"]
         every = torch.arange(ROWS)
         assert same_bits(table.gather(every), expected[snap.version][every])
+
+
+def test_a_bad_setting_leaves_no_tier_thread_behind() -> None:
+    store = TableStore.from_tables({"t": compress(torch.randn(256, 8))})
+    before = {t for t in threading.enumerate() if "tier" in t.name}
+    for _ in range(3):
+        with pytest.raises(ValueError, match="hbm tier budget 'bogus'"):
+            LookupEngine(store, hot_tier="1%", hbm_tier="bogus")
+    assert {t for t in threading.enumerate() if "tier" in t.name} == before
+
+
+def test_a_replaced_version_is_not_kept_alive_by_the_last_request() -> None:
+    store = TableStore.from_tables({"t": compress(torch.randn(512, 16))})
+    engine = LookupEngine(store, max_workers=1)
+    try:
+        one = PackedRequest(
+            ["t"], np.array([1], np.int64), np.array([1], np.int32), np.array([1]), np.array([1])
+        )
+        engine.run(one, "sum")  # the pooled path caches what it planned for this version
+        with store.acquire() as snap:
+            old = weakref.ref(snap.tables["t"])
+        del snap
+        store.put_table("t", compress(torch.randn(512, 16)))
+        gc.collect()
+        assert old() is None
+    finally:
+        engine.close()
+
+
+def test_older_versions_count_what_they_hold_beside_a_shared_payload() -> None:
+    values = torch.randn(4096, 32) * 0.05
+    store = TableStore({"t": compress(values)}, {"t": "t"}, keep_versions=2)
+    store.update_rows("t", torch.tensor([100]), torch.zeros(1, 32))
+    store.set_hot_rows("t", torch.arange(4096))
+    store.update_rows("t", torch.tensor([200]), torch.ones(1, 32))  # shares the payload buffer
+    with store.acquire(store.versions_held()[0]) as old, store.acquire() as new:
+        o, n = old.tables["t"], new.tables["t"]
+        assert o.payload.untyped_storage().data_ptr() == n.payload.untyped_storage().data_ptr()
+        assert o.hot.rows.data_ptr() != n.hot.rows.data_ptr()  # its tier rows are its own
+        own = o.hot.rows.nbytes
+    assert store.older_versions_bytes() >= own > 0

@@ -5,6 +5,8 @@ them run in tests/cuda/test_simt_hbm_tier.py)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -264,3 +266,22 @@ def test_the_hbm_and_host_tiers_share_one_admission_policy() -> None:
 def _current(store: TableStore):
     with store.acquire() as snap:
         return snap.tables["t"]
+
+
+def test_a_table_a_reload_drops_loses_its_tier_and_nothing_keeps_it(tmp_path) -> None:
+    kept, dropped = tmp_path / "kept", tmp_path / "both"
+    TableStore.from_tables({"a": _table(), "b": _table(seed=1)}).save(dropped)
+    TableStore.from_tables({"a": _table()}).save(kept)
+    store = TableStore.load(dropped)
+    tier = HbmTier(store, budget="50%", device="cpu")
+    ids = _zipf(2000, 300)
+    tier.record([("a", ids, 300), ("b", ids, 300)])
+    assert set(tier.refresh()) == {"a", "b"}
+    with store.acquire() as snap:
+        old_b = weakref.ref(snap.tables["b"])
+    del snap
+    assert store.reload(kept)
+    tier.step()
+    gc.collect()
+    assert set(tier.tiers.current()) == {"a"} and set(tier.counts()) == {"a"}
+    assert old_b() is None  # neither the tier nor its counters hold the dropped table

@@ -157,12 +157,12 @@ class LookupEngine:
         if inline_max_ids < 0:
             raise ValueError(f"inline_max_ids must be >= 0, got {inline_max_ids}")
         self.inline_max_ids = inline_max_ids if self.device.type == "cpu" else 0
+        # Every setting is checked before a tier's thread starts: a bad one leaves none behind.
         budget = TierBudget.parse(hot_tier)
+        hbm_budget = TierBudget.parse(hbm_tier, setting="hbm tier")
         self.tier: HotTier | None = None
         if budget.enabled and self.device.type == "cpu":
             self.tier = HotTier(store, budget=budget, refresh_s=hot_tier_refresh_s)
-            self.tier.start()
-        hbm_budget = TierBudget.parse(hbm_tier)
         self.hbm: HbmTier | None = None
         if hbm_budget.enabled and self.device.type == "cuda":
             self.hbm = HbmTier(
@@ -172,7 +172,6 @@ class LookupEngine:
                 device=self.device,
                 refresh_s=hot_tier_refresh_s,
             )
-            self.hbm.start()
         self._executor = Executor(
             self.device,
             dedupe_max_unique_fraction=dedupe_max_unique_fraction,
@@ -184,6 +183,9 @@ class LookupEngine:
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="ibpembed-lookup")
         self._lock = threading.Lock()
         self._inflight = 0
+        for policy in (self.tier, self.hbm):
+            if policy is not None:
+                policy.start()
 
     # -- admission -------------------------------------------------------------------------
     @property

@@ -7,6 +7,7 @@ back)."""
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -64,7 +65,9 @@ class Executor:
         self.recorder = recorder
         self.streams = CudaStreams(device)
         # The last snapshot's features for run_in_one_call (a snapshot never changes).
-        self._one_call_cache: tuple[TableSnapshot, dict[str, OneCallFeature]] | None = None
+        self._one_call_cache: (
+            tuple[weakref.ref[TableSnapshot], dict[str, OneCallFeature]] | None
+        ) = None
 
     def run_in_one_call(
         self, snap: TableSnapshot, request: PackedRequest, pooling: Pooling, limit: int | None
@@ -133,7 +136,7 @@ class Executor:
         """Features of ``snap`` that :meth:`run_in_one_call` serves. Built once per
         snapshot."""
         cached = self._one_call_cache
-        if cached is not None and cached[0] is snap:
+        if cached is not None and cached[0]() is snap:
             return cached[1]
         _, position = snap.pooling_set
         features = {}
@@ -142,7 +145,8 @@ class Executor:
             if name not in position or name in snap.shards:
                 continue
             features[feature] = (position[name], pooled_dim(table), name, table.num_rows)
-        self._one_call_cache = (snap, features)
+        # Weakly: a version a reload replaced must not stay mapped until the next such request.
+        self._one_call_cache = (weakref.ref(snap), features)
         return features
 
     def run_plan(

@@ -374,6 +374,10 @@ class HbmTier(AdmissionPolicy):
         super().step()
         with self.store.acquire() as snapshot:
             current = dict(snapshot.tables)
+        # A table a reload dropped: its tier would keep the old table and its GPU arrays alive.
+        for gone in set(self.tiers.current()) - set(current):
+            self.tiers.publish(gone, None)
+            self._counters.pop(gone, None)
         with self._lock:
             states = dict(self._tables)
         lost = [

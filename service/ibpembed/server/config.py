@@ -232,7 +232,7 @@ class ServerConfig:
         except ValueError as exc:
             raise ValueError(f"hot_tier: {exc}") from None
         try:
-            TierBudget.parse(self.hbm_tier)
+            TierBudget.parse(self.hbm_tier, setting="hbm tier")
         except ValueError as exc:
             raise ValueError(f"hbm_tier: {exc}") from None
         if self.hot_tier_refresh_s <= 0:

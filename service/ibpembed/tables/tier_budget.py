@@ -105,8 +105,9 @@ class TierBudget:
     value: float = 0.0
 
     @classmethod
-    def parse(cls, text: str | TierBudget) -> TierBudget:
-        """``text`` as a budget (a budget is returned as it is); ValueError when malformed."""
+    def parse(cls, text: str | TierBudget, *, setting: str = "hot tier") -> TierBudget:
+        """``text`` as a budget (a budget is returned as it is); ValueError when malformed,
+        naming the ``setting``."""
         if isinstance(text, TierBudget):
             return text
         spelt = "".join(str(text).split()).lower()
@@ -117,21 +118,21 @@ class TierBudget:
         if spelt == "savings":
             return cls("savings", 1.0)
         if spelt.startswith("-"):
-            raise ValueError(f"hot tier budget must not be negative, got {text!r} ({FORMS})")
+            raise ValueError(f"{setting} budget must not be negative, got {text!r} ({FORMS})")
         percent = _PERCENT.fullmatch(spelt)
         if percent is not None:
             share = float(percent.group(1)) / 100
             if not math.isfinite(share):
-                raise ValueError(f"hot tier budget {text!r} is too large ({FORMS})")
+                raise ValueError(f"{setting} budget {text!r} is too large ({FORMS})")
             if share == 0:
                 return cls("off")
             return cls("savings" if percent.group(2) else "raw", share)
         size = _BYTES.fullmatch(spelt)
         if size is None:
-            raise ValueError(f"hot tier budget {text!r} is not one of: {FORMS}")
+            raise ValueError(f"{setting} budget {text!r} is not one of: {FORMS}")
         count = float(size.group(1)) * _UNITS[size.group(2) or ""]
         if not math.isfinite(count):
-            raise ValueError(f"hot tier budget {text!r} is too large ({FORMS})")
+            raise ValueError(f"{setting} budget {text!r} is too large ({FORMS})")
         return cls("bytes", count) if count >= 1 else cls("off")
 
     @property
