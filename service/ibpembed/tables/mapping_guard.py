@@ -45,7 +45,9 @@ def guard(data: mmap.mmap) -> None:
     if slot < 0:
         log.warning("every SIGBUS guard slot is taken: a table file mapped now is not guarded")
         return
-    # Runs as the mapping is released, before it is unmapped: the slot never outlives it.
+    # Runs as the mapping is released, just after CPython unmaps it: for that instant the slot
+    # covers freed addresses, which would absorb a SIGBUS only from another file mapped at the
+    # very address and shortened within it.
     weakref.finalize(data, _C.unguard_mapping, slot)
 
 
