@@ -36,7 +36,7 @@ from benchmarks import data
 from benchmarks._harness import RESULTS, run_metadata, write_results
 from benchmarks.codec import Engine, gather_block, has_module, num_threads, raw_rows_view
 from ibpembed import codec
-from ibpembed.engine.tier import HotTier
+from ibpembed.engine.tier import HotTier, policy_state_bytes
 from ibpembed.tables.store import TableStore
 from ibpembed.tables.tier_budget import TableSize, TierBudget
 
@@ -70,7 +70,8 @@ class Config:
 # admission sketch's window for the budgets measured: the policy has settled.
 FULL = Config(2.0, (0.0, 0.8, 1.05, 1.2), ("fp32", "bf16"), 8, 1024, 39, 15, 1)
 QUICK = Config(1 / 64, (0.0, 1.05), ("fp32", "bf16"), 2, 32, 39, 1, 1)
-# History batches per admission step: below the policy's per-step buffer of ids.
+# History batches per admission step: about what the policy buffers per step for the smallest
+# budget (four ids per tier row); larger budgets see every id.
 STEP_BATCHES = 16
 
 
@@ -80,9 +81,10 @@ def tier_label(budget: str) -> str:
 
 def policy_tier(
     table: codec.CompressedTable, budget: str, history: Sequence[data.LookupBatch]
-) -> codec.CompressedTable:
+) -> tuple[codec.CompressedTable, int]:
     """``table`` with the tier the engine's admission policy publishes within ``budget`` after
-    ``history``, recorded and stepped as a server's requests would be."""
+    ``history``, recorded and stepped as a server's requests would be, and the host bytes of
+    the policy's own state for it (paid from the same budget)."""
     store = TableStore.from_tables({"t": table})
     policy = HotTier(store, budget=budget, gate=None)
     for start in range(0, len(history), STEP_BATCHES):
@@ -90,8 +92,9 @@ def policy_tier(
         policy.record([("t", chunk.numpy(), table.num_rows)])
         policy.step()
     policy.publish()
+    state = policy.stats().get("t")
     with store.acquire() as snapshot:
-        return snapshot.tables["t"]
+        return snapshot.tables["t"], 0 if state is None else state.policy_bytes
 
 
 def _tbe_fp32(num_rows: int) -> Any:
@@ -201,14 +204,19 @@ def bench_dtype(cfg: Config, dtype_name: str, seed: int = 0) -> list[dict[str, A
         counts = torch.bincount(torch.cat([b.ids for b in seen]), minlength=n)
         ranked = torch.argsort(counts, descending=True, stable=True)
         tiered: dict[str, codec.CompressedTable] = {}
+        policy_bytes: dict[str, int] = {}
         hit: dict[str, float] = {}
         hit_top: dict[str, float] = {}
         for budget in BUDGETS:
             label = tier_label(budget)
-            tiered[label] = table = policy_tier(ours, budget, seen)
+            table, policy_bytes[label] = policy_tier(ours, budget, seen)
+            tiered[label] = table
             held = table.hot.ids if table.hot is not None else ids.new_empty(0)
             hit[label] = float(torch.isin(ids, held).float().mean())
-            top = ranked[: TierBudget.parse(budget).table_rows(TableSize.of(ours), share=1.0)]
+            capacity = TierBudget.parse(budget).table_rows(
+                TableSize.of(ours), 1.0, policy_state_bytes
+            )
+            top = ranked[:capacity]
             hit_top[label] = float(torch.isin(ids, top).float().mean())
         engines = [Engine(COMPRESSED, lambda b: ours.lookup(b.ids, b.offsets), batches)]
         for label, table in tiered.items():
@@ -230,7 +238,12 @@ def bench_dtype(cfg: Config, dtype_name: str, seed: int = 0) -> list[dict[str, A
             engines.append(Engine("fbgemm TBE FP32", lambda a: tbe(a[0], a[1]), inputs))
         _check(engines, [COMPRESSED, *tiered], dtype == torch.float32)
         host = {COMPRESSED: ours.stored_bytes, RAW: raw.stored_bytes}
-        host.update({label: t.stored_bytes + t.tier_bytes for label, t in tiered.items()})
+        host.update(
+            {
+                label: t.stored_bytes + t.tier_bytes + policy_bytes[label]
+                for label, t in tiered.items()
+            }
+        )
         lookups = int(ids.numel())
         with torch.inference_mode(), num_threads(cfg.threads):
             seconds = warm_best_seconds(_passes(engines), cfg.rounds)
