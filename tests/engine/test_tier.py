@@ -233,9 +233,9 @@ def test_off_leaves_hand_made_tiers_alone_and_bad_budgets_fail() -> None:
     engine.run(query, "sum")
     engine.close()
     assert _tier_ids(store) == list(range(10, 20))
-    for bad in ("-5%", "-1", "lots", "5%%", "", "1e3"):
+    for bad in ("-5%", "-1", "lots", "5%%", "", "1e3", 0.05):
         with pytest.raises(ValueError, match="hot tier budget"):
-            LookupEngine(store, hot_tier=bad)
+            LookupEngine(store, hot_tier=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="other than off"):
         HotTier(store, budget="0")
     with pytest.raises(ValueError, match="refresh_s"):

@@ -5,6 +5,8 @@ cannot serve falls back to the general path, which raises the same error naming 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -137,3 +139,33 @@ def test_results_of_one_width_round_together_as_one_by_one(engine, store, dtype)
     for got, want in zip(rounded.features, fp32.features, strict=True):
         assert got.values.dtype == dtype and got.values.is_contiguous()
         assert torch.equal(got.values, want.values.to(dtype))
+
+
+def test_counts_that_do_not_split_the_arrays_are_refused(engine, store):
+    good = _packed(_queries(store, 5, 4, names=["user", "item"]))
+    ids, lengths = good.ids, good.lengths
+    cases = {
+        "id_counts": [
+            dataclasses.replace(good, id_counts=good.id_counts + 1),  # past the ids
+            dataclasses.replace(good, id_counts=good.id_counts[:1]),  # fewer than the names
+        ],
+        "sample_counts": [
+            dataclasses.replace(good, sample_counts=good.sample_counts * 3),  # past the lengths
+            dataclasses.replace(good, sample_counts=np.array([-1, lengths.size + 1])),
+        ],
+    }
+    for field, requests in cases.items():
+        for request in requests:
+            with pytest.raises(InvalidArgument) as error:
+                engine.run(request, "sum")
+            assert error.value.field == field
+    assert engine.run(dataclasses.replace(good, ids=ids.copy()), "sum").features
+
+
+def test_arrays_that_are_not_numpy_are_refused(engine, store):
+    query = _queries(store, 1, 2, names=["user"])[0]
+    for field in ("ids", "lengths", "weights"):
+        bad = dataclasses.replace(query, **{field: [1]})
+        with pytest.raises(InvalidArgument, match="must be a numpy array") as error:
+            engine.run([bad], "sum")
+        assert error.value.field == f"features[0].{field}"

@@ -96,11 +96,15 @@ class Executor:
             return None
         meta = np.array([e[:2] for e in entries], dtype=np.int64).reshape(count, 2)
         samples = request.sample_counts
+        if samples.shape != (count,) or request.id_counts.shape != (count,):
+            return None
         if limit is not None and int(samples @ meta[:, 1]) * 4 > limit:
             return None
         offsets = np.zeros(request.lengths.size + 1, dtype=np.int64)
         np.cumsum(request.lengths, dtype=np.int64, out=offsets[1:])
         sample_ends = np.cumsum(samples)
+        if count and (sample_ends[-1] != request.lengths.size or offsets[-1] != request.ids.size):
+            return None  # the counts do not split the arrays
         if not np.array_equal(offsets[sample_ends], np.cumsum(request.id_counts)):
             return None  # a feature's lengths do not sum to its ids
         table_bags = np.empty((count, 3), dtype=np.int64)

@@ -386,7 +386,7 @@ class HbmTier(AdmissionPolicy):
             if state.cached > 0 and name in current and self.lost(name, current[name])
         ]
         if lost:
-            self.publish(lost)
+            self.publish(lost, only=lost)
 
     def install(self, name: str, table: CompressedTable, rows: np.ndarray, coverage: float) -> int:
         if rows.size == 0:

@@ -153,6 +153,11 @@ def _check_layout(
     checked with the whole request's, :func:`_check_values`)."""
     where = f"features[{index}]"
     ids, lengths, weights = query.ids, query.lengths, query.weights
+    for name, array in (("ids", ids), ("lengths", lengths), ("weights", weights)):
+        if array is not None and not isinstance(array, np.ndarray):
+            raise InvalidArgument(
+                f"{where}.{name}", f"must be a numpy array, got {type(array).__name__}"
+            )
     if ids.dtype != np.int64 or ids.ndim != 1:
         raise InvalidArgument(f"{where}.ids", f"must be 1-D int64, got {ids.dtype} {ids.shape}")
     if lengths.dtype != np.int32 or lengths.ndim != 1:

@@ -117,8 +117,26 @@ class PackedRequest:
     id_counts: np.ndarray
     sample_counts: np.ndarray
 
+    def check(self) -> None:
+        """:class:`InvalidArgument` unless the counts split the arrays (a transport decodes
+        them consistent; an in-process caller may not)."""
+        features = len(self.names)
+        for field, counts, array in (
+            ("id_counts", self.id_counts, self.ids),
+            ("sample_counts", self.sample_counts, self.lengths),
+        ):
+            if counts.shape != (features,):
+                raise InvalidArgument(
+                    field, f"must hold one count per feature ({features}), got {counts.shape}"
+                )
+            if features and (int(counts.min()) < 0 or int(counts.sum()) != array.size):
+                raise InvalidArgument(
+                    field, f"must be non-negative and sum to the {array.size} entries they split"
+                )
+
     def queries(self) -> list[FeatureQuery]:
-        """The same request feature by feature."""
+        """The same request feature by feature (:meth:`check` first)."""
+        self.check()
         id_ends = np.cumsum(self.id_counts).tolist()
         sample_ends = np.cumsum(self.sample_counts).tolist()
         out, id_start, sample_start = [], 0, 0

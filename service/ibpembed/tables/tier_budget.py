@@ -110,6 +110,8 @@ class TierBudget:
         naming the ``setting``."""
         if isinstance(text, TierBudget):
             return text
+        if isinstance(text, float):  # 0.05 would read as 0.05 bytes: off, not 5 %
+            raise ValueError(f"{setting} budget {text!r} is a float; spell it as one of: {FORMS}")
         spelt = "".join(str(text).split()).lower()
         if spelt in ("off", "none"):
             return cls("off")
