@@ -140,8 +140,11 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 features, pooling = decode_features(request, names)
             encode: Callable[[LookupResult], bytes]
             window_bytes = None  # the result's size limit: the message's, or the window's
+            window: OutputWindow | None = None
             if request.HasField("output_region"):
-                window = self._output_window(self.caller_of(context), request.output_region)
+                window = self._output_window(
+                    self.caller_of(context), request.output_region, deadline
+                )
                 uses.append(window.region)
                 window_bytes = window.end - window.start
                 encode = functools.partial(self._write_region, window, request.request_id)
@@ -167,6 +170,12 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         )
         try:
             return await self.engine.lookup(features, options, then=encode, on_done=on_done)
+        except asyncio.CancelledError:
+            # The worker may still be running the lookup: its values must not land in a window
+            # the client has taken back.
+            if window is not None:
+                window.ended.set()
+            raise
         except ServiceError as exc:
             # The error comes through the engine's futures, which its traceback's frames hold:
             # a cycle that keeps every buffer of the request until a full garbage collection.
@@ -225,7 +234,9 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             self._served = (key, served)
         return served
 
-    def _output_window(self, caller: str, spec: pb.OutputRegion) -> OutputWindow:
+    def _output_window(
+        self, caller: str, spec: pb.OutputRegion, deadline: float | None
+    ) -> OutputWindow:
         region = self.regions.get(caller, spec.name, "output_region.name")
         try:
             size = region.info.byte_size
@@ -245,7 +256,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         except BaseException:
             region.release_use()
             raise
-        return OutputWindow(region, spec.offset, end)
+        return OutputWindow(region, spec.offset, end, deadline)
 
     def _encode(self, request_id: str, result: LookupResult) -> bytes:
         response = encode_response(request_id, result)
