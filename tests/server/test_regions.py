@@ -568,6 +568,32 @@ def test_bad_input_regions(server, client, store, shm):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_inputs_read_from_a_region_are_bound_by_the_message_limit(store, shm):
+    """As the same ids sent in the request would be: refused before anything is read."""
+    with (
+        RunningServer(store, max_message_mb=1) as running,
+        LookupClient(running.target, timeout=30, retry=RetryPolicy(max_attempts=1)) as client,
+    ):
+        client.register_region("in", shm)
+
+        def request(ids: int) -> pb.LookupRequest:
+            r = pb.LookupRequest(pooling=pb.POOLING_SUM, features=[pb.FeatureInput(name="user")])
+            r.input_region.CopyFrom(pb.InputRegion(name="in", num_ids=[ids], batch_sizes=[1]))
+            return r
+
+        shm.write(0, np.full(200_000, 7, np.int64))
+        shm.write(200_000 * 8, np.array([200_000], np.int32))
+        with pytest.raises(LookupServiceError) as err:
+            client.lookup_request(request(200_000))  # 1,600,004 bytes, in the 4 MB region
+        assert _code(err) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details.startswith("input_region.num_ids")
+        assert "1600004 bytes" in err.value.details and "--max-message-mb" in err.value.details
+        shm.write(100_000 * 8, np.array([100_000], np.int32))
+        pooled = client.lookup_request(request(100_000))["user"]  # 800,004 bytes: fine
+        want = client.lookup({"user": [[7] * 100_000]})["user"]
+        assert _same_bits(pooled, want)
+
+
 def test_async_client_regions_and_output_dtype(server, store, shm):
     features = _features(store, 14, 9, names=["user", "ctx"])
 

@@ -78,6 +78,8 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     backlog : places for LookupStream requests read and not yet answered, per caller and in
         all (:mod:`ibpembed.server.backlog`).
     observer : optional metrics hook for where outputs went.
+    max_input_bytes : the most bytes a request's ``input_region`` inputs may take (the server's
+        message limit); None = only the region bounds them.
 
     A LookupStream request, like a unary one, leaves engine admission when its kernels finish;
     until its response is written it holds a place of the stream backlog instead. A client that
@@ -95,6 +97,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         identities: CallerIdentities | None = None,
         backlog: StreamBacklog | None = None,
         observer: OutputObserver | None = None,
+        max_input_bytes: int | None = None,
     ) -> None:
         # None while the server loads its tables: the interceptor's gate answers every RPC
         # UNAVAILABLE until the server sets it.
@@ -109,6 +112,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         # (versions held, withdrawn features) -> features served
         self._served: tuple[tuple[tuple[int, ...], int], int] = (((), 0), 0)
         self.observer = observer
+        self.max_input_bytes = max_input_bytes
 
     def caller_of(self, context: grpc.aio.ServicerContext) -> str:
         """Who owns the regions a call registers (:mod:`ibpembed.server.identity`)."""
@@ -135,7 +139,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 caller = self.caller_of(context)
                 region = self.regions.get(caller, request.input_region.name, "input_region.name")
                 uses.append(region)
-                features, pooling = decode_region_inputs(request, region)
+                features, pooling = decode_region_inputs(request, region, self.max_input_bytes)
             else:
                 features, pooling = decode_features(request, names)
             encode: Callable[[LookupResult], bytes]

@@ -39,7 +39,7 @@ from ibpembed.engine import (
     Request,
     TableDescription,
 )
-from ibpembed.errors import DeadlineExceeded, InvalidArgument
+from ibpembed.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from ibpembed.server.regions import Region, RegionInfo, output_layout
 from ibpembed.server.status import MAX_REQUEST_ID_CHARS, UndecodableRequest
 from ibpembed_client.v1 import lookup_pb2 as pb
@@ -291,9 +291,12 @@ def decode_features(
 
 
 def decode_region_inputs(
-    request: pb.LookupRequest, region: Region
+    request: pb.LookupRequest, region: Region, max_bytes: int | None = None
 ) -> tuple[list[FeatureQuery], Pooling]:
-    """Features whose ids, lengths and weights are in ``region`` (``request.input_region``)."""
+    """Features whose ids, lengths and weights are in ``region`` (``request.input_region``).
+
+    ``max_bytes``: the most input bytes read (the server's message limit, which bounds the same
+    inputs sent in the request); more is RESOURCE_EXHAUSTED before anything is read."""
     check_request(request)
     spec = request.input_region
     count = len(request.features)
@@ -316,6 +319,12 @@ def decode_region_inputs(
             "input_region.offset",
             f"the inputs are {size} bytes from offset {spec.offset}, past the end of region "
             f"{region.info.name!r} ({region.info.byte_size} bytes)",
+        )
+    if max_bytes is not None and size > max_bytes:
+        raise ResourceExhausted(
+            f"input_region.num_ids: the inputs are {size} bytes, over the server's message limit"
+            f" of {max_bytes} bytes (--max-message-mb), which bounds inputs read from a region as"
+            " it does those sent in a request: send fewer ids per request"
         )
     for i, feature in enumerate(request.features):
         if feature.ids or feature.lengths or feature.weights:
