@@ -13,7 +13,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Protocol
 
 import grpc
@@ -278,8 +278,11 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self, request_iterator: AsyncIterator[pb.LookupRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes | pb.LookupResponse]:
         deadline = deadline_of(context)
-        # The backlog's unit of fairness: an identity shares one place per connection.
-        caller = (self.caller_of(context), context.peer())
+        # The backlog's unit of fairness: an identity, however many connections it opens. A
+        # server without tokens cannot tell callers apart (every one is anonymous), so there
+        # each connection has a share of its own, and one stalled client leaves others room.
+        identity = self.caller_of(context)
+        caller: Hashable = identity if self.identities.enabled else (identity, context.peer())
         backlog = self.backlog
         # Reader task -> queue of per-request tasks -> this generator, which yields them in order.
         # A queue item is a task, None (client done) or the reader's exception. A request holds
