@@ -74,7 +74,7 @@ from ibpembed_client._options import (
     RetryPolicy,
     TlsOptions,
 )
-from ibpembed_client._request import FeatureInput, Pooling, build_request
+from ibpembed_client._request import FeatureInput, OutputDType, Pooling, build_request
 from ibpembed_client._result import LookupResult
 from ibpembed_client._split import SplitPlan, merge_results, shard_error, split_request
 from ibpembed_client.aio import AsyncLookupClient
@@ -395,11 +395,14 @@ class ShardedLookupClient:
         timeout: float | None = None,
         request_id: str = "",
         table_version: int = 0,
+        output_dtype: OutputDType | None = None,
     ) -> LookupResult:
         """Look up one batch (see :meth:`LookupClient.lookup`); ids are global row numbers.
 
         ``table_version`` 0 pins the request to the newest version every shard holds (see the
         module's *Versions*); the result's ``table_version`` is the one that served every part.
+        ``output_dtype``: the shards sum in fp32 and the merged sums are rounded once, as one
+        server rounds its own. No shared-memory regions (ValueError for a request naming one).
 
         Raises
         ------
@@ -408,7 +411,9 @@ class ShardedLookupClient:
             FAILED_PRECONDITION when the shards hold no version in common (naming what each
             holds) or do not hold the one asked for.
         """
-        request = build_request(features, pooling, request_id, table_version)
+        request = build_request(
+            features, pooling, request_id, table_version, output_dtype=output_dtype
+        )
         return self.lookup_request(request, timeout=timeout)
 
     def lookup_request(
@@ -543,9 +548,12 @@ class AsyncShardedLookupClient:
         timeout: float | None = None,
         request_id: str = "",
         table_version: int = 0,
+        output_dtype: OutputDType | None = None,
     ) -> LookupResult:
         """Look up one batch (see :meth:`ShardedLookupClient.lookup`)."""
-        request = build_request(features, pooling, request_id, table_version)
+        request = build_request(
+            features, pooling, request_id, table_version, output_dtype=output_dtype
+        )
         return await self.lookup_request(request, timeout=timeout)
 
     async def lookup_request(
