@@ -225,6 +225,51 @@ def test_async_client_matches_sync_client():
             assert np.array_equal(result[name], want[name])
 
 
+class _Broken(RuntimeError):
+    """Raised by a caller's request generator."""
+
+
+def _requests_then_broken():
+    yield build_request({"user": [[1]]}, request_id="0")
+    yield build_request({"user": [[2]]}, request_id="1")
+    raise _Broken("the caller's generator failed")
+
+
+def _requests_naming_an_unregistered_region():
+    return [
+        build_request({"user": [[1]]}),
+        build_request({"user": [[1]]}, "sum", output_region="nowhere"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("requests", "error", "words"),
+    [
+        (_requests_then_broken, _Broken, "caller's generator"),
+        (_requests_naming_an_unregistered_region, ValueError, "'nowhere' was not registered"),
+    ],
+)
+def test_a_stream_raises_what_iterating_its_requests_raised(requests, error, words):
+    """Not gRPC's UNKNOWN "Exception iterating requests!" (sync) or a cancellation (asyncio)."""
+    with (
+        RunningServer(make_store()) as running,
+        LookupClient(running.target, timeout=30) as client,
+    ):
+        with pytest.raises(error, match=words):
+            list(client.lookup_stream(requests()))
+
+        async def main() -> list[tuple[int, int]]:
+            async with AsyncLookupClient(running.target, timeout=30) as aio:
+                with pytest.raises(error, match=words):
+                    [r async for r in aio.lookup_stream(requests())]
+                streamed = aio.lookup_stream([build_request({"user": [[3]]})])
+                return [r["user"].shape async for r in streamed]
+
+        assert asyncio.run(main()) == [(1, 16)]
+        streamed = client.lookup_stream([build_request({"user": [[3]]})])
+        assert [r["user"].shape for r in streamed] == [(1, 16)]
+
+
 def _first_calls(client: LookupClient, threads: int) -> list[object]:
     """The channel each of ``threads`` threads gets from its first call, all starting at once."""
     start = threading.Barrier(threads)

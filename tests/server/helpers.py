@@ -161,24 +161,27 @@ class RecordingObserver:
 
 class GateObserver(RecordingObserver):
     """Holds every request after its kernel calls until :meth:`open` (so tests control what is
-    in flight).
+    in flight); with ``holds``, only the first ``holds`` requests, and lets the later ones by.
 
     ``entered`` counts requests that reached the gate; ``wait_entered(n)`` blocks until n did.
     """
 
     holds_kernels = True  # see RunningServer
 
-    def __init__(self) -> None:
+    def __init__(self, holds: int | None = None) -> None:
         super().__init__()
         self._gate = threading.Event()
         self._cond = threading.Condition()
         self.entered = 0
+        self.holds = holds
 
     def kernels_done(self, pooling: str, calls: Sequence[KernelCall]) -> None:
         with self._cond:
             self.entered += 1
+            held = self.holds is None or self.entered <= self.holds
             self._cond.notify_all()
-        self._gate.wait(timeout=60)
+        if held:
+            self._gate.wait(timeout=60)
 
     def wait_entered(self, n: int, timeout: float = 30.0) -> None:
         with self._cond:

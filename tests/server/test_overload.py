@@ -30,14 +30,19 @@ def _wait_for(condition, timeout: float = 30.0) -> bool:
     return condition()
 
 
-def _stalled_streams(target: str, streams: int, requests: int) -> tuple[grpc.Channel, list]:
+def _stalled_streams(
+    target: str, streams: int, requests: int, token: str | None = None
+) -> tuple[grpc.Channel, list]:
     """``streams`` LookupStreams on one connection, each sending ``requests`` requests whose
-    1 MB responses it never reads: past the first, each waits on HTTP/2 flow control."""
+    1 MB responses it never reads: past the first, each waits on HTTP/2 flow control.
+    ``token``: the bearer token they are sent with."""
     channel = grpc.insecure_channel(
         target,
         options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.http2.bdp_probe", 0),  # the receive window stays at its 64 KiB
+            # A connection of its own: channels of one process otherwise share theirs.
+            ("grpc.use_local_subchannel_pool", 1),
         ],
     )
     call = channel.stream_stream(
@@ -46,8 +51,12 @@ def _stalled_streams(target: str, streams: int, requests: int) -> tuple[grpc.Cha
         response_deserializer=pb.LookupResponse.FromString,
     )
     rows = [[i % 1000 for i in range(16_000)]]  # 16,000 NONE rows of 64 bytes
+    metadata = () if token is None else (("authorization", f"Bearer {token}"),)
     started = [
-        call(iter([build_request({"user": rows}, "none", f"s{s}-{k}") for k in range(requests)]))
+        call(
+            iter([build_request({"user": rows}, "none", f"s{s}-{k}") for k in range(requests)]),
+            metadata=metadata,
+        )
         for s in range(streams)
     ]
     return channel, started
@@ -79,6 +88,34 @@ def test_a_fresh_client_is_served_while_eight_stalled_streams_stay_open():
             for call in stalled:
                 call.cancel()
             channel.close()
+
+
+def test_a_second_connection_does_not_widen_an_identitys_share(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("fe-a token-a\nfe-b token-b\n")
+    settings = {"max_inflight": 16, "stream_window": 2, "stream_write_timeout_s": 60.0}
+    with RunningServer(make_store(), auth_tokens_file=str(tokens), **settings) as running:
+        backlog = running.server.servicer.backlog
+        # fe-a's share (8) on its first connection: 4 stalled streams of 2 requests each.
+        opened = [_stalled_streams(running.target, streams=4, requests=2, token="token-a")]
+        try:
+            assert _wait_for(lambda: backlog.held == backlog.share)
+            # A second connection of fe-a: its stream's first request waits for a place of
+            # fe-a's instead of taking one of the places left to others.
+            opened.append(_stalled_streams(running.target, streams=1, requests=2, token="token-a"))
+            assert _wait_for(lambda: len(backlog._waiters) == 1), backlog.held
+            assert backlog.held == backlog.share
+            with LookupClient(
+                running.target, token="token-b", timeout=30, retry=RetryPolicy(max_attempts=1)
+            ) as other:
+                streamed = list(other.lookup_stream([build_request({"user": [[3]]})] * 10))
+                assert [r["user"].shape for r in streamed] == [(1, 16)] * 10
+        finally:
+            for channel, calls in opened:
+                for call in calls:
+                    call.cancel()
+                channel.close()
+        assert _wait_for(lambda: backlog.held == 0 and not backlog._waiters)
 
 
 def test_a_timed_out_stream_frees_its_places_before_its_handler_is_collected(monkeypatch):

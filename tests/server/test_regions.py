@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
+import time
 import uuid
 
 import grpc
@@ -32,7 +33,7 @@ from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 from tests.metrics.helpers import fetch, parse, value
 
-from .helpers import FEATURES, RecordingObserver, RunningServer, make_store
+from .helpers import FEATURES, GateObserver, RecordingObserver, RunningServer, make_store
 from .test_security import _tls, pki  # noqa: F401 (pki is a fixture)
 
 MB = 1 << 20
@@ -158,6 +159,44 @@ def test_inputs_from_a_region(client, store, shm):
     want = client.lookup(features, "sum")
     for name in names:
         assert _same_bits(got[name], want[name])
+
+
+@pytest.mark.parametrize("ending", [grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED])
+def test_a_call_that_ended_leaves_its_window_to_the_next_lookup(store, shm, ending):
+    """A lookup held in its kernels past its call's end (deadline, or the client cancelling)
+    finishes after the caller's next lookup into the same window, and must not overwrite it."""
+    gate = GateObserver(holds=1)
+    with (
+        RunningServer(store, observer=gate) as running,
+        LookupClient(running.target, timeout=30, retry=RetryPolicy(max_attempts=1)) as client,
+        grpc.insecure_channel(running.target) as channel,
+    ):
+        client.register_region("out", shm)
+        ended = build_request({"user": [[1]]}, "sum", output_region="out")
+        stub = lookup_pb2_grpc.EmbeddingLookupStub(channel)
+        if ending == grpc.StatusCode.DEADLINE_EXCEEDED:
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Lookup(ended, timeout=0.2)
+            assert err.value.code() == ending
+        else:
+            call = stub.Lookup.future(ended, timeout=30)
+            gate.wait_entered(1)
+            call.cancel()
+        # The server's own end of the call, which may come a little after the client's.
+        until = time.monotonic() + 10
+        while ("Lookup", ending.name) not in gate.rpcs and time.monotonic() < until:
+            time.sleep(0.01)
+        assert ("Lookup", ending.name) in gate.rpcs
+        following = client.lookup({"user": [[2]]}, "sum", output_region="out")
+        want = client.lookup({"user": [[2]]}, "sum")
+        gate.open()
+        running.run(_idle(running))  # the held lookup has finished
+        assert _same_bits(following["user"], want["user"])
+
+
+async def _idle(running: RunningServer) -> None:
+    while running.server.engine.inflight:
+        await asyncio.sleep(0.01)
 
 
 def test_concurrent_requests_write_disjoint_parts_of_one_region(client, store, shm):
@@ -527,6 +566,32 @@ def test_bad_input_regions(server, client, store, shm):
     with pytest.raises(grpc.RpcError) as err:
         stub.Lookup(missing, timeout=30)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_inputs_read_from_a_region_are_bound_by_the_message_limit(store, shm):
+    """As the same ids sent in the request would be: refused before anything is read."""
+    with (
+        RunningServer(store, max_message_mb=1) as running,
+        LookupClient(running.target, timeout=30, retry=RetryPolicy(max_attempts=1)) as client,
+    ):
+        client.register_region("in", shm)
+
+        def request(ids: int) -> pb.LookupRequest:
+            r = pb.LookupRequest(pooling=pb.POOLING_SUM, features=[pb.FeatureInput(name="user")])
+            r.input_region.CopyFrom(pb.InputRegion(name="in", num_ids=[ids], batch_sizes=[1]))
+            return r
+
+        shm.write(0, np.full(200_000, 7, np.int64))
+        shm.write(200_000 * 8, np.array([200_000], np.int32))
+        with pytest.raises(LookupServiceError) as err:
+            client.lookup_request(request(200_000))  # 1,600,004 bytes, in the 4 MB region
+        assert _code(err) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details.startswith("input_region.num_ids")
+        assert "1600004 bytes" in err.value.details and "--max-message-mb" in err.value.details
+        shm.write(100_000 * 8, np.array([100_000], np.int32))
+        pooled = client.lookup_request(request(100_000))["user"]  # 800,004 bytes: fine
+        want = client.lookup({"user": [[7] * 100_000]})["user"]
+        assert _same_bits(pooled, want)
 
 
 def test_async_client_regions_and_output_dtype(server, store, shm):

@@ -6,6 +6,7 @@ never mixes versions in one result."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -20,7 +21,13 @@ import torch
 from ibpembed.tables.importers import TableSet
 from ibpembed.tables.manifest import shard_directory
 from ibpembed.tables.shards import pack_shards
-from ibpembed_client import LookupResult, LookupServiceError, ShardedLookupClient, ShardMap
+from ibpembed_client import (
+    AsyncShardedLookupClient,
+    LookupResult,
+    LookupServiceError,
+    ShardedLookupClient,
+    ShardMap,
+)
 from tests.metrics.helpers import fetch, free_port, parse
 from tests.sharding.helpers import make_table_set
 from tools.serve_process import ServerProcess
@@ -51,8 +58,10 @@ class Cluster:
         return ShardMap.load(self.root, targets)
 
 
-def start(root: Path, keep_versions: int = 2) -> list[list[ServerProcess]]:
-    replicas = [
+def start(
+    root: Path, keep_versions: int = 2, replicas: int = REPLICAS
+) -> list[list[ServerProcess]]:
+    servers = [
         [
             ServerProcess(
                 "--tables",
@@ -67,14 +76,14 @@ def start(root: Path, keep_versions: int = 2) -> list[list[ServerProcess]]:
                 str(free_port()),
                 wait=False,
             )
-            for _ in range(REPLICAS)
+            for _ in range(replicas)
         ]
         for k in range(SHARDS)
     ]
-    for shard in replicas:
-        for replica in shard:
-            replica.wait_listening()
-    return replicas
+    for shard in servers:
+        for server in shard:
+            server.wait_listening()
+    return servers
 
 
 @pytest.fixture
@@ -230,6 +239,54 @@ def test_shards_without_a_common_version_fail_clearly(tmp_path: Path) -> None:
         assert client.lookup({"user": [[999]]}, pooling="none", table_version=1).table_version == 1
         client.close()
     finally:
+        for shard in replicas:
+            for replica in shard:
+                replica.kill()
+
+
+def test_two_publishes_between_asks_move_every_shard_to_the_newest_version(tmp_path: Path) -> None:
+    """Two versions published before the clients ask again: every shard holds (2, 3), the pin
+    says 1. Each shard's refusal narrows that shard's versions, and shards whose versions then
+    have none in common with the others' are asked again at once: no request fails."""
+    pack_shards(tmp_path, make_table_set(0), SHARDS, sample_rows=None)
+    replicas = start(tmp_path, replicas=1)
+    loop = asyncio.new_event_loop()  # the async clients' channels belong to one loop
+    try:
+        shard_map = Cluster(tmp_path, replicas).shard_map()
+        settings = {"timeout": 60, "version_refresh_s": 3600}
+        both, first = (ShardedLookupClient(shard_map, **settings) for _ in range(2))
+
+        async def make() -> list[AsyncShardedLookupClient]:
+            return [AsyncShardedLookupClient(shard_map, **settings) for _ in range(2)]
+
+        async_both, async_first = loop.run_until_complete(make())
+        pinned = [both.pinned_version(), first.pinned_version()]
+        for client in (async_both, async_first):
+            result = loop.run_until_complete(client.lookup({"user": [[1, 999]]}, "none"))
+            pinned.append(result.table_version)
+        assert pinned == [1, 1, 1, 1]
+        for version, seed in ((2, 1), (3, 2)):
+            pack_shards(tmp_path, make_table_set(seed), SHARDS, sample_rows=None)
+            for [replica] in replicas:
+                replica.proc.send_signal(signal.SIGHUP)
+                replica.wait_for(f"version {version} published")
+        assert both.versions_held() == [(2, 3), (2, 3)]
+        # Both shards refuse version 1.
+        assert both.lookup({"user": [[1, 999]]}, "none").table_version == 3
+        result = loop.run_until_complete(async_both.lookup({"user": [[1, 999]]}, "none"))
+        assert result.table_version == 3
+        # Only shard 0 refuses; shard 1's stale (1,) then shares nothing with shard 0's (2, 3).
+        assert first.lookup({"user": [[1]]}, "none").table_version == 3
+        assert first.lookup({"user": [[1, 999]]}, "none").table_version == 3
+        for ids in ([[1]], [[1, 999]]):
+            result = loop.run_until_complete(async_first.lookup({"user": ids}, "none"))
+            assert result.table_version == 3
+        for client in (both, first):
+            client.close()
+        for client in (async_both, async_first):
+            loop.run_until_complete(client.close())
+    finally:
+        loop.close()
         for shard in replicas:
             for replica in shard:
                 replica.kill()

@@ -8,6 +8,7 @@ import json
 import grpc
 import numpy as np
 import pytest
+import torch
 
 from ibpembed_client import (
     FeatureBatch,
@@ -17,6 +18,7 @@ from ibpembed_client import (
     ShardMap,
     ShardRange,
     TableInfo,
+    bf16_to_float32,
     build_request,
 )
 from ibpembed_client.shards import merge_results, split_request
@@ -145,3 +147,55 @@ def test_split_rejects_what_a_server_would():
             split_request(u8_map, build_request({"b": batch}, "sum"))
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert split_request(u8_map, build_request({"b": [[1, 2]]}, "none")).requests
+
+
+def test_split_refuses_regions_and_output_dtypes_a_server_would():
+    shard_map = two_shard_map()
+    with pytest.raises(ValueError, match="output_region: the sharded clients do not use"):
+        split_request(shard_map, build_request({"f": [[1]]}, output_region="out"))
+    with_inputs = build_request({"f": [[1]]})
+    with_inputs.input_region.name = "in"
+    with pytest.raises(ValueError, match="input_region: the sharded clients do not use"):
+        split_request(shard_map, with_inputs)
+    rows = build_request({"f": [[1]]}, "none", output_dtype="float16")
+    with pytest.raises(LookupServiceError, match="output_dtype: pooling NONE") as err:
+        split_request(shard_map, rows)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    unknown = build_request({"f": [[1]]})
+    unknown.output_dtype = pb.DTYPE_INT8
+    with pytest.raises(LookupServiceError, match="must be FLOAT32, FLOAT16 or BFLOAT16"):
+        split_request(shard_map, unknown)
+
+
+@pytest.mark.parametrize("output_dtype", ["float16", "bfloat16"])
+def test_merged_sums_are_rounded_once_as_torch_rounds(output_dtype):
+    """The shards sum in fp32; the merged sums are rounded to nearest even as a server (torch)
+    rounds its own: ties, overflow to infinity; a NaN stays a NaN."""
+    plan = split_request(
+        two_shard_map(), build_request({"f": [[1, 9]] * 6}, "sum", output_dtype=output_dtype)
+    )
+    assert all(r.output_dtype == pb.DTYPE_UNSPECIFIED for r in plan.requests.values())
+    rng = np.random.default_rng(0)
+    low = rng.standard_normal((6, 4)).astype(np.float32)
+    high = rng.standard_normal((6, 4)).astype(np.float32)
+    low[0], high[0] = [1.0, 3.0e38, np.nan, -np.inf], [0.0, 3.0e38, 0.0, 0.0]
+    # Sums exactly halfway between two bfloat16 (1 + 2**-8) and two float16 (1 + 2**-11)
+    # values: to the even one below, and (three halves) above.
+    low[1], high[1] = 1.0, [2.0**-8, 3 * 2.0**-8, 2.0**-11, 3 * 2.0**-11]
+    with np.errstate(over="ignore"):  # 3e38 + 3e38: infinite in fp32 already
+        merged = merge_results(
+            plan, {0: LookupResult("r", 1, {"f": low}), 1: LookupResult("r", 1, {"f": high})}
+        )
+        sums = torch.from_numpy(low + high)
+    got = merged["f"]
+    assert merged.dtypes["f"] == output_dtype and got.itemsize == 2
+    if output_dtype == "float16":
+        assert got.dtype == np.float16
+        want = sums.to(torch.float16).view(torch.int16).numpy()
+    else:
+        want = sums.to(torch.bfloat16).view(torch.int16).numpy()
+    bits = got.view(np.int16)
+    nan = np.isnan(sums.numpy())
+    values = got.astype(np.float32) if output_dtype == "float16" else bf16_to_float32(bits)
+    assert nan.sum() == 1 and np.isnan(values[nan]).all()
+    assert (bits[~nan] == want[~nan]).all()

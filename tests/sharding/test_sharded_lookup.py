@@ -21,6 +21,7 @@ from ibpembed_client import (
     ShardedTable,
     ShardMap,
     ShardRange,
+    bf16_to_float32,
     build_request,
 )
 from tests.server.helpers import GateObserver, RunningServer, make_store
@@ -116,6 +117,35 @@ def test_pooled_matches_one_server_within_fp32_tolerance(packed, clients, poolin
         assert np.all(np.abs(got[feature] - exact) <= tol), feature
         empty = batch.lengths == 0
         assert not got[feature][empty].any()
+
+
+@pytest.mark.parametrize("output_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("pooling", POOLINGS)
+def test_output_dtype_is_honoured_as_one_server_does(packed, clients, pooling, output_dtype):
+    single, sharded = clients
+    batches = make_batches(packed, 11, weighted=True)
+    request = build_request(batches, pooling, output_dtype=output_dtype)
+    want, got = single.lookup_request(request), sharded.lookup_request(request)
+    fp32 = sharded.lookup_request(build_request(batches, pooling))
+    # bfloat16 has 8 significant bits, float16 11: one rounding is at most half a unit of the
+    # last of them, and the fp32 sums of one server and of the shards differ far less.
+    rtol = 2.0**-8 if output_dtype == "bfloat16" else 2.0**-11
+    for feature in FEATURES:
+        assert got.dtypes[feature] == want.dtypes[feature] == output_dtype
+        assert got[feature].dtype == want[feature].dtype
+        assert got[feature].shape == want[feature].shape
+        exact = fp32[feature]
+        for values in (got[feature], want[feature]):
+            # bfloat16 comes back as uint16 bit patterns where ml_dtypes is not installed.
+            as_fp32 = bf16_to_float32(values) if values.dtype == np.uint16 else values.astype("f4")
+            assert np.all(np.abs(as_fp32 - exact) <= rtol * np.abs(exact) + 1e-6), feature
+
+
+def test_a_sharded_request_naming_a_region_is_refused(clients):
+    _, sharded = clients
+    request = build_request({"user": [[1, 999]]}, "sum", output_region="out")
+    with pytest.raises(ValueError, match="output_region: the sharded clients do not use"):
+        sharded.lookup_request(request)
 
 
 def test_all_empty_request_needs_no_shard(clients):

@@ -301,27 +301,43 @@ class LookupClient:
         """Pipeline many requests on one stream; results come back in request order.
 
         A request that fails yields a result with ``error`` set; the stream goes on. Build
-        requests with :func:`build_request`. Not retried (requests may have run).
+        requests with :func:`build_request`. Not retried (requests may have run). An exception
+        raised while iterating ``requests`` (or naming a region this client has not registered)
+        cancels the stream and is raised here as it was.
         """
         timeout = self.timeout if timeout is None else timeout
         # Responses come back in request order: each is decoded with its request's region.
         sent: collections.deque[tuple[RegisteredRegion | None, np.dtype | None]] = (
             collections.deque()
         )
+        # Raised in gRPC's sending thread, an exception would end the call UNKNOWN "Exception
+        # iterating requests!": kept for the caller instead, and the call cancelled.
+        failed: list[Exception] = []
+        call_made = threading.Event()
 
         def sending() -> Iterator[pb.LookupRequest]:
-            for request in requests:
-                sent.append((region_of(self._regions, request), pooled_bf16(request)))
-                yield request
+            try:
+                for request in requests:
+                    sent.append((region_of(self._regions, request), pooled_bf16(request)))
+                    yield request
+            except Exception as exc:
+                failed.append(exc)
+                call_made.wait()  # gRPC may start sending before the call is returned
+                responses.cancel()
 
-        responses = self._stub().LookupStream(
-            sending(), timeout=timeout, metadata=call_metadata(self._token, stream_id)
-        )
+        try:
+            responses = self._stub().LookupStream(
+                sending(), timeout=timeout, metadata=call_metadata(self._token, stream_id)
+            )
+        finally:
+            call_made.set()
         try:
             for response in responses:
                 region, bf16 = sent.popleft()
                 yield decode_response(response, region, pooled_bf16=bf16)
         except grpc.RpcError as err:
+            if failed:
+                raise failed[0] from None
             raise LookupServiceError.from_rpc_error(err, stream_id) from None
 
     def list_tables(self, *, timeout: float | None = None) -> list[TableInfo]:

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 
 from ibpembed_client._errors import LookupServiceError
-from ibpembed_client._result import DTYPES, LookupResult
+from ibpembed_client._result import BFLOAT16, DTYPES, LookupResult
 from ibpembed_client.shard_map import ShardedTable, ShardMap
 from ibpembed_client.v1 import lookup_pb2 as pb
 
@@ -21,6 +21,13 @@ _NUMPY_DTYPES: dict[str, np.dtype] = dict(DTYPES.values())
 # Row dtypes the servers pool (SUM/MEAN) without a quantisation scheme.
 _POOLABLE_DTYPES = ("float32", "float16", "bfloat16")
 _POOLINGS = (pb.POOLING_UNSPECIFIED, pb.POOLING_SUM, pb.POOLING_MEAN, pb.POOLING_NONE)
+# Pooled output dtypes a server rounds its fp32 sums to, by name (the result's ``dtypes``).
+_OUTPUT_DTYPES = {
+    pb.DTYPE_UNSPECIFIED: "float32",
+    pb.DTYPE_FLOAT32: "float32",
+    pb.DTYPE_FLOAT16: "float16",
+    pb.DTYPE_BFLOAT16: "bfloat16",
+}
 # How a server names a field of a request's feature: ``features[2].ids: ...``.
 _FEATURE_FIELD = re.compile(r"^features\[(\d+)\]")
 
@@ -59,6 +66,8 @@ class SplitPlan:
     # Per shard, the caller's index of each feature of ``requests[shard]``, in that request's
     # order: a shard request leaves out features without ids there, so numbering differs.
     feature_index: dict[int, list[int]]
+    # The pooled values' dtype (``DType``): the shards sum in fp32, the merged sums are rounded.
+    output_dtype: int = pb.DTYPE_UNSPECIFIED
 
 
 def _invalid(field_name: str, problem: str, request_id: str) -> LookupServiceError:
@@ -80,13 +89,35 @@ def split_request(shard_map: ShardMap, request: pb.LookupRequest) -> SplitPlan:
     """Split ``request`` into one request per shard holding any of its ids.
 
     Checks what routing relies on (known features, lengths summing to the ids, ids inside the
-    table) and raises the status a server would (NOT_FOUND, INVALID_ARGUMENT) as a
-    :class:`LookupServiceError`; everything else the shards check.
+    table, the output dtype) and raises the status a server would (NOT_FOUND, INVALID_ARGUMENT)
+    as a :class:`LookupServiceError`; everything else the shards check.
+
+    Raises ValueError for a request naming an output or input region: a region is registered
+    with one server, and the merged values are the client's to put somewhere.
     """
+    for kind in ("output_region", "input_region"):
+        if request.HasField(kind):
+            raise ValueError(
+                f"{kind}: the sharded clients do not use shared-memory regions (one is registered"
+                " with one server, and a result is merged from several); send the ids in the"
+                " request and copy the merged arrays where they are needed"
+            )
     request_id = request.request_id or uuid.uuid4().hex
     if request.pooling not in _POOLINGS:
         raise _invalid("pooling", f"unknown value {request.pooling}", request_id)
     none = request.pooling == pb.POOLING_NONE
+    if request.output_dtype not in _OUTPUT_DTYPES:
+        raise _invalid(
+            "output_dtype",
+            f"{request.output_dtype}: must be FLOAT32, FLOAT16 or BFLOAT16",
+            request_id,
+        )
+    if none and request.output_dtype != pb.DTYPE_UNSPECIFIED:
+        raise _invalid(
+            "output_dtype",
+            "pooling NONE returns rows bit-exact in the table's dtype: leave it unset",
+            request_id,
+        )
     shard_pooling = pb.POOLING_NONE if none else pb.POOLING_SUM
     requests: dict[int, pb.LookupRequest] = {}
     feature_index: dict[int, list[int]] = {}
@@ -176,7 +207,9 @@ def split_request(shard_map: ShardMap, request: pb.LookupRequest) -> SplitPlan:
                 weights=weights[positions].tobytes() if feature.weights else b"",
             )
             feature_index[shard_range.shard].append(i)
-    return SplitPlan(request_id, request.pooling, plans, requests, feature_index)
+    return SplitPlan(
+        request_id, request.pooling, plans, requests, feature_index, request.output_dtype
+    )
 
 
 def merge_results(plan: SplitPlan, results: Mapping[int, LookupResult]) -> LookupResult:
@@ -227,9 +260,26 @@ def merge_results(plan: SplitPlan, results: Mapping[int, LookupResult]) -> Looku
                 out = np.zeros((bags, table.pooled_dim), dtype=np.float32)
             if plan.pooling == pb.POOLING_MEAN:  # as the kernels: rounded reciprocal, multiply
                 out *= (np.float32(1) / np.maximum(feature.lengths, 1).astype(np.float32))[:, None]
-            merged.dtypes[feature.name] = "float32"
+            out = _round_pooled(out, plan.output_dtype)
+            merged.dtypes[feature.name] = _OUTPUT_DTYPES[plan.output_dtype]
         merged.arrays[feature.name] = out
     return merged
+
+
+def _round_pooled(values: np.ndarray, dtype: int) -> np.ndarray:
+    """fp32 pooled values in the output dtype, rounded once to nearest even as a server rounds
+    its own sums; bfloat16 as :class:`LookupClient` returns it (ml_dtypes' dtype where
+    installed, else uint16 bit patterns)."""
+    if dtype == pb.DTYPE_FLOAT16:
+        return values.astype(np.float16)
+    if dtype != pb.DTYPE_BFLOAT16:
+        return values
+    bits = values.view(np.uint32)
+    # Round to nearest even on the top 16 bits; a NaN (which the carry could make infinite)
+    # becomes the quiet NaN 0x7FC0.
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    rounded[np.isnan(values)] = 0x7FC0
+    return rounded if BFLOAT16 is None else rounded.view(BFLOAT16)
 
 
 def shard_error(

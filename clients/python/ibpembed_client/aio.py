@@ -189,15 +189,23 @@ class AsyncLookupClient:
             collections.deque()
         )
 
+        # grpc.aio answers an exception from the requests by cancelling the call, which the
+        # loop below would see as its own cancellation: kept for the caller instead.
+        failed: list[Exception] = []
+
         async def sending() -> AsyncIterator[pb.LookupRequest]:
-            if isinstance(requests, AsyncIterable):
-                async for request in requests:
-                    sent.append((region_of(self._regions, request), pooled_bf16(request)))
-                    yield request
-            else:
-                for request in requests:
-                    sent.append((region_of(self._regions, request), pooled_bf16(request)))
-                    yield request
+            try:
+                if isinstance(requests, AsyncIterable):
+                    async for request in requests:
+                        sent.append((region_of(self._regions, request), pooled_bf16(request)))
+                        yield request
+                else:
+                    for request in requests:
+                        sent.append((region_of(self._regions, request), pooled_bf16(request)))
+                        yield request
+            except Exception as exc:
+                failed.append(exc)
+                call.cancel()
 
         call = self._stub().LookupStream(
             sending(), timeout=timeout, metadata=call_metadata(self._token, stream_id)
@@ -206,7 +214,11 @@ class AsyncLookupClient:
             async for response in call:
                 region, bf16 = sent.popleft()
                 yield decode_response(response, region, pooled_bf16=bf16)
-        except grpc.RpcError as err:
+        except (grpc.RpcError, asyncio.CancelledError) as err:
+            if failed:
+                raise failed[0] from None
+            if isinstance(err, asyncio.CancelledError):
+                raise
             raise LookupServiceError.from_rpc_error(err, stream_id) from None
 
     async def register_region(

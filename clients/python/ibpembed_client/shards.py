@@ -30,11 +30,13 @@ asked, so a result never mixes the rows of two versions while the shards reload 
 another (servers keep ``--keep-versions`` of them). Each shard is asked every
 ``version_refresh_s``, on its own thread (or task) and outside the requests' path: a request
 waits only for shards that have never answered; a shard that stops answering keeps its last
-pin, so requests that do not touch it go on, and those that do fail naming it. A shard that
-answers FAILED_PRECONDITION with the versions it holds (a replica behind the shard's address
-that has not reloaded yet, or has dropped the version) narrows what the client believes that
-shard holds, and the whole request is tried again at the newest version still common, up to
-``VERSION_ATTEMPTS`` times. A request the caller pinned itself is sent as it is.
+pin, so requests that do not touch it go on, and those that do fail naming it. Each shard
+that answers FAILED_PRECONDITION with the versions it holds (a replica behind the shard's
+address that has not reloaded yet, or has dropped the version) narrows what the client believes
+that shard holds, and the whole request is tried again at the newest version still common, up
+to ``VERSION_ATTEMPTS`` times. When the shards' versions have nothing in common (some may be
+stale: versions published since a shard was last asked), the request's shards are asked again at
+once before it fails. A request the caller pinned itself is sent as it is.
 
 Replicas. Each address may name a group of replicas (``dns:///ibpembed-shard-0:50051``, a headless
 Service; or ``ipv4:10.0.0.1:50051,10.0.0.2:50051``); with ``channel_options=[("grpc.lb_policy_name",
@@ -72,7 +74,7 @@ from ibpembed_client._options import (
     RetryPolicy,
     TlsOptions,
 )
-from ibpembed_client._request import FeatureInput, Pooling, build_request
+from ibpembed_client._request import FeatureInput, OutputDType, Pooling, build_request
 from ibpembed_client._result import LookupResult
 from ibpembed_client._split import SplitPlan, merge_results, shard_error, split_request
 from ibpembed_client.aio import AsyncLookupClient
@@ -120,10 +122,11 @@ class _VersionPin:
         self.failure: list[LookupServiceError | None] = [None] * shards
         self._asked = [-math.inf] * shards
 
-    def due(self, shard: int) -> bool:
-        """Whether ``shard`` should be asked again (marks it asked: one asker per period)."""
+    def due(self, shard: int, at_once: bool = False) -> bool:
+        """Whether ``shard`` should be asked again (marks it asked: one asker per period);
+        ``at_once``: whenever it was last asked."""
         now = time.monotonic()
-        if now - self._asked[shard] < self.refresh_s:
+        if not at_once and now - self._asked[shard] < self.refresh_s:
             return False
         self._asked[shard] = now
         return True
@@ -146,18 +149,23 @@ class _VersionPin:
         """The shards among ``shards`` that have never said what they hold."""
         return [k for k in shards if self.held[k] is None]
 
-    def version(self, shards: Sequence[int], request_id: str) -> int:
-        """The newest version every one of ``shards`` holds (0 for no shard: nothing to pin).
-        Only the shards a request touches count, so a silent shard's stale pin cannot stop
-        requests that never reach it."""
-        held = [(k, self.held[k]) for k in shards]
+    def newest_common(self, shards: Sequence[int]) -> int | None:
+        """The newest version every one of ``shards`` holds (0 for no shard: nothing to pin),
+        None when they hold none in common. Only the shards a request touches count, so a
+        silent shard's stale pin cannot stop requests that never reach it."""
+        held = [h for h in (self.held[k] for k in shards) if h is not None]
         if not held:
             return 0
-        common = frozenset.intersection(*(h for _, h in held if h is not None))
-        if not common:
+        common = frozenset.intersection(*held)
+        return max(common) if common else None
+
+    def version(self, shards: Sequence[int], request_id: str) -> int:
+        """:meth:`newest_common`, or FAILED_PRECONDITION naming what each shard holds."""
+        version = self.newest_common(shards)
+        if version is None:
             listed = "; ".join(
-                f"shard {k} at {self.shard_map.addresses[k]} holds {sorted(h or ())}"
-                for k, h in held
+                f"shard {k} at {self.shard_map.addresses[k]} holds {sorted(self.held[k] or ())}"
+                for k in shards
             )
             raise LookupServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -165,7 +173,7 @@ class _VersionPin:
                 "went further than the servers' --keep-versions, or a shard serves another set",
                 request_id,
             )
-        return max(common)
+        return version
 
 
 def _ask_failure(err: Exception) -> LookupServiceError:
@@ -331,14 +339,15 @@ class ShardedLookupClient:
                 )
                 error.shard = shard
                 raise error
-            return self._pin.version(shards, "")
+        return self._common_version(shards, "", timeout)
 
-    def _ask(self, shards: Sequence[int]) -> dict[int, Future[None]]:
-        """Start asking each of ``shards`` whose pin is due what it holds, in the background;
-        returns the asks of ``shards`` in flight."""
+    def _ask(self, shards: Sequence[int], at_once: bool = False) -> dict[int, Future[None]]:
+        """Start asking each of ``shards`` whose pin is due (``at_once``: each one not being
+        asked already) what it holds, in the background; returns the asks of ``shards`` in
+        flight."""
         with self._pin_lock:
             for shard in shards:
-                if shard not in self._asking and self._pin.due(shard):
+                if shard not in self._asking and self._pin.due(shard, at_once):
                     self._asking[shard] = self._asker.submit(self._ask_one, shard)
             return {k: self._asking[k] for k in shards if k in self._asking}
 
@@ -364,7 +373,19 @@ class ShardedLookupClient:
         with self._pin_lock:
             for shard in self._pin.unknown(shards):
                 raise _never_answered(self.shard_map, plan, shard, self._pin.failure[shard])
-            return self._pin.version(shards, plan.request_id)
+        return self._common_version(shards, plan.request_id, _remaining(deadline))
+
+    def _common_version(self, shards: Sequence[int], request_id: str, timeout: float | None) -> int:
+        """The newest version all of ``shards`` (each has answered once) hold. When what they
+        said has nothing in common, some answers may be stale: they are asked again at once,
+        waiting at most ``timeout``, before the request fails."""
+        with self._pin_lock:
+            version = self._pin.newest_common(shards)
+        if version is not None:
+            return version
+        wait(self._ask(shards, at_once=True).values(), timeout=timeout)
+        with self._pin_lock:
+            return self._pin.version(shards, request_id)
 
     def lookup(
         self,
@@ -374,11 +395,14 @@ class ShardedLookupClient:
         timeout: float | None = None,
         request_id: str = "",
         table_version: int = 0,
+        output_dtype: OutputDType | None = None,
     ) -> LookupResult:
         """Look up one batch (see :meth:`LookupClient.lookup`); ids are global row numbers.
 
         ``table_version`` 0 pins the request to the newest version every shard holds (see the
         module's *Versions*); the result's ``table_version`` is the one that served every part.
+        ``output_dtype``: the shards sum in fp32 and the merged sums are rounded once, as one
+        server rounds its own. No shared-memory regions (ValueError for a request naming one).
 
         Raises
         ------
@@ -387,7 +411,9 @@ class ShardedLookupClient:
             FAILED_PRECONDITION when the shards hold no version in common (naming what each
             holds) or do not hold the one asked for.
         """
-        request = build_request(features, pooling, request_id, table_version)
+        request = build_request(
+            features, pooling, request_id, table_version, output_dtype=output_dtype
+        )
         return self.lookup_request(request, timeout=timeout)
 
     def lookup_request(
@@ -406,8 +432,6 @@ class ShardedLookupClient:
             except LookupServiceError as err:
                 if not _repinnable(err) or attempt == VERSION_ATTEMPTS:
                     raise
-                with self._pin_lock:
-                    self._pin.narrow(err.shard, err.versions_held)  # type: ignore[arg-type]
         raise AssertionError("unreachable")
 
     def _lookup_at(
@@ -438,10 +462,14 @@ class ShardedLookupClient:
                 error = future.exception()
             if error is None:
                 results[shard] = future.result()
-            elif failure is None:
+                continue
+            if isinstance(error, LookupServiceError):
+                error = shard_error(self.shard_map, plan, shard, error)
+                if _repinnable(error):  # every refusing shard's own versions, not the first's
+                    with self._pin_lock:
+                        self._pin.narrow(shard, error.versions_held)  # type: ignore[arg-type]
+            if failure is None:
                 failure = error
-                if isinstance(error, LookupServiceError):
-                    failure = shard_error(self.shard_map, plan, shard, error)
         if failure is not None:
             raise failure
         return merge_results(plan, results)
@@ -520,9 +548,12 @@ class AsyncShardedLookupClient:
         timeout: float | None = None,
         request_id: str = "",
         table_version: int = 0,
+        output_dtype: OutputDType | None = None,
     ) -> LookupResult:
         """Look up one batch (see :meth:`ShardedLookupClient.lookup`)."""
-        request = build_request(features, pooling, request_id, table_version)
+        request = build_request(
+            features, pooling, request_id, table_version, output_dtype=output_dtype
+        )
         return await self.lookup_request(request, timeout=timeout)
 
     async def lookup_request(
@@ -539,14 +570,14 @@ class AsyncShardedLookupClient:
             except LookupServiceError as err:
                 if not _repinnable(err) or attempt == VERSION_ATTEMPTS:
                     raise
-                self._pin.narrow(err.shard, err.versions_held)  # type: ignore[arg-type]
         raise AssertionError("unreachable")
 
-    def _ask(self, shards: Sequence[int]) -> dict[int, asyncio.Task[None]]:
-        """Start asking each of ``shards`` whose pin is due what it holds, as tasks of their
-        own; returns the asks of ``shards`` in flight."""
+    def _ask(self, shards: Sequence[int], at_once: bool = False) -> dict[int, asyncio.Task[None]]:
+        """Start asking each of ``shards`` whose pin is due (``at_once``: each one not being
+        asked already) what it holds, as tasks of their own; returns the asks of ``shards`` in
+        flight."""
         for shard in shards:
-            if shard not in self._asking and self._pin.due(shard):
+            if shard not in self._asking and self._pin.due(shard, at_once):
                 self._asking[shard] = asyncio.ensure_future(self._ask_one(shard))
         return {k: self._asking[k] for k in shards if k in self._asking}
 
@@ -567,6 +598,13 @@ class AsyncShardedLookupClient:
             await asyncio.wait(pending, timeout=timeout)
         for shard in self._pin.unknown(shards):
             raise _never_answered(self.shard_map, plan, shard, self._pin.failure[shard])
+        version = self._pin.newest_common(shards)
+        if version is not None:
+            return version
+        # As ShardedLookupClient._common_version: ask again at once before failing.
+        asking = self._ask(shards, at_once=True)
+        if asking:
+            await asyncio.wait(asking.values(), timeout=timeout)
         return self._pin.version(shards, plan.request_id)
 
     async def _lookup_at(
@@ -580,10 +618,17 @@ class AsyncShardedLookupClient:
             return_exceptions=True,
         )
         results: dict[int, LookupResult] = {}
+        failure: BaseException | None = None
         for shard, answer in zip(shards, answers, strict=True):
+            if not isinstance(answer, BaseException):
+                results[shard] = answer
+                continue
             if isinstance(answer, LookupServiceError):
-                raise shard_error(self.shard_map, plan, shard, answer)
-            if isinstance(answer, BaseException):
-                raise answer
-            results[shard] = answer
+                answer = shard_error(self.shard_map, plan, shard, answer)
+                if _repinnable(answer):  # every refusing shard's own versions, not the first's
+                    self._pin.narrow(shard, answer.versions_held)  # type: ignore[arg-type]
+            if failure is None:
+                failure = answer
+        if failure is not None:
+            raise failure
         return merge_results(plan, results)

@@ -176,6 +176,7 @@ class LookupServer:
             identities=self.identities,
             backlog=backlog,
             observer=observer,
+            max_input_bytes=config.max_message_bytes,
         )
         self.health = health.aio.HealthServicer()
         self.port: int | None = None

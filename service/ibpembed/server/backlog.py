@@ -6,8 +6,9 @@ written: while its kernels run, and while the computed response waits for the cl
 (HTTP/2 flow control keeps it in the server for as long as the client does not read). The places
 bound the memory such responses hold; they are not the engine's admission slots, which a
 response leaves once its kernels finish, so streams that nobody reads cannot refuse anyone else's
-lookups. A caller (its identity and its connection) holds at most its share of the places, so
-stalled streams of one caller leave the others room; a stream that cannot take a place stops
+lookups. A caller (its identity, whatever connections it opens; on a server without tokens, where
+every caller is anonymous, its connection) holds at most its share of the places, so stalled
+streams of one caller leave the others room; a stream that cannot take a place stops
 reading (flow control pushes back on its client) until one frees. The write timeout of the
 interceptor ends a stream whose responses nobody takes, and with it the places it holds.
 """

@@ -13,7 +13,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Protocol
 
 import grpc
@@ -78,6 +78,8 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     backlog : places for LookupStream requests read and not yet answered, per caller and in
         all (:mod:`ibpembed.server.backlog`).
     observer : optional metrics hook for where outputs went.
+    max_input_bytes : the most bytes a request's ``input_region`` inputs may take (the server's
+        message limit); None = only the region bounds them.
 
     A LookupStream request, like a unary one, leaves engine admission when its kernels finish;
     until its response is written it holds a place of the stream backlog instead. A client that
@@ -95,6 +97,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         identities: CallerIdentities | None = None,
         backlog: StreamBacklog | None = None,
         observer: OutputObserver | None = None,
+        max_input_bytes: int | None = None,
     ) -> None:
         # None while the server loads its tables: the interceptor's gate answers every RPC
         # UNAVAILABLE until the server sets it.
@@ -109,6 +112,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         # (versions held, withdrawn features) -> features served
         self._served: tuple[tuple[tuple[int, ...], int], int] = (((), 0), 0)
         self.observer = observer
+        self.max_input_bytes = max_input_bytes
 
     def caller_of(self, context: grpc.aio.ServicerContext) -> str:
         """Who owns the regions a call registers (:mod:`ibpembed.server.identity`)."""
@@ -135,13 +139,16 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 caller = self.caller_of(context)
                 region = self.regions.get(caller, request.input_region.name, "input_region.name")
                 uses.append(region)
-                features, pooling = decode_region_inputs(request, region)
+                features, pooling = decode_region_inputs(request, region, self.max_input_bytes)
             else:
                 features, pooling = decode_features(request, names)
             encode: Callable[[LookupResult], bytes]
             window_bytes = None  # the result's size limit: the message's, or the window's
+            window: OutputWindow | None = None
             if request.HasField("output_region"):
-                window = self._output_window(self.caller_of(context), request.output_region)
+                window = self._output_window(
+                    self.caller_of(context), request.output_region, deadline
+                )
                 uses.append(window.region)
                 window_bytes = window.end - window.start
                 encode = functools.partial(self._write_region, window, request.request_id)
@@ -167,6 +174,12 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         )
         try:
             return await self.engine.lookup(features, options, then=encode, on_done=on_done)
+        except asyncio.CancelledError:
+            # The worker may still be running the lookup: its values must not land in a window
+            # the client has taken back.
+            if window is not None:
+                window.ended.set()
+            raise
         except ServiceError as exc:
             # The error comes through the engine's futures, which its traceback's frames hold:
             # a cycle that keeps every buffer of the request until a full garbage collection.
@@ -225,7 +238,9 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             self._served = (key, served)
         return served
 
-    def _output_window(self, caller: str, spec: pb.OutputRegion) -> OutputWindow:
+    def _output_window(
+        self, caller: str, spec: pb.OutputRegion, deadline: float | None
+    ) -> OutputWindow:
         region = self.regions.get(caller, spec.name, "output_region.name")
         try:
             size = region.info.byte_size
@@ -245,7 +260,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         except BaseException:
             region.release_use()
             raise
-        return OutputWindow(region, spec.offset, end)
+        return OutputWindow(region, spec.offset, end, deadline)
 
     def _encode(self, request_id: str, result: LookupResult) -> bytes:
         response = encode_response(request_id, result)
@@ -263,8 +278,11 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self, request_iterator: AsyncIterator[pb.LookupRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes | pb.LookupResponse]:
         deadline = deadline_of(context)
-        # The backlog's unit of fairness: an identity shares one place per connection.
-        caller = (self.caller_of(context), context.peer())
+        # The backlog's unit of fairness: an identity, however many connections it opens. A
+        # server without tokens cannot tell callers apart (every one is anonymous), so there
+        # each connection has a share of its own, and one stalled client leaves others room.
+        identity = self.caller_of(context)
+        caller: Hashable = identity if self.identities.enabled else (identity, context.peer())
         backlog = self.backlog
         # Reader task -> queue of per-request tasks -> this generator, which yields them in order.
         # A queue item is a task, None (client done) or the reader's exception. A request holds

@@ -23,8 +23,10 @@ responses are written here; every other message goes through protobuf.
 from __future__ import annotations
 
 import functools
+import threading
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,7 +39,7 @@ from ibpembed.engine import (
     Request,
     TableDescription,
 )
-from ibpembed.errors import InvalidArgument
+from ibpembed.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from ibpembed.server.regions import Region, RegionInfo, output_layout
 from ibpembed.server.status import MAX_REQUEST_ID_CHARS, UndecodableRequest
 from ibpembed_client.v1 import lookup_pb2 as pb
@@ -289,9 +291,12 @@ def decode_features(
 
 
 def decode_region_inputs(
-    request: pb.LookupRequest, region: Region
+    request: pb.LookupRequest, region: Region, max_bytes: int | None = None
 ) -> tuple[list[FeatureQuery], Pooling]:
-    """Features whose ids, lengths and weights are in ``region`` (``request.input_region``)."""
+    """Features whose ids, lengths and weights are in ``region`` (``request.input_region``).
+
+    ``max_bytes``: the most input bytes read (the server's message limit, which bounds the same
+    inputs sent in the request); more is RESOURCE_EXHAUSTED before anything is read."""
     check_request(request)
     spec = request.input_region
     count = len(request.features)
@@ -314,6 +319,12 @@ def decode_region_inputs(
             "input_region.offset",
             f"the inputs are {size} bytes from offset {spec.offset}, past the end of region "
             f"{region.info.name!r} ({region.info.byte_size} bytes)",
+        )
+    if max_bytes is not None and size > max_bytes:
+        raise ResourceExhausted(
+            f"input_region.num_ids: the inputs are {size} bytes, over the server's message limit"
+            f" of {max_bytes} bytes (--max-message-mb), which bounds inputs read from a region as"
+            " it does those sent in a request: send fewer ids per request"
         )
     for i, feature in enumerate(request.features):
         if feature.ids or feature.lengths or feature.weights:
@@ -373,11 +384,18 @@ def encode_response(request_id: str, result: LookupResult) -> bytes:
 
 @dataclass
 class OutputWindow:
-    """Where a request's outputs go: bytes [start, end) of a registered region."""
+    """Where a request's outputs go: bytes [start, end) of a registered region.
+
+    ``deadline`` (``time.monotonic()``) and ``ended`` (set by the servicer when the call is
+    cancelled) say when the caller no longer waits for the values: its client has an error and
+    may have reused the window for its next lookup, which a late write would overwrite.
+    """
 
     region: Region
     start: int
     end: int
+    deadline: float | None = None
+    ended: threading.Event = field(default_factory=threading.Event)
 
     def write(self, request_id: str, result: LookupResult) -> tuple[bytes, int]:
         """Every feature's values into the window (or an error before any is written); the
@@ -402,6 +420,13 @@ class OutputWindow:
             if size:
                 buffers.append(value_bytes(v))
             position = offset + size
+        # As late as can be: the kernels, the checks and the layout above may have outlived
+        # the call. A write already under way when the call ends still finishes.
+        if self.ended.is_set() or (self.deadline is not None and time.monotonic() >= self.deadline):
+            raise DeadlineExceeded(
+                "the call ended (deadline passed or cancelled) before its values were written;"
+                " its output window was left as it was"
+            )
         self.region.write(self.start, buffers, "output_region.name")
         features = [
             (f.name, DTYPES[v.dtype], tuple(v.shape), offset)
