@@ -168,7 +168,9 @@ def test_a_missing_table_set_is_an_error_not_an_empty_server(table_dir: Path) ->
 
 def test_a_reload_gives_replaced_tables_fresh_hot_row_copies(table_dir: Path) -> None:
     store = TableStore.load(table_dir)
-    with RunningServer(store, observer=RecordingObserver(), reload_poll_s=0, hot_tier="5%") as srv:
+    with RunningServer(
+        store, observer=RecordingObserver(), reload_poll_s=0, hot_tier="100%"
+    ) as srv:
         client = LookupClient(srv.target, timeout=30)
         for _ in range(4):
             served_rows(client, [1, 2, 3, 1, 1, 2])

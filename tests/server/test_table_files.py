@@ -162,7 +162,7 @@ def test_a_table_with_a_hot_tier_is_withdrawn_too(tmp_path: Path):
     path = directory / read_manifest(directory).tables["emb"].file
     store = TableStore.load(directory)
     with (
-        RunningServer(store, hot_tier="50%", reload_poll_s=0) as running,
+        RunningServer(store, hot_tier="100%", reload_poll_s=0) as running,
         LookupClient(running.target, timeout=30, retry=NO_RETRY) as client,
     ):
         for _ in range(20):
