@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -216,3 +219,65 @@ def test_a_slot_past_the_payload_is_refused(table) -> None:
     bases[1:-1] = int(bases[-1])  # blocks after the first start at the payload's end
     with pytest.raises(ValueError, match="corrupted table: row 40"):
         dataclasses.replace(table, block_base=bases).gather(torch.tensor([3, 40]))
+
+
+# -- index and tier fields whose sums could wrap ------------------------------------------------
+# Each of these once passed a bound check whose sum wrapped and crashed the process (SIGSEGV), so
+# each runs in a child process: a regression fails the test instead of killing pytest.
+
+_HOSTILE = textwrap.dedent(
+    """
+    import dataclasses, sys
+    import torch
+    from ibpembed import _C, codec
+    from ibpembed._ops import ops
+
+    def table_args(t, **fields):
+        return dataclasses.replace(t, **fields)._args()
+
+    def report(call):
+        try:
+            call()
+        except Exception as e:
+            print(type(e).__name__, str(e).splitlines()[0])
+        else:
+            print("no error")
+
+    case = sys.argv[1]
+    torch.manual_seed(0)
+    if case == "slot_base":  # offset + slot bytes wraps: a block base the bound let through
+        for path in codec.available_cpu_paths():
+            _C.set_cpu_path(path)
+            for rows in (torch.randint(0, 256, (64, 200), dtype=torch.uint8),
+                         (torch.randn(64, 256) * 0.01).to(torch.bfloat16)):
+                t = codec.compress(rows, align=1)
+                base = t.block_base.clone()
+                base[1] = (1 << 63) - 1 - 50
+                report(lambda: ops.ibp_gather(*table_args(t, block_base=base),
+                                              torch.tensor([32]), None, None))
+    elif case == "slot_base_set":  # the same through TableSet::add and its pooled lookup
+        t = codec.compress(torch.randn(64, 50), method="raw", align=1)
+        base = t.block_base.clone()
+        base[1] = (1 << 63) - 1 - 50
+        s = codec.CompressedTableSet([dataclasses.replace(t, block_base=base)])
+        report(lambda: s.lookup(torch.tensor([[0, 0, 1]]), torch.tensor([32]),
+                                torch.tensor([0, 1])))
+    """
+)
+
+
+def _hostile(case: str) -> list[str]:
+    """What `case` of _HOSTILE printed: one line per call, the exception it raised."""
+    child = subprocess.run(
+        [sys.executable, "-c", _HOSTILE, case], capture_output=True, text=True, timeout=300
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    return child.stdout.splitlines()
+
+
+@pytest.mark.parametrize("case", ["slot_base", "slot_base_set"])
+def test_a_block_base_near_2_63_is_refused_not_read(case: str) -> None:
+    lines = _hostile(case)
+    assert len(lines) == (2 * len(available_cpu_paths()) if case == "slot_base" else 1)
+    refused = "ValueError corrupted table: row 32: the index gives it a slot outside the payload"
+    assert all(line.startswith(refused) for line in lines), lines
