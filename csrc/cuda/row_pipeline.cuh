@@ -314,7 +314,7 @@ __device__ __forceinline__ void check_table(const DeviceTable& dt, int lane, int
   }
   if (lane == 0) {
     const int64_t end = t.block_base[num_blocks(t.num_rows)];
-    bad |= t.block_base[0] != 0 || end + kPayloadPad > dt.payload_bytes;
+    bad |= t.block_base[0] != 0 || end < 0 || end > dt.payload_bytes - kPayloadPad;
   }
   if (__any_sync(kFullWarp, bad)) report(error, kErrTable, lane);
 }

@@ -33,7 +33,10 @@ TableView table_view(const at::Tensor& payload, const at::Tensor& block_base,
   check_masks(mask, bitval, shape.chunks, chunk_bits);
   const int64_t blocks = num_blocks(num_rows);
   const int64_t* base = block_base.data_ptr<int64_t>();
-  TORCH_CHECK_VALUE(base[0] == 0 && base[blocks] + kPayloadPad <= payload.numel(),
+  // Compared as `end <= numel - pad`: an end near 2^63 would wrap `end + pad` back into range
+  // and make every slot bound of the decoders (row_kernels_impl.h) pass.
+  TORCH_CHECK_VALUE(base[0] == 0 && base[blocks] >= 0 &&
+                        base[blocks] <= payload.numel() - kPayloadPad,
                     "payload holds ", payload.numel(), " bytes but the index ends at ",
                     base[blocks], " (+", kPayloadPad, " pad)");
   return TableView{payload.data_ptr<uint8_t>(),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 import textwrap
@@ -262,6 +263,18 @@ _HOSTILE = textwrap.dedent(
         s = codec.CompressedTableSet([dataclasses.replace(t, block_base=base)])
         report(lambda: s.lookup(torch.tensor([[0, 0, 1]]), torch.tensor([32]),
                                 torch.tensor([0, 1])))
+    elif case in ("payload_end", "payload_end_set"):  # end + pad wraps: no slot bound holds
+        t = codec.compress(torch.randn(64, 16), method="raw")
+        base = t.block_base.clone()
+        base[-1] = (1 << 63) - 1 - 5
+        base[1] = 10**12
+        bad = dataclasses.replace(t, block_base=base)
+        ids = torch.tensor([40])
+        if case == "payload_end":
+            report(lambda: ops.ibp_gather(*bad._args(), ids, None, None))
+        else:
+            report(lambda: codec.CompressedTableSet([bad]).lookup(
+                torch.tensor([[0, 0, 1]]), ids, torch.tensor([0, 1])))
     """
 )
 
@@ -281,3 +294,10 @@ def test_a_block_base_near_2_63_is_refused_not_read(case: str) -> None:
     assert len(lines) == (2 * len(available_cpu_paths()) if case == "slot_base" else 1)
     refused = "ValueError corrupted table: row 32: the index gives it a slot outside the payload"
     assert all(line.startswith(refused) for line in lines), lines
+
+
+@pytest.mark.parametrize("case", ["payload_end", "payload_end_set"])
+def test_a_payload_end_near_2_63_is_refused(case: str) -> None:
+    [line] = _hostile(case)
+    expected = rf"ValueError payload holds \d+ bytes but the index ends at {(1 << 63) - 1 - 5} "
+    assert re.fullmatch(expected + r"\(\+16 pad\)", line), line

@@ -310,6 +310,11 @@ def test_an_index_near_2_63_is_reported_not_read(kernels) -> None:
     rows, error = kernels.gather(dataclasses.replace(c, block_base=bad), torch.arange(64))
     assert error & ERR_TABLE
     assert torch.equal(rows[:32], _cpu_rows(c, torch.arange(32)))
+    # An index end whose pad wraps: the table check reports it (the slots are all in range).
+    bad = c.block_base.clone()
+    bad[-1] = (1 << 63) - 1 - 5
+    _, error = kernels.gather(dataclasses.replace(c, block_base=bad), torch.arange(64))
+    assert error & ERR_TABLE
 
 
 def test_unsupported_grid_is_refused(kernels) -> None:
