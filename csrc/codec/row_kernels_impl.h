@@ -560,10 +560,15 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
       prefetch_lines(loc.src, t.row_bytes);
       return;
     }
-    if (const uint8_t* copy = tier_row(t, r); copy != nullptr) {  // read like a raw row
-      loc = LocatedRow{copy, t.row_bytes, false, false, nullptr};
-      prefetch_lines(copy, t.row_bytes);
-      return;
+    if (t.tier_rows != nullptr) {
+      const int64_t tier = tier_slot(t, r);
+      if (tier >= 0) {  // read like a raw row
+        const uint8_t* copy = t.tier_rows + tier * t.tier_stride;
+        loc = LocatedRow{copy, t.row_bytes, false, false, nullptr};
+        prefetch_lines(copy, t.row_bytes);
+        return;
+      }
+      if (tier == kBadTierSlot) throw_corrupt_table(r, kBadTierSlotWhat);
     }
     const int64_t offset = row_offset(t, r);
     const int64_t units = t.row_units[r];

@@ -275,6 +275,20 @@ _HOSTILE = textwrap.dedent(
         else:
             report(lambda: codec.CompressedTableSet([bad]).lookup(
                 torch.tensor([[0, 0, 1]]), ids, torch.tensor([0, 1])))
+    else:  # a tier directory word's base past the tier: "tier_gather 1099511627776", ...
+        what, word_base = case.split()
+        rows = (torch.randn(256, 32) * 0.01).to(torch.bfloat16)
+        t = codec.compress(rows, code_bits=1).with_hot_rows(torch.arange(0, 256, 3))
+        directory = t.hot.directory.clone()
+        directory[1] = int(word_base)  # word 0's base: the tier rows before it, 0
+        tier = (directory, t.hot.rows)
+        # Row 3 is word 0's second tier row: a base of -1 (2^64 - 1) wraps its slot to 0.
+        ids = torch.tensor([3])
+        if what == "tier_gather":
+            report(lambda: ops.ibp_gather(*t._args(), ids, *tier))
+        else:
+            report(lambda: ops.lookup_pooled(*t._args(), ids, torch.tensor([0, 1]), None, 2, 0,
+                                             *tier))
     """
 )
 
@@ -301,3 +315,12 @@ def test_a_payload_end_near_2_63_is_refused(case: str) -> None:
     [line] = _hostile(case)
     expected = rf"ValueError payload holds \d+ bytes but the index ends at {(1 << 63) - 1 - 5} "
     assert re.fullmatch(expected + r"\(\+16 pad\)", line), line
+
+
+@pytest.mark.parametrize("op", ["tier_gather", "tier_pooled"])
+@pytest.mark.parametrize("word_base", [1 << 40, -1])
+def test_a_tier_slot_past_the_tier_is_refused_not_read(op: str, word_base: int) -> None:
+    assert _hostile(f"{op} {word_base}") == [
+        "ValueError corrupted table: row 3: the tier directory gives it a slot outside the tier "
+        "(`ibpembed verify FILE` checks a table file's payload)"
+    ]
