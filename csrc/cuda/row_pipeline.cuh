@@ -106,8 +106,10 @@ __device__ __forceinline__ StagedRow stage_slot(const SlotSource& src, int64_t r
   const Window w = stage_window(offset, s.slot_bytes);
   s.shift = w.shift;
   // A raw slot must hold the row; any slot must fit the buffer and the payload. Checked before
-  // the copy so a corrupt index cannot make the warp read out of bounds.
-  s.ok = offset >= 0 && w.first + int64_t{kVecBytes} * w.vecs <= src.payload_bytes &&
+  // the copy so a corrupt index cannot make the warp read out of bounds; the payload bound as
+  // `first <= bytes - window`, since a corrupt block base near 2^63 would wrap `first + window`
+  // back into range.
+  s.ok = offset >= 0 && w.first <= src.payload_bytes - int64_t{kVecBytes} * w.vecs &&
          int64_t{kVecBytes} * w.vecs + 2 * kVecBytes <= st.buffer_bytes &&
          (s.compressed || s.slot_bytes >= row_bytes);
   if (s.ok) {
@@ -312,7 +314,7 @@ __device__ __forceinline__ void check_table(const DeviceTable& dt, int lane, int
   }
   if (lane == 0) {
     const int64_t end = t.block_base[num_blocks(t.num_rows)];
-    bad |= t.block_base[0] != 0 || end + kPayloadPad > dt.payload_bytes;
+    bad |= t.block_base[0] != 0 || end < 0 || end > dt.payload_bytes - kPayloadPad;
   }
   if (__any_sync(kFullWarp, bad)) report(error, kErrTable, lane);
 }

@@ -195,15 +195,21 @@ void resolve_tier(const TableView& t, const int64_t* ids, int64_t n, TierBuffers
     for (int64_t i = 0; i < n; ++i) b.rows[i] = t.tier_rows + ids[i] * t.tier_stride;
     return;
   }
+  // Stored through a local pointer: through `b` (a thread_local), GCC 12 reloaded rows' data
+  // with a TLS lookup per id once the loop could throw, 7 % of a pooled lookup of tier rows
+  // (development A/B).
+  const uint8_t** rows = b.rows.data();
   for (int64_t i = 0; i < n; ++i) {
     if (i + kTierAhead < n) __builtin_prefetch(t.tier_dir + 2 * (ids[i + kTierAhead] >> 6), 0, 3);
     const int64_t slot = tier_slot(t, ids[i]);
     if (slot >= 0) {
-      b.rows[i] = t.tier_rows + slot * t.tier_stride;
-    } else {
-      b.rows[i] = nullptr;
+      rows[i] = t.tier_rows + slot * t.tier_stride;
+    } else if (slot == kNotInTier) {
+      rows[i] = nullptr;
       b.miss_ids.push_back(ids[i]);
       b.miss_at.push_back(i);
+    } else {
+      throw_corrupt_table(ids[i], kBadTierSlotWhat);
     }
   }
 }

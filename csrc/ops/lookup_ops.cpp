@@ -33,7 +33,10 @@ TableView table_view(const at::Tensor& payload, const at::Tensor& block_base,
   check_masks(mask, bitval, shape.chunks, chunk_bits);
   const int64_t blocks = num_blocks(num_rows);
   const int64_t* base = block_base.data_ptr<int64_t>();
-  TORCH_CHECK_VALUE(base[0] == 0 && base[blocks] + kPayloadPad <= payload.numel(),
+  // Compared as `end <= numel - pad`: an end near 2^63 would wrap `end + pad` back into range
+  // and make every slot bound of the decoders (row_kernels_impl.h) pass.
+  TORCH_CHECK_VALUE(base[0] == 0 && base[blocks] >= 0 &&
+                        base[blocks] <= payload.numel() - kPayloadPad,
                     "payload holds ", payload.numel(), " bytes but the index ends at ",
                     base[blocks], " (+", kPayloadPad, " pad)");
   return TableView{payload.data_ptr<uint8_t>(),
@@ -50,10 +53,11 @@ TableView table_view(const at::Tensor& payload, const at::Tensor& block_base,
                    shape.code_bits};
 }
 
-// Attaches the optional decoded tier (format.h) to a table view: both tensors or neither. Like
-// the index, the directory is trusted past its shape and its total here (checking every word
-// would cost a B = 1 lookup of a large table more than its rows); TableSet::add, which runs once
-// per table version, checks every word.
+// Attaches the optional decoded tier (format.h) to a table view: both tensors or neither. The
+// directory is checked here by its shape and its total only (checking every word would cost a
+// B = 1 lookup of a large table more than its rows): the readers bound each slot they take
+// against the tier's rows (tier.h tier_slot). TableSet::add, which runs once per table version,
+// checks every word.
 void attach_tier(TableView& t, const std::optional<at::Tensor>& tier_dir,
                  const std::optional<at::Tensor>& tier_rows) {
   check_tier_shape(tier_dir, tier_rows, t.num_rows, t.row_bytes);
@@ -62,6 +66,7 @@ void attach_tier(TableView& t, const std::optional<at::Tensor>& tier_dir,
   check_cpu_contiguous(*tier_rows, "tier_rows", at::kByte);
   t.tier_rows = tier_rows->data_ptr<uint8_t>();
   t.tier_stride = tier_rows->size(1);
+  t.tier_num_rows = tier_rows->size(0);
   if (tier_dir->numel() == 0) return;
   const int64_t words = (t.num_rows + 63) / 64;
   const auto* dir = reinterpret_cast<const uint64_t*>(tier_dir->data_ptr<int64_t>());

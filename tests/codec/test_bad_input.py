@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -216,3 +220,107 @@ def test_a_slot_past_the_payload_is_refused(table) -> None:
     bases[1:-1] = int(bases[-1])  # blocks after the first start at the payload's end
     with pytest.raises(ValueError, match="corrupted table: row 40"):
         dataclasses.replace(table, block_base=bases).gather(torch.tensor([3, 40]))
+
+
+# -- index and tier fields whose sums could wrap ------------------------------------------------
+# Each of these once passed a bound check whose sum wrapped and crashed the process (SIGSEGV), so
+# each runs in a child process: a regression fails the test instead of killing pytest.
+
+_HOSTILE = textwrap.dedent(
+    """
+    import dataclasses, sys
+    import torch
+    from ibpembed import _C, codec
+    from ibpembed._ops import ops
+
+    def table_args(t, **fields):
+        return dataclasses.replace(t, **fields)._args()
+
+    def report(call):
+        try:
+            call()
+        except Exception as e:
+            print(type(e).__name__, str(e).splitlines()[0])
+        else:
+            print("no error")
+
+    case = sys.argv[1]
+    torch.manual_seed(0)
+    if case == "slot_base":  # offset + slot bytes wraps: a block base the bound let through
+        for path in codec.available_cpu_paths():
+            _C.set_cpu_path(path)
+            for rows in (torch.randint(0, 256, (64, 200), dtype=torch.uint8),
+                         (torch.randn(64, 256) * 0.01).to(torch.bfloat16)):
+                t = codec.compress(rows, align=1)
+                base = t.block_base.clone()
+                base[1] = (1 << 63) - 1 - 50
+                report(lambda: ops.ibp_gather(*table_args(t, block_base=base),
+                                              torch.tensor([32]), None, None))
+    elif case == "slot_base_set":  # the same through TableSet::add and its pooled lookup
+        t = codec.compress(torch.randn(64, 50), method="raw", align=1)
+        base = t.block_base.clone()
+        base[1] = (1 << 63) - 1 - 50
+        s = codec.CompressedTableSet([dataclasses.replace(t, block_base=base)])
+        report(lambda: s.lookup(torch.tensor([[0, 0, 1]]), torch.tensor([32]),
+                                torch.tensor([0, 1])))
+    elif case in ("payload_end", "payload_end_set"):  # end + pad wraps: no slot bound holds
+        t = codec.compress(torch.randn(64, 16), method="raw")
+        base = t.block_base.clone()
+        base[-1] = (1 << 63) - 1 - 5
+        base[1] = 10**12
+        bad = dataclasses.replace(t, block_base=base)
+        ids = torch.tensor([40])
+        if case == "payload_end":
+            report(lambda: ops.ibp_gather(*bad._args(), ids, None, None))
+        else:
+            report(lambda: codec.CompressedTableSet([bad]).lookup(
+                torch.tensor([[0, 0, 1]]), ids, torch.tensor([0, 1])))
+    else:  # a tier directory word's base past the tier: "tier_gather 1099511627776", ...
+        what, word_base = case.split()
+        rows = (torch.randn(256, 32) * 0.01).to(torch.bfloat16)
+        t = codec.compress(rows, code_bits=1).with_hot_rows(torch.arange(0, 256, 3))
+        directory = t.hot.directory.clone()
+        directory[1] = int(word_base)  # word 0's base: the tier rows before it, 0
+        tier = (directory, t.hot.rows)
+        # Row 3 is word 0's second tier row: a base of -1 (2^64 - 1) wraps its slot to 0.
+        ids = torch.tensor([3])
+        if what == "tier_gather":
+            report(lambda: ops.ibp_gather(*t._args(), ids, *tier))
+        else:
+            report(lambda: ops.lookup_pooled(*t._args(), ids, torch.tensor([0, 1]), None, 2, 0,
+                                             *tier))
+    """
+)
+
+
+def _hostile(case: str) -> list[str]:
+    """What `case` of _HOSTILE printed: one line per call, the exception it raised."""
+    child = subprocess.run(
+        [sys.executable, "-c", _HOSTILE, case], capture_output=True, text=True, timeout=300
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    return child.stdout.splitlines()
+
+
+@pytest.mark.parametrize("case", ["slot_base", "slot_base_set"])
+def test_a_block_base_near_2_63_is_refused_not_read(case: str) -> None:
+    lines = _hostile(case)
+    assert len(lines) == (2 * len(available_cpu_paths()) if case == "slot_base" else 1)
+    refused = "ValueError corrupted table: row 32: the index gives it a slot outside the payload"
+    assert all(line.startswith(refused) for line in lines), lines
+
+
+@pytest.mark.parametrize("case", ["payload_end", "payload_end_set"])
+def test_a_payload_end_near_2_63_is_refused(case: str) -> None:
+    [line] = _hostile(case)
+    expected = rf"ValueError payload holds \d+ bytes but the index ends at {(1 << 63) - 1 - 5} "
+    assert re.fullmatch(expected + r"\(\+16 pad\)", line), line
+
+
+@pytest.mark.parametrize("op", ["tier_gather", "tier_pooled"])
+@pytest.mark.parametrize("word_base", [1 << 40, -1])
+def test_a_tier_slot_past_the_tier_is_refused_not_read(op: str, word_base: int) -> None:
+    assert _hostile(f"{op} {word_base}") == [
+        "ValueError corrupted table: row 3: the tier directory gives it a slot outside the tier "
+        "(`ibpembed verify FILE` checks a table file's payload)"
+    ]

@@ -302,6 +302,21 @@ def test_corrupt_index_is_reported_not_read(kernels) -> None:
     assert error & ERR_TABLE
 
 
+def test_an_index_near_2_63_is_reported_not_read(kernels) -> None:
+    c = compress(make_table(torch.float32, 64, 50, "trained_like", seed=4), method="raw", align=1)
+    # A block base whose window end wraps past 2^63 back into the payload's range.
+    bad = c.block_base.clone()
+    bad[1] = (1 << 63) - 1 - 50
+    rows, error = kernels.gather(dataclasses.replace(c, block_base=bad), torch.arange(64))
+    assert error & ERR_TABLE
+    assert torch.equal(rows[:32], _cpu_rows(c, torch.arange(32)))
+    # An index end whose pad wraps: the table check reports it (the slots are all in range).
+    bad = c.block_base.clone()
+    bad[-1] = (1 << 63) - 1 - 5
+    _, error = kernels.gather(dataclasses.replace(c, block_base=bad), torch.arange(64))
+    assert error & ERR_TABLE
+
+
 def test_unsupported_grid_is_refused(kernels) -> None:
     # A launch the emulator cannot run (no whole warp) is an error, never a half-run result.
     c = compress(make_table(torch.float32, 8, 4, "trained_like", seed=0))

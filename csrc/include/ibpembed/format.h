@@ -179,8 +179,9 @@ struct TableView {
   // count + popcount(lower bits). A null tier_dir with tier_rows set means every row, row r at
   // tier row r (a tier of all rows, or an all-raw table's own payload).
   const uint64_t* tier_dir = nullptr;  // [ceil(N / 64) * 2] or null
-  const uint8_t* tier_rows = nullptr;  // [tier rows, tier_stride]
+  const uint8_t* tier_rows = nullptr;  // [tier_num_rows, tier_stride]
   int64_t tier_stride = 0;             // >= row_bytes
+  int64_t tier_num_rows = 0;
 };
 
 // K, the patterns per position of a C-bit code (code 0 is the escape).

@@ -31,19 +31,22 @@ IBP_HD RankSlot rank_slot(const uint64_t* dir, int64_t r) {
   return RankSlot{(entry[0] & bit) != 0, entry[1], entry[1] + below};
 }
 
-// Row r's tier row, or -1 when the tier does not hold it (t.tier_rows set). No bound check: the
-// CPU ops trust the directory as they trust the index (lookup_ops.cpp attach_tier).
+// What tier_slot() returns for a row the tier does not hold, and for a held row whose slot the
+// directory puts outside the tier (a corrupt directory).
+inline constexpr int64_t kNotInTier = -1;
+inline constexpr int64_t kBadTierSlot = -2;
+constexpr const char* kBadTierSlotWhat = "the tier directory gives it a slot outside the tier";
+
+// Row r's tier row (t.tier_rows set), kNotInTier or kBadTierSlot. The CPU ops check the
+// directory per call only by its shape and its total (lookup_ops.cpp attach_tier), so each
+// slot is bounded here: one branch per held row that a sound directory never takes, where
+// checking every word per call would cost a small lookup of a large table more than its rows.
 IBP_HD int64_t tier_slot(const TableView& t, int64_t r) {
   if (t.tier_dir == nullptr) return r;
   const RankSlot s = rank_slot(t.tier_dir, r);
-  return s.held ? static_cast<int64_t>(s.slot) : -1;
-}
-
-// Row r's tier copy, or null when the table has no tier or the tier does not hold it.
-IBP_HD const uint8_t* tier_row(const TableView& t, int64_t r) {
-  if (t.tier_rows == nullptr) return nullptr;
-  const int64_t slot = tier_slot(t, r);
-  return slot < 0 ? nullptr : t.tier_rows + slot * t.tier_stride;
+  if (!s.held) return kNotInTier;
+  const auto rows = static_cast<uint64_t>(t.tier_num_rows);
+  return s.base < rows && s.slot < rows ? static_cast<int64_t>(s.slot) : kBadTierSlot;
 }
 
 }  // namespace ibpembed
