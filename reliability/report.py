@@ -107,7 +107,7 @@ def _security_cells(r: Report) -> tuple[str, str]:
         cases += (
             "; another process's shm (with and without auth), region quotas, 8 stalled streams,"
             " 16 refused 60 MiB requests, a million features, a truncated table file (polled,"
-            " and racing lookups unpolled), a deep manifest, int64 counts"
+            " and racing lookups unpolled), a deep manifest, int64 counts, an oversize input region"
         )
         fresh = r["stalled_streams"]["fresh client lookups (20)"].get("OK", 0)
         before, peak = r["request_sizes"]["RSS before / peak over 16 refused 60 MiB requests, MiB"]

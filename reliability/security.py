@@ -29,7 +29,8 @@ Isolation and overload, against plaintext servers (without tokens, and with a to
 * the server's RSS across refused 60 MiB requests; a request naming a million features is
   refused in milliseconds, with health answering meanwhile;
 * a served table file truncated in place is withdrawn and the server lives; a manifest nested
-  100,000 deep is rejected once; ``input_region`` counts past int64 are INVALID_ARGUMENT.
+  100,000 deep is rejected once; ``input_region`` counts past int64 are INVALID_ARGUMENT, and
+  inputs in a region larger than the message limit are RESOURCE_EXHAUSTED before any is read.
 """
 
 from __future__ import annotations
@@ -468,6 +469,8 @@ def check_request_sizes() -> tuple[dict, list[str]]:
                     codes.append(err.code().name)
             channel.close()
         results["input_region counts summing past int64 / wrapping to 0"] = codes
+        oversize = _input_region_over_the_message_limit(server.target)
+        results["a 10M-id input_region (80 MB, over --max-message-mb 64): code, seconds"] = oversize
     failures = []
     if peak - before >= 768 << 20:
         failures.append(f"RSS grew {(peak - before) >> 20} MiB over refused requests")
@@ -475,7 +478,36 @@ def check_request_sizes() -> tuple[dict, list[str]]:
         failures.append(f"a million features: {code}")
     if codes != ["INVALID_ARGUMENT", "INVALID_ARGUMENT"]:
         failures.append(f"input counts past int64: {codes}")
+    if oversize[0] != "RESOURCE_EXHAUSTED":
+        failures.append(f"an input_region over the message limit: {oversize}")
     return results, failures
+
+
+def _input_region_over_the_message_limit(target: str) -> list:
+    """A 30-byte request whose ids lie in a registered region: 80 MB of them, more than a
+    request may carry, refused before the server reads them. [code, seconds]."""
+    num_ids = 10_000_000
+    shm_name = f"/ibpembed-big-{uuid.uuid4().hex[:10]}"
+    with (
+        SharedMemoryRegion.create(shm_name, 8 * num_ids + (1 << 16)) as shm,
+        LookupClient(target, timeout=60, retry=NO_RETRY) as client,
+    ):
+        client.register_region("big", shm)
+        channel, stub = _stub(target)
+        request = pb.LookupRequest()
+        request.features.add(name="cat_0")
+        request.input_region.name = "big"
+        request.input_region.num_ids.append(num_ids)
+        request.input_region.batch_sizes.append(1)
+        started = time.perf_counter()
+        try:
+            stub.Lookup(request, timeout=60)
+            code = "OK"
+        except grpc.RpcError as err:
+            code = err.code().name
+        seconds = round(time.perf_counter() - started, 3)
+        channel.close()
+    return [code, seconds]
 
 
 def check_table_files(work: Path) -> tuple[dict, list[str]]:
