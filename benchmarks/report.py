@@ -213,9 +213,11 @@ SECTIONS = (
         "88 % hits runs at about hits-at-raw-speed plus misses-at-the-uniform-compressed-rate, "
         "and the 12 % of lookups that miss take more than half of the time; under uniform ids "
         "only a tier of every row helps ([the lean path](docs/codec.md#the-decoded-tier)). "
-        "The policy's hit ratios sit within about 2 points of the exact top rows of the same "
-        "history: its count-min sketch is halved every 30 tier rows' worth of ids, and with "
-        "TinyLFU's usual 10 the same tiers served 2-3 points fewer lookups "
+        "A tier's host bytes include the policy's own state (its id buffer, sketch and target "
+        "sets, 32-80 bytes per tier row), which the budget pays for. The policy's hit ratios "
+        "sit within about 3 points of the exact top rows of the same number at 1 % and 2 "
+        "points from 5 % up: its count-min sketch is halved every 30 tier rows' worth of "
+        "ids, and with TinyLFU's usual 10 the same tiers served 2-3 points fewer lookups "
         "(`engine/tier.py`). A savings-sized bf16 tier (24 % of the raw bytes) serves more "
         "than a 10 % one and runs no faster.",
         (),
