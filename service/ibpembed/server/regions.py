@@ -218,7 +218,9 @@ class RegionRegistry:
             raise ValueError(f"max_regions must be >= 1, got {max_regions}")
         self.max_regions = max_regions
         self._lock = threading.Lock()
-        self._regions: dict[str, Region] = {}
+        # Keyed by (owner, name): each identity names its regions in a namespace of its own, so
+        # no caller can take a name another needs, or learn which names another has taken.
+        self._regions: dict[tuple[str, str], Region] = {}
         self._challenges: dict[bytes, _Challenge] = {}
 
     def challenge(self, owner: str, shm_name: str, offset: int) -> bytes:
@@ -313,7 +315,7 @@ class RegionRegistry:
             region = Region(owner, info, fd)
             with self._lock:
                 self._check_room(owner, name)  # again: concurrent calls may have taken it
-                self._regions[name] = region
+                self._regions[owner, name] = region
         except BaseException:
             os.close(fd)
             raise
@@ -322,10 +324,7 @@ class RegionRegistry:
     def _check_room(self, owner: str, name: str) -> None:
         """``name`` is free, and the caller and the server may hold one more region (under
         the lock)."""
-        existing = self._regions.get(name)
-        if existing is not None:
-            if existing.owner != owner:
-                raise PermissionDenied(f"name: region {name!r} belongs to another caller")
+        if (owner, name) in self._regions:
             raise AlreadyExists(f"name: region {name!r} is already registered")
         if sum(r.owner == owner for r in self._regions.values()) >= MAX_REGIONS_PER_OWNER:
             raise ResourceExhausted(
@@ -340,11 +339,9 @@ class RegionRegistry:
     def get(self, owner: str, name: str, field: str) -> Region:
         """The caller's region ``name``, with a use taken (``release_use`` when done)."""
         with self._lock:
-            region = self._regions.get(name)
+            region = self._regions.get((owner, name))
         if region is None:
             raise NotFound(f"{field}: no region {name!r} is registered")
-        if region.owner != owner:
-            raise PermissionDenied(f"{field}: region {name!r} belongs to another caller")
         region.acquire(field)
         return region
 
@@ -352,16 +349,14 @@ class RegionRegistry:
         """Release ``name`` (or every region of ``owner`` for an empty name); returns how many."""
         with self._lock:
             if name:
-                region = self._regions.get(name)
+                region = self._regions.pop((owner, name), None)
                 if region is None:
                     raise NotFound(f"name: no region {name!r} is registered")
-                if region.owner != owner:
-                    raise PermissionDenied(f"name: region {name!r} belongs to another caller")
-                released = [self._regions.pop(name)]
+                released = [region]
             else:
                 released = [r for r in self._regions.values() if r.owner == owner]
                 for region in released:
-                    del self._regions[region.info.name]
+                    del self._regions[owner, region.info.name]
         for region in released:
             region.release()
         return len(released)

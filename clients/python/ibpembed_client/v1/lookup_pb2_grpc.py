@@ -96,8 +96,12 @@ class EmbeddingLookupServicer:
     def LookupStream(self, request_iterator, context):
         """Bidirectional: a frontend pipelines many batches on one stream. Responses come back in
         request order, one per request. A request that fails does not end the stream: its response
-        carries `error` and no features. Stream-level failures (overload at stream start,
-        cancellation, deadline, shutdown past the grace period) end the stream with a status.
+        carries `error` and no features; one over the admission limit gets code 8
+        (RESOURCE_EXHAUSTED), refused before any work and safe to resend after a backoff. A server
+        whose backlog of unanswered stream requests is full stops reading the stream (HTTP/2 flow
+        control) instead of refusing it. Stream-level failures (cancellation, deadline, a response
+        nobody takes for --stream-write-timeout-s, shutdown past the grace period) end the stream
+        with a status.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,7 +126,8 @@ class EmbeddingLookupServicer:
         their outputs into (LookupRequest.output_region) and read their inputs from
         (LookupRequest.input_region), so the values never cross the socket. A region belongs to the
         caller that registered it (with token auth, the identity of the caller's token; without
-        tokens every caller is one identity); other callers get PERMISSION_DENIED. The server never
+        tokens every caller is one identity), which names it in a namespace of its own: to other
+        callers the name does not exist (NOT_FOUND), and they may register their own. The server never
         creates, resizes or unlinks a region's memory: the caller does. Regions are released on
         unregister and when the server stops.
 
