@@ -577,6 +577,9 @@ def test_bad_input_regions(server, client, store, shm):
         (build_request(features, "sum"), "features[0]"),  # bytes and a region both
     ]
     bad[-1][0].input_region.CopyFrom(pb.InputRegion(name="in", num_ids=[1, 1], batch_sizes=[1, 1]))
+    weighted_none = request(num_ids=[1, 1], batch_sizes=[1, 1], weighted=True)
+    weighted_none.pooling = pb.POOLING_NONE
+    bad.append((weighted_none, "input_region.weighted"))
     for message, field in bad:
         with pytest.raises(grpc.RpcError) as err:
             stub.Lookup(message, timeout=30)

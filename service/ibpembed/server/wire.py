@@ -306,6 +306,8 @@ def decode_region_inputs(
             f"num_ids and batch_sizes need one entry per feature ({count}), got "
             f"{len(spec.num_ids)} and {len(spec.batch_sizes)}",
         )
+    if spec.weighted and request.pooling == pb.POOLING_NONE:
+        raise InvalidArgument("input_region.weighted", "weights need pooling SUM or MEAN")
     num_ids = np.asarray(spec.num_ids, dtype=np.int64)
     batch = np.asarray(spec.batch_sizes, dtype=np.int64)
     if count and (num_ids.min() < 0 or batch.min() < 0):
