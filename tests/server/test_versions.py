@@ -24,6 +24,7 @@ from ibpembed_client import (
     RetryPolicy,
     build_request,
 )
+from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
 from tests.metrics.helpers import fetch, free_port, parse, value
 from tests.server.helpers import RunningServer
@@ -170,3 +171,29 @@ def test_keep_versions_setting_and_its_memory_metric(tmp_path: Path) -> None:
         client.close()
     finally:
         server.stop()
+
+
+def test_list_tables_reports_the_version_of_the_tables_it_lists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "set"
+    pack(directory, 1)
+    store = TableStore.load(directory, keep_versions=2)
+    with RunningServer(store, reload_poll_s=0) as running:
+        engine = running.server.engine
+        describe = engine.describe
+
+        def reload_after_describing(name: str | None = None):
+            described = describe(name)
+            pack(directory, 2)
+            assert store.reload()  # a reload lands between the tables and the versions
+            return described
+
+        monkeypatch.setattr(engine, "describe", reload_after_describing)
+        with grpc.insecure_channel(running.target) as channel:
+            listed = lookup_pb2_grpc.EmbeddingLookupStub(channel).ListTables(
+                pb.ListTablesRequest(), timeout=30
+            )
+        assert store.versions_held() == (1, 2)
+        assert listed.table_version == 1 and tuple(listed.versions_held) == (1,)
+        assert {t.version for t in listed.tables} == {1}

@@ -350,9 +350,14 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     async def ListTables(
         self, request: pb.ListTablesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListTablesResponse:
-        tables = [table_info(d) for d in self.engine.describe()]
+        descriptions = self.engine.describe()
         held = self.engine.store.versions_held()
-        return pb.ListTablesResponse(tables=tables, table_version=held[-1], versions_held=held)
+        # The tables come from one snapshot; a reload since then is the next call's news, so the
+        # version reported is theirs and nothing newer is listed as held.
+        version = descriptions[0].version if descriptions else held[-1]
+        held = (*(v for v in held if v < version), version)
+        tables = [table_info(d) for d in descriptions]
+        return pb.ListTablesResponse(tables=tables, table_version=version, versions_held=held)
 
     async def DescribeTable(
         self, request: pb.DescribeTableRequest, context: grpc.aio.ServicerContext
