@@ -559,14 +559,16 @@ class AsyncShardedLookupClient:
     async def lookup_request(
         self, request: pb.LookupRequest, *, timeout: float | None = None
     ) -> LookupResult:
-        """Send a prebuilt request, split across the shards (pinned as the sync client does)."""
+        """Send a prebuilt request, split across the shards (pinned as the sync client does;
+        ``timeout`` is one deadline for the whole request, re-pins included)."""
         plan = split_request(self.shard_map, request)
+        deadline = None if timeout is None else time.monotonic() + timeout
         if request.table_version:
             return await self._lookup_at(plan, request.table_version, timeout)
         for attempt in range(1, VERSION_ATTEMPTS + 1):
-            version = await self._version_for(plan, timeout)
+            version = await self._version_for(plan, _remaining(deadline))
             try:
-                return await self._lookup_at(plan, version, timeout)
+                return await self._lookup_at(plan, version, _remaining(deadline))
             except LookupServiceError as err:
                 if not _repinnable(err) or attempt == VERSION_ATTEMPTS:
                     raise
@@ -591,6 +593,7 @@ class AsyncShardedLookupClient:
 
     async def _version_for(self, plan: SplitPlan, timeout: float | None) -> int:
         """As :meth:`ShardedLookupClient._version_for`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         shards = sorted(plan.requests)
         asking = self._ask(shards)
         pending = [asking[k] for k in self._pin.unknown(shards) if k in asking]
@@ -601,10 +604,11 @@ class AsyncShardedLookupClient:
         version = self._pin.newest_common(shards)
         if version is not None:
             return version
-        # As ShardedLookupClient._common_version: ask again at once before failing.
+        # As ShardedLookupClient._common_version: ask again at once before failing, within what
+        # is left of the same timeout.
         asking = self._ask(shards, at_once=True)
         if asking:
-            await asyncio.wait(asking.values(), timeout=timeout)
+            await asyncio.wait(asking.values(), timeout=_remaining(deadline))
         return self._pin.version(shards, plan.request_id)
 
     async def _lookup_at(
