@@ -228,7 +228,10 @@ void scale_mean(const int64_t* offsets, int64_t bag_begin, int64_t bag_end, int6
 
 PoolRowsFn select_pool_rows() {
 #if defined(__x86_64__)
-  if (cpu_has_avx512()) return &pool_rows_avx512;
+  // AVX-512F alone (accumulate_avx512.cpp's only flag), not the decoders' VBMI2 (cpu_has_avx512):
+  // Skylake-SP and Cascade Lake hosts pool with 16 lanes too. __builtin_cpu_supports also checks
+  // that the OS saves the AVX-512 state.
+  if (__builtin_cpu_supports("avx512f")) return &pool_rows_avx512;
   if (__builtin_cpu_supports("avx2")) return &pool_rows_avx2;
 #endif
   return &pool_rows_portable;
