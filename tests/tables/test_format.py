@@ -471,3 +471,18 @@ def test_prefetch_reads_the_payload_into_the_page_cache(tmp_path: Path) -> None:
         assert time.monotonic() < waited, "the payload was not read in"
         time.sleep(0.01)
     assert same_bits(loaded.table.decompress(), weight)
+
+
+def _mappings_of(path: Path) -> int:
+    return sum(str(path) in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+@pytest.mark.parametrize("section", ["meta", "block_base"])
+def test_a_rejected_file_is_unmapped_while_its_error_is_kept(packed, section) -> None:
+    path, _ = packed
+    begin, _ = section_ranges(path)[section]
+    flip_bit(path, begin + 1)
+    with pytest.raises(tf.TableFileError) as kept:  # the error, its traceback and frames kept
+        tf.read_table(path)
+    assert kept.value.section == section
+    assert _mappings_of(path) == 0

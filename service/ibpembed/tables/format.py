@@ -12,6 +12,7 @@ stray write can never reach the file. Writing is :mod:`ibpembed.tables.writer`.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import mmap
@@ -363,8 +364,9 @@ def read_sections(
 
 
 def _check_section(path: Path, data: memoryview, section: Section) -> None:
-    blob = data[section.offset : section.offset + section.length]
-    computed = xxhash.xxh3_64_intdigest(blob)
+    # Released before any error: a slice left in the traceback's frame would keep the mapping.
+    with data[section.offset : section.offset + section.length] as blob:
+        computed = xxhash.xxh3_64_intdigest(blob)
     if computed != section.xxh3:
         raise TableFileError(
             path,
@@ -523,6 +525,14 @@ def read_table(
             quant=quant,
         )
         check_index(path, table)
+    except BaseException:
+        # Unmapped now, not when the traceback (whose frame holds the mapping) is freed: a
+        # reload's outcome may keep its error. The tensors made so far export the mapping.
+        table = None
+        view.release()
+        with contextlib.suppress(BufferError):
+            data.close()
+        raise
     finally:
         view.release()  # the tensors hold their own references to the mapping
     return TableFile(path=path, header=header, sections=sections, meta=meta, table=table)
