@@ -54,8 +54,7 @@ _BYTES = re.compile(_NUMBER + r"([kmgt]i?b|b)?")
 FORMS = "0/off, all, N% (of raw bytes), savings or N%savings, or bytes (512MiB, 2GB, 4096)"
 
 # Host bytes an admission policy holds for a table of ``num_rows`` rows whose tier takes ``rows``
-# of them (``rows`` = 0 included: a policy records a table's ids whatever its budget buys); must
-# not decrease as ``rows`` grows.
+# of them; must not decrease as ``rows`` grows.
 StateBytes = Callable[[int, int], int]
 
 
