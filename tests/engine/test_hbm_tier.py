@@ -285,3 +285,16 @@ def test_a_table_a_reload_drops_loses_its_tier_and_nothing_keeps_it(tmp_path) ->
     gc.collect()
     assert set(tier.tiers.current()) == {"a"} and set(tier.counts()) == {"a"}
     assert old_b() is None  # neither the tier nor its counters hold the dropped table
+
+
+def test_the_last_pooling_set_does_not_keep_a_replaced_version_alive() -> None:
+    store = TableStore.from_tables({"t": _table()})
+    tier = HbmTier(store, budget="50%", device="cpu")
+    with store.acquire() as snap:
+        tier.table_set(snap)  # kept for the next request of the same version
+        old = weakref.ref(snap.tables["t"])
+    del snap
+    store.put_table("t", _table(seed=1))
+    tier.step()
+    gc.collect()
+    assert old() is None

@@ -351,7 +351,12 @@ class HbmTier(AdmissionPolicy):
         self._counters: dict[str, TierCounters] = {}
         # The last pooling set made (a snapshot's, with the tiers then published).
         self._sets: (
-            tuple[CompressedTableSet, Mapping[str, DeviceTier], CompressedTableSet | TieredTableSet]
+            tuple[
+                CompressedTableSet,
+                Mapping[str, DeviceTier],
+                CompressedTableSet | TieredTableSet,
+                int,  # the version of the snapshot it was made for
+            ]
             | None
         ) = None
 
@@ -378,6 +383,11 @@ class HbmTier(AdmissionPolicy):
         for gone in set(self.tiers.current()) - set(current):
             self.tiers.publish(gone, None)
             self._counters.pop(gone, None)
+        # Likewise the last request's pooling set, once its version is not the newest: until the
+        # next request it would keep that version's tables (and their device copies) alive.
+        made = self._sets
+        if made is not None and made[3] != self.store.version:
+            self._sets = None
         with self._lock:
             states = dict(self._tables)
         lost = [
@@ -430,7 +440,7 @@ class HbmTier(AdmissionPolicy):
         made: CompressedTableSet | TieredTableSet = table_set
         if any(t is not None for t in tiers):
             made = TieredTableSet(table_set, tiers)
-        self._sets = (table_set, current, made)
+        self._sets = (table_set, current, made, snap.version)
         return made
 
     def counts(self, names: Collection[str] | None = None) -> dict[str, tuple[int, int]]:
