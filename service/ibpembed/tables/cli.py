@@ -21,11 +21,12 @@ from ibpembed.layout import DTYPE_CODES, INT8_ROWWISE_CODE
 from ibpembed.tables import format as tf
 from ibpembed.tables import importers, manifest, pack
 from ibpembed.tables import writer as tw
-from ibpembed.tables.shards import pack_shards
+from ibpembed.tables.shards import pack_shards, shard_addresses
 from ibpembed.tables.tier_budget import TableSize, TierBudget
 
 EXIT_OK = 0
 EXIT_FAULT = 1
+EXIT_USAGE = 2
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -167,6 +168,12 @@ def _fail(command: str, error: Exception) -> int:
     return EXIT_FAULT
 
 
+def _usage(command: str, message: str) -> int:
+    """A usage error argparse cannot see (it spans flags): argparse's message and status."""
+    print(f"ibpembed {command}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 # -- pack ------------------------------------------------------------------------------------
 
 
@@ -226,7 +233,21 @@ def _print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
 
 
+def _pack_usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``pack``'s flags taken together, checked before any source is read
+    or any shard written; None when nothing is."""
+    if args.shards is not None and args.shard_address is not None:
+        try:
+            shard_addresses(args.shard_address, args.shards)
+        except ValueError as exc:
+            return f"argument --shard-address: {exc}"
+    return None
+
+
 def _pack(args: argparse.Namespace) -> int:
+    usage_error = _pack_usage_error(args)
+    if usage_error is not None:
+        return _usage("pack", usage_error)
     try:
         # The selection applies first: other entries of a checkpoint are never checked.
         table_set = importers.load_sources(args.sources, tables=args.table)
