@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import subprocess
 import sys
@@ -143,6 +144,59 @@ def test_pack_faults_exit_1(tmp_path: Path, sources: Path, argv: list[str], caps
     argv = [a.format(tmp=tmp_path, src=sources) for a in argv]
     assert run([*argv, "--no-progress"]) == 1
     assert "ibpembed pack: error:" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def _whole_then_cut(path: Path, keep: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])
+
+
+# A source file of each kind that its loader cannot read, and the words of the loader's reason.
+BAD_SOURCES = {
+    "truncated.npy": (
+        lambda p: (np.save(p, np.zeros((50, 4), np.float32)), _whole_then_cut(p, 200)),
+        "mmap length is greater than file size",
+    ),
+    "objects.npy": (
+        lambda p: np.save(p, np.array([[1, "a"]], dtype=object)),
+        "Python objects in dtype",
+    ),
+    "empty.npy": (lambda p: p.write_bytes(b""), "No data left in file"),
+    "archive.npy": (
+        lambda p: p.write_bytes(_npz_bytes()),
+        "holds a NpzFile, not an array",
+    ),
+    "garbage.safetensors": (lambda p: p.write_bytes(b"garbage"), "cannot load with safetensors"),
+    "truncated.safetensors": (
+        lambda p: (save_file({"e": torch.zeros(50, 4)}, p), _whole_then_cut(p, 100)),
+        "cannot load with safetensors",
+    ),
+}
+
+
+def _npz_bytes() -> bytes:
+    archive = io.BytesIO()
+    np.savez(archive, a=np.zeros((2, 2), np.float32))
+    return archive.getvalue()
+
+
+@pytest.mark.parametrize("name", BAD_SOURCES)
+@pytest.mark.parametrize("as_directory", [False, True])
+def test_an_unreadable_source_file_is_a_fault_naming_it(
+    tmp_path: Path, name: str, as_directory: bool, capsys
+) -> None:
+    """A corrupt or truncated .npy or .safetensors file exits 1 with one line naming the file,
+    also when it is found in a directory, instead of a traceback or numpy's bare words."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    make, reason = BAD_SOURCES[name]
+    make(folder / name)
+    target = folder if as_directory else folder / name
+    assert run(["pack", str(target), "-o", str(tmp_path / "out"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"ibpembed pack: error: {folder / name}: "), err
+    assert reason in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
