@@ -209,6 +209,23 @@ def test_recorded_requests_are_replayed_in_order(server, tmp_path, capsys):
     assert "features not served" in capsys.readouterr().err
 
 
+def test_replayed_requests_count_their_own_samples(server, tmp_path, capsys):
+    """samples/s counts each recorded request's batch (its largest feature's), not
+    --batch-size: before, 6 replayed requests of 2 and 3 samples reported 6 x 64."""
+    recorded = tmp_path / "recorded.jsonl"
+    two = {"user": [[1, 2], [3]], "item": [[4]]}  # B = 2 and 1: two samples
+    three = {"user": [[5], [], [6, 7]]}
+    recorded.write_text(json.dumps(two) + "\n" + json.dumps(three) + "\n")
+    argv = ["--target", server.target, "--input-data", str(recorded), "--concurrency", "1",
+            "--requests", "6", "--warmup", "0", "--batch-size", "64", "--no-progress",
+            "--json", str(tmp_path / "r.json")]  # fmt: skip
+    assert loadgen.main(argv) == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["ok"] == 6 and report["samples"] == 3 * (2 + 3)
+    assert report["samples_per_s"] == pytest.approx(15 / report["measured_s"])
+    assert f"({report['samples_per_s']:.0f} samples/s)" in capsys.readouterr().out
+
+
 def test_version_and_plain_help(capsys):
     with pytest.raises(SystemExit) as version:
         loadgen.main(["--version"])

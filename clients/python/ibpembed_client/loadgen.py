@@ -105,12 +105,16 @@ class _Tally:
     errors: Counter = field(default_factory=Counter)
     dropped: int = 0
     sent: int = 0  # started after the warm-up (what max_requests counts)
+    samples: int = 0  # of the successful requests
 
-    def add(self, started: float, warm_from: float, seconds: float, code: str | None) -> None:
+    def add(
+        self, started: float, warm_from: float, seconds: float, code: str | None, samples: int
+    ) -> None:
         if started < warm_from:
             return
         if code is None:
             self.latencies.add(seconds)
+            self.samples += samples
         else:
             self.errors[code] += 1
 
@@ -162,6 +166,12 @@ async def _prepare(client: AsyncLookupClient, cfg: LoadConfig) -> list[pb.Lookup
     )
 
 
+def request_samples(request: pb.LookupRequest) -> int:
+    """A request's samples: its largest feature batch (B, the int32 lengths), since features
+    of one request may have different batch sizes (a variable-batch KJT)."""
+    return max((len(f.lengths) // 4 for f in request.features), default=0)
+
+
 def _natural_key(name: str) -> tuple:
     """cat_2 before cat_10, so the DCNv2 profile lines up with the demo's feature order."""
     head, _, tail = name.rpartition("_")
@@ -177,6 +187,8 @@ async def run_load(cfg: LoadConfig) -> dict:
     )
     try:
         requests = await _prepare(client, cfg)
+        # Recorded requests carry batches of their own sizes, not --batch-size.
+        samples = [request_samples(r) for r in requests]
         tally = _Tally()
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -193,20 +205,20 @@ async def run_load(cfg: LoadConfig) -> dict:
             if loop.time() >= warm_from:
                 tally.sent += 1
 
-        async def one(request: pb.LookupRequest) -> None:
+        async def one(i: int) -> None:
             began = loop.time()
             code = None
             try:
-                await client.lookup_request(request, timeout=timeout)
+                await client.lookup_request(requests[i], timeout=timeout)
             except LookupServiceError as err:
                 code = err.code.name
-            tally.add(began, warm_from, loop.time() - began, code)
+            tally.add(began, warm_from, loop.time() - began, code, samples[i])
 
         async def closed_loop(worker: int) -> None:
             i = worker
             while budget_left():
                 count_start()
-                await one(requests[i % len(requests)])
+                await one(i % len(requests))
                 i += cfg.concurrency or 1
 
         async def open_loop() -> None:
@@ -223,7 +235,7 @@ async def run_load(cfg: LoadConfig) -> dict:
                         tally.dropped += 1
                     continue
                 count_start()
-                task = asyncio.create_task(one(requests[i % len(requests)]))
+                task = asyncio.create_task(one(i % len(requests)))
                 inflight.add(task)
                 task.add_done_callback(inflight.discard)
                 i += 1
@@ -292,7 +304,8 @@ def summarize(cfg: LoadConfig, tally: _Tally, window: tuple[float, float]) -> di
         "errors": dict(tally.errors),
         "dropped": tally.dropped,
         "qps": ok / measured_s,
-        "samples_per_s": ok * cfg.batch_size / measured_s,
+        "samples": tally.samples,
+        "samples_per_s": tally.samples / measured_s,
         "latency_ms": tally.latencies.summary_ms(),
         "histogram_ms": tally.latencies.to_json(),
     }
