@@ -226,6 +226,38 @@ def test_replayed_requests_count_their_own_samples(server, tmp_path, capsys):
     assert f"({report['samples_per_s']:.0f} samples/s)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--concurrency", "0"], "argument --concurrency: must be > 0, got 0"),
+        (["--rate", "0"], "argument --rate: must be > 0, got 0"),
+        (["--rate", "nan"], "argument --rate: must be > 0, got nan"),
+        (["--batch-size", "-1"], "argument --batch-size: must be > 0, got -1"),
+        (["--requests", "x"], "argument --requests: invalid int value: 'x'"),
+        (["--tls-ca", "{tmp}/missing.pem"], "--tls-ca: [Errno 2] No such file or directory"),
+        (["--json", "{tmp}/no_dir/r.json"], "--json: [Errno 2] No such file or directory"),
+        (["--json", "{tmp}"], "--json: [Errno 21] Is a directory"),
+    ],
+)
+def test_bad_flags_are_one_line_usage_errors_before_the_run(
+    server, tmp_path, capsys, flags, message
+):
+    """Each is exit 2 with one line naming the flag, before any request: before, --concurrency
+    0 was a TypeError, a missing --tls-ca file a traceback, and an unwritable --json path a
+    traceback after the whole run, its results lost."""
+    argv = ["--target", server.target, "--requests", "10", "--warmup", "0", "--features", "user"]
+    argv += ["--no-progress", *(f.format(tmp=tmp_path) for f in flags)]
+    try:
+        code = loadgen.main(argv)
+    except SystemExit as exit_info:  # argparse's own usage errors
+        code = exit_info.code
+    assert code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err.strip().splitlines()[-1]
+    assert "QPS" not in captured.out and "Traceback" not in captured.err  # nothing was run
+    assert list(tmp_path.iterdir()) == []  # the writability check leaves nothing behind
+
+
 def test_version_and_plain_help(capsys):
     with pytest.raises(SystemExit) as version:
         loadgen.main(["--version"])

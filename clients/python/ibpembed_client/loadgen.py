@@ -38,7 +38,7 @@ import json
 import random
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
@@ -383,6 +383,36 @@ def parse_range(text: str, kind: type[int] | type[float]) -> list[float]:
     return [start + i * step for i in range(count)]
 
 
+def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
+    """An argparse ``type=`` taking a number > 0: anything else is a usage error (exit 2)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not value > 0:  # nan too
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def _writable(flag: str, path: str) -> str | None:
+    """Why ``path`` cannot be written (None when it can), found by opening it as the run's
+    end will, so a bad path fails before the load, not after it with the results lost."""
+    target = Path(path)
+    existed = target.exists()
+    try:
+        with open(target, "ab"):
+            pass
+    except OSError as exc:
+        return f"{flag}: {exc}"
+    if not existed:
+        target.unlink()
+    return None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ibpembed-loadgen",
@@ -394,9 +424,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="127.0.0.1:50051", help="server host:port (127.0.0.1:50051)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
-        "--concurrency", type=int, help="requests kept in flight, closed loop (the default, 8)"
+        "--concurrency",
+        type=_positive(int),
+        help="requests kept in flight, closed loop (the default, 8)",
     )
-    mode.add_argument("--rate", type=float, help="Poisson arrivals per second (open loop)")
+    mode.add_argument(
+        "--rate", type=_positive(float), help="Poisson arrivals per second (open loop)"
+    )
     mode.add_argument(
         "--concurrency-range",
         metavar="START:END:STEP",
@@ -410,9 +444,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per step (10)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds run before measuring (1)")
     p.add_argument(
-        "--requests", type=int, help="measure this many requests per step after the warm-up"
+        "--requests",
+        type=_positive(int),
+        help="measure this many requests per step after the warm-up",
     )
-    p.add_argument("--batch-size", type=int, default=64, help="samples per request, B (64)")
+    p.add_argument(
+        "--batch-size", type=_positive(int), default=64, help="samples per request, B (64)"
+    )
     p.add_argument("--features", default="", help="comma-separated features (all served)")
     p.add_argument("--hotness", default="dcnv2", help="ids per sample: dcnv2 or an integer")
     p.add_argument("--zipf-alpha", type=float, default=1.05, help="Zipf exponent of the ids")
@@ -423,8 +461,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pooling", choices=("sum", "mean", "none"), default="sum")
     p.add_argument("--deadline-ms", type=float, default=5000.0, help="per-request deadline")
-    p.add_argument("--max-inflight", type=int, default=256, help="rate modes: outstanding cap")
-    p.add_argument("--request-pool", type=int, default=16, help="distinct synthetic requests")
+    p.add_argument(
+        "--max-inflight", type=_positive(int), default=256, help="rate modes: outstanding cap"
+    )
+    p.add_argument(
+        "--request-pool", type=_positive(int), default=16, help="distinct synthetic requests"
+    )
     p.add_argument(
         "--metrics-url",
         metavar="URL",
@@ -507,6 +549,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError:
             print(f"ibpembed-loadgen: {PNG_NEEDS}", file=sys.stderr)
             return 2
+    for flag, path in (("--json", args.json), ("--png", args.png)):
+        problem = path and _writable(flag, path)
+        if problem:
+            print(f"ibpembed-loadgen: {problem}", file=sys.stderr)
+            return 2
     token = args.token
     if args.token_file:
         try:
@@ -516,8 +563,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     tls = None
     if args.tls_ca or args.tls_cert:
-        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
-        tls = TlsOptions(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+        pem: dict[str, bytes | None] = {}
+        for flag, path in (("--tls-ca", args.tls_ca), ("--tls-key", args.tls_key),
+                           ("--tls-cert", args.tls_cert)):  # fmt: skip
+            try:
+                pem[flag] = Path(path).read_bytes() if path else None
+            except OSError as exc:
+                print(f"ibpembed-loadgen: {flag}: {exc}", file=sys.stderr)
+                return 2
+        tls = TlsOptions(pem["--tls-ca"], pem["--tls-key"], pem["--tls-cert"])
     cfg = LoadConfig(
         target=args.target,
         concurrency=args.concurrency,
@@ -541,7 +595,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress=not args.no_progress,
     )
     try:
-        steps = asyncio.run(run_sweep(cfg, values or [args.concurrency or args.rate]))
+        load = args.concurrency if args.concurrency is not None else args.rate
+        steps = asyncio.run(run_sweep(cfg, values or [load]))
     except (ValueError, OSError, LookupServiceError) as exc:
         print(f"ibpembed-loadgen: {exc}", file=sys.stderr)
         return 2
@@ -550,8 +605,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(steps) > 1:
         print(_sweep_table(steps))
     if args.json:
-        document = steps[0] if values is None else {"steps": steps}
-        Path(args.json).write_text(json.dumps(document, indent=2))
+        document = json.dumps(steps[0] if values is None else {"steps": steps}, indent=2)
+        try:
+            Path(args.json).write_text(document)
+        except OSError as exc:  # checked before the run; a full disk can still refuse it
+            print(f"ibpembed-loadgen: --json: {exc}; the report follows", file=sys.stderr)
+            print(document)
+            return 1
     if args.png:
         plot_latency(steps[-1], args.png)
     if any(r["ok"] + sum(r["errors"].values()) == 0 for r in steps):
