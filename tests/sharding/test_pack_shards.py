@@ -134,7 +134,7 @@ def test_cli_pack_shards_with_addresses(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert bad.returncode == 1 and "--shard-address needs --shards" in bad.stderr
+    assert bad.returncode == 2 and "argument --shard-address: needs --shards" in bad.stderr
 
 
 @pytest.mark.parametrize(

@@ -135,7 +135,6 @@ def test_an_unknown_table_lists_the_tables_the_sources_hold(
     "argv",
     [
         ["pack", "{tmp}/missing.pt", "-o", "{tmp}/out"],
-        ["pack", "{src}", "-o", "{tmp}/out", "--feature", "no_equals_sign"],
         ["pack", "{src}", "-o", "{tmp}/out", "--table", "nope"],
         ["pack", "{src}", "-o", "{tmp}/out", "--feature", "f=nope"],
     ],
@@ -208,6 +207,34 @@ def test_usage_errors_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         run(argv)
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--align", "3"], "argument --align: must be a power of two <= 65536, got 3"),
+        (["--align", "0"], "argument --align: must be a power of two"),
+        (["--shards", "0"], "argument --shards: must be >= 1, got 0"),
+        (["--shard-address", "h-{shard}:1"], "argument --shard-address: needs --shards"),
+        (["--feature", "foo"], "argument --feature: expected FEATURE=TABLE, got 'foo'"),
+        (["--feature", "f="], "argument --feature: expected FEATURE=TABLE, got 'f='"),
+        (["--sample-rows", "-5"], "argument --sample-rows: must be >= 0, got -5"),
+        (["--sample-rows", "many"], "argument --sample-rows: invalid int value: 'many'"),
+    ],
+)
+def test_bad_pack_flags_exit_2_before_reading_a_source(
+    tmp_path: Path, sources: Path, flags: list[str], message: str, capsys
+) -> None:
+    """A bad flag is a usage error (exit 2, as docs/format.md says), not a data fault (1),
+    through the ``ibpembed`` command's own parser."""
+    argv = ["pack", str(sources), "-o", str(tmp_path / "out"), "--no-progress", *flags]
+    try:
+        code = main_cli.main(argv)
+    except SystemExit as exit_info:  # argparse's type checks
+        code = exit_info.code
+    assert code == 2
+    assert f"ibpembed pack: error: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_pack_code_bits_writes_codebooks_that_verify(tmp_path: Path, sources: Path, capsys) -> None:
