@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -268,6 +269,24 @@ def test_version_and_plain_help(capsys):
     text = capsys.readouterr().out
     assert "``" not in text and "default: None" not in text and ":class:" not in text
     assert "--concurrency-range" in text and "--input-data" in text and "examples:" in text
+    assert "9464/metrics" in text and "9100" not in text  # the server's metrics port
+
+
+def test_help_writes_out_every_default(capsys):
+    """docs/client.md promises every default in --help: each flag that has one prints it (a
+    flag added without it fails here)."""
+    with pytest.raises(SystemExit):
+        loadgen.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # help lines rewrapped as one
+    for action in loadgen._parser()._actions:
+        if action.default in (None, False, "", argparse.SUPPRESS):
+            continue
+        assert action.help is not None and "%(default)" in action.help, action.dest
+    for shown in ("--zipf-alpha ZIPF_ALPHA Zipf exponent of the ids (1.05)",
+                  "--deadline-ms DEADLINE_MS per-request deadline, ms (5000)",
+                  "--pooling {sum,mean,none} how each sample's rows are combined (sum)",
+                  "--seed SEED seed of the synthetic ids and arrivals (0)"):  # fmt: skip
+        assert shown in text
 
 
 def test_server_side_split_beside_the_clients_numbers(tmp_path: Path, capsys):

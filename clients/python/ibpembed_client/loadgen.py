@@ -362,7 +362,7 @@ rest) is printed beside the client's."""
 EXAMPLES = """\
 examples:
   ibpembed-loadgen --target 127.0.0.1:50051 --concurrency 16 --duration 10 --batch-size 512
-  ibpembed-loadgen --concurrency-range 1:32:2 --duration 5 --metrics-url http://127.0.0.1:9100/metrics
+  ibpembed-loadgen --concurrency-range 1:32:2 --duration 5 --metrics-url http://127.0.0.1:9464/metrics
   ibpembed-loadgen --request-rate-range 100:400:100 --max-inflight 64 --json sweep.json
   ibpembed-loadgen --input-data recorded.jsonl --concurrency 8   # one request per line:
       {"cat_0": [[1, 2], [3]], "cat_1": [[7]]}   (feature -> per-sample id lists)"""
@@ -421,7 +421,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"ibpembed-loadgen {__version__}")
-    p.add_argument("--target", default="127.0.0.1:50051", help="server host:port (127.0.0.1:50051)")
+    p.add_argument("--target", default="127.0.0.1:50051", help="server host:port (%(default)s)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
         "--concurrency",
@@ -441,38 +441,61 @@ def _parser() -> argparse.ArgumentParser:
         metavar="START:END:STEP",
         help="sweep the request rate (per second) from START to END (included) by STEP",
     )
-    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per step (10)")
-    p.add_argument("--warmup", type=float, default=1.0, help="seconds run before measuring (1)")
+    p.add_argument(
+        "--duration", type=float, default=10.0, help="measured seconds per step (%(default)g)"
+    )
+    p.add_argument(
+        "--warmup", type=float, default=1.0, help="seconds run before measuring (%(default)g)"
+    )
     p.add_argument(
         "--requests",
         type=_positive(int),
-        help="measure this many requests per step after the warm-up",
+        help="measure this many requests per step after the warm-up (unset: --duration alone)",
     )
     p.add_argument(
-        "--batch-size", type=_positive(int), default=64, help="samples per request, B (64)"
+        "--batch-size", type=_positive(int), default=64, help="samples per request, B (%(default)s)"
     )
     p.add_argument("--features", default="", help="comma-separated features (all served)")
-    p.add_argument("--hotness", default="dcnv2", help="ids per sample: dcnv2 or an integer")
-    p.add_argument("--zipf-alpha", type=float, default=1.05, help="Zipf exponent of the ids")
+    p.add_argument(
+        "--hotness", default="dcnv2", help="ids per sample: dcnv2 or an integer (%(default)s)"
+    )
+    p.add_argument(
+        "--zipf-alpha", type=float, default=1.05, help="Zipf exponent of the ids (%(default)g)"
+    )
     p.add_argument(
         "--input-data",
         metavar="FILE",
         help="replay recorded requests (JSON lines) instead of synthetic ones",
     )
-    p.add_argument("--pooling", choices=("sum", "mean", "none"), default="sum")
-    p.add_argument("--deadline-ms", type=float, default=5000.0, help="per-request deadline")
     p.add_argument(
-        "--max-inflight", type=_positive(int), default=256, help="rate modes: outstanding cap"
+        "--pooling",
+        choices=("sum", "mean", "none"),
+        default="sum",
+        help="how each sample's rows are combined (%(default)s)",
     )
     p.add_argument(
-        "--request-pool", type=_positive(int), default=16, help="distinct synthetic requests"
+        "--deadline-ms", type=float, default=5000.0, help="per-request deadline, ms (%(default)g)"
+    )
+    p.add_argument(
+        "--max-inflight",
+        type=_positive(int),
+        default=256,
+        help="rate modes: outstanding cap (%(default)s)",
+    )
+    p.add_argument(
+        "--request-pool",
+        type=_positive(int),
+        default=16,
+        help="distinct synthetic requests (%(default)s)",
     )
     p.add_argument(
         "--metrics-url",
         metavar="URL",
-        help="the server's /metrics (http://host:9100/metrics): its time per request",
+        help="the server's /metrics (http://host:9464/metrics): its time per request",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the synthetic ids and arrivals (%(default)s)"
+    )
     token = p.add_mutually_exclusive_group()
     token.add_argument("--token", help="bearer token (visible in ps: prefer --token-file)")
     token.add_argument("--token-file", help="file holding the bearer token")
