@@ -125,6 +125,13 @@ def test_config_file_numbers_must_be_numbers_of_the_right_kind(tmp_path, line, m
         config.load(_args("--config", str(path)), environ={})
 
 
+def test_a_config_file_that_is_not_toml_is_named(tmp_path):
+    path = tmp_path / "server.toml"
+    path.write_text("port = 1\nworkers =\n")
+    with pytest.raises(ValueError, match=rf"^{path}: not valid TOML: .*line 2"):
+        config.load(_args("--config", str(path)), environ={})
+
+
 def test_config_file_int_and_float_settings(tmp_path):
     path = tmp_path / "server.toml"
     path.write_text("port = 52315\ngrace_s = 5\nreload_poll_s = 0.5\n")

@@ -364,7 +364,10 @@ def _read_file(path: str) -> dict[str, Any]:
     import tomllib  # Python >= 3.11; imported here so 3.10 runs without config files
 
     with open(path, "rb") as fh:
-        data = tomllib.load(fh)
+        try:
+            data = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as exc:  # its message has the line, not the file
+            raise ValueError(f"{path}: not valid TOML: {exc}") from None
     known = {f.name for f in _fields()}
     unknown = sorted(set(data) - known)
     if unknown:
