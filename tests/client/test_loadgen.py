@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -209,6 +210,55 @@ def test_recorded_requests_are_replayed_in_order(server, tmp_path, capsys):
     assert "features not served" in capsys.readouterr().err
 
 
+def test_replayed_requests_count_their_own_samples(server, tmp_path, capsys):
+    """samples/s counts each recorded request's batch (its largest feature's), not
+    --batch-size: before, 6 replayed requests of 2 and 3 samples reported 6 x 64."""
+    recorded = tmp_path / "recorded.jsonl"
+    two = {"user": [[1, 2], [3]], "item": [[4]]}  # B = 2 and 1: two samples
+    three = {"user": [[5], [], [6, 7]]}
+    recorded.write_text(json.dumps(two) + "\n" + json.dumps(three) + "\n")
+    argv = ["--target", server.target, "--input-data", str(recorded), "--concurrency", "1",
+            "--requests", "6", "--warmup", "0", "--batch-size", "64", "--no-progress",
+            "--json", str(tmp_path / "r.json")]  # fmt: skip
+    assert loadgen.main(argv) == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["ok"] == 6 and report["samples"] == 3 * (2 + 3)
+    assert report["samples_per_s"] == pytest.approx(15 / report["measured_s"])
+    assert f"({report['samples_per_s']:.0f} samples/s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--concurrency", "0"], "argument --concurrency: must be > 0, got 0"),
+        (["--rate", "0"], "argument --rate: must be > 0, got 0"),
+        (["--rate", "nan"], "argument --rate: must be > 0, got nan"),
+        (["--batch-size", "-1"], "argument --batch-size: must be > 0, got -1"),
+        (["--requests", "x"], "argument --requests: invalid int value: 'x'"),
+        (["--tls-ca", "{tmp}/missing.pem"], "--tls-ca: [Errno 2] No such file or directory"),
+        (["--json", "{tmp}/no_dir/r.json"], "--json: [Errno 2] No such file or directory"),
+        (["--json", "{tmp}"], "--json: [Errno 21] Is a directory"),
+    ],
+)
+def test_bad_flags_are_one_line_usage_errors_before_the_run(
+    server, tmp_path, capsys, flags, message
+):
+    """Each is exit 2 with one line naming the flag, before any request: before, --concurrency
+    0 was a TypeError, a missing --tls-ca file a traceback, and an unwritable --json path a
+    traceback after the whole run, its results lost."""
+    argv = ["--target", server.target, "--requests", "10", "--warmup", "0", "--features", "user"]
+    argv += ["--no-progress", *(f.format(tmp=tmp_path) for f in flags)]
+    try:
+        code = loadgen.main(argv)
+    except SystemExit as exit_info:  # argparse's own usage errors
+        code = exit_info.code
+    assert code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err.strip().splitlines()[-1]
+    assert "QPS" not in captured.out and "Traceback" not in captured.err  # nothing was run
+    assert list(tmp_path.iterdir()) == []  # the writability check leaves nothing behind
+
+
 def test_version_and_plain_help(capsys):
     with pytest.raises(SystemExit) as version:
         loadgen.main(["--version"])
@@ -219,6 +269,24 @@ def test_version_and_plain_help(capsys):
     text = capsys.readouterr().out
     assert "``" not in text and "default: None" not in text and ":class:" not in text
     assert "--concurrency-range" in text and "--input-data" in text and "examples:" in text
+    assert "9464/metrics" in text and "9100" not in text  # the server's metrics port
+
+
+def test_help_writes_out_every_default(capsys):
+    """docs/client.md promises every default in --help: each flag that has one prints it (a
+    flag added without it fails here)."""
+    with pytest.raises(SystemExit):
+        loadgen.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # help lines rewrapped as one
+    for action in loadgen._parser()._actions:
+        if action.default in (None, False, "", argparse.SUPPRESS):
+            continue
+        assert action.help is not None and "%(default)" in action.help, action.dest
+    for shown in ("--zipf-alpha ZIPF_ALPHA Zipf exponent of the ids (1.05)",
+                  "--deadline-ms DEADLINE_MS per-request deadline, ms (5000)",
+                  "--pooling {sum,mean,none} how each sample's rows are combined (sum)",
+                  "--seed SEED seed of the synthetic ids and arrivals (0)"):  # fmt: skip
+        assert shown in text
 
 
 def test_server_side_split_beside_the_clients_numbers(tmp_path: Path, capsys):

@@ -66,6 +66,17 @@ def test_an_empty_environment_variable_counts_as_unset(tmp_path):
         (("--malloc-retain-mb", "-1"), {}, "malloc_retain_mb must be >= 0"),
         ((), {"IBPEMBED_DEDUPE_MIN_IDS": "0"}, "dedupe_min_ids must be >= 1"),
         (("--reload-poll-s", "-1"), {}, "reload_poll_s must be >= 0"),
+        (("--inline-max-ids", "-1"), {}, r"inline_max_ids must be >= 0, got -1"),
+        (
+            ("--dedupe-max-unique-fraction", "2"),
+            {},
+            r"dedupe_max_unique_fraction must be in \[0, 1\]",
+        ),
+        (
+            (),
+            {"IBPEMBED_DEDUPE_MAX_UNIQUE_FRACTION": "-0.1"},
+            "dedupe_max_unique_fraction must be in",
+        ),
         (("--reload-poll-s", "nan"), {}, "reload_poll_s must be a finite"),
         (("--hbm-tier=-5%",), {}, "hbm_tier: .*negative"),
         ((), {"IBPEMBED_HBM_TIER": "lots"}, "hbm_tier: .*not one of"),
@@ -111,6 +122,13 @@ def test_config_file_numbers_must_be_numbers_of_the_right_kind(tmp_path, line, m
     path = tmp_path / "server.toml"
     path.write_text(line + "\n")
     with pytest.raises(ValueError, match=rf"{path}: {message}"):
+        config.load(_args("--config", str(path)), environ={})
+
+
+def test_a_config_file_that_is_not_toml_is_named(tmp_path):
+    path = tmp_path / "server.toml"
+    path.write_text("port = 1\nworkers =\n")
+    with pytest.raises(ValueError, match=rf"^{path}: not valid TOML: .*line 2"):
         config.load(_args("--config", str(path)), environ={})
 
 

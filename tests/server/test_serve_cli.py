@@ -143,6 +143,56 @@ def test_an_unknown_log_level_is_a_configuration_error(argv, env):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        (("--inline-max-ids", "-1"), "inline_max_ids must be >= 0, got -1"),
+        (("--dedupe-max-unique-fraction", "2"), "dedupe_max_unique_fraction must be in [0, 1]"),
+    ],
+)
+def test_a_setting_only_the_engine_used_to_check_fails_before_loading(flag, message):
+    result = subprocess.run(
+        [*IBPEMBED, "serve", "--port", "0", "--metrics-port", "0", *DEMO_300, *flag],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"ibpembed serve: bad configuration: {message}" in result.stderr
+    assert "loading" not in result.stdout and "Traceback" not in result.stderr
+
+
+def test_a_server_that_fails_to_build_after_loading_stops_cleanly():
+    """A failure between the load and serving (here a config no validate() saw, which the
+    engine refuses) stops the gRPC and metrics servers on the running loop: before, the gRPC
+    server was left to the garbage collector, which raised "Event loop is closed"."""
+    grpc_port, metrics_port = free_port(), free_port()
+    script = f"""
+import asyncio, socket
+from ibpembed.server.app import serve
+from ibpembed.server.config import ServerConfig
+config = ServerConfig(
+    port={grpc_port}, metrics_port={metrics_port}, demo_max_rows=300, workers=1,
+    inline_max_ids=-1,
+)
+try:
+    asyncio.run(serve(config))
+except ValueError as exc:
+    print("refused:", exc)
+for port in ({grpc_port}, {metrics_port}):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # both servers let go of their ports
+print("ports free")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "refused: inline_max_ids must be >= 0" in result.stdout
+    assert "ports free" in result.stdout
+    assert "Event loop is closed" not in result.stderr and "never awaited" not in result.stderr
+
+
 def test_a_busy_port_is_a_start_up_error():
     port = free_port()
     first = ServerProcess(*DEMO_300, "--port", str(port), "--metrics-port", "0")

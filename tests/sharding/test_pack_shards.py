@@ -24,6 +24,7 @@ from ibpembed.tables.manifest import (
     read_manifest,
     split_rows,
 )
+from ibpembed.tables.shards import pack_shards
 from ibpembed.tables.store import TableStore
 from tests.sharding.conftest import Packed
 from tests.sharding.helpers import SHARDS
@@ -133,7 +134,39 @@ def test_cli_pack_shards_with_addresses(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert bad.returncode == 1 and "--shard-address needs --shards" in bad.stderr
+    assert bad.returncode == 2 and "argument --shard-address: needs --shards" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("template", "why"),
+    [
+        ("x-{foo}:1", "KeyError: 'foo'"),
+        ("h-{}:1", "IndexError"),
+        ("h-{shard:1", "ValueError"),
+        ("h:1", "gives two shards the same address"),
+    ],
+)
+def test_cli_pack_refuses_a_bad_address_template_before_packing(tmp_path, template, why):
+    """A template that does not expand is a usage error naming the flag, and no shard is
+    published: before, every shard's manifest was in place when the map's expansion raised."""
+    source = tmp_path / "t.npy"
+    np.save(source, np.arange(50 * 4, dtype=np.float32).reshape(50, 4))
+    out = tmp_path / "set"
+    bad = subprocess.run(
+        [*PACK, str(source), "-o", str(out), "--shards", "2", "--shard-address", template],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2, bad.stderr
+    assert "argument --shard-address" in bad.stderr and why in bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert not out.exists()
+
+
+def test_pack_shards_expands_the_template_before_writing_any_shard(packed, tmp_path):
+    with pytest.raises(ValueError, match="does not expand"):
+        pack_shards(tmp_path / "set", packed.table_set, 3, address_template="x-{foo}")
+    assert not (tmp_path / "set").exists()
 
 
 def test_store_row_ranges_survive_save_and_reload(packed, tmp_path):

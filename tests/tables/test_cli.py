@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import subprocess
 import sys
@@ -134,7 +135,6 @@ def test_an_unknown_table_lists_the_tables_the_sources_hold(
     "argv",
     [
         ["pack", "{tmp}/missing.pt", "-o", "{tmp}/out"],
-        ["pack", "{src}", "-o", "{tmp}/out", "--feature", "no_equals_sign"],
         ["pack", "{src}", "-o", "{tmp}/out", "--table", "nope"],
         ["pack", "{src}", "-o", "{tmp}/out", "--feature", "f=nope"],
     ],
@@ -146,6 +146,59 @@ def test_pack_faults_exit_1(tmp_path: Path, sources: Path, argv: list[str], caps
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
+def _whole_then_cut(path: Path, keep: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])
+
+
+# A source file of each kind that its loader cannot read, and the words of the loader's reason.
+BAD_SOURCES = {
+    "truncated.npy": (
+        lambda p: (np.save(p, np.zeros((50, 4), np.float32)), _whole_then_cut(p, 200)),
+        "mmap length is greater than file size",
+    ),
+    "objects.npy": (
+        lambda p: np.save(p, np.array([[1, "a"]], dtype=object)),
+        "Python objects in dtype",
+    ),
+    "empty.npy": (lambda p: p.write_bytes(b""), "No data left in file"),
+    "archive.npy": (
+        lambda p: p.write_bytes(_npz_bytes()),
+        "holds a NpzFile, not an array",
+    ),
+    "garbage.safetensors": (lambda p: p.write_bytes(b"garbage"), "cannot load with safetensors"),
+    "truncated.safetensors": (
+        lambda p: (save_file({"e": torch.zeros(50, 4)}, p), _whole_then_cut(p, 100)),
+        "cannot load with safetensors",
+    ),
+}
+
+
+def _npz_bytes() -> bytes:
+    archive = io.BytesIO()
+    np.savez(archive, a=np.zeros((2, 2), np.float32))
+    return archive.getvalue()
+
+
+@pytest.mark.parametrize("name", BAD_SOURCES)
+@pytest.mark.parametrize("as_directory", [False, True])
+def test_an_unreadable_source_file_is_a_fault_naming_it(
+    tmp_path: Path, name: str, as_directory: bool, capsys
+) -> None:
+    """A corrupt or truncated .npy or .safetensors file exits 1 with one line naming the file,
+    also when it is found in a directory, instead of a traceback or numpy's bare words."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    make, reason = BAD_SOURCES[name]
+    make(folder / name)
+    target = folder if as_directory else folder / name
+    assert run(["pack", str(target), "-o", str(tmp_path / "out"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"ibpembed pack: error: {folder / name}: "), err
+    assert reason in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 @pytest.mark.parametrize(
     "argv",
     [["pack", "x.pt"], ["pack", "x.pt", "-o", "d", "--chunk-bits", "8"], ["verify"], ["frob"]],
@@ -154,6 +207,34 @@ def test_usage_errors_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         run(argv)
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--align", "3"], "argument --align: must be a power of two <= 65536, got 3"),
+        (["--align", "0"], "argument --align: must be a power of two"),
+        (["--shards", "0"], "argument --shards: must be >= 1, got 0"),
+        (["--shard-address", "h-{shard}:1"], "argument --shard-address: needs --shards"),
+        (["--feature", "foo"], "argument --feature: expected FEATURE=TABLE, got 'foo'"),
+        (["--feature", "f="], "argument --feature: expected FEATURE=TABLE, got 'f='"),
+        (["--sample-rows", "-5"], "argument --sample-rows: must be >= 0, got -5"),
+        (["--sample-rows", "many"], "argument --sample-rows: invalid int value: 'many'"),
+    ],
+)
+def test_bad_pack_flags_exit_2_before_reading_a_source(
+    tmp_path: Path, sources: Path, flags: list[str], message: str, capsys
+) -> None:
+    """A bad flag is a usage error (exit 2, as docs/format.md says), not a data fault (1),
+    through the ``ibpembed`` command's own parser."""
+    argv = ["pack", str(sources), "-o", str(tmp_path / "out"), "--no-progress", *flags]
+    try:
+        code = main_cli.main(argv)
+    except SystemExit as exit_info:  # argparse's type checks
+        code = exit_info.code
+    assert code == 2
+    assert f"ibpembed pack: error: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_pack_code_bits_writes_codebooks_that_verify(tmp_path: Path, sources: Path, capsys) -> None:

@@ -449,6 +449,25 @@ def test_a_version_with_other_features_is_refused(tmp_path) -> None:
         write_repository(tmp_path / "a", tmp_path / "repo", version=1)
 
 
+@pytest.mark.parametrize("name", ["../evil", "/tmp/evil", "a/b", "..", ".", ""])
+def test_a_model_name_that_is_not_one_directory_is_refused(tmp_path, name: str) -> None:
+    """The model directory is REPO/NAME: a name with a separator or '..' would write outside
+    the repository (``--name ../evil`` wrote REPO/../evil), so nothing is written."""
+    make_store().save(tmp_path / "tables")
+    repo = tmp_path / "place" / "repo"
+    with pytest.raises(RepositoryError, match="model name must be one directory name"):
+        write_repository(tmp_path / "tables", repo, name=name)
+    bad = subprocess.run(
+        [sys.executable, "-m", "ibpembed.cli", "triton-repo", str(tmp_path / "tables"),
+         "-o", str(repo), "--name", name],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert bad.returncode == 2, bad.stderr
+    assert "argument --name: model name must be one directory name" in bad.stderr
+    assert not (tmp_path / "place").exists()
+
+
 def test_cli_writes_the_repository(tmp_path) -> None:
     make_store().save(tmp_path / "tables")
     run = subprocess.run(

@@ -38,7 +38,7 @@ import json
 import random
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
@@ -105,12 +105,16 @@ class _Tally:
     errors: Counter = field(default_factory=Counter)
     dropped: int = 0
     sent: int = 0  # started after the warm-up (what max_requests counts)
+    samples: int = 0  # of the successful requests
 
-    def add(self, started: float, warm_from: float, seconds: float, code: str | None) -> None:
+    def add(
+        self, started: float, warm_from: float, seconds: float, code: str | None, samples: int
+    ) -> None:
         if started < warm_from:
             return
         if code is None:
             self.latencies.add(seconds)
+            self.samples += samples
         else:
             self.errors[code] += 1
 
@@ -162,6 +166,12 @@ async def _prepare(client: AsyncLookupClient, cfg: LoadConfig) -> list[pb.Lookup
     )
 
 
+def request_samples(request: pb.LookupRequest) -> int:
+    """A request's samples: its largest feature batch (B, the int32 lengths), since features
+    of one request may have different batch sizes (a variable-batch KJT)."""
+    return max((len(f.lengths) // 4 for f in request.features), default=0)
+
+
 def _natural_key(name: str) -> tuple:
     """cat_2 before cat_10, so the DCNv2 profile lines up with the demo's feature order."""
     head, _, tail = name.rpartition("_")
@@ -177,6 +187,8 @@ async def run_load(cfg: LoadConfig) -> dict:
     )
     try:
         requests = await _prepare(client, cfg)
+        # Recorded requests carry batches of their own sizes, not --batch-size.
+        samples = [request_samples(r) for r in requests]
         tally = _Tally()
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -193,20 +205,20 @@ async def run_load(cfg: LoadConfig) -> dict:
             if loop.time() >= warm_from:
                 tally.sent += 1
 
-        async def one(request: pb.LookupRequest) -> None:
+        async def one(i: int) -> None:
             began = loop.time()
             code = None
             try:
-                await client.lookup_request(request, timeout=timeout)
+                await client.lookup_request(requests[i], timeout=timeout)
             except LookupServiceError as err:
                 code = err.code.name
-            tally.add(began, warm_from, loop.time() - began, code)
+            tally.add(began, warm_from, loop.time() - began, code, samples[i])
 
         async def closed_loop(worker: int) -> None:
             i = worker
             while budget_left():
                 count_start()
-                await one(requests[i % len(requests)])
+                await one(i % len(requests))
                 i += cfg.concurrency or 1
 
         async def open_loop() -> None:
@@ -223,7 +235,7 @@ async def run_load(cfg: LoadConfig) -> dict:
                         tally.dropped += 1
                     continue
                 count_start()
-                task = asyncio.create_task(one(requests[i % len(requests)]))
+                task = asyncio.create_task(one(i % len(requests)))
                 inflight.add(task)
                 task.add_done_callback(inflight.discard)
                 i += 1
@@ -292,7 +304,8 @@ def summarize(cfg: LoadConfig, tally: _Tally, window: tuple[float, float]) -> di
         "errors": dict(tally.errors),
         "dropped": tally.dropped,
         "qps": ok / measured_s,
-        "samples_per_s": ok * cfg.batch_size / measured_s,
+        "samples": tally.samples,
+        "samples_per_s": tally.samples / measured_s,
         "latency_ms": tally.latencies.summary_ms(),
         "histogram_ms": tally.latencies.to_json(),
     }
@@ -349,7 +362,7 @@ rest) is printed beside the client's."""
 EXAMPLES = """\
 examples:
   ibpembed-loadgen --target 127.0.0.1:50051 --concurrency 16 --duration 10 --batch-size 512
-  ibpembed-loadgen --concurrency-range 1:32:2 --duration 5 --metrics-url http://127.0.0.1:9100/metrics
+  ibpembed-loadgen --concurrency-range 1:32:2 --duration 5 --metrics-url http://127.0.0.1:9464/metrics
   ibpembed-loadgen --request-rate-range 100:400:100 --max-inflight 64 --json sweep.json
   ibpembed-loadgen --input-data recorded.jsonl --concurrency 8   # one request per line:
       {"cat_0": [[1, 2], [3]], "cat_1": [[7]]}   (feature -> per-sample id lists)"""
@@ -370,6 +383,36 @@ def parse_range(text: str, kind: type[int] | type[float]) -> list[float]:
     return [start + i * step for i in range(count)]
 
 
+def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
+    """An argparse ``type=`` taking a number > 0: anything else is a usage error (exit 2)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not value > 0:  # nan too
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def _writable(flag: str, path: str) -> str | None:
+    """Why ``path`` cannot be written (None when it can), found by opening it as the run's
+    end will, so a bad path fails before the load, not after it with the results lost."""
+    target = Path(path)
+    existed = target.exists()
+    try:
+        with open(target, "ab"):
+            pass
+    except OSError as exc:
+        return f"{flag}: {exc}"
+    if not existed:
+        target.unlink()
+    return None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ibpembed-loadgen",
@@ -378,12 +421,16 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"ibpembed-loadgen {__version__}")
-    p.add_argument("--target", default="127.0.0.1:50051", help="server host:port (127.0.0.1:50051)")
+    p.add_argument("--target", default="127.0.0.1:50051", help="server host:port (%(default)s)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
-        "--concurrency", type=int, help="requests kept in flight, closed loop (the default, 8)"
+        "--concurrency",
+        type=_positive(int),
+        help="requests kept in flight, closed loop (the default, 8)",
     )
-    mode.add_argument("--rate", type=float, help="Poisson arrivals per second (open loop)")
+    mode.add_argument(
+        "--rate", type=_positive(float), help="Poisson arrivals per second (open loop)"
+    )
     mode.add_argument(
         "--concurrency-range",
         metavar="START:END:STEP",
@@ -394,30 +441,61 @@ def _parser() -> argparse.ArgumentParser:
         metavar="START:END:STEP",
         help="sweep the request rate (per second) from START to END (included) by STEP",
     )
-    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per step (10)")
-    p.add_argument("--warmup", type=float, default=1.0, help="seconds run before measuring (1)")
     p.add_argument(
-        "--requests", type=int, help="measure this many requests per step after the warm-up"
+        "--duration", type=float, default=10.0, help="measured seconds per step (%(default)g)"
     )
-    p.add_argument("--batch-size", type=int, default=64, help="samples per request, B (64)")
+    p.add_argument(
+        "--warmup", type=float, default=1.0, help="seconds run before measuring (%(default)g)"
+    )
+    p.add_argument(
+        "--requests",
+        type=_positive(int),
+        help="measure this many requests per step after the warm-up (unset: --duration alone)",
+    )
+    p.add_argument(
+        "--batch-size", type=_positive(int), default=64, help="samples per request, B (%(default)s)"
+    )
     p.add_argument("--features", default="", help="comma-separated features (all served)")
-    p.add_argument("--hotness", default="dcnv2", help="ids per sample: dcnv2 or an integer")
-    p.add_argument("--zipf-alpha", type=float, default=1.05, help="Zipf exponent of the ids")
+    p.add_argument(
+        "--hotness", default="dcnv2", help="ids per sample: dcnv2 or an integer (%(default)s)"
+    )
+    p.add_argument(
+        "--zipf-alpha", type=float, default=1.05, help="Zipf exponent of the ids (%(default)g)"
+    )
     p.add_argument(
         "--input-data",
         metavar="FILE",
         help="replay recorded requests (JSON lines) instead of synthetic ones",
     )
-    p.add_argument("--pooling", choices=("sum", "mean", "none"), default="sum")
-    p.add_argument("--deadline-ms", type=float, default=5000.0, help="per-request deadline")
-    p.add_argument("--max-inflight", type=int, default=256, help="rate modes: outstanding cap")
-    p.add_argument("--request-pool", type=int, default=16, help="distinct synthetic requests")
+    p.add_argument(
+        "--pooling",
+        choices=("sum", "mean", "none"),
+        default="sum",
+        help="how each sample's rows are combined (%(default)s)",
+    )
+    p.add_argument(
+        "--deadline-ms", type=float, default=5000.0, help="per-request deadline, ms (%(default)g)"
+    )
+    p.add_argument(
+        "--max-inflight",
+        type=_positive(int),
+        default=256,
+        help="rate modes: outstanding cap (%(default)s)",
+    )
+    p.add_argument(
+        "--request-pool",
+        type=_positive(int),
+        default=16,
+        help="distinct synthetic requests (%(default)s)",
+    )
     p.add_argument(
         "--metrics-url",
         metavar="URL",
-        help="the server's /metrics (http://host:9100/metrics): its time per request",
+        help="the server's /metrics (http://host:9464/metrics): its time per request",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the synthetic ids and arrivals (%(default)s)"
+    )
     token = p.add_mutually_exclusive_group()
     token.add_argument("--token", help="bearer token (visible in ps: prefer --token-file)")
     token.add_argument("--token-file", help="file holding the bearer token")
@@ -494,6 +572,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError:
             print(f"ibpembed-loadgen: {PNG_NEEDS}", file=sys.stderr)
             return 2
+    for flag, path in (("--json", args.json), ("--png", args.png)):
+        problem = path and _writable(flag, path)
+        if problem:
+            print(f"ibpembed-loadgen: {problem}", file=sys.stderr)
+            return 2
     token = args.token
     if args.token_file:
         try:
@@ -503,8 +586,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     tls = None
     if args.tls_ca or args.tls_cert:
-        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
-        tls = TlsOptions(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+        pem: dict[str, bytes | None] = {}
+        for flag, path in (("--tls-ca", args.tls_ca), ("--tls-key", args.tls_key),
+                           ("--tls-cert", args.tls_cert)):  # fmt: skip
+            try:
+                pem[flag] = Path(path).read_bytes() if path else None
+            except OSError as exc:
+                print(f"ibpembed-loadgen: {flag}: {exc}", file=sys.stderr)
+                return 2
+        tls = TlsOptions(pem["--tls-ca"], pem["--tls-key"], pem["--tls-cert"])
     cfg = LoadConfig(
         target=args.target,
         concurrency=args.concurrency,
@@ -528,7 +618,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress=not args.no_progress,
     )
     try:
-        steps = asyncio.run(run_sweep(cfg, values or [args.concurrency or args.rate]))
+        load = args.concurrency if args.concurrency is not None else args.rate
+        steps = asyncio.run(run_sweep(cfg, values or [load]))
     except (ValueError, OSError, LookupServiceError) as exc:
         print(f"ibpembed-loadgen: {exc}", file=sys.stderr)
         return 2
@@ -537,8 +628,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(steps) > 1:
         print(_sweep_table(steps))
     if args.json:
-        document = steps[0] if values is None else {"steps": steps}
-        Path(args.json).write_text(json.dumps(document, indent=2))
+        document = json.dumps(steps[0] if values is None else {"steps": steps}, indent=2)
+        try:
+            Path(args.json).write_text(document)
+        except OSError as exc:  # checked before the run; a full disk can still refuse it
+            print(f"ibpembed-loadgen: --json: {exc}; the report follows", file=sys.stderr)
+            print(document)
+            return 1
     if args.png:
         plot_latency(steps[-1], args.png)
     if any(r["ok"] + sum(r["errors"].values()) == 0 for r in steps):

@@ -526,9 +526,15 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
         loading.cancel()  # abandoned: the load thread is a daemon
         await _shut_down_unloaded(server, metrics)
         return 0
-    if metrics is not None:
-        metrics.attach(store, device=device)
-    await server.serve_tables(store, device)
+    try:
+        if metrics is not None:
+            metrics.attach(store, device=device)
+        await server.serve_tables(store, device)
+    except BaseException:
+        # Stopped here, on the loop that runs it: a gRPC server left to the garbage collector
+        # schedules its shutdown on a closed loop (RuntimeError noise after the real error).
+        await _shut_down_unloaded(server, metrics)
+        raise
     assert server.engine is not None
     if metrics is not None and server.engine.tier is not None:
         metrics.watch_hot_tier(server.engine.tier)

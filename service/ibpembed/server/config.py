@@ -235,6 +235,13 @@ class ServerConfig:
             TierBudget.parse(self.hbm_tier, setting="hbm tier")
         except ValueError as exc:
             raise ValueError(f"hbm_tier: {exc}") from None
+        if not 0 <= self.dedupe_max_unique_fraction <= 1:
+            raise ValueError(
+                "dedupe_max_unique_fraction must be in [0, 1], "
+                f"got {self.dedupe_max_unique_fraction}"
+            )
+        if self.inline_max_ids < 0:
+            raise ValueError(f"inline_max_ids must be >= 0, got {self.inline_max_ids}")
         if self.hot_tier_refresh_s <= 0:
             raise ValueError(f"hot_tier_refresh_s must be > 0, got {self.hot_tier_refresh_s}")
         if self.stream_write_timeout_s <= 0:
@@ -357,7 +364,10 @@ def _read_file(path: str) -> dict[str, Any]:
     import tomllib  # Python >= 3.11; imported here so 3.10 runs without config files
 
     with open(path, "rb") as fh:
-        data = tomllib.load(fh)
+        try:
+            data = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as exc:  # its message has the line, not the file
+            raise ValueError(f"{path}: not valid TOML: {exc}") from None
     known = {f.name for f in _fields()}
     unknown = sorted(set(data) - known)
     if unknown:

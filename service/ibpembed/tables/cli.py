@@ -21,11 +21,12 @@ from ibpembed.layout import DTYPE_CODES, INT8_ROWWISE_CODE
 from ibpembed.tables import format as tf
 from ibpembed.tables import importers, manifest, pack
 from ibpembed.tables import writer as tw
-from ibpembed.tables.shards import pack_shards
+from ibpembed.tables.shards import pack_shards, shard_addresses
 from ibpembed.tables.tier_budget import TableSize, TierBudget
 
 EXIT_OK = 0
 EXIT_FAULT = 1
+EXIT_USAGE = 2
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pack.add_argument("--method", choices=("ibpembed", "paper", "raw"), default="ibpembed")
     pack.add_argument(
         "--align",
-        type=int,
+        type=_align,
         default=codec.DEFAULT_ALIGN,
         help="slot alignment in bytes (default: the unit that stores the table smallest)",
     )
@@ -77,7 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     pack.add_argument(
         "--sample-rows",
-        type=int,
+        type=_at_least(0),
         default=codec.DEFAULT_SAMPLE_ROWS,
         help="rows sampled to fit the masks; 0 = all rows",
     )
@@ -94,13 +95,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pack.add_argument(
         "--feature",
         action="append",
+        type=_feature_pair,
         default=[],
         metavar="FEATURE=TABLE",
         help="also serve FEATURE from TABLE (repeatable)",
     )
     pack.add_argument(
         "--shards",
-        type=int,
+        type=_at_least(1),
         default=None,
         metavar="N",
         help="split every table into N contiguous row ranges: DIR/shard-<k>-of-<N>/ table sets "
@@ -167,17 +169,48 @@ def _fail(command: str, error: Exception) -> int:
     return EXIT_FAULT
 
 
+def _usage(command: str, message: str) -> int:
+    """A usage error argparse cannot see (it spans flags): argparse's message and status."""
+    print(f"ibpembed {command}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 # -- pack ------------------------------------------------------------------------------------
+# The flags' own checks are argparse types, so a bad value is a usage error (exit 2) before
+# any source is read.
 
 
-def _feature_pairs(pairs: Sequence[str]) -> dict[str, str]:
-    mapping = {}
-    for pair in pairs:
-        feature, sep, table = pair.partition("=")
-        if not sep or not feature or not table:
-            raise importers.SourceError(f"--feature expects FEATURE=TABLE, got {pair!r}")
-        mapping[feature] = table
-    return mapping
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = _int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _align(text: str) -> int:
+    value = _int(text)
+    if value < 1 or value & (value - 1) or value > codec.MAX_SLOT_UNIT:
+        raise argparse.ArgumentTypeError(
+            f"must be a power of two <= {codec.MAX_SLOT_UNIT}, got {value}"
+        )
+    return value
+
+
+def _feature_pair(text: str) -> tuple[str, str]:
+    feature, sep, table = text.partition("=")
+    if not sep or not feature or not table:
+        raise argparse.ArgumentTypeError(f"expected FEATURE=TABLE, got {text!r}")
+    return feature, table
 
 
 def _progress_factory(enabled: bool) -> Callable[[importers.TableSource], Callable[[int], None]]:
@@ -226,11 +259,27 @@ def _print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
 
 
+def _pack_usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``pack``'s flags taken together, checked before any source is read
+    or any shard written; None when nothing is."""
+    if args.shards is None and args.shard_address is not None:
+        return "argument --shard-address: needs --shards"
+    if args.shards is not None and args.shard_address is not None:
+        try:
+            shard_addresses(args.shard_address, args.shards)
+        except ValueError as exc:
+            return f"argument --shard-address: {exc}"
+    return None
+
+
 def _pack(args: argparse.Namespace) -> int:
+    usage_error = _pack_usage_error(args)
+    if usage_error is not None:
+        return _usage("pack", usage_error)
     try:
         # The selection applies first: other entries of a checkpoint are never checked.
         table_set = importers.load_sources(args.sources, tables=args.table)
-        extra = _feature_pairs(args.feature)
+        extra = dict(args.feature)
         if extra:
             table_set = importers.TableSet(table_set.tables, extra)
         pack_args: dict[str, Any] = {
@@ -245,12 +294,8 @@ def _pack(args: argparse.Namespace) -> int:
             "for_gpu": args.for_gpu,
         }
         if args.shards is None:
-            if args.shard_address is not None:
-                raise ValueError("--shard-address needs --shards")
             shards = [(None, pack.pack_table_set(args.output, table_set, **pack_args))]
         else:
-            if args.shards < 1:
-                raise ValueError(f"--shards must be >= 1, got {args.shards}")
             written = pack_shards(
                 args.output,
                 table_set,

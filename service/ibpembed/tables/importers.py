@@ -365,7 +365,13 @@ def from_npy(path: str | os.PathLike[str], name: str | None = None) -> TableSet:
     for bit).
     """
     path = Path(path)
-    array = np.load(path, mmap_mode="c")
+    try:
+        array = np.load(path, mmap_mode="c")
+    except Exception as exc:  # numpy raises many types for a bad file; the cause stays chained
+        raise SourceError(f"{path}: cannot load with numpy.load: {exc}") from exc
+    if not isinstance(array, np.ndarray):  # an .npz archive under an .npy name
+        array.close()
+        raise SourceError(f"{path}: holds a {type(array).__name__}, not an array")
     if array.ndim != 2:
         raise SourceError(f"{path}: expected a 2-D array, got shape {array.shape}")
     if not array.dtype.isnative:
@@ -386,7 +392,11 @@ def from_safetensors(
     """Tables from a safetensors file (bf16 included), chosen as in ``from_state_dict``."""
     from safetensors.torch import load_file
 
-    return from_state_dict(load_file(str(path)), keys=keys, tables=tables, origin=str(path))
+    try:
+        state = load_file(str(path))
+    except Exception as exc:  # SafetensorError, OSError, ...; the cause stays chained
+        raise SourceError(f"{path}: cannot load with safetensors: {exc}") from exc
+    return from_state_dict(state, keys=keys, tables=tables, origin=str(path))
 
 
 def from_pt(

@@ -64,6 +64,9 @@ def pack_shards(
     pack_args : ``method``, ``sample_rows``, ``seed``, ``align``, ``chunk_bits``, ``code_bits``,
         ``merge`` (keep the other tables of every shard, and their entries in the shard map).
     """
+    # The addresses (and so the whole map) first: a template that does not expand must stop
+    # the pack before any shard is published, or the set is left with shards and no map.
+    body = shard_map(table_set, shards, address_template)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     previous = None
@@ -89,7 +92,6 @@ def pack_shards(
             **pack_args,
         )
         reports.append(ShardReport(k, target, packed))
-    body = shard_map(table_set, shards, address_template)
     body["table_set_version"] = version
     if previous is not None:  # the kept tables' ranges and features, then the packed ones
         kept = {n: t for n, t in previous["tables"].items() if n not in body["tables"]}
@@ -121,6 +123,27 @@ def _previous_shard_map(directory: Path, shards: int) -> dict[str, Any] | None:
     return body
 
 
+def shard_addresses(template: str, shards: int) -> list[str]:
+    """``template`` expanded for each of ``shards`` shards, ``{shard}`` standing for k.
+
+    Raises ValueError for a template that does not expand (another field, ``{}``, a brace left
+    open) or that names one address for several shards: each shard has servers of its own.
+    """
+    try:
+        addresses = [template.format(shard=k) for k in range(shards)]
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
+        raise ValueError(
+            f"address template {template!r} does not expand ({{shard}} is its only field): "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    if len(set(addresses)) < shards:
+        raise ValueError(
+            f"address template {template!r} gives two shards the same address; "
+            "put {shard} where the shard number goes"
+        )
+    return addresses
+
+
 def shard_map(
     table_set: TableSet, shards: int, address_template: str | None = None
 ) -> dict[str, Any]:
@@ -132,8 +155,12 @@ def shard_map(
                                 "ranges": [{"shard": 0, "row_start": 0, "row_end": 334}, ...]}},
          "features": {"<feature>": "<table>"}}
 
-    Shards whose range of a table is empty are not listed among that table's ranges.
+    Shards whose range of a table is empty are not listed among that table's ranges. A bad
+    ``address_template`` is a ValueError (:func:`shard_addresses`).
     """
+    addresses = (
+        [None] * shards if address_template is None else shard_addresses(address_template, shards)
+    )
     tables = {}
     for source in table_set.tables:
         num_rows = source.weight.shape[0]
@@ -153,12 +180,8 @@ def shard_map(
         "format": SHARD_MAP_FORMAT,
         "version": SHARD_MAP_VERSION,
         "shards": [
-            {
-                "index": k,
-                "directory": shard_directory(k, shards),
-                "address": None if address_template is None else address_template.format(shard=k),
-            }
-            for k in range(shards)
+            {"index": k, "directory": shard_directory(k, shards), "address": address}
+            for k, address in enumerate(addresses)
         ],
         "tables": tables,
         "features": dict(table_set.features()),

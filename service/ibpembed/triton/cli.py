@@ -11,7 +11,12 @@ import sys
 from pathlib import Path
 
 from ibpembed.tables.manifest import TableSetError
-from ibpembed.triton.repo import POOLINGS, RepositoryError, write_repository
+from ibpembed.triton.repo import (
+    POOLINGS,
+    RepositoryError,
+    check_model_name,
+    write_repository,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,7 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     cmd.add_argument("tables", type=Path, metavar="TABLES", help="a packed table set directory")
     cmd.add_argument("-o", "--output", required=True, type=Path, metavar="REPO")
-    cmd.add_argument("--name", default="ibpembed", help="model name (default: ibpembed)")
+    cmd.add_argument(
+        "--name", default="ibpembed", type=_model_name, help="model name (default: ibpembed)"
+    )
     cmd.add_argument(
         "--version",
         type=int,
@@ -44,6 +51,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve only this feature (repeatable; default: every feature the pooling serves)",
     )
     cmd.set_defaults(func=run)
+
+
+def _model_name(text: str) -> str:
+    """``--name``'s value; one that is not a directory name is a usage error (exit 2)."""
+    try:
+        return check_model_name(text)
+    except RepositoryError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -72,6 +72,17 @@ class RepositoryError(ValueError):
     """A table set that cannot be served as asked, or a repository it does not fit."""
 
 
+def check_model_name(name: str) -> str:
+    """``name`` if it is one directory name; a RepositoryError otherwise, since the model's
+    directory is ``REPO/name``: a separator or ``..`` would write outside the repository."""
+    if name in ("", ".", "..") or Path(name).name != name:
+        raise RepositoryError(
+            f"model name must be one directory name (no path separator, not '.' or '..'), "
+            f"got {name!r}"
+        )
+    return name
+
+
 @dataclass(frozen=True)
 class FeatureIO:
     """One feature's tensors in the model's config.
@@ -223,11 +234,13 @@ def write_repository(
     Raises
     ------
     RepositoryError
-        for a version that exists already, or a table set whose features, dims or dtypes
+        for a ``name`` that is not one directory name, a version that exists already, or a
+        table set whose features, dims or dtypes
         differ from the config earlier versions were written with.
     TableSetError
         for a directory that is not a table set.
     """
+    check_model_name(name)
     if instances < 1:
         raise RepositoryError(f"instances must be >= 1, got {instances}")
     source = Path(tables).resolve()
