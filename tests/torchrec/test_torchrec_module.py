@@ -210,6 +210,45 @@ def test_fp16_tables() -> None:
     assert_same_as_torchrec(ebc, ours, random_kjt(ebc, 16, 30, seed=0))
 
 
+# Rows in [0.5, 1.5) put every pooled sum among fp16's coarse steps, and torchrec's MEAN
+# rounds the sum and then the quotient; rows scaled into fp16's subnormal range make those
+# roundings' errors absolute instead of relative.
+@pytest.mark.parametrize("scale", [1.0, 2.0**-20])
+@pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
+def test_the_bound_holds_where_torchrec_rounds_fp16_outputs(
+    pooling: PoolingType, scale: float
+) -> None:
+    beyond_one_rounding = 0
+    for length in (1, 2, 3, 5, 7, 10, 100):
+        gen = torch.Generator().manual_seed(length)
+        config = EmbeddingBagConfig(
+            name="t",
+            embedding_dim=256,
+            num_embeddings=64,
+            feature_names=["f"],
+            pooling=pooling,
+            data_type=DataType.FP16,
+        )
+        ebc = EmbeddingBagCollection(tables=[config])
+        weight = ebc.embedding_bags["t"].weight
+        with torch.no_grad():
+            weight.copy_((torch.rand(weight.shape, generator=gen) + 0.5) * scale)
+        ids = torch.randint(0, 64, (32 * length,), generator=gen)
+        kjt = KeyedJaggedTensor(keys=["f"], values=ids, lengths=torch.full((32,), length))
+        expected = ebc(kjt).values().double()
+        got = CompressedEmbeddingBagCollection.from_ebc(ebc)(kjt).values().double()
+        diff = (got - expected).abs()
+        bound = pooled_error_bound(ebc, kjt)
+        assert bool((diff <= bound).all()), f"L={length}: max excess {float((diff - bound).max())}"
+        exact = weight.detach().double()[ids.view(32, length)].sum(1)
+        if pooling == PoolingType.MEAN:
+            exact = exact / length
+        beyond_one_rounding += int((diff > 2.0**-11 * exact.abs()).sum())
+    if pooling == PoolingType.MEAN:
+        # The inputs do reach the double rounding a single fp16 rounding cannot account for.
+        assert beyond_one_rounding > 0
+
+
 def test_rows_are_bit_exact(mixed) -> None:
     ebc, ours = mixed
     for config in ebc.embedding_bag_configs():
