@@ -26,6 +26,7 @@ from torchrec import (
 from torchrec.fx import symbolic_trace
 
 import ibpembed.torchrec.bag as bag_impl
+from ibpembed.codec import compress
 from ibpembed.tables.importers import TableSet, TableSource, from_torchrec
 from ibpembed.tables.pack import pack_table_set
 from ibpembed.torchrec import (
@@ -210,26 +211,67 @@ def test_fp16_tables() -> None:
     assert_same_as_torchrec(ebc, ours, random_kjt(ebc, 16, 30, seed=0))
 
 
-# Rows in [0.5, 1.5) put every pooled sum among fp16's coarse steps, and torchrec's MEAN
-# rounds the sum and then the quotient; rows scaled into fp16's subnormal range make those
-# roundings' errors absolute instead of relative.
+# torchrec holds every table whose config is not FP32 as fp16 weights; .half() and
+# .to(torch.bfloat16) cast the weights and leave the configs as they were.
+LOW_PRECISION = {
+    "FP16 config": (DataType.FP16, None),
+    "BF16 config": (DataType.BF16, None),
+    "half()": (DataType.FP32, torch.float16),
+    "to(bfloat16)": (DataType.FP32, torch.bfloat16),
+}
+
+
+def low_precision_ebc(tables: list[EmbeddingBagConfig], how: str) -> EmbeddingBagCollection:
+    data_type, cast = LOW_PRECISION[how]
+    ebc = make_ebc([replace(c, data_type=data_type) for c in tables])
+    return ebc if cast is None else ebc.to(cast)
+
+
+@pytest.mark.parametrize("how", list(LOW_PRECISION))
+def test_low_precision_weights_are_compressed_as_torchrec_holds_them(how: str) -> None:
+    ebc = low_precision_ebc(TABLES, how)
+    model = torch.nn.Sequential(ebc)
+    compress_model(model)
+    ours = model[0]
+    for config in ours.embedding_bag_configs():
+        weight = ebc.embedding_bags[config.name].weight.detach()
+        # The config says the weight's dtype, so a module built from it loads the state dict.
+        assert bag_impl.TORCH_DTYPES[config.data_type] == weight.dtype
+        rows = ours.embedding_bags[config.name].compressed_table().decompress()
+        assert torch.equal(rows.view(torch.int16), weight.view(torch.int16))
+    for seed in range(3):
+        assert_same_as_torchrec(ebc, ours, random_kjt(ebc, 16, 4, seed=seed))
+    fresh = CompressedEmbeddingBagCollection(ours.embedding_bag_configs())
+    fresh.load_state_dict(ours.state_dict())
+    kjt = random_kjt(ebc, 8, 4, seed=5)
+    assert torch.equal(fresh(kjt).values(), ours(kjt).values())
+
+
+def test_dtype_errors_name_the_table() -> None:
+    with pytest.raises(TypeError, match=r"table 't_small': weights are torch.float64"):
+        CompressedEmbeddingBagCollection.from_ebc(make_ebc(TABLES).double())
+    ebc = make_ebc(TABLES[:1])
+    half = compress(ebc.embedding_bags["t_small"].weight.detach().half())
+    with pytest.raises(ValueError, match=r"table 't_small': compressed table is 7x3 torch.float16"):
+        CompressedEmbeddingBagCollection(TABLES[:1], compressed={"t_small": half})
+
+
+# Rows in [0.5, 1.5) put every pooled sum among the low-precision format's coarse steps, and
+# torchrec's MEAN rounds the sum and then the quotient; rows scaled into fp16's subnormal range
+# make fp16's roundings' errors absolute instead of relative.
 @pytest.mark.parametrize("scale", [1.0, 2.0**-20])
 @pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
-def test_the_bound_holds_where_torchrec_rounds_fp16_outputs(
-    pooling: PoolingType, scale: float
+@pytest.mark.parametrize("how", list(LOW_PRECISION))
+def test_the_bound_holds_where_torchrec_rounds_its_outputs(
+    how: str, pooling: PoolingType, scale: float
 ) -> None:
     beyond_one_rounding = 0
     for length in (1, 2, 3, 5, 7, 10, 100):
         gen = torch.Generator().manual_seed(length)
         config = EmbeddingBagConfig(
-            name="t",
-            embedding_dim=256,
-            num_embeddings=64,
-            feature_names=["f"],
-            pooling=pooling,
-            data_type=DataType.FP16,
+            name="t", embedding_dim=256, num_embeddings=64, feature_names=["f"], pooling=pooling
         )
-        ebc = EmbeddingBagCollection(tables=[config])
+        ebc = low_precision_ebc([config], how)
         weight = ebc.embedding_bags["t"].weight
         with torch.no_grad():
             weight.copy_((torch.rand(weight.shape, generator=gen) + 0.5) * scale)
@@ -243,9 +285,10 @@ def test_the_bound_holds_where_torchrec_rounds_fp16_outputs(
         exact = weight.detach().double()[ids.view(32, length)].sum(1)
         if pooling == PoolingType.MEAN:
             exact = exact / length
-        beyond_one_rounding += int((diff > 2.0**-11 * exact.abs()).sum())
+        unit = 2.0**-11 if weight.dtype == torch.float16 else 2.0**-8
+        beyond_one_rounding += int((diff > unit * exact.abs()).sum())
     if pooling == PoolingType.MEAN:
-        # The inputs do reach the double rounding a single fp16 rounding cannot account for.
+        # The inputs do reach the double rounding a single rounding cannot account for.
         assert beyond_one_rounding > 0
 
 

@@ -79,13 +79,16 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             raise ValueError("table names must be unique")
         for config in self._embedding_bag_configs:
             table = None if compressed is None else compressed[config.name]
-            self.embedding_bags[config.name] = CompressedEmbeddingBag(
-                config.num_embeddings,
-                config.embedding_dim,
-                TORCH_DTYPES[config.data_type],
-                config.pooling,
-                table,
-            )
+            try:
+                self.embedding_bags[config.name] = CompressedEmbeddingBag(
+                    config.num_embeddings,
+                    config.embedding_dim,
+                    TORCH_DTYPES[config.data_type],
+                    config.pooling,
+                    table,
+                )
+            except ValueError as exc:
+                raise ValueError(f"table {config.name!r}: {exc}") from None
         configs = self._embedding_bag_configs
         self._feature_names: list[list[str]] = [list(c.feature_names) for c in configs]
         self._embedding_names: list[str] = [
@@ -109,26 +112,34 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     ) -> "CompressedEmbeddingBagCollection":
         """Compress every table of a float torchrec ``EmbeddingBagCollection``.
 
+        Each table keeps its weight's dtype, and the new module's config says it: torchrec
+        holds every table whose config is not FP32 (BF16 included) as fp16 weights, and
+        ``.half()`` or ``.to(torch.bfloat16)`` casts them without touching the configs.
+
         Parameters
         ----------
         ebc : the module to replace; its weights are read, never modified.
         allow_unknown_keys : see the class docstring.
         **compress_kwargs : passed to :func:`ibpembed.compress` (``method``, ``align``, ...).
+
+        Raises
+        ------
+        TypeError
+            for a table whose weights are not float32, float16 or bfloat16 (naming it).
+        ValueError
+            for a table on the meta device (naming it).
         """
         if not isinstance(ebc, EmbeddingBagCollection):
             raise TypeError(f"expected a torchrec EmbeddingBagCollection, got {type(ebc).__name__}")
+        configs = []
         compressed = {}
         for config in ebc.embedding_bag_configs():
             weight = ebc.embedding_bags[config.name].weight.detach()
             if weight.device.type == "meta":
                 raise ValueError(f"table {config.name!r} is on the meta device: no weights")
+            configs.append(config_with_weight_dtype(config, weight))
             compressed[config.name] = compress(weight.cpu().contiguous(), **compress_kwargs)
-        return cls(
-            ebc.embedding_bag_configs(),
-            ebc.is_weighted(),
-            compressed,
-            allow_unknown_keys=allow_unknown_keys,
-        )
+        return cls(configs, ebc.is_weighted(), compressed, allow_unknown_keys=allow_unknown_keys)
 
     @classmethod
     def from_table_set(
@@ -377,6 +388,22 @@ def _kjt_parts(
         len(keys),
         output_key,
     )
+
+
+def config_with_weight_dtype(config: EmbeddingBagConfig, weight: Tensor) -> EmbeddingBagConfig:
+    """``config`` with the data type of the weight torchrec pools it with.
+
+    torchrec allocates fp16 weights for every config that is not FP32, and a module's
+    ``.half()`` or ``.to(dtype)`` casts the weights but not the configs: the weight is what
+    torchrec computes with, so it decides the table's dtype.
+    """
+    name = str(weight.dtype).removeprefix("torch.")
+    if name not in DATA_TYPES:
+        raise TypeError(
+            f"table {config.name!r}: weights are {weight.dtype}; only float32, float16 and "
+            "bfloat16 tables can be compressed"
+        )
+    return replace(config, data_type=DATA_TYPES[name])
 
 
 def _checked_config(config: EmbeddingBagConfig) -> EmbeddingBagConfig:
