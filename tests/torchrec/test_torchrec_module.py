@@ -26,6 +26,7 @@ from torchrec import (
 from torchrec.fx import symbolic_trace
 
 import ibpembed.torchrec.bag as bag_impl
+from ibpembed.cli import main as main_cli
 from ibpembed.codec import compress
 from ibpembed.tables.importers import TableSet, TableSource, from_torchrec
 from ibpembed.tables.pack import pack_table_set
@@ -591,6 +592,27 @@ def test_from_table_set(tmp_path) -> None:
     assert [c.name for c in default.embedding_bag_configs()] == ["alpha", "zeta"]
     with pytest.raises(KeyError, match="table 'nope' is not in the table set"):
         CompressedEmbeddingBagCollection.from_table_set(tmp_path, tables=["nope"])
+
+
+def test_from_table_set_reads_the_features_mapped_to_a_state_dicts_tables(tmp_path) -> None:
+    # A state dict holds no feature names: `ibpembed pack --feature F=T` maps them, and the
+    # collection reads them as the server serves them, not the tables' own names.
+    tables = [
+        EmbeddingBagConfig(
+            name="t_two", embedding_dim=5, num_embeddings=40, feature_names=["f_a", "f_b"]
+        ),
+        EmbeddingBagConfig(name="t_one", embedding_dim=3, num_embeddings=30, feature_names=["f_c"]),
+    ]
+    ebc = make_ebc(tables)
+    torch.save(torch.nn.ModuleDict({"sparse": ebc}).state_dict(), tmp_path / "model.pt")
+    features = [f"--feature={f}={c.name}" for c in tables for f in c.feature_names]
+    argv = ["pack", str(tmp_path / "model.pt"), "-o", str(tmp_path / "set"), "--no-progress"]
+    assert main_cli([*argv, *features]) == 0
+    ours = CompressedEmbeddingBagCollection.from_table_set(
+        tmp_path / "set", tables=["t_two", "t_one"]
+    )
+    assert [c.feature_names for c in ours.embedding_bag_configs()] == [["f_a", "f_b"], ["f_c"]]
+    assert_same_as_torchrec(ebc, ours, random_kjt(ebc, 16, 5, seed=0))
 
 
 def test_from_table_set_bf16_and_int8(tmp_path) -> None:

@@ -28,7 +28,7 @@ from ibpembed.codec import CompressedTable, compress
 from ibpembed.engine.tier import DEFAULT_BUDGET as DEFAULT_HOT_ROW_BUDGET
 from ibpembed.engine.tier import hot_row_ids
 from ibpembed.layout import DTYPE_CODES
-from ibpembed.tables.manifest import load_table_set
+from ibpembed.tables.manifest import Manifest, load_table_set
 from ibpembed.torchrec.bag import DATA_TYPES, POOLING_CODES, TORCH_DTYPES, CompressedEmbeddingBag
 from ibpembed.torchrec.report import TableReport
 
@@ -152,9 +152,13 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     ) -> "CompressedEmbeddingBagCollection":
         """Load a packed table set (``ibpembed pack``, ``ibpembed.tables``) as a collection.
 
-        Tables keep the feature names and pooling their manifest records (tables packed without
-        a pooling pool with SUM, torchrec's default). The payloads stay memory-mapped from the
-        table files until rows are read.
+        Tables keep the pooling their manifest records (tables packed without a pooling pool
+        with SUM, torchrec's default) and read the features it maps to them, as the server
+        serves them: those packed with the table, in their order, then those mapped with
+        ``ibpembed pack --feature F=T``, in the manifest's (sorted) order. A table packed from a
+        state dict, which holds no feature names, is recorded under its own name; once features
+        are mapped to it that name is dropped, so the model's KJT keys are what it reads. The
+        payloads stay memory-mapped from the table files until rows are read.
 
         Parameters
         ----------
@@ -189,7 +193,7 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                     name=name,
                     embedding_dim=entry.dim,
                     num_embeddings=entry.num_rows,
-                    feature_names=list(entry.feature_names),
+                    feature_names=_manifest_features(manifest, name),
                     pooling=PoolingType.MEAN if entry.pooling == "mean" else PoolingType.SUM,
                     data_type=DATA_TYPES[entry.dtype],
                 )
@@ -404,6 +408,17 @@ def config_with_weight_dtype(config: EmbeddingBagConfig, weight: Tensor) -> Embe
             "bfloat16 tables can be compressed"
         )
     return replace(config, data_type=DATA_TYPES[name])
+
+
+def _manifest_features(manifest: Manifest, table: str) -> list[str]:
+    """The features ``manifest`` maps to ``table``, in the order from_table_set documents."""
+    mapped = [f for f, t in manifest.features.items() if t == table]
+    packed = [f for f in manifest.tables[table].feature_names if f in mapped]
+    explicit = [f for f in mapped if f not in packed]
+    if explicit and packed == [table]:
+        # The packer's stand-in for a source without feature names, not a feature of the model.
+        packed = []
+    return packed + explicit
 
 
 def _checked_config(config: EmbeddingBagConfig) -> EmbeddingBagConfig:
