@@ -8,6 +8,7 @@ bound against torchrec's own module.
 """
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from torchrec import (
 )
 
 from ibpembed.cli import main as main_cli
-from ibpembed.tables.importers import from_torchrec
+from ibpembed.tables.importers import TableSet, TableSource, from_torchrec
 from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.shards import pack_shards
 from ibpembed.tables.store import TableStore
@@ -36,7 +37,7 @@ from ibpembed.torchrec import (
     pooled_error_bound,
 )
 from ibpembed.torchrec.remote import RemoteLookupError
-from tests.server.helpers import RunningServer
+from tests.server.helpers import RunningServer, make_store
 
 # Awkward dims (1, 3, 129), SUM and MEAN mixed, a table read by two features, an FP16 table.
 TABLES = [
@@ -153,6 +154,7 @@ def test_configs_come_from_list_tables(remote: RemoteEmbeddingBagCollection) -> 
         )
         assert got.feature_names == config.feature_names
         assert got.pooling == POOLING.get(config.name, PoolingType.SUM)
+        assert got.data_type == config.data_type  # the served table's: t_half is FP16
     assert not remote.is_weighted()
 
 
@@ -368,6 +370,68 @@ def test_a_feature_read_by_two_tables_is_refused(server) -> None:
     model = TinyModel(EmbeddingBagCollection(tables=shared, device=torch.device("meta")))
     with pytest.raises(ValueError, match="feature 'f_a' is read by tables 't_small' and 't_other'"):
         compress_model(model, remote=server.target)
+
+
+def test_a_dtype_that_differs_from_the_config(server) -> None:
+    # t_half is served as float16 rows; a model whose t_half is fp32 pools other values.
+    fp32 = [replace(c, data_type=DataType.FP32) for c in TABLES]
+    model = TinyModel(EmbeddingBagCollection(tables=fp32, device=torch.device("meta")))
+    with pytest.raises(
+        ValueError,
+        match=r"feature 'f_d' \(table 't_half'\): the config says FP32, .* holding float16 rows "
+        r"\(pass allow_dtype_mismatch=True",
+    ):
+        compress_model(model, remote=server.target)
+    compress_model(model, remote=server.target, allow_dtype_mismatch=True)
+    assert isinstance(model.sparse, RemoteEmbeddingBagCollection)
+    model.sparse.close()
+    with pytest.raises(TypeError, match="allow_dtype_mismatch applies to remote"):
+        compress_model(TinyModel(make_ebc()), allow_dtype_mismatch=True)
+
+
+def test_int8_rowwise_rows_need_an_int8_config() -> None:
+    with RunningServer(make_store()) as running:
+        # The store's "quant" feature reads 300 int8_rowwise rows of 12 codes: pooled dim 12.
+        with RemoteEmbeddingBagCollection.from_server(running.target, ["quant"]) as module:
+            (config,) = module.embedding_bag_configs()
+            assert (config.data_type, config.embedding_dim) == (DataType.INT8, 12)
+            assert module(
+                KeyedJaggedTensor(
+                    keys=["quant"], values=torch.tensor([1]), lengths=torch.tensor([1])
+                )
+            ).values().shape == (1, 12)
+        fp32 = EmbeddingBagConfig(
+            name="emb_q8", embedding_dim=12, num_embeddings=300, feature_names=["quant"]
+        )
+        model = TinyModel(EmbeddingBagCollection(tables=[fp32], device=torch.device("meta")))
+        with pytest.raises(ValueError, match=r"'emb_q8'\): the config says FP32.*int8_rowwise"):
+            compress_model(model, remote=running.target)
+
+
+def test_a_table_of_raw_bytes_is_not_pooled(tmp_path: Path) -> None:
+    codes = TableSource("raw", torch.randint(0, 255, (20, 8), dtype=torch.uint8))
+    pack_table_set(tmp_path, TableSet((codes,)), sample_rows=None)
+    with RunningServer(TableStore.load(tmp_path)) as running:
+        with pytest.raises(ValueError, match="table 'raw' holds uint8 rows, which cannot"):
+            RemoteEmbeddingBagCollection.from_server(running.target, ["raw"])
+        with RemoteEmbeddingBagCollection.from_server(running.target) as module:
+            assert module.embedding_bag_configs() == []
+
+
+def test_a_cast_model_is_served_the_weights_it_pools(tmp_path: Path) -> None:
+    # .half() leaves the configs FP32; the packed rows and the remote configs are fp16.
+    torch.manual_seed(3)
+    model = TinyModel(make_ebc()).half()
+    in_process = TinyModel(make_ebc()).half()
+    in_process.load_state_dict(model.state_dict())
+    compress_model(in_process, sample_rows=None)
+    compress_model(model, pack_to=tmp_path, sample_rows=None)
+    with RunningServer(TableStore.load(tmp_path)) as running:
+        compress_model(model, remote=running.target)
+        for seed in range(2):
+            kjt = random_kjt(8, 4, seed)
+            assert_bit_exact(model.sparse(kjt), in_process.sparse(kjt))
+        model.sparse.close()
 
 
 def test_an_out_of_range_id_names_the_feature(remote) -> None:

@@ -9,7 +9,10 @@ from typing import Any
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from ibpembed.torchrec.collection import CompressedEmbeddingBagCollection
+from ibpembed.torchrec.collection import (
+    CompressedEmbeddingBagCollection,
+    config_with_weight_dtype,
+)
 from ibpembed.torchrec.report import TableReport
 
 
@@ -19,6 +22,7 @@ def compress_model(
     *,
     remote: str | Sequence[str] | None = None,
     client_options: dict[str, Any] | None = None,
+    allow_dtype_mismatch: bool = False,
     pack_to: str | os.PathLike[str] | None = None,
     **compress_kwargs: Any,
 ) -> list[TableReport]:
@@ -34,9 +38,14 @@ def compress_model(
     remote : None compresses the tables into the model (``CompressedEmbeddingBagCollection``).
         A server address (or every shard's address) makes each collection a
         ``RemoteEmbeddingBagCollection`` on that server instead, with the collection's own
-        configs, checked against what the server serves (pack the model's tables with
-        ``compress_model(model, pack_to=DIR)`` first); all collections share one connection.
+        configs (each table's data type that of its weights, which torchrec pools), checked
+        against what the server serves: features, dims, rows and dtype (pack the model's
+        tables with ``compress_model(model, pack_to=DIR)`` first); all collections share one
+        connection.
     client_options : for ``remote``: :class:`~ibpembed_client.LookupClient` options.
+    allow_dtype_mismatch : for ``remote``: accept served tables whose rows are not the
+        weights' dtype (e.g. int8_rowwise rows for an fp32 model); the outputs are then those
+        rows' pooling.
     pack_to : a table-set directory: pack every collection's tables into it (publishing its
         next version, as ``ibpembed pack`` does) with their torchrec feature names, which a
         state dict does not hold, so that ``ibpembed serve --tables DIR`` serves what
@@ -58,11 +67,13 @@ def compress_model(
         If ``model`` is itself an ``EmbeddingBagCollection`` (there is no parent to swap it in:
         use ``CompressedEmbeddingBagCollection.from_ebc``).
     ValueError
-        If ``model`` holds no ``EmbeddingBagCollection``; for ``remote``, a table whose dim or
-        rows differ from the server's (naming the feature).
+        If ``model`` holds no ``EmbeddingBagCollection``; for ``remote``, a table whose dim,
+        rows or dtype differ from the server's (naming the feature and table).
     KeyError
         For ``remote``, a feature the server does not serve.
     """
+    if allow_dtype_mismatch and remote is None:
+        raise TypeError("allow_dtype_mismatch applies to remote collections only")
     if pack_to is not None:
         if remote is not None:
             raise TypeError(
@@ -86,7 +97,9 @@ def compress_model(
     ]
     if not targets:
         raise ValueError(f"{type(model).__name__} holds no torchrec EmbeddingBagCollection")
-    make = _remote_maker(remote, allow_unknown_keys, client_options or {}) if remote else None
+    make = None
+    if remote is not None:
+        make = _remote_maker(remote, allow_unknown_keys, client_options or {}, allow_dtype_mismatch)
     report: list[TableReport] = []
     done: dict[int, nn.Module] = {}
     for path, ebc in targets:
@@ -107,7 +120,10 @@ def compress_model(
 
 
 def _remote_maker(
-    remote: str | Sequence[str], allow_unknown_keys: bool, client_options: dict[str, Any]
+    remote: str | Sequence[str],
+    allow_unknown_keys: bool,
+    client_options: dict[str, Any],
+    allow_dtype_mismatch: bool,
 ) -> Any:
     """A function building each collection's remote twin over one shared connection."""
     # Imported here: the remote module pulls in grpc, which in-process users never need.
@@ -116,13 +132,18 @@ def _remote_maker(
     client, name, served = connect(remote, **client_options)
 
     def make(ebc: EmbeddingBagCollection) -> RemoteEmbeddingBagCollection:
+        configs = [
+            config_with_weight_dtype(c, ebc.embedding_bags[c.name].weight)
+            for c in ebc.embedding_bag_configs()
+        ]
         return RemoteEmbeddingBagCollection(
-            ebc.embedding_bag_configs(),
+            configs,
             client,
             name,
             served,
             is_weighted=ebc.is_weighted(),
             allow_unknown_keys=allow_unknown_keys,
+            allow_dtype_mismatch=allow_dtype_mismatch,
         )
 
     return make

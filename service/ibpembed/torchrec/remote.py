@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollectionInterface,
     get_embedding_names_by_table,
@@ -109,6 +109,32 @@ def _pooled_dim(info: TableInfo) -> int:
     return info.dim - 4 if info.quant == "int8_rowwise" else info.dim
 
 
+# The rows a server table holds (its quantization, else its dtype) that each torchrec data type
+# pools the same way. torchrec holds a BF16 config's table as fp16 weights, which is what a
+# model packs; a bf16 table set (from_server) says BF16 too. INT8 is torchrec's row-wise int8.
+_SERVED_ROWS: dict[DataType, tuple[str, ...]] = {
+    DataType.FP32: ("float32",),
+    DataType.FP16: ("float16",),
+    DataType.BF16: ("bfloat16", "float16"),
+    DataType.INT8: ("int8_rowwise",),
+}
+
+
+def _rows(info: TableInfo) -> str:
+    return info.quant or info.dtype
+
+
+def _data_type(info: TableInfo) -> DataType:
+    """The torchrec data type of a served table; ValueError for rows that cannot be pooled."""
+    for data_type, rows in _SERVED_ROWS.items():
+        if _rows(info) == rows[0]:
+            return data_type
+    raise ValueError(
+        f"table '{info.name}' holds {_rows(info)} rows, which cannot be pooled (float32, float16, "
+        "bfloat16 and int8_rowwise tables can)"
+    )
+
+
 class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     """torchrec ``EmbeddingBagCollection`` for inference, looked up on an ibpembed server.
 
@@ -133,14 +159,18 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     Parameters
     ----------
     tables : one config per table; every feature must be served, by a table of the config's
-        dim and rows. A feature read by two tables (torchrec's ``feature@table``) cannot be
-        served: a server maps each feature to one table.
+        dim and rows, holding rows its data type pools (FP32 float32, FP16 float16, BF16
+        bfloat16 or float16, INT8 int8_rowwise). A feature read by two tables (torchrec's
+        ``feature@table``) cannot be served: a server maps each feature to one table.
     client : a connected :class:`~ibpembed_client.LookupClient` or ``ShardedLookupClient``
         (see :func:`connect`); the module closes it in :meth:`close` only if ``owns_client``.
     target : the server's name in error messages.
     is_weighted : whether the KJT's weights scale the rows.
     allow_unknown_keys : ignore KJT keys that no table reads instead of raising.
     served : the server's tables by name (:func:`connect` returns them).
+    allow_dtype_mismatch : accept a served table whose rows differ from the config's data type
+        (an FP32 model on a server holding float16 or int8_rowwise rows, to save its memory):
+        the outputs are then the served rows' pooling, not the model's. Refused by default.
     """
 
     def __init__(
@@ -153,6 +183,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         is_weighted: bool = False,
         allow_unknown_keys: bool = False,
         owns_client: bool = False,
+        allow_dtype_mismatch: bool = False,
     ) -> None:
         super().__init__()
         self._client = client
@@ -182,7 +213,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                     )
                 owner[feature] = config.name
         self._served = served
-        self._check_served()
+        self._check_served(allow_dtype_mismatch)
         self._features: list[str] = [f for c in configs for f in c.feature_names]
         self._dims: list[int] = [c.embedding_dim for c in configs for _ in c.feature_names]
         self._mean: list[bool] = [
@@ -215,6 +246,9 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             every poolable table, in the server's order.
         pooling : for every table, or per table name (missing names: SUM). The server does not
             record a model's pooling, so it is said here.
+
+        Each config's data type is the served table's: FP32, FP16, BF16, or INT8 for
+        int8_rowwise rows (whose dim is the pooled dim).
         is_weighted, allow_unknown_keys : see the class docstring.
         **client_options : :class:`~ibpembed_client.LookupClient` options (``timeout``,
             ``tls``, ``token``, ``retry``, ``max_message_bytes``).
@@ -223,6 +257,8 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         ------
         KeyError
             for a feature in ``features`` the server does not serve.
+        ValueError
+            for a feature in ``features`` whose table holds rows that cannot be pooled.
         ConnectionError
             when the server cannot be reached.
         """
@@ -245,10 +281,14 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             configs = []
             for table, names in tables.items():
                 info = served[table]
-                # Tables of raw bytes (int8 without a row-wise scale, int4) cannot be pooled.
-                poolable = info.dtype in ("float32", "float16", "bfloat16") or info.quant
-                if features is None and not poolable:
-                    continue
+                try:
+                    data_type = _data_type(info)
+                except ValueError:
+                    # Tables of raw bytes (int8 without a row-wise scale) cannot be pooled:
+                    # left out by default, an error when asked for.
+                    if features is None:
+                        continue
+                    raise
                 if isinstance(pooling, dict):
                     table_pooling = pooling.get(table, PoolingType.SUM)
                 else:
@@ -260,6 +300,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                         num_embeddings=info.num_rows,
                         feature_names=names,
                         pooling=table_pooling,
+                        data_type=data_type,
                     )
                 )
             return cls(
@@ -275,7 +316,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             client.close()
             raise
 
-    def _check_served(self) -> None:
+    def _check_served(self, allow_dtype_mismatch: bool) -> None:
         by_feature = {f: t for t in self._served.values() for f in t.features}
         for config in self._embedding_bag_configs:
             for feature in config.feature_names:
@@ -305,6 +346,14 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                         f"feature '{feature}' (table '{config.name}'): the config says "
                         f"{config.num_embeddings} rows, {self._target} serves it from table "
                         f"'{info.name}' with {info.num_rows} rows"
+                    )
+                rows = _SERVED_ROWS.get(config.data_type, ())
+                if not allow_dtype_mismatch and _rows(info) not in rows:
+                    raise ValueError(
+                        f"feature '{feature}' (table '{config.name}'): the config says "
+                        f"{config.data_type.value}, {self._target} serves it from table "
+                        f"'{info.name}' holding {_rows(info)} rows (pass "
+                        "allow_dtype_mismatch=True to pool those rows anyway)"
                     )
 
     # -- torchrec's interface --------------------------------------------------------------
