@@ -338,6 +338,18 @@ def test_a_feature_the_server_lacks(server) -> None:
         compress_model(model, remote=server.target)
 
 
+def test_a_failed_remote_swap_changes_nothing(server) -> None:
+    model = nn.Module()
+    model.first = first = make_ebc()
+    unserved = EmbeddingBagConfig(
+        name="t_x", embedding_dim=4, num_embeddings=5, feature_names=["f_zz"]
+    )
+    model.second = second = EmbeddingBagCollection(tables=[unserved], device=torch.device("meta"))
+    with pytest.raises(KeyError, match=r"feature 'f_zz' \(table 't_x'\) is not served"):
+        compress_model(model, remote=server.target)
+    assert model.first is first and model.second is second
+
+
 def test_a_dim_that_differs_from_the_config(server) -> None:
     wrong = [
         EmbeddingBagConfig(

@@ -713,6 +713,15 @@ def test_compress_model_replaces_a_shared_collection_at_every_path() -> None:
     assert_same_as_torchrec(ebc, model.b, random_kjt(ebc, 8, 4, seed=0))
 
 
+def test_compress_model_changes_nothing_when_a_collection_fails() -> None:
+    model = torch.nn.Module()
+    model.first = first = make_ebc(TABLES)
+    model.second = second = make_ebc(TABLES[:1]).double()  # float64 rows cannot be compressed
+    with pytest.raises(TypeError, match=r"table 't_small': weights are torch\.float64"):
+        compress_model(model)
+    assert model.first is first and model.second is second
+
+
 def test_compress_model_errors() -> None:
     with pytest.raises(TypeError, match="from_ebc"):
         compress_model(make_ebc(TABLES))

@@ -9,10 +9,7 @@ from typing import Any
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from ibpembed.torchrec.collection import (
-    CompressedEmbeddingBagCollection,
-    config_with_weight_dtype,
-)
+from ibpembed.torchrec.collection import CompressedEmbeddingBagCollection
 from ibpembed.torchrec.report import TableReport
 
 
@@ -71,6 +68,9 @@ def compress_model(
         rows or dtype differ from the server's (naming the feature and table).
     KeyError
         For ``remote``, a feature the server does not serve.
+
+    On any error the model is left as it was (every replacement is built before the first is
+    swapped in) and a connection opened for ``remote`` is closed.
     """
     if allow_dtype_mismatch and remote is None:
         raise TypeError("allow_dtype_mismatch applies to remote collections only")
@@ -97,56 +97,41 @@ def compress_model(
     ]
     if not targets:
         raise ValueError(f"{type(model).__name__} holds no torchrec EmbeddingBagCollection")
-    make = None
-    if remote is not None:
-        make = _remote_maker(remote, allow_unknown_keys, client_options or {}, allow_dtype_mismatch)
-    report: list[TableReport] = []
-    done: dict[int, nn.Module] = {}
+    # One replacement per collection, however many paths hold it (reported once, under its
+    # first path: its tables are stored once).
+    first_paths: dict[int, tuple[str, EmbeddingBagCollection]] = {}
     for path, ebc in targets:
-        swapped = done.get(id(ebc))
-        if swapped is None:
-            if make is None:
-                swapped = CompressedEmbeddingBagCollection.from_ebc(
-                    ebc, allow_unknown_keys=allow_unknown_keys, **compress_kwargs
-                )
-                report.extend(swapped.table_bytes(path))  # once: its tables are stored once
-            else:
-                swapped = make(ebc)
-                report.extend(swapped.table_report(path))
-            done[id(ebc)] = swapped
-        parent_path, _, name = path.rpartition(".")
-        setattr(model.get_submodule(parent_path), name, swapped)
-    return report
+        first_paths.setdefault(id(ebc), (path, ebc))
+    sources = list(first_paths.values())
+    # Every replacement is built before any is swapped in, so a collection that cannot be
+    # converted leaves the model as it was.
+    report: list[TableReport] = []
+    replacements: dict[int, nn.Module] = {}
+    if remote is None:
+        for path, ebc in sources:
+            compressed = CompressedEmbeddingBagCollection.from_ebc(
+                ebc, allow_unknown_keys=allow_unknown_keys, **compress_kwargs
+            )
+            replacements[id(ebc)] = compressed
+            report.extend(compressed.table_bytes(path))
+    else:
+        # Imported here: the remote module pulls in grpc, which in-process users never need.
+        from ibpembed.torchrec.remote import remote_collections
 
-
-def _remote_maker(
-    remote: str | Sequence[str],
-    allow_unknown_keys: bool,
-    client_options: dict[str, Any],
-    allow_dtype_mismatch: bool,
-) -> Any:
-    """A function building each collection's remote twin over one shared connection."""
-    # Imported here: the remote module pulls in grpc, which in-process users never need.
-    from ibpembed.torchrec.remote import RemoteEmbeddingBagCollection, connect
-
-    client, name, served = connect(remote, **client_options)
-
-    def make(ebc: EmbeddingBagCollection) -> RemoteEmbeddingBagCollection:
-        configs = [
-            config_with_weight_dtype(c, ebc.embedding_bags[c.name].weight)
-            for c in ebc.embedding_bag_configs()
-        ]
-        return RemoteEmbeddingBagCollection(
-            configs,
-            client,
-            name,
-            served,
-            is_weighted=ebc.is_weighted(),
+        remotes = remote_collections(
+            [ebc for _, ebc in sources],
+            remote,
             allow_unknown_keys=allow_unknown_keys,
             allow_dtype_mismatch=allow_dtype_mismatch,
+            **(client_options or {}),
         )
-
-    return make
+        for (path, ebc), twin in zip(sources, remotes, strict=True):
+            replacements[id(ebc)] = twin
+            report.extend(twin.table_report(path))
+    for path, ebc in targets:
+        parent_path, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), name, replacements[id(ebc)])
+    return report
 
 
 def _pack(

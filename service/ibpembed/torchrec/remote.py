@@ -22,11 +22,13 @@ import numpy as np
 import torch
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import (
+    EmbeddingBagCollection,
     EmbeddingBagCollectionInterface,
     get_embedding_names_by_table,
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from ibpembed.torchrec.collection import config_with_weight_dtype
 from ibpembed.torchrec.report import TableReport
 from ibpembed_client import (
     FeatureBatch,
@@ -102,6 +104,42 @@ def connect(
         )
     client = ShardedLookupClient(shard_map, **client_options)
     return client, ",".join(addresses), served
+
+
+def remote_collections(
+    ebcs: Sequence[EmbeddingBagCollection],
+    target: str | Sequence[str],
+    *,
+    allow_unknown_keys: bool = False,
+    allow_dtype_mismatch: bool = False,
+    **client_options: Any,
+) -> list[RemoteEmbeddingBagCollection]:
+    """A remote twin of each torchrec collection, all over one connection to ``target``.
+
+    Each twin has its collection's configs, with each table's data type that of its weights
+    (which torchrec pools), checked against the server. When one cannot be built the
+    connection is closed before the error leaves.
+    """
+    client, name, served = connect(target, **client_options)
+    try:
+        return [
+            RemoteEmbeddingBagCollection(
+                [
+                    config_with_weight_dtype(c, ebc.embedding_bags[c.name].weight)
+                    for c in ebc.embedding_bag_configs()
+                ],
+                client,
+                name,
+                served,
+                is_weighted=ebc.is_weighted(),
+                allow_unknown_keys=allow_unknown_keys,
+                allow_dtype_mismatch=allow_dtype_mismatch,
+            )
+            for ebc in ebcs
+        ]
+    except BaseException:
+        client.close()
+        raise
 
 
 def _pooled_dim(info: TableInfo) -> int:
