@@ -197,6 +197,29 @@ def test_all_mean_tables_ask_the_server_for_mean(server, local) -> None:
             assert torch.equal(got[key], expected[key])
 
 
+def test_inverse_indices_expand_the_batch_as_in_torchrec(remote, ebc) -> None:
+    # 3 bags per feature answering 5 samples; one id per bag at most, so torchrec's pooled
+    # outputs are rows, bit for bit.
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 2, (len(FEATURES) * 3,), generator=gen)
+    values = torch.cat(
+        [
+            torch.randint(0, ROWS[f], (int(lengths[3 * k : 3 * k + 3].sum()),), generator=gen)
+            for k, f in enumerate(FEATURES)
+        ]
+    )
+    inverse = (FEATURES[::-1], torch.randint(0, 3, (len(FEATURES), 5), generator=gen))
+    kjt = KeyedJaggedTensor(FEATURES, values, lengths=lengths, inverse_indices=inverse)
+    expected = ebc(kjt)
+    for got in (remote(kjt), *remote.lookup_stream([kjt])):
+        # from_server lists the tables in the server's order: compared key by key.
+        keys = expected.keys()
+        assert sorted(got.keys()) == sorted(keys)
+        for key in keys:
+            assert got[key].shape[0] == 5
+            assert torch.equal(got[key], expected[key])
+
+
 def test_features_select_a_subset(server) -> None:
     with RemoteEmbeddingBagCollection.from_server(
         server.target, ["f_d", "f_b2"], allow_unknown_keys=True

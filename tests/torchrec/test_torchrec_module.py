@@ -191,6 +191,43 @@ def test_a_meta_placeholder_moves_like_any_module() -> None:
     assert all(b.payload.device.type == "cpu" for b in moved.embedding_bags.values())
 
 
+def deduplicated_kjt(rows: dict[str, int]) -> KeyedJaggedTensor:
+    """3 bags per feature answering 5 samples through inverse indices, listed in their own key
+    order (torchrec looks each feature up by name). Bags hold at most one id, so torchrec's
+    pooled outputs are rows, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    keys = list(rows)
+    lengths = torch.randint(0, 2, (len(keys) * 3,), generator=gen)
+    values = torch.cat(
+        [
+            torch.randint(0, rows[key], (int(lengths[3 * k : 3 * k + 3].sum()),), generator=gen)
+            for k, key in enumerate(keys)
+        ]
+    )
+    inverse = torch.randint(0, 3, (len(keys), 5), generator=gen)
+    return KeyedJaggedTensor(
+        keys=keys, values=values, lengths=lengths, inverse_indices=(keys[::-1], inverse)
+    )
+
+
+def test_inverse_indices_expand_the_batch_as_in_torchrec(mixed) -> None:
+    ebc, ours = mixed
+    kjt = deduplicated_kjt({"f_a": 7, "f_b": 300, "f_shared": 300, "f_c": 1})
+    expected = ebc(kjt)
+    for module in (ours, torch.jit.script(ours), symbolic_trace(ours)):
+        got = module(kjt)
+        assert got.keys() == expected.keys()
+        assert got.values().shape == (5, 3 + 129 + 129 + 1 + 16)
+        assert torch.equal(got.values(), expected.values())
+    keys, inverse = kjt.inverse_indices()
+    partial = KeyedJaggedTensor(
+        keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+        inverse_indices=(keys[1:], inverse[1:]),
+    )  # fmt: skip
+    with pytest.raises(KeyError, match="feature 'f_c' has no inverse indices"):
+        ours(partial)
+
+
 def test_unweighted_collection_ignores_weights_like_torchrec(mixed) -> None:
     ebc, ours = mixed
     assert_same_as_torchrec(ebc, ours, random_kjt(ebc, 8, 4, seed=3, weighted=True))

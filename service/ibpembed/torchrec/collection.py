@@ -40,7 +40,8 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     ``forward`` returns the ``KeyedTensor`` torchrec's module would: keys in table order (a feature
     shared by several tables is named ``feature@table``), ``length_per_key`` the table dims, fp32
     values pooled with each table's SUM or MEAN. Weighted collections (``is_weighted=True``)
-    multiply each row by the KJT's weight; as in torchrec, weights are ignored otherwise.
+    multiply each row by the KJT's weight; as in torchrec, weights are ignored otherwise. A KJT
+    with inverse indices (a deduplicated batch) is expanded by them, as torchrec does.
 
     Every batch is checked before any kernel runs; the errors are:
 
@@ -343,6 +344,12 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             self._output_features,
             self._table_names,
         )
+        values = expand_inverse_indices(
+            values,
+            features.inverse_indices_or_none(),
+            self._output_features,
+            self._lengths_per_embedding,
+        )
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
@@ -392,6 +399,39 @@ def _kjt_parts(
         len(keys),
         output_key,
     )
+
+
+# NOTE: wrapped like _kjt_parts (it reads the KJT's key names); torchrec's own EBC wraps its
+# inverse-index steps the same way.
+@torch.fx.wrap
+def expand_inverse_indices(
+    pooled: Tensor,
+    inverse_indices: tuple[list[str], Tensor] | None,
+    output_features: list[str],
+    dims: list[int],
+) -> Tensor:
+    """``pooled`` [B, sum of dims] expanded by a KJT's inverse indices, as torchrec's EBC does:
+    [B', sum of dims] whose row b of output j is ``pooled``'s row ``index[k][b]``, k the KJT key
+    of output j's feature (a deduplicated batch of B bags answering B' samples). Without
+    inverse indices, ``pooled`` itself."""
+    if inverse_indices is None:
+        return pooled
+    keys, index = inverse_indices
+    position: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        position[key] = i
+    parts: list[Tensor] = []
+    start = 0
+    for j in range(len(output_features)):
+        feature = output_features[j]
+        if feature not in position:
+            raise KeyError(f"feature '{feature}' has no inverse indices (the KJT's are for {keys})")
+        rows = index[position[feature]].to(device=pooled.device, dtype=torch.int64)
+        parts.append(pooled[:, start : start + dims[j]].index_select(0, rows))
+        start += dims[j]
+    if len(parts) == 0:
+        return pooled.new_empty((index.shape[-1], 0))
+    return torch.cat(parts, dim=1)
 
 
 def config_with_weight_dtype(config: EmbeddingBagConfig, weight: Tensor) -> EmbeddingBagConfig:

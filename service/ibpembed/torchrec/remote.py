@@ -28,7 +28,7 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from ibpembed.torchrec.collection import config_with_weight_dtype
+from ibpembed.torchrec.collection import config_with_weight_dtype, expand_inverse_indices
 from ibpembed.torchrec.report import TableReport
 from ibpembed_client import (
     FeatureBatch,
@@ -184,7 +184,8 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     the ``KeyedTensor`` torchrec's module would: keys in table order (each table's features in
     config order), ``length_per_key`` the table dims, float32 values. SUM and MEAN tables may be
     mixed: the request asks for SUM and MEAN features are divided by the bag length here, with
-    the rounded fp32 reciprocal the server's kernels use, so the bits are the server's MEAN.
+    the rounded fp32 reciprocal the server's kernels use, so the bits are the server's MEAN. A
+    KJT with inverse indices (a deduplicated batch) is expanded by them, as torchrec does.
     :meth:`lookup_stream` pipelines many batches on one stream.
 
     Checks (before any request): ``KeyError`` for a KJT key no table reads (unless
@@ -436,7 +437,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             result = self._client.lookup_request(request)
         except LookupServiceError as err:
             raise self._error(err) from err
-        return self._keyed(result, stride, lengths, features.values().device)
+        return self._keyed(result, stride, lengths, features)
 
     def lookup_stream(self, batches: Iterable[KeyedJaggedTensor]) -> Iterator[KeyedTensor]:
         """``forward`` for many batches, pipelined on one ``LookupStream`` (results in order).
@@ -451,22 +452,22 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             return
         # Filled by gRPC's thread as it sends each request, emptied here in the same order (the
         # stream answers in request order).
-        pending: collections.deque[tuple[int, dict[str, torch.Tensor], torch.device]] = (
+        pending: collections.deque[tuple[int, dict[str, torch.Tensor], KeyedJaggedTensor]] = (
             collections.deque()
         )
 
         def requests() -> Iterator[Any]:
             for kjt in batches:
                 request, stride, lengths = self._request(kjt)
-                pending.append((stride, lengths, kjt.values().device))
+                pending.append((stride, lengths, kjt))
                 yield request
 
         try:
             for result in self._client.lookup_stream(requests()):
-                stride, lengths, device = pending.popleft()
+                stride, lengths, kjt = pending.popleft()
                 if result.error is not None:
                     raise self._error(result.error)
-                yield self._keyed(result, stride, lengths, device)
+                yield self._keyed(result, stride, lengths, kjt)
         except LookupServiceError as err:
             raise self._error(err) from err
 
@@ -533,8 +534,9 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         result: LookupResult,
         stride: int,
         lengths: dict[str, torch.Tensor],
-        device: torch.device,
+        features: KeyedJaggedTensor,
     ) -> KeyedTensor:
+        """The answer as the batch's ``KeyedTensor``, on the device of its ids."""
         out = torch.empty(stride, sum(self._dims), dtype=torch.float32)
         view = out.numpy()
         col = 0
@@ -554,8 +556,13 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 n = lengths[feature].to(torch.float32).clamp(min=1.0)
                 out[:, col : col + dim] *= (1.0 / n).unsqueeze(1)
             col += dim
+        expanded = expand_inverse_indices(
+            out, features.inverse_indices_or_none(), self._features, self._dims
+        )
         return KeyedTensor(
-            keys=self._embedding_names, length_per_key=self._dims, values=out.to(device)
+            keys=self._embedding_names,
+            length_per_key=self._dims,
+            values=expanded.to(features.values().device),
         )
 
     def _error(self, err: LookupServiceError) -> RemoteLookupError:
