@@ -7,6 +7,7 @@ bit for bit. Row-sharded servers add partial sums in another order: they are hel
 bound against torchrec's own module.
 """
 
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -344,6 +345,53 @@ def test_row_sharded_servers(packed: Path, ebc) -> None:
     finally:
         for s in shards:
             s.stop()
+
+
+def connections_to(port: int) -> int:
+    """Established TCP connections whose far end is ``port`` on this host: the clients' ends."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            _, _, far, state = line.split()[:4]
+            count += state == "01" and int(far.rsplit(":", 1)[1], 16) == port
+    return count
+
+
+def test_close_releases_the_connection_compress_model_shares(packed: Path) -> None:
+    model = nn.Module()
+    model.first = EmbeddingBagCollection(tables=TABLES[:2], device=torch.device("meta"))
+    model.second = EmbeddingBagCollection(tables=TABLES[2:], device=torch.device("meta"))
+    with RunningServer(TableStore.load(packed / "whole")) as running:
+        compress_model(model, remote=running.target, allow_unknown_keys=True)
+        kjt = random_kjt(4, 3, seed=0)
+        model.first(kjt), model.second(kjt)
+        port = int(running.target.rsplit(":", 1)[1])
+        assert connections_to(port) > 0
+        model.first.close()
+        model.first.close()  # again: nothing more to release
+        with pytest.raises(
+            RuntimeError, match=r"RemoteEmbeddingBagCollection \(127.0.0.1:\d+\) is closed"
+        ):
+            model.first(kjt)
+        assert model.second(kjt).values().shape == (4, 1 + 16)  # still open for the other
+        model.second.close()
+        deadline = time.monotonic() + 10
+        while connections_to(port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert connections_to(port) == 0
+
+
+def test_options_that_would_do_nothing_are_refused(server, tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="client_options applies to remote collections only"):
+        compress_model(TinyModel(make_ebc()), client_options={"timeout": 1.0})
+    with pytest.raises(TypeError, match="allow_unknown_keys does not apply to pack_to"):
+        compress_model(TinyModel(make_ebc()), True, pack_to=tmp_path)
+    with pytest.raises(TypeError, match="client_options applies to remote collections only"):
+        compress_model(TinyModel(make_ebc()), pack_to=tmp_path, client_options={"timeout": 1.0})
+    assert not any(tmp_path.iterdir())
+    # Pooling is per table; a feature name there would silently pool with SUM.
+    with pytest.raises(ValueError, match=r"pooling names \['f_b'\], which 127.0.0.1:\d+ does not"):
+        RemoteEmbeddingBagCollection.from_server(server.target, pooling={"f_b": PoolingType.MEAN})
 
 
 # -- bad input and failures: clear errors naming the feature -------------------------------------

@@ -31,15 +31,15 @@ def compress_model(
     model : any module holding float ``EmbeddingBagCollection`` submodules (quantized and sharded
         collections are different classes and are left alone).
     allow_unknown_keys : passed to each new collection; set it when one KJT carrying features
-        for several collections is fed to each of them.
+        for several collections is fed to each of them. Not with ``pack_to``.
     remote : None compresses the tables into the model (``CompressedEmbeddingBagCollection``).
         A server address (or every shard's address) makes each collection a
         ``RemoteEmbeddingBagCollection`` on that server instead, with the collection's own
         configs (each table's data type that of its weights, which torchrec pools), checked
         against what the server serves: features, dims, rows and dtype (pack the model's
-        tables with ``compress_model(model, pack_to=DIR)`` first); all collections share one
-        connection.
-    client_options : for ``remote``: :class:`~ibpembed_client.LookupClient` options.
+        tables with ``compress_model(model, pack_to=DIR)`` first). All collections share one
+        connection, closed once every one of them has been closed (``close()``).
+    client_options : for ``remote`` only: :class:`~ibpembed_client.LookupClient` options.
     allow_dtype_mismatch : for ``remote``: accept served tables whose rows are not the
         weights' dtype (e.g. int8_rowwise rows for an fp32 model); the outputs are then those
         rows' pooling.
@@ -62,7 +62,9 @@ def compress_model(
     ------
     TypeError
         If ``model`` is itself an ``EmbeddingBagCollection`` (there is no parent to swap it in:
-        use ``CompressedEmbeddingBagCollection.from_ebc``).
+        use ``CompressedEmbeddingBagCollection.from_ebc``), or for an option that would do
+        nothing: ``client_options`` or ``allow_dtype_mismatch`` without ``remote``,
+        ``allow_unknown_keys`` or ``client_options`` with ``pack_to``.
     ValueError
         If ``model`` holds no ``EmbeddingBagCollection``; for ``remote``, a table whose dim,
         rows or dtype differ from the server's (naming the feature and table).
@@ -72,14 +74,21 @@ def compress_model(
     On any error the model is left as it was (every replacement is built before the first is
     swapped in) and a connection opened for ``remote`` is closed.
     """
-    if allow_dtype_mismatch and remote is None:
-        raise TypeError("allow_dtype_mismatch applies to remote collections only")
+    if pack_to is not None and remote is not None:
+        raise TypeError(
+            "pack_to and remote: pack first, serve the directory, then call "
+            "compress_model(model, remote=...)"
+        )
+    if remote is None:
+        for name, given in (
+            ("client_options", client_options is not None),
+            ("allow_dtype_mismatch", allow_dtype_mismatch),
+        ):
+            if given:
+                raise TypeError(f"{name} applies to remote collections only")
     if pack_to is not None:
-        if remote is not None:
-            raise TypeError(
-                "pack_to and remote: pack first, serve the directory, then call "
-                "compress_model(model, remote=...)"
-            )
+        if allow_unknown_keys:
+            raise TypeError("allow_unknown_keys does not apply to pack_to: no module is built")
         return _pack(model, pack_to, compress_kwargs)
     if isinstance(model, EmbeddingBagCollection):
         raise TypeError(

@@ -106,6 +106,19 @@ def connect(
     return client, ",".join(addresses), served
 
 
+class _SharedClient:
+    """One client several collections use: the last of them to close closes it."""
+
+    def __init__(self, client: Client, users: int) -> None:
+        self.client = client
+        self.users = users
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self.client.close()
+
+
 def remote_collections(
     ebcs: Sequence[EmbeddingBagCollection],
     target: str | Sequence[str],
@@ -117,12 +130,12 @@ def remote_collections(
     """A remote twin of each torchrec collection, all over one connection to ``target``.
 
     Each twin has its collection's configs, with each table's data type that of its weights
-    (which torchrec pools), checked against the server. When one cannot be built the
-    connection is closed before the error leaves.
+    (which torchrec pools), checked against the server. The connection closes once every twin
+    has been closed, or before the error leaves when one cannot be built.
     """
     client, name, served = connect(target, **client_options)
     try:
-        return [
+        twins = [
             RemoteEmbeddingBagCollection(
                 [
                     config_with_weight_dtype(c, ebc.embedding_bags[c.name].weight)
@@ -140,6 +153,10 @@ def remote_collections(
     except BaseException:
         client.close()
         raise
+    shared = _SharedClient(client, len(twins))
+    for twin in twins:
+        twin._shared = shared
+    return twins
 
 
 def _pooled_dim(info: TableInfo) -> int:
@@ -202,7 +219,8 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         bfloat16 or float16, INT8 int8_rowwise). A feature read by two tables (torchrec's
         ``feature@table``) cannot be served: a server maps each feature to one table.
     client : a connected :class:`~ibpembed_client.LookupClient` or ``ShardedLookupClient``
-        (see :func:`connect`); the module closes it in :meth:`close` only if ``owns_client``.
+        (see :func:`connect`); the module closes it in :meth:`close` only if ``owns_client``
+        (or, built by :func:`remote_collections`, when the last collection sharing it closes).
     target : the server's name in error messages.
     is_weighted : whether the KJT's weights scale the rows.
     allow_unknown_keys : ignore KJT keys that no table reads instead of raising.
@@ -228,6 +246,8 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._client = client
         self._target = target
         self._owns_client = owns_client
+        self._shared: _SharedClient | None = None
+        self._closed = False
         self._is_weighted = is_weighted
         self._allow_unknown_keys = allow_unknown_keys
         if len({c.name for c in tables}) != len(tables):
@@ -283,8 +303,9 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         features : the features to look up, in output order (tables are ordered by their first
             listed feature; each reads the listed features it serves); default every feature of
             every poolable table, in the server's order.
-        pooling : for every table, or per table name (missing names: SUM). The server does not
-            record a model's pooling, so it is said here.
+        pooling : for every table, or per table name (missing names: SUM; a name the server
+            does not serve as a table is refused). The server does not record a model's
+            pooling, so it is said here.
 
         Each config's data type is the served table's: FP32, FP16, BF16, or INT8 for
         int8_rowwise rows (whose dim is the pooled dim).
@@ -297,12 +318,20 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         KeyError
             for a feature in ``features`` the server does not serve.
         ValueError
-            for a feature in ``features`` whose table holds rows that cannot be pooled.
+            for a feature in ``features`` whose table holds rows that cannot be pooled, or a
+            ``pooling`` name that is not a served table.
         ConnectionError
             when the server cannot be reached.
         """
         client, name, served = connect(target, **client_options)
         try:
+            if isinstance(pooling, dict):
+                unknown = sorted(set(pooling) - set(served))
+                if unknown:
+                    raise ValueError(
+                        f"pooling names {unknown}, which {name} does not serve as tables (it "
+                        f"serves {sorted(served)}); pooling is given per table, not per feature"
+                    )
             by_feature = {f: t for t in served.values() for f in t.features}
             if features is not None:
                 missing = [f for f in features if f not in by_feature]
@@ -432,6 +461,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             for a request the server refused (its message names the feature) or could not
             answer (unreachable, past the deadline), naming the target and the features.
         """
+        self._check_open()
         request, stride, lengths = self._request(features)
         try:
             result = self._client.lookup_request(request)
@@ -446,6 +476,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         round trip when batches are ready ahead of time. Over row-sharded servers (no stream
         across shards) the batches go one ``forward`` after another.
         """
+        self._check_open()
         if not isinstance(self._client, LookupClient):
             for kjt in batches:
                 yield self.forward(kjt)
@@ -573,9 +604,22 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         return RemoteLookupError(f"{what} (features {self._features}): {err}", err)
 
     def close(self) -> None:
-        """Close the connection, when this module opened it (:meth:`from_server`)."""
-        if self._owns_client:
+        """Release the connection: close it when this module opened it (:meth:`from_server`),
+        or when this is the last open collection built over it by :func:`remote_collections`
+        (``compress_model(model, remote=...)``). Lookups on a closed module raise
+        ``RuntimeError``; closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._shared is not None:
+            self._shared.release()
+        elif self._owns_client:
             self._client.close()
+
+    def _check_open(self) -> None:
+        # A closed client would open a new channel on the next call, which nothing closes.
+        if self._closed:
+            raise RuntimeError(f"this RemoteEmbeddingBagCollection ({self._target}) is closed")
 
     def __enter__(self) -> RemoteEmbeddingBagCollection:
         return self
