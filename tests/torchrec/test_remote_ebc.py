@@ -527,6 +527,15 @@ def test_an_out_of_range_id_names_the_feature(remote) -> None:
         remote(kjt)
 
 
+def test_two_dimensional_lengths(remote) -> None:
+    kjt = random_kjt(2, 1, 0)
+    flat = KeyedJaggedTensor(kjt.keys(), kjt.values(), lengths=kjt.lengths().reshape(5, 2))
+    with pytest.raises(
+        ValueError, match=r"lengths must be 1-D \(keys x batch\), got shape \[5, 2\]"
+    ):
+        remote(flat)
+
+
 def test_a_kjt_missing_a_feature(remote) -> None:
     kjt = KeyedJaggedTensor(keys=["f_a"], values=torch.tensor([0]), lengths=torch.tensor([1]))
     with pytest.raises(KeyError, match=r"feature 'f_\w+' is missing from the KJT"):

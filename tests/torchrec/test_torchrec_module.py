@@ -435,6 +435,15 @@ def batch_with(**override) -> KeyedJaggedTensor:
             r"lengths has 5 entries, expected 4 keys x batch 1 = 4",
         ),
         (
+            KeyedJaggedTensor(
+                keys=["f_a", "f_b", "f_shared", "f_c"],
+                values=torch.tensor([1, 2, 3, 0]),
+                lengths=torch.ones(2, 2, dtype=torch.int64),
+            ),
+            ValueError,
+            r"lengths must be 1-D \(keys x batch\), got shape \[2, 2\]",
+        ),
+        (
             kjt_of(["f_a", "f_b", "f_shared", "f_c"], [1, 2, 0, 0], [2, -1, 2, 1]),
             ValueError,
             "lengths must be non-negative",
@@ -508,7 +517,9 @@ def test_state_dict_mismatches_are_reported(mixed) -> None:
     _, ours = mixed
     state = ours.state_dict()
     other = [replace(c, num_embeddings=c.num_embeddings + 1) for c in TABLES]
-    with pytest.raises(RuntimeError, match=r"state holds a 7x3 table .* expects 8x3"):
+    with pytest.raises(
+        RuntimeError, match=r"embedding_bags\.t_small\.meta: state holds a 7x3 table .* expects 8x3"
+    ):
         CompressedEmbeddingBagCollection(other).load_state_dict(state)
     old = dict(state)
     old["embedding_bags.t_small.meta"] = old["embedding_bags.t_small.meta"].clone()

@@ -522,6 +522,10 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             raise TypeError(f"KJT values must be integer ids, got {values.dtype}")
         stride = features.stride()
         lengths = features.lengths()
+        if lengths.dim() != 1:
+            raise ValueError(
+                f"KJT lengths must be 1-D (keys x batch), got shape {list(lengths.shape)}"
+            )
         if lengths.numel() != len(keys) * stride:
             raise ValueError(
                 f"KJT lengths has {lengths.numel()} entries, expected {len(keys)} keys x "
