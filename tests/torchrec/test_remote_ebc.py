@@ -7,7 +7,9 @@ bit for bit. Row-sharded servers add partial sums in another order: they are hel
 bound against torchrec's own module.
 """
 
+import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ from torchrec import (
 )
 
 from ibpembed.cli import main as main_cli
-from ibpembed.tables.importers import from_torchrec
+from ibpembed.tables.importers import TableSet, TableSource, from_torchrec
 from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.shards import pack_shards
 from ibpembed.tables.store import TableStore
@@ -36,7 +38,7 @@ from ibpembed.torchrec import (
     pooled_error_bound,
 )
 from ibpembed.torchrec.remote import RemoteLookupError
-from tests.server.helpers import RunningServer
+from tests.server.helpers import RunningServer, make_store
 
 # Awkward dims (1, 3, 129), SUM and MEAN mixed, a table read by two features, an FP16 table.
 TABLES = [
@@ -153,6 +155,7 @@ def test_configs_come_from_list_tables(remote: RemoteEmbeddingBagCollection) -> 
         )
         assert got.feature_names == config.feature_names
         assert got.pooling == POOLING.get(config.name, PoolingType.SUM)
+        assert got.data_type == config.data_type  # the served table's: t_half is FP16
     assert not remote.is_weighted()
 
 
@@ -192,6 +195,29 @@ def test_all_mean_tables_ask_the_server_for_mean(server, local) -> None:
         expected = local(kjt)
         assert got.keys() == ["f_b", "f_b2"]
         for key in ("f_b", "f_b2"):
+            assert torch.equal(got[key], expected[key])
+
+
+def test_inverse_indices_expand_the_batch_as_in_torchrec(remote, ebc) -> None:
+    # 3 bags per feature answering 5 samples; one id per bag at most, so torchrec's pooled
+    # outputs are rows, bit for bit.
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 2, (len(FEATURES) * 3,), generator=gen)
+    values = torch.cat(
+        [
+            torch.randint(0, ROWS[f], (int(lengths[3 * k : 3 * k + 3].sum()),), generator=gen)
+            for k, f in enumerate(FEATURES)
+        ]
+    )
+    inverse = (FEATURES[::-1], torch.randint(0, 3, (len(FEATURES), 5), generator=gen))
+    kjt = KeyedJaggedTensor(FEATURES, values, lengths=lengths, inverse_indices=inverse)
+    expected = ebc(kjt)
+    for got in (remote(kjt), *remote.lookup_stream([kjt])):
+        # from_server lists the tables in the server's order: compared key by key.
+        keys = expected.keys()
+        assert sorted(got.keys()) == sorted(keys)
+        for key in keys:
+            assert got[key].shape[0] == 5
             assert torch.equal(got[key], expected[key])
 
 
@@ -321,6 +347,53 @@ def test_row_sharded_servers(packed: Path, ebc) -> None:
             s.stop()
 
 
+def connections_to(port: int) -> int:
+    """Established TCP connections whose far end is ``port`` on this host: the clients' ends."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            _, _, far, state = line.split()[:4]
+            count += state == "01" and int(far.rsplit(":", 1)[1], 16) == port
+    return count
+
+
+def test_close_releases_the_connection_compress_model_shares(packed: Path) -> None:
+    model = nn.Module()
+    model.first = EmbeddingBagCollection(tables=TABLES[:2], device=torch.device("meta"))
+    model.second = EmbeddingBagCollection(tables=TABLES[2:], device=torch.device("meta"))
+    with RunningServer(TableStore.load(packed / "whole")) as running:
+        compress_model(model, remote=running.target, allow_unknown_keys=True)
+        kjt = random_kjt(4, 3, seed=0)
+        model.first(kjt), model.second(kjt)
+        port = int(running.target.rsplit(":", 1)[1])
+        assert connections_to(port) > 0
+        model.first.close()
+        model.first.close()  # again: nothing more to release
+        with pytest.raises(
+            RuntimeError, match=r"RemoteEmbeddingBagCollection \(127.0.0.1:\d+\) is closed"
+        ):
+            model.first(kjt)
+        assert model.second(kjt).values().shape == (4, 1 + 16)  # still open for the other
+        model.second.close()
+        deadline = time.monotonic() + 10
+        while connections_to(port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert connections_to(port) == 0
+
+
+def test_options_that_would_do_nothing_are_refused(server, tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="client_options applies to remote collections only"):
+        compress_model(TinyModel(make_ebc()), client_options={"timeout": 1.0})
+    with pytest.raises(TypeError, match="allow_unknown_keys does not apply to pack_to"):
+        compress_model(TinyModel(make_ebc()), True, pack_to=tmp_path)
+    with pytest.raises(TypeError, match="client_options applies to remote collections only"):
+        compress_model(TinyModel(make_ebc()), pack_to=tmp_path, client_options={"timeout": 1.0})
+    assert not any(tmp_path.iterdir())
+    # Pooling is per table; a feature name there would silently pool with SUM.
+    with pytest.raises(ValueError, match=r"pooling names \['f_b'\], which 127.0.0.1:\d+ does not"):
+        RemoteEmbeddingBagCollection.from_server(server.target, pooling={"f_b": PoolingType.MEAN})
+
+
 # -- bad input and failures: clear errors naming the feature -------------------------------------
 
 
@@ -334,6 +407,18 @@ def test_a_feature_the_server_lacks(server) -> None:
     model = TinyModel(EmbeddingBagCollection(tables=other, device=torch.device("meta")))
     with pytest.raises(KeyError, match=r"feature 'f_zz' \(table 't_x'\) is not served"):
         compress_model(model, remote=server.target)
+
+
+def test_a_failed_remote_swap_changes_nothing(server) -> None:
+    model = nn.Module()
+    model.first = first = make_ebc()
+    unserved = EmbeddingBagConfig(
+        name="t_x", embedding_dim=4, num_embeddings=5, feature_names=["f_zz"]
+    )
+    model.second = second = EmbeddingBagCollection(tables=[unserved], device=torch.device("meta"))
+    with pytest.raises(KeyError, match=r"feature 'f_zz' \(table 't_x'\) is not served"):
+        compress_model(model, remote=server.target)
+    assert model.first is first and model.second is second
 
 
 def test_a_dim_that_differs_from_the_config(server) -> None:
@@ -370,6 +455,68 @@ def test_a_feature_read_by_two_tables_is_refused(server) -> None:
         compress_model(model, remote=server.target)
 
 
+def test_a_dtype_that_differs_from_the_config(server) -> None:
+    # t_half is served as float16 rows; a model whose t_half is fp32 pools other values.
+    fp32 = [replace(c, data_type=DataType.FP32) for c in TABLES]
+    model = TinyModel(EmbeddingBagCollection(tables=fp32, device=torch.device("meta")))
+    with pytest.raises(
+        ValueError,
+        match=r"feature 'f_d' \(table 't_half'\): the config says FP32, .* holding float16 rows "
+        r"\(pass allow_dtype_mismatch=True",
+    ):
+        compress_model(model, remote=server.target)
+    compress_model(model, remote=server.target, allow_dtype_mismatch=True)
+    assert isinstance(model.sparse, RemoteEmbeddingBagCollection)
+    model.sparse.close()
+    with pytest.raises(TypeError, match="allow_dtype_mismatch applies to remote"):
+        compress_model(TinyModel(make_ebc()), allow_dtype_mismatch=True)
+
+
+def test_int8_rowwise_rows_need_an_int8_config() -> None:
+    with RunningServer(make_store()) as running:
+        # The store's "quant" feature reads 300 int8_rowwise rows of 12 codes: pooled dim 12.
+        with RemoteEmbeddingBagCollection.from_server(running.target, ["quant"]) as module:
+            (config,) = module.embedding_bag_configs()
+            assert (config.data_type, config.embedding_dim) == (DataType.INT8, 12)
+            assert module(
+                KeyedJaggedTensor(
+                    keys=["quant"], values=torch.tensor([1]), lengths=torch.tensor([1])
+                )
+            ).values().shape == (1, 12)
+        fp32 = EmbeddingBagConfig(
+            name="emb_q8", embedding_dim=12, num_embeddings=300, feature_names=["quant"]
+        )
+        model = TinyModel(EmbeddingBagCollection(tables=[fp32], device=torch.device("meta")))
+        with pytest.raises(ValueError, match=r"'emb_q8'\): the config says FP32.*int8_rowwise"):
+            compress_model(model, remote=running.target)
+
+
+def test_a_table_of_raw_bytes_is_not_pooled(tmp_path: Path) -> None:
+    codes = TableSource("raw", torch.randint(0, 255, (20, 8), dtype=torch.uint8))
+    pack_table_set(tmp_path, TableSet((codes,)), sample_rows=None)
+    with RunningServer(TableStore.load(tmp_path)) as running:
+        with pytest.raises(ValueError, match="table 'raw' holds uint8 rows, which cannot"):
+            RemoteEmbeddingBagCollection.from_server(running.target, ["raw"])
+        with RemoteEmbeddingBagCollection.from_server(running.target) as module:
+            assert module.embedding_bag_configs() == []
+
+
+def test_a_cast_model_is_served_the_weights_it_pools(tmp_path: Path) -> None:
+    # .half() leaves the configs FP32; the packed rows and the remote configs are fp16.
+    torch.manual_seed(3)
+    model = TinyModel(make_ebc()).half()
+    in_process = TinyModel(make_ebc()).half()
+    in_process.load_state_dict(model.state_dict())
+    compress_model(in_process, sample_rows=None)
+    compress_model(model, pack_to=tmp_path, sample_rows=None)
+    with RunningServer(TableStore.load(tmp_path)) as running:
+        compress_model(model, remote=running.target)
+        for seed in range(2):
+            kjt = random_kjt(8, 4, seed)
+            assert_bit_exact(model.sparse(kjt), in_process.sparse(kjt))
+        model.sparse.close()
+
+
 def test_an_out_of_range_id_names_the_feature(remote) -> None:
     kjt = KeyedJaggedTensor(
         keys=FEATURES,
@@ -378,6 +525,15 @@ def test_an_out_of_range_id_names_the_feature(remote) -> None:
     )
     with pytest.raises(RemoteLookupError, match=r"INVALID_ARGUMENT.*feature 'f_c'"):
         remote(kjt)
+
+
+def test_two_dimensional_lengths(remote) -> None:
+    kjt = random_kjt(2, 1, 0)
+    flat = KeyedJaggedTensor(kjt.keys(), kjt.values(), lengths=kjt.lengths().reshape(5, 2))
+    with pytest.raises(
+        ValueError, match=r"lengths must be 1-D \(keys x batch\), got shape \[5, 2\]"
+    ):
+        remote(flat)
 
 
 def test_a_kjt_missing_a_feature(remote) -> None:

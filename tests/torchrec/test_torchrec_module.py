@@ -26,6 +26,8 @@ from torchrec import (
 from torchrec.fx import symbolic_trace
 
 import ibpembed.torchrec.bag as bag_impl
+from ibpembed.cli import main as main_cli
+from ibpembed.codec import compress
 from ibpembed.tables.importers import TableSet, TableSource, from_torchrec
 from ibpembed.tables.pack import pack_table_set
 from ibpembed.torchrec import (
@@ -189,6 +191,43 @@ def test_a_meta_placeholder_moves_like_any_module() -> None:
     assert all(b.payload.device.type == "cpu" for b in moved.embedding_bags.values())
 
 
+def deduplicated_kjt(rows: dict[str, int]) -> KeyedJaggedTensor:
+    """3 bags per feature answering 5 samples through inverse indices, listed in their own key
+    order (torchrec looks each feature up by name). Bags hold at most one id, so torchrec's
+    pooled outputs are rows, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    keys = list(rows)
+    lengths = torch.randint(0, 2, (len(keys) * 3,), generator=gen)
+    values = torch.cat(
+        [
+            torch.randint(0, rows[key], (int(lengths[3 * k : 3 * k + 3].sum()),), generator=gen)
+            for k, key in enumerate(keys)
+        ]
+    )
+    inverse = torch.randint(0, 3, (len(keys), 5), generator=gen)
+    return KeyedJaggedTensor(
+        keys=keys, values=values, lengths=lengths, inverse_indices=(keys[::-1], inverse)
+    )
+
+
+def test_inverse_indices_expand_the_batch_as_in_torchrec(mixed) -> None:
+    ebc, ours = mixed
+    kjt = deduplicated_kjt({"f_a": 7, "f_b": 300, "f_shared": 300, "f_c": 1})
+    expected = ebc(kjt)
+    for module in (ours, torch.jit.script(ours), symbolic_trace(ours)):
+        got = module(kjt)
+        assert got.keys() == expected.keys()
+        assert got.values().shape == (5, 3 + 129 + 129 + 1 + 16)
+        assert torch.equal(got.values(), expected.values())
+    keys, inverse = kjt.inverse_indices()
+    partial = KeyedJaggedTensor(
+        keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+        inverse_indices=(keys[1:], inverse[1:]),
+    )  # fmt: skip
+    with pytest.raises(KeyError, match="feature 'f_c' has no inverse indices"):
+        ours(partial)
+
+
 def test_unweighted_collection_ignores_weights_like_torchrec(mixed) -> None:
     ebc, ours = mixed
     assert_same_as_torchrec(ebc, ours, random_kjt(ebc, 8, 4, seed=3, weighted=True))
@@ -208,6 +247,87 @@ def test_fp16_tables() -> None:
     ebc = make_ebc(tables)
     ours = CompressedEmbeddingBagCollection.from_ebc(ebc)
     assert_same_as_torchrec(ebc, ours, random_kjt(ebc, 16, 30, seed=0))
+
+
+# torchrec holds every table whose config is not FP32 as fp16 weights; .half() and
+# .to(torch.bfloat16) cast the weights and leave the configs as they were.
+LOW_PRECISION = {
+    "FP16 config": (DataType.FP16, None),
+    "BF16 config": (DataType.BF16, None),
+    "half()": (DataType.FP32, torch.float16),
+    "to(bfloat16)": (DataType.FP32, torch.bfloat16),
+}
+
+
+def low_precision_ebc(tables: list[EmbeddingBagConfig], how: str) -> EmbeddingBagCollection:
+    data_type, cast = LOW_PRECISION[how]
+    ebc = make_ebc([replace(c, data_type=data_type) for c in tables])
+    return ebc if cast is None else ebc.to(cast)
+
+
+@pytest.mark.parametrize("how", list(LOW_PRECISION))
+def test_low_precision_weights_are_compressed_as_torchrec_holds_them(how: str) -> None:
+    ebc = low_precision_ebc(TABLES, how)
+    model = torch.nn.Sequential(ebc)
+    compress_model(model)
+    ours = model[0]
+    for config in ours.embedding_bag_configs():
+        weight = ebc.embedding_bags[config.name].weight.detach()
+        # The config says the weight's dtype, so a module built from it loads the state dict.
+        assert bag_impl.TORCH_DTYPES[config.data_type] == weight.dtype
+        rows = ours.embedding_bags[config.name].compressed_table().decompress()
+        assert torch.equal(rows.view(torch.int16), weight.view(torch.int16))
+    for seed in range(3):
+        assert_same_as_torchrec(ebc, ours, random_kjt(ebc, 16, 4, seed=seed))
+    fresh = CompressedEmbeddingBagCollection(ours.embedding_bag_configs())
+    fresh.load_state_dict(ours.state_dict())
+    kjt = random_kjt(ebc, 8, 4, seed=5)
+    assert torch.equal(fresh(kjt).values(), ours(kjt).values())
+
+
+def test_dtype_errors_name_the_table() -> None:
+    with pytest.raises(TypeError, match=r"table 't_small': weights are torch.float64"):
+        CompressedEmbeddingBagCollection.from_ebc(make_ebc(TABLES).double())
+    ebc = make_ebc(TABLES[:1])
+    half = compress(ebc.embedding_bags["t_small"].weight.detach().half())
+    with pytest.raises(ValueError, match=r"table 't_small': compressed table is 7x3 torch.float16"):
+        CompressedEmbeddingBagCollection(TABLES[:1], compressed={"t_small": half})
+
+
+# Rows in [0.5, 1.5) put every pooled sum among the low-precision format's coarse steps, and
+# torchrec's MEAN rounds the sum and then the quotient; rows scaled into fp16's subnormal range
+# make fp16's roundings' errors absolute instead of relative.
+@pytest.mark.parametrize("scale", [1.0, 2.0**-20])
+@pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
+@pytest.mark.parametrize("how", list(LOW_PRECISION))
+def test_the_bound_holds_where_torchrec_rounds_its_outputs(
+    how: str, pooling: PoolingType, scale: float
+) -> None:
+    beyond_one_rounding = 0
+    for length in (1, 2, 3, 5, 7, 10, 100):
+        gen = torch.Generator().manual_seed(length)
+        config = EmbeddingBagConfig(
+            name="t", embedding_dim=256, num_embeddings=64, feature_names=["f"], pooling=pooling
+        )
+        ebc = low_precision_ebc([config], how)
+        weight = ebc.embedding_bags["t"].weight
+        with torch.no_grad():
+            weight.copy_((torch.rand(weight.shape, generator=gen) + 0.5) * scale)
+        ids = torch.randint(0, 64, (32 * length,), generator=gen)
+        kjt = KeyedJaggedTensor(keys=["f"], values=ids, lengths=torch.full((32,), length))
+        expected = ebc(kjt).values().double()
+        got = CompressedEmbeddingBagCollection.from_ebc(ebc)(kjt).values().double()
+        diff = (got - expected).abs()
+        bound = pooled_error_bound(ebc, kjt)
+        assert bool((diff <= bound).all()), f"L={length}: max excess {float((diff - bound).max())}"
+        exact = weight.detach().double()[ids.view(32, length)].sum(1)
+        if pooling == PoolingType.MEAN:
+            exact = exact / length
+        unit = 2.0**-11 if weight.dtype == torch.float16 else 2.0**-8
+        beyond_one_rounding += int((diff > unit * exact.abs()).sum())
+    if pooling == PoolingType.MEAN:
+        # The inputs do reach the double rounding a single rounding cannot account for.
+        assert beyond_one_rounding > 0
 
 
 def test_rows_are_bit_exact(mixed) -> None:
@@ -315,6 +435,15 @@ def batch_with(**override) -> KeyedJaggedTensor:
             r"lengths has 5 entries, expected 4 keys x batch 1 = 4",
         ),
         (
+            KeyedJaggedTensor(
+                keys=["f_a", "f_b", "f_shared", "f_c"],
+                values=torch.tensor([1, 2, 3, 0]),
+                lengths=torch.ones(2, 2, dtype=torch.int64),
+            ),
+            ValueError,
+            r"lengths must be 1-D \(keys x batch\), got shape \[2, 2\]",
+        ),
+        (
             kjt_of(["f_a", "f_b", "f_shared", "f_c"], [1, 2, 0, 0], [2, -1, 2, 1]),
             ValueError,
             "lengths must be non-negative",
@@ -388,7 +517,9 @@ def test_state_dict_mismatches_are_reported(mixed) -> None:
     _, ours = mixed
     state = ours.state_dict()
     other = [replace(c, num_embeddings=c.num_embeddings + 1) for c in TABLES]
-    with pytest.raises(RuntimeError, match=r"state holds a 7x3 table .* expects 8x3"):
+    with pytest.raises(
+        RuntimeError, match=r"embedding_bags\.t_small\.meta: state holds a 7x3 table .* expects 8x3"
+    ):
         CompressedEmbeddingBagCollection(other).load_state_dict(state)
     old = dict(state)
     old["embedding_bags.t_small.meta"] = old["embedding_bags.t_small.meta"].clone()
@@ -511,6 +642,27 @@ def test_from_table_set(tmp_path) -> None:
         CompressedEmbeddingBagCollection.from_table_set(tmp_path, tables=["nope"])
 
 
+def test_from_table_set_reads_the_features_mapped_to_a_state_dicts_tables(tmp_path) -> None:
+    # A state dict holds no feature names: `ibpembed pack --feature F=T` maps them, and the
+    # collection reads them as the server serves them, not the tables' own names.
+    tables = [
+        EmbeddingBagConfig(
+            name="t_two", embedding_dim=5, num_embeddings=40, feature_names=["f_a", "f_b"]
+        ),
+        EmbeddingBagConfig(name="t_one", embedding_dim=3, num_embeddings=30, feature_names=["f_c"]),
+    ]
+    ebc = make_ebc(tables)
+    torch.save(torch.nn.ModuleDict({"sparse": ebc}).state_dict(), tmp_path / "model.pt")
+    features = [f"--feature={f}={c.name}" for c in tables for f in c.feature_names]
+    argv = ["pack", str(tmp_path / "model.pt"), "-o", str(tmp_path / "set"), "--no-progress"]
+    assert main_cli([*argv, *features]) == 0
+    ours = CompressedEmbeddingBagCollection.from_table_set(
+        tmp_path / "set", tables=["t_two", "t_one"]
+    )
+    assert [c.feature_names for c in ours.embedding_bag_configs()] == [["f_a", "f_b"], ["f_c"]]
+    assert_same_as_torchrec(ebc, ours, random_kjt(ebc, 16, 5, seed=0))
+
+
 def test_from_table_set_bf16_and_int8(tmp_path) -> None:
     torch.manual_seed(0)
     bf16 = (torch.randn(50, 8) * 0.1).bfloat16()
@@ -607,6 +759,15 @@ def test_compress_model_replaces_a_shared_collection_at_every_path() -> None:
     # Its tables are stored once: reported once, under the first path.
     assert [(r.module, r.table) for r in report] == [("a", c.name) for c in TABLES]
     assert_same_as_torchrec(ebc, model.b, random_kjt(ebc, 8, 4, seed=0))
+
+
+def test_compress_model_changes_nothing_when_a_collection_fails() -> None:
+    model = torch.nn.Module()
+    model.first = first = make_ebc(TABLES)
+    model.second = second = make_ebc(TABLES[:1]).double()  # float64 rows cannot be compressed
+    with pytest.raises(TypeError, match=r"table 't_small': weights are torch\.float64"):
+        compress_model(model)
+    assert model.first is first and model.second is second
 
 
 def test_compress_model_errors() -> None:

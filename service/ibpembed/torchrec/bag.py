@@ -259,7 +259,7 @@ class CompressedEmbeddingBag(nn.Module):
         expected = (self.num_embeddings, self.embedding_dim, self.dtype_code)
         if (num_rows, dim, dtype_code) != expected:
             error_msgs.append(
-                f"{prefix}: state holds a {num_rows}x{dim} table of dtype code {dtype_code}, "
+                f"{prefix}meta: state holds a {num_rows}x{dim} table of dtype code {dtype_code}, "
                 f"this module expects {expected[0]}x{expected[1]} of dtype code {expected[2]}"
             )
             return
@@ -377,7 +377,9 @@ def _pooled_collection(
 ) -> Tensor:
     """Pooled [stride, sum of dims] fp32: output j pools KJT key ``output_key[j]`` with table
     ``output_table[j]``. The whole batch is checked before any kernel runs."""
-    if lengths.dim() != 1 or lengths.numel() != num_keys * stride:
+    if lengths.dim() != 1:
+        raise ValueError(f"KJT lengths must be 1-D (keys x batch), got shape {list(lengths.shape)}")
+    if lengths.numel() != num_keys * stride:
         raise ValueError(
             f"KJT lengths has {lengths.numel()} entries, expected {num_keys} keys x "
             f"batch {stride} = {num_keys * stride}"

@@ -28,7 +28,7 @@ from ibpembed.codec import CompressedTable, compress
 from ibpembed.engine.tier import DEFAULT_BUDGET as DEFAULT_HOT_ROW_BUDGET
 from ibpembed.engine.tier import hot_row_ids
 from ibpembed.layout import DTYPE_CODES
-from ibpembed.tables.manifest import load_table_set
+from ibpembed.tables.manifest import Manifest, load_table_set
 from ibpembed.torchrec.bag import DATA_TYPES, POOLING_CODES, TORCH_DTYPES, CompressedEmbeddingBag
 from ibpembed.torchrec.report import TableReport
 
@@ -40,7 +40,8 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     ``forward`` returns the ``KeyedTensor`` torchrec's module would: keys in table order (a feature
     shared by several tables is named ``feature@table``), ``length_per_key`` the table dims, fp32
     values pooled with each table's SUM or MEAN. Weighted collections (``is_weighted=True``)
-    multiply each row by the KJT's weight; as in torchrec, weights are ignored otherwise.
+    multiply each row by the KJT's weight; as in torchrec, weights are ignored otherwise. A KJT
+    with inverse indices (a deduplicated batch) is expanded by them, as torchrec does.
 
     Every batch is checked before any kernel runs; the errors are:
 
@@ -79,13 +80,16 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             raise ValueError("table names must be unique")
         for config in self._embedding_bag_configs:
             table = None if compressed is None else compressed[config.name]
-            self.embedding_bags[config.name] = CompressedEmbeddingBag(
-                config.num_embeddings,
-                config.embedding_dim,
-                TORCH_DTYPES[config.data_type],
-                config.pooling,
-                table,
-            )
+            try:
+                self.embedding_bags[config.name] = CompressedEmbeddingBag(
+                    config.num_embeddings,
+                    config.embedding_dim,
+                    TORCH_DTYPES[config.data_type],
+                    config.pooling,
+                    table,
+                )
+            except ValueError as exc:
+                raise ValueError(f"table {config.name!r}: {exc}") from None
         configs = self._embedding_bag_configs
         self._feature_names: list[list[str]] = [list(c.feature_names) for c in configs]
         self._embedding_names: list[str] = [
@@ -109,26 +113,34 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     ) -> "CompressedEmbeddingBagCollection":
         """Compress every table of a float torchrec ``EmbeddingBagCollection``.
 
+        Each table keeps its weight's dtype, and the new module's config says it: torchrec
+        holds every table whose config is not FP32 (BF16 included) as fp16 weights, and
+        ``.half()`` or ``.to(torch.bfloat16)`` casts them without touching the configs.
+
         Parameters
         ----------
         ebc : the module to replace; its weights are read, never modified.
         allow_unknown_keys : see the class docstring.
         **compress_kwargs : passed to :func:`ibpembed.compress` (``method``, ``align``, ...).
+
+        Raises
+        ------
+        TypeError
+            for a table whose weights are not float32, float16 or bfloat16 (naming it).
+        ValueError
+            for a table on the meta device (naming it).
         """
         if not isinstance(ebc, EmbeddingBagCollection):
             raise TypeError(f"expected a torchrec EmbeddingBagCollection, got {type(ebc).__name__}")
+        configs = []
         compressed = {}
         for config in ebc.embedding_bag_configs():
             weight = ebc.embedding_bags[config.name].weight.detach()
             if weight.device.type == "meta":
                 raise ValueError(f"table {config.name!r} is on the meta device: no weights")
+            configs.append(config_with_weight_dtype(config, weight))
             compressed[config.name] = compress(weight.cpu().contiguous(), **compress_kwargs)
-        return cls(
-            ebc.embedding_bag_configs(),
-            ebc.is_weighted(),
-            compressed,
-            allow_unknown_keys=allow_unknown_keys,
-        )
+        return cls(configs, ebc.is_weighted(), compressed, allow_unknown_keys=allow_unknown_keys)
 
     @classmethod
     def from_table_set(
@@ -141,9 +153,13 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     ) -> "CompressedEmbeddingBagCollection":
         """Load a packed table set (``ibpembed pack``, ``ibpembed.tables``) as a collection.
 
-        Tables keep the feature names and pooling their manifest records (tables packed without
-        a pooling pool with SUM, torchrec's default). The payloads stay memory-mapped from the
-        table files until rows are read.
+        Tables keep the pooling their manifest records (tables packed without a pooling pool
+        with SUM, torchrec's default) and read the features it maps to them, as the server
+        serves them: those packed with the table, in their order, then those mapped with
+        ``ibpembed pack --feature F=T``, in the manifest's (sorted) order. A table packed from a
+        state dict, which holds no feature names, is recorded under its own name; once features
+        are mapped to it that name is dropped, so the model's KJT keys are what it reads. The
+        payloads stay memory-mapped from the table files until rows are read.
 
         Parameters
         ----------
@@ -178,7 +194,7 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                     name=name,
                     embedding_dim=entry.dim,
                     num_embeddings=entry.num_rows,
-                    feature_names=list(entry.feature_names),
+                    feature_names=_manifest_features(manifest, name),
                     pooling=PoolingType.MEAN if entry.pooling == "mean" else PoolingType.SUM,
                     data_type=DATA_TYPES[entry.dtype],
                 )
@@ -328,6 +344,12 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             self._output_features,
             self._table_names,
         )
+        values = expand_inverse_indices(
+            values,
+            features.inverse_indices_or_none(),
+            self._output_features,
+            self._lengths_per_embedding,
+        )
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
@@ -377,6 +399,66 @@ def _kjt_parts(
         len(keys),
         output_key,
     )
+
+
+# NOTE: wrapped like _kjt_parts (it reads the KJT's key names); torchrec's own EBC wraps its
+# inverse-index steps the same way.
+@torch.fx.wrap
+def expand_inverse_indices(
+    pooled: Tensor,
+    inverse_indices: tuple[list[str], Tensor] | None,
+    output_features: list[str],
+    dims: list[int],
+) -> Tensor:
+    """``pooled`` [B, sum of dims] expanded by a KJT's inverse indices, as torchrec's EBC does:
+    [B', sum of dims] whose row b of output j is ``pooled``'s row ``index[k][b]``, k the KJT key
+    of output j's feature (a deduplicated batch of B bags answering B' samples). Without
+    inverse indices, ``pooled`` itself."""
+    if inverse_indices is None:
+        return pooled
+    keys, index = inverse_indices
+    position: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        position[key] = i
+    parts: list[Tensor] = []
+    start = 0
+    for j in range(len(output_features)):
+        feature = output_features[j]
+        if feature not in position:
+            raise KeyError(f"feature '{feature}' has no inverse indices (the KJT's are for {keys})")
+        rows = index[position[feature]].to(device=pooled.device, dtype=torch.int64)
+        parts.append(pooled[:, start : start + dims[j]].index_select(0, rows))
+        start += dims[j]
+    if len(parts) == 0:
+        return pooled.new_empty((index.shape[-1], 0))
+    return torch.cat(parts, dim=1)
+
+
+def config_with_weight_dtype(config: EmbeddingBagConfig, weight: Tensor) -> EmbeddingBagConfig:
+    """``config`` with the data type of the weight torchrec pools it with.
+
+    torchrec allocates fp16 weights for every config that is not FP32, and a module's
+    ``.half()`` or ``.to(dtype)`` casts the weights but not the configs: the weight is what
+    torchrec computes with, so it decides the table's dtype.
+    """
+    name = str(weight.dtype).removeprefix("torch.")
+    if name not in DATA_TYPES:
+        raise TypeError(
+            f"table {config.name!r}: weights are {weight.dtype}; only float32, float16 and "
+            "bfloat16 tables can be compressed"
+        )
+    return replace(config, data_type=DATA_TYPES[name])
+
+
+def _manifest_features(manifest: Manifest, table: str) -> list[str]:
+    """The features ``manifest`` maps to ``table``, in the order from_table_set documents."""
+    mapped = [f for f, t in manifest.features.items() if t == table]
+    packed = [f for f in manifest.tables[table].feature_names if f in mapped]
+    explicit = [f for f in mapped if f not in packed]
+    if explicit and packed == [table]:
+        # The packer's stand-in for a source without feature names, not a feature of the model.
+        packed = []
+    return packed + explicit
 
 
 def _checked_config(config: EmbeddingBagConfig) -> EmbeddingBagConfig:

@@ -19,6 +19,7 @@ def compress_model(
     *,
     remote: str | Sequence[str] | None = None,
     client_options: dict[str, Any] | None = None,
+    allow_dtype_mismatch: bool = False,
     pack_to: str | os.PathLike[str] | None = None,
     **compress_kwargs: Any,
 ) -> list[TableReport]:
@@ -30,13 +31,18 @@ def compress_model(
     model : any module holding float ``EmbeddingBagCollection`` submodules (quantized and sharded
         collections are different classes and are left alone).
     allow_unknown_keys : passed to each new collection; set it when one KJT carrying features
-        for several collections is fed to each of them.
+        for several collections is fed to each of them. Not with ``pack_to``.
     remote : None compresses the tables into the model (``CompressedEmbeddingBagCollection``).
         A server address (or every shard's address) makes each collection a
         ``RemoteEmbeddingBagCollection`` on that server instead, with the collection's own
-        configs, checked against what the server serves (pack the model's tables with
-        ``compress_model(model, pack_to=DIR)`` first); all collections share one connection.
-    client_options : for ``remote``: :class:`~ibpembed_client.LookupClient` options.
+        configs (each table's data type that of its weights, which torchrec pools), checked
+        against what the server serves: features, dims, rows and dtype (pack the model's
+        tables with ``compress_model(model, pack_to=DIR)`` first). All collections share one
+        connection, closed once every one of them has been closed (``close()``).
+    client_options : for ``remote`` only: :class:`~ibpembed_client.LookupClient` options.
+    allow_dtype_mismatch : for ``remote``: accept served tables whose rows are not the
+        weights' dtype (e.g. int8_rowwise rows for an fp32 model); the outputs are then those
+        rows' pooling.
     pack_to : a table-set directory: pack every collection's tables into it (publishing its
         next version, as ``ibpembed pack`` does) with their torchrec feature names, which a
         state dict does not hold, so that ``ibpembed serve --tables DIR`` serves what
@@ -56,19 +62,33 @@ def compress_model(
     ------
     TypeError
         If ``model`` is itself an ``EmbeddingBagCollection`` (there is no parent to swap it in:
-        use ``CompressedEmbeddingBagCollection.from_ebc``).
+        use ``CompressedEmbeddingBagCollection.from_ebc``), or for an option that would do
+        nothing: ``client_options`` or ``allow_dtype_mismatch`` without ``remote``,
+        ``allow_unknown_keys`` or ``client_options`` with ``pack_to``.
     ValueError
-        If ``model`` holds no ``EmbeddingBagCollection``; for ``remote``, a table whose dim or
-        rows differ from the server's (naming the feature).
+        If ``model`` holds no ``EmbeddingBagCollection``; for ``remote``, a table whose dim,
+        rows or dtype differ from the server's (naming the feature and table).
     KeyError
         For ``remote``, a feature the server does not serve.
+
+    On any error the model is left as it was (every replacement is built before the first is
+    swapped in) and a connection opened for ``remote`` is closed.
     """
+    if pack_to is not None and remote is not None:
+        raise TypeError(
+            "pack_to and remote: pack first, serve the directory, then call "
+            "compress_model(model, remote=...)"
+        )
+    if remote is None:
+        for name, given in (
+            ("client_options", client_options is not None),
+            ("allow_dtype_mismatch", allow_dtype_mismatch),
+        ):
+            if given:
+                raise TypeError(f"{name} applies to remote collections only")
     if pack_to is not None:
-        if remote is not None:
-            raise TypeError(
-                "pack_to and remote: pack first, serve the directory, then call "
-                "compress_model(model, remote=...)"
-            )
+        if allow_unknown_keys:
+            raise TypeError("allow_unknown_keys does not apply to pack_to: no module is built")
         return _pack(model, pack_to, compress_kwargs)
     if isinstance(model, EmbeddingBagCollection):
         raise TypeError(
@@ -86,46 +106,41 @@ def compress_model(
     ]
     if not targets:
         raise ValueError(f"{type(model).__name__} holds no torchrec EmbeddingBagCollection")
-    make = _remote_maker(remote, allow_unknown_keys, client_options or {}) if remote else None
-    report: list[TableReport] = []
-    done: dict[int, nn.Module] = {}
+    # One replacement per collection, however many paths hold it (reported once, under its
+    # first path: its tables are stored once).
+    first_paths: dict[int, tuple[str, EmbeddingBagCollection]] = {}
     for path, ebc in targets:
-        swapped = done.get(id(ebc))
-        if swapped is None:
-            if make is None:
-                swapped = CompressedEmbeddingBagCollection.from_ebc(
-                    ebc, allow_unknown_keys=allow_unknown_keys, **compress_kwargs
-                )
-                report.extend(swapped.table_bytes(path))  # once: its tables are stored once
-            else:
-                swapped = make(ebc)
-                report.extend(swapped.table_report(path))
-            done[id(ebc)] = swapped
-        parent_path, _, name = path.rpartition(".")
-        setattr(model.get_submodule(parent_path), name, swapped)
-    return report
+        first_paths.setdefault(id(ebc), (path, ebc))
+    sources = list(first_paths.values())
+    # Every replacement is built before any is swapped in, so a collection that cannot be
+    # converted leaves the model as it was.
+    report: list[TableReport] = []
+    replacements: dict[int, nn.Module] = {}
+    if remote is None:
+        for path, ebc in sources:
+            compressed = CompressedEmbeddingBagCollection.from_ebc(
+                ebc, allow_unknown_keys=allow_unknown_keys, **compress_kwargs
+            )
+            replacements[id(ebc)] = compressed
+            report.extend(compressed.table_bytes(path))
+    else:
+        # Imported here: the remote module pulls in grpc, which in-process users never need.
+        from ibpembed.torchrec.remote import remote_collections
 
-
-def _remote_maker(
-    remote: str | Sequence[str], allow_unknown_keys: bool, client_options: dict[str, Any]
-) -> Any:
-    """A function building each collection's remote twin over one shared connection."""
-    # Imported here: the remote module pulls in grpc, which in-process users never need.
-    from ibpembed.torchrec.remote import RemoteEmbeddingBagCollection, connect
-
-    client, name, served = connect(remote, **client_options)
-
-    def make(ebc: EmbeddingBagCollection) -> RemoteEmbeddingBagCollection:
-        return RemoteEmbeddingBagCollection(
-            ebc.embedding_bag_configs(),
-            client,
-            name,
-            served,
-            is_weighted=ebc.is_weighted(),
+        remotes = remote_collections(
+            [ebc for _, ebc in sources],
+            remote,
             allow_unknown_keys=allow_unknown_keys,
+            allow_dtype_mismatch=allow_dtype_mismatch,
+            **(client_options or {}),
         )
-
-    return make
+        for (path, ebc), twin in zip(sources, remotes, strict=True):
+            replacements[id(ebc)] = twin
+            report.extend(twin.table_report(path))
+    for path, ebc in targets:
+        parent_path, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), name, replacements[id(ebc)])
+    return report
 
 
 def _pack(

@@ -20,13 +20,15 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import (
+    EmbeddingBagCollection,
     EmbeddingBagCollectionInterface,
     get_embedding_names_by_table,
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from ibpembed.torchrec.collection import config_with_weight_dtype, expand_inverse_indices
 from ibpembed.torchrec.report import TableReport
 from ibpembed_client import (
     FeatureBatch,
@@ -104,9 +106,88 @@ def connect(
     return client, ",".join(addresses), served
 
 
+class _SharedClient:
+    """One client several collections use: the last of them to close closes it."""
+
+    def __init__(self, client: Client, users: int) -> None:
+        self.client = client
+        self.users = users
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self.client.close()
+
+
+def remote_collections(
+    ebcs: Sequence[EmbeddingBagCollection],
+    target: str | Sequence[str],
+    *,
+    allow_unknown_keys: bool = False,
+    allow_dtype_mismatch: bool = False,
+    **client_options: Any,
+) -> list[RemoteEmbeddingBagCollection]:
+    """A remote twin of each torchrec collection, all over one connection to ``target``.
+
+    Each twin has its collection's configs, with each table's data type that of its weights
+    (which torchrec pools), checked against the server. The connection closes once every twin
+    has been closed, or before the error leaves when one cannot be built.
+    """
+    client, name, served = connect(target, **client_options)
+    try:
+        twins = [
+            RemoteEmbeddingBagCollection(
+                [
+                    config_with_weight_dtype(c, ebc.embedding_bags[c.name].weight)
+                    for c in ebc.embedding_bag_configs()
+                ],
+                client,
+                name,
+                served,
+                is_weighted=ebc.is_weighted(),
+                allow_unknown_keys=allow_unknown_keys,
+                allow_dtype_mismatch=allow_dtype_mismatch,
+            )
+            for ebc in ebcs
+        ]
+    except BaseException:
+        client.close()
+        raise
+    shared = _SharedClient(client, len(twins))
+    for twin in twins:
+        twin._shared = shared
+    return twins
+
+
 def _pooled_dim(info: TableInfo) -> int:
     # Row-wise int8 rows carry a 4-byte fp16 scale and bias before the codes; pooling drops them.
     return info.dim - 4 if info.quant == "int8_rowwise" else info.dim
+
+
+# The rows a server table holds (its quantization, else its dtype) that each torchrec data type
+# pools the same way. torchrec holds a BF16 config's table as fp16 weights, which is what a
+# model packs; a bf16 table set (from_server) says BF16 too. INT8 is torchrec's row-wise int8.
+_SERVED_ROWS: dict[DataType, tuple[str, ...]] = {
+    DataType.FP32: ("float32",),
+    DataType.FP16: ("float16",),
+    DataType.BF16: ("bfloat16", "float16"),
+    DataType.INT8: ("int8_rowwise",),
+}
+
+
+def _rows(info: TableInfo) -> str:
+    return info.quant or info.dtype
+
+
+def _data_type(info: TableInfo) -> DataType:
+    """The torchrec data type of a served table; ValueError for rows that cannot be pooled."""
+    for data_type, rows in _SERVED_ROWS.items():
+        if _rows(info) == rows[0]:
+            return data_type
+    raise ValueError(
+        f"table '{info.name}' holds {_rows(info)} rows, which cannot be pooled (float32, float16, "
+        "bfloat16 and int8_rowwise tables can)"
+    )
 
 
 class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
@@ -120,7 +201,8 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     the ``KeyedTensor`` torchrec's module would: keys in table order (each table's features in
     config order), ``length_per_key`` the table dims, float32 values. SUM and MEAN tables may be
     mixed: the request asks for SUM and MEAN features are divided by the bag length here, with
-    the rounded fp32 reciprocal the server's kernels use, so the bits are the server's MEAN.
+    the rounded fp32 reciprocal the server's kernels use, so the bits are the server's MEAN. A
+    KJT with inverse indices (a deduplicated batch) is expanded by them, as torchrec does.
     :meth:`lookup_stream` pipelines many batches on one stream.
 
     Checks (before any request): ``KeyError`` for a KJT key no table reads (unless
@@ -133,14 +215,19 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     Parameters
     ----------
     tables : one config per table; every feature must be served, by a table of the config's
-        dim and rows. A feature read by two tables (torchrec's ``feature@table``) cannot be
-        served: a server maps each feature to one table.
+        dim and rows, holding rows its data type pools (FP32 float32, FP16 float16, BF16
+        bfloat16 or float16, INT8 int8_rowwise). A feature read by two tables (torchrec's
+        ``feature@table``) cannot be served: a server maps each feature to one table.
     client : a connected :class:`~ibpembed_client.LookupClient` or ``ShardedLookupClient``
-        (see :func:`connect`); the module closes it in :meth:`close` only if ``owns_client``.
+        (see :func:`connect`); the module closes it in :meth:`close` only if ``owns_client``
+        (or, built by :func:`remote_collections`, when the last collection sharing it closes).
     target : the server's name in error messages.
     is_weighted : whether the KJT's weights scale the rows.
     allow_unknown_keys : ignore KJT keys that no table reads instead of raising.
     served : the server's tables by name (:func:`connect` returns them).
+    allow_dtype_mismatch : accept a served table whose rows differ from the config's data type
+        (an FP32 model on a server holding float16 or int8_rowwise rows, to save its memory):
+        the outputs are then the served rows' pooling, not the model's. Refused by default.
     """
 
     def __init__(
@@ -153,11 +240,14 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         is_weighted: bool = False,
         allow_unknown_keys: bool = False,
         owns_client: bool = False,
+        allow_dtype_mismatch: bool = False,
     ) -> None:
         super().__init__()
         self._client = client
         self._target = target
         self._owns_client = owns_client
+        self._shared: _SharedClient | None = None
+        self._closed = False
         self._is_weighted = is_weighted
         self._allow_unknown_keys = allow_unknown_keys
         if len({c.name for c in tables}) != len(tables):
@@ -182,7 +272,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                     )
                 owner[feature] = config.name
         self._served = served
-        self._check_served()
+        self._check_served(allow_dtype_mismatch)
         self._features: list[str] = [f for c in configs for f in c.feature_names]
         self._dims: list[int] = [c.embedding_dim for c in configs for _ in c.feature_names]
         self._mean: list[bool] = [
@@ -213,8 +303,12 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         features : the features to look up, in output order (tables are ordered by their first
             listed feature; each reads the listed features it serves); default every feature of
             every poolable table, in the server's order.
-        pooling : for every table, or per table name (missing names: SUM). The server does not
-            record a model's pooling, so it is said here.
+        pooling : for every table, or per table name (missing names: SUM; a name the server
+            does not serve as a table is refused). The server does not record a model's
+            pooling, so it is said here.
+
+        Each config's data type is the served table's: FP32, FP16, BF16, or INT8 for
+        int8_rowwise rows (whose dim is the pooled dim).
         is_weighted, allow_unknown_keys : see the class docstring.
         **client_options : :class:`~ibpembed_client.LookupClient` options (``timeout``,
             ``tls``, ``token``, ``retry``, ``max_message_bytes``).
@@ -223,11 +317,21 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         ------
         KeyError
             for a feature in ``features`` the server does not serve.
+        ValueError
+            for a feature in ``features`` whose table holds rows that cannot be pooled, or a
+            ``pooling`` name that is not a served table.
         ConnectionError
             when the server cannot be reached.
         """
         client, name, served = connect(target, **client_options)
         try:
+            if isinstance(pooling, dict):
+                unknown = sorted(set(pooling) - set(served))
+                if unknown:
+                    raise ValueError(
+                        f"pooling names {unknown}, which {name} does not serve as tables (it "
+                        f"serves {sorted(served)}); pooling is given per table, not per feature"
+                    )
             by_feature = {f: t for t in served.values() for f in t.features}
             if features is not None:
                 missing = [f for f in features if f not in by_feature]
@@ -245,10 +349,14 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             configs = []
             for table, names in tables.items():
                 info = served[table]
-                # Tables of raw bytes (int8 without a row-wise scale, int4) cannot be pooled.
-                poolable = info.dtype in ("float32", "float16", "bfloat16") or info.quant
-                if features is None and not poolable:
-                    continue
+                try:
+                    data_type = _data_type(info)
+                except ValueError:
+                    # Tables of raw bytes (int8 without a row-wise scale) cannot be pooled:
+                    # left out by default, an error when asked for.
+                    if features is None:
+                        continue
+                    raise
                 if isinstance(pooling, dict):
                     table_pooling = pooling.get(table, PoolingType.SUM)
                 else:
@@ -260,6 +368,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                         num_embeddings=info.num_rows,
                         feature_names=names,
                         pooling=table_pooling,
+                        data_type=data_type,
                     )
                 )
             return cls(
@@ -275,7 +384,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             client.close()
             raise
 
-    def _check_served(self) -> None:
+    def _check_served(self, allow_dtype_mismatch: bool) -> None:
         by_feature = {f: t for t in self._served.values() for f in t.features}
         for config in self._embedding_bag_configs:
             for feature in config.feature_names:
@@ -305,6 +414,14 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                         f"feature '{feature}' (table '{config.name}'): the config says "
                         f"{config.num_embeddings} rows, {self._target} serves it from table "
                         f"'{info.name}' with {info.num_rows} rows"
+                    )
+                rows = _SERVED_ROWS.get(config.data_type, ())
+                if not allow_dtype_mismatch and _rows(info) not in rows:
+                    raise ValueError(
+                        f"feature '{feature}' (table '{config.name}'): the config says "
+                        f"{config.data_type.value}, {self._target} serves it from table "
+                        f"'{info.name}' holding {_rows(info)} rows (pass "
+                        "allow_dtype_mismatch=True to pool those rows anyway)"
                     )
 
     # -- torchrec's interface --------------------------------------------------------------
@@ -344,12 +461,13 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             for a request the server refused (its message names the feature) or could not
             answer (unreachable, past the deadline), naming the target and the features.
         """
+        self._check_open()
         request, stride, lengths = self._request(features)
         try:
             result = self._client.lookup_request(request)
         except LookupServiceError as err:
             raise self._error(err) from err
-        return self._keyed(result, stride, lengths, features.values().device)
+        return self._keyed(result, stride, lengths, features)
 
     def lookup_stream(self, batches: Iterable[KeyedJaggedTensor]) -> Iterator[KeyedTensor]:
         """``forward`` for many batches, pipelined on one ``LookupStream`` (results in order).
@@ -358,28 +476,29 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         round trip when batches are ready ahead of time. Over row-sharded servers (no stream
         across shards) the batches go one ``forward`` after another.
         """
+        self._check_open()
         if not isinstance(self._client, LookupClient):
             for kjt in batches:
                 yield self.forward(kjt)
             return
         # Filled by gRPC's thread as it sends each request, emptied here in the same order (the
         # stream answers in request order).
-        pending: collections.deque[tuple[int, dict[str, torch.Tensor], torch.device]] = (
+        pending: collections.deque[tuple[int, dict[str, torch.Tensor], KeyedJaggedTensor]] = (
             collections.deque()
         )
 
         def requests() -> Iterator[Any]:
             for kjt in batches:
                 request, stride, lengths = self._request(kjt)
-                pending.append((stride, lengths, kjt.values().device))
+                pending.append((stride, lengths, kjt))
                 yield request
 
         try:
             for result in self._client.lookup_stream(requests()):
-                stride, lengths, device = pending.popleft()
+                stride, lengths, kjt = pending.popleft()
                 if result.error is not None:
                     raise self._error(result.error)
-                yield self._keyed(result, stride, lengths, device)
+                yield self._keyed(result, stride, lengths, kjt)
         except LookupServiceError as err:
             raise self._error(err) from err
 
@@ -403,6 +522,10 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             raise TypeError(f"KJT values must be integer ids, got {values.dtype}")
         stride = features.stride()
         lengths = features.lengths()
+        if lengths.dim() != 1:
+            raise ValueError(
+                f"KJT lengths must be 1-D (keys x batch), got shape {list(lengths.shape)}"
+            )
         if lengths.numel() != len(keys) * stride:
             raise ValueError(
                 f"KJT lengths has {lengths.numel()} entries, expected {len(keys)} keys x "
@@ -446,8 +569,9 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         result: LookupResult,
         stride: int,
         lengths: dict[str, torch.Tensor],
-        device: torch.device,
+        features: KeyedJaggedTensor,
     ) -> KeyedTensor:
+        """The answer as the batch's ``KeyedTensor``, on the device of its ids."""
         out = torch.empty(stride, sum(self._dims), dtype=torch.float32)
         view = out.numpy()
         col = 0
@@ -467,8 +591,13 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 n = lengths[feature].to(torch.float32).clamp(min=1.0)
                 out[:, col : col + dim] *= (1.0 / n).unsqueeze(1)
             col += dim
+        expanded = expand_inverse_indices(
+            out, features.inverse_indices_or_none(), self._features, self._dims
+        )
         return KeyedTensor(
-            keys=self._embedding_names, length_per_key=self._dims, values=out.to(device)
+            keys=self._embedding_names,
+            length_per_key=self._dims,
+            values=expanded.to(features.values().device),
         )
 
     def _error(self, err: LookupServiceError) -> RemoteLookupError:
@@ -479,9 +608,22 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         return RemoteLookupError(f"{what} (features {self._features}): {err}", err)
 
     def close(self) -> None:
-        """Close the connection, when this module opened it (:meth:`from_server`)."""
-        if self._owns_client:
+        """Release the connection: close it when this module opened it (:meth:`from_server`),
+        or when this is the last open collection built over it by :func:`remote_collections`
+        (``compress_model(model, remote=...)``). Lookups on a closed module raise
+        ``RuntimeError``; closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._shared is not None:
+            self._shared.release()
+        elif self._owns_client:
             self._client.close()
+
+    def _check_open(self) -> None:
+        # A closed client would open a new channel on the next call, which nothing closes.
+        if self._closed:
+            raise RuntimeError(f"this RemoteEmbeddingBagCollection ({self._target}) is closed")
 
     def __enter__(self) -> RemoteEmbeddingBagCollection:
         return self
