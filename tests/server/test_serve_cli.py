@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 import ibpembed
+from ibpembed.tables.store import TableStore
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, build_request
 from tests.metrics.helpers import free_port
 from tests.server.helpers import DEMO_300
@@ -251,3 +252,14 @@ def test_a_signal_while_the_tables_load_exits_zero_without_serving(sig):
     assert proc.returncode == 0, err
     assert f"{sig.name} while loading the tables" in err and "Traceback" not in err
     assert "listening on" not in out
+
+
+def test_an_empty_table_set_is_served_without_a_query_to_copy(tmp_path: Path):
+    """A shard that holds no rows yet: the banner claims no savings and no feature."""
+    TableStore.from_tables({}).save(tmp_path / "empty")
+    with ServerProcess("--tables", str(tmp_path / "empty"), "--metrics-port", "0") as server:
+        banner = server.log()
+        assert "0 tables, 0 raw bytes stored in 0 (no rows)" in banner, banner
+        assert "no feature to query yet" in banner and "example query" not in banner
+        with LookupClient(server.target, timeout=30) as client:
+            assert client.list_tables() == []

@@ -541,25 +541,32 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     if metrics is not None and server.engine.hbm is not None:
         metrics.watch_hbm_tier(server.engine.hbm)
     tables = server.engine.describe()
-    first_feature = next((t.features[0] for t in tables if t.features), "cat_0")
+    first_feature = next((t.features[0] for t in tables if t.features), None)
     source = config.tables or f"embedded demo ({len(tables)} DLRM-DCNv2-profile tables)"
     raw = sum(t.raw_bytes for t in tables)
     stored = sum(t.stored_bytes for t in tables)
-    print(
-        f"ibpembed serving {source} on {server.engine.device}: {len(tables)} tables, "
-        f"{raw:,} raw bytes stored in {stored:,} ({1 - stored / max(raw, 1):.1%} saved), "
-        f"version {server.engine.store.version}\n"
-        + _tier_line(server.engine, raw, stored)
-        + _hbm_tier_line(server.engine)
-        + f"listening on {config.host}:{port} ({scheme})\n"
-        + (_reload_line(config) if config.tables else "")
-        + example_query(
+    # An empty set (a shard that holds no rows) saves nothing and has nothing to query.
+    saved = f"{1 - stored / raw:.1%} saved" if raw else "no rows"
+    query = (
+        "no feature to query yet: a reload that adds tables serves them\n"
+        if first_feature is None
+        else example_query(
             config.host,
             port,
             first_feature,
             tls=config.tls_cert is not None,
             token=server.identities.enabled,
-        ),
+        )
+    )
+    print(
+        f"ibpembed serving {source} on {server.engine.device}: {len(tables)} tables, "
+        f"{raw:,} raw bytes stored in {stored:,} ({saved}), "
+        f"version {server.engine.store.version}\n"
+        + _tier_line(server.engine, raw, stored)
+        + _hbm_tier_line(server.engine)
+        + f"listening on {config.host}:{port} ({scheme})\n"
+        + (_reload_line(config) if config.tables else "")
+        + query,
         file=out,
         flush=True,
     )
