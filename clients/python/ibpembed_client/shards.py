@@ -566,7 +566,7 @@ class AsyncShardedLookupClient:
         if request.table_version:
             return await self._lookup_at(plan, request.table_version, timeout)
         for attempt in range(1, VERSION_ATTEMPTS + 1):
-            version = await self._version_for(plan, _remaining(deadline))
+            version = await self._version_for(plan, deadline)
             try:
                 return await self._lookup_at(plan, version, _remaining(deadline))
             except LookupServiceError as err:
@@ -591,21 +591,20 @@ class AsyncShardedLookupClient:
         del self._asking[shard]
         self._pin.record(shard, answer)
 
-    async def _version_for(self, plan: SplitPlan, timeout: float | None) -> int:
+    async def _version_for(self, plan: SplitPlan, deadline: float | None) -> int:
         """As :meth:`ShardedLookupClient._version_for`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         shards = sorted(plan.requests)
         asking = self._ask(shards)
         pending = [asking[k] for k in self._pin.unknown(shards) if k in asking]
         if pending:
-            await asyncio.wait(pending, timeout=timeout)
+            await asyncio.wait(pending, timeout=_remaining(deadline))
         for shard in self._pin.unknown(shards):
             raise _never_answered(self.shard_map, plan, shard, self._pin.failure[shard])
         version = self._pin.newest_common(shards)
         if version is not None:
             return version
         # As ShardedLookupClient._common_version: ask again at once before failing, within what
-        # is left of the same timeout.
+        # is left of the same deadline.
         asking = self._ask(shards, at_once=True)
         if asking:
             await asyncio.wait(asking.values(), timeout=_remaining(deadline))

@@ -213,8 +213,6 @@ def capacity_rows(
         return min(num_rows - 1, max(budget_bytes - fixed, 0) // per_row)
     # Below every row the cost only grows with the rows (a policy's state must not shrink).
     low, high = 0, num_rows - 1  # low fits (or is 0), high + 1 does not
-    if cost(1) > budget_bytes:
-        return 0
     while low < high:
         mid = (low + high + 1) // 2
         if cost(mid) <= budget_bytes:
