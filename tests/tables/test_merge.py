@@ -106,3 +106,22 @@ def test_cli_merge_flag(tmp_path: Path) -> None:
     assert run(["pack", str(first), "-o", str(out), "--no-progress"]) == 0
     assert run(["pack", str(second), "-o", str(out), "--no-progress", "--merge"]) == 0
     assert set(read_manifest(out).tables) == {"t_a", "t_b"}
+
+
+def test_a_repacked_table_keeps_its_aliases_unless_remapped(tmp_path: Path) -> None:
+    aliased = TableSet((source("a", 1), source("b", 2)), extra_features={"fa": "a", "fb": "b"})
+    pack_table_set(tmp_path, aliased, sample_rows=None)
+    pack_table_set(tmp_path, TableSet((source("a", 3),)), sample_rows=None, merge=True)
+    assert dict(read_manifest(tmp_path).features) == {"a": "a", "b": "b", "fa": "a", "fb": "b"}
+    remap = TableSet((source("a", 4),), extra_features={"fb": "a"})
+    pack_table_set(tmp_path, remap, sample_rows=None, merge=True)
+    assert dict(read_manifest(tmp_path).features) == {"a": "a", "b": "b", "fa": "a", "fb": "a"}
+
+
+def test_a_sharded_merge_keeps_the_aliases_of_repacked_tables(tmp_path: Path) -> None:
+    aliased = TableSet((source("a", 1, rows=30),), extra_features={"fa": "a"})
+    pack_shards(tmp_path, aliased, 2, sample_rows=None)
+    pack_shards(tmp_path, TableSet((source("a", 2, rows=30),)), 2, sample_rows=None, merge=True)
+    assert json.loads((tmp_path / SHARD_MAP).read_text())["features"] == {"a": "a", "fa": "a"}
+    for k in range(2):
+        assert dict(read_manifest(tmp_path / f"shard-{k}-of-2").features) == {"a": "a", "fa": "a"}

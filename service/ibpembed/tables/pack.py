@@ -220,12 +220,15 @@ def pack_table_set(
             reports.append(packed)
             if on_table is not None:
                 on_table(packed)
+        tables = {**kept.tables, **entries}
+        # A repacked table keeps the features that mapped to it, unless this shard left it out.
+        carried = {f: t for f, t in kept.features.items() if t in tables}
         features = {f: t for f, t in table_set.features().items() if t in entries}
         _publish(
             directory,
             Manifest(
-                tables={**kept.tables, **entries},
-                features={**kept.features, **features},
+                tables=tables,
+                features={**carried, **features},
                 table_set_version=version,
             ),
         )
@@ -234,7 +237,8 @@ def pack_table_set(
 
 def kept_for_merge(directory: Path, table_set: TableSet) -> Manifest:
     """The part of ``directory``'s set a merging pack keeps: every table it does not repack,
-    with the features that map to them (an empty set when there is no manifest yet)."""
+    and every feature it does not remap, including those of the tables it repacks (an empty set
+    when there is no manifest yet)."""
     if not (directory / MANIFEST).exists():
         return Manifest({}, {})
     current = read_manifest(directory)
@@ -250,7 +254,7 @@ def kept_for_merge(directory: Path, table_set: TableSet) -> Manifest:
                     f"already served by table '{features[feature]}', which this merge keeps "
                     f"(map it explicitly with --feature {feature}={source.name})"
                 )
-    return Manifest(tables, {f: t for f, t in features.items() if f not in explicit})
+    return Manifest(tables, {f: t for f, t in current.features.items() if f not in explicit})
 
 
 def save_table_set(

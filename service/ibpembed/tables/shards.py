@@ -93,10 +93,10 @@ def pack_shards(
         )
         reports.append(ShardReport(k, target, packed))
     body["table_set_version"] = version
-    if previous is not None:  # the kept tables' ranges and features, then the packed ones
+    if previous is not None:  # the kept tables' ranges and every feature not remapped
         kept = {n: t for n, t in previous["tables"].items() if n not in body["tables"]}
         body["tables"] = dict(sorted({**kept, **body["tables"]}.items()))
-        kept_features = {f: t for f, t in previous["features"].items() if t in kept}
+        kept_features = {f: t for f, t in previous["features"].items() if t in body["tables"]}
         body["features"] = {**kept_features, **body["features"]}
         if address_template is None:  # the addresses the set was deployed with
             body["shards"] = previous["shards"]
