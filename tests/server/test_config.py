@@ -81,6 +81,8 @@ def test_an_empty_environment_variable_counts_as_unset(tmp_path):
         (("--hbm-tier=-5%",), {}, "hbm_tier: .*negative"),
         ((), {"IBPEMBED_HBM_TIER": "lots"}, "hbm_tier: .*not one of"),
         ((), {"IBPEMBED_HBM_TIER_FORM": "raw"}, "hbm_tier_form must be one of"),
+        ((), {"IBPEMBED_HOT_TIER": "0.05"}, "hot_tier: .*a share is written with a percent"),
+        (("--hot-tier", "0.05"), {}, "hot_tier: .*fraction of a byte"),
     ],
 )
 def test_invalid_settings_are_named(argv, env, message):
@@ -122,6 +124,13 @@ def test_config_file_numbers_must_be_numbers_of_the_right_kind(tmp_path, line, m
     path = tmp_path / "server.toml"
     path.write_text(line + "\n")
     with pytest.raises(ValueError, match=rf"{path}: {message}"):
+        config.load(_args("--config", str(path)), environ={})
+
+
+def test_a_share_written_as_a_toml_float_is_refused_not_read_as_bytes(tmp_path):
+    path = tmp_path / "server.toml"
+    path.write_text("hot_tier = 0.05\n")
+    with pytest.raises(ValueError, match=r"hot_tier: .*fraction of a byte"):
         config.load(_args("--config", str(path)), environ={})
 
 

@@ -59,6 +59,9 @@ def test_every_spelling_parses(text: str, kind: str, value: float) -> None:
         "%",
         "9" * 400,
         "1" + "0" * 400 + "%",
+        "0.05",
+        "0.5b",
+        "1.5",
     ],
 )
 def test_bad_budgets_name_the_accepted_forms(text: str) -> None:
@@ -144,4 +147,7 @@ def test_describe_reads_as_the_operator_wrote_it() -> None:
     assert TierBudget.parse("5%").describe() == "5% of each table's raw bytes"
     assert TierBudget.parse("savings").describe() == "100% of each table's savings"
     assert TierBudget.parse("512MiB").describe() == "512 MiB for the table set"
+    assert TierBudget.parse("4096").describe() == "4 KiB for the table set"
+    assert TierBudget.parse("1000").describe() == "1,000 bytes for the table set"
+    assert TierBudget.parse("1.5GiB").describe() == "1.5 GiB for the table set"
     assert TierBudget.parse("all").describe() == "all"

@@ -134,7 +134,16 @@ class TierBudget:
         count = float(size.group(1)) * _UNITS[size.group(2) or ""]
         if not math.isfinite(count):
             raise ValueError(f"{setting} budget {text!r} is too large ({FORMS})")
-        return cls("bytes", count) if count >= 1 else cls("off")
+        if count == 0:
+            return cls("off")
+        # A config file or environment variable hands a share written as 0.05 over as text:
+        # read as bytes it would silently turn the tier off.
+        if count != int(count):
+            raise ValueError(
+                f"{setting} budget {text!r} is a fraction of a byte; a share is written with "
+                f"a percent sign (5%, 50%savings) ({FORMS})"
+            )
+        return cls("bytes", count)
 
     @property
     def enabled(self) -> bool:
@@ -180,9 +189,17 @@ class TierBudget:
         if self.kind in ("off", "all"):
             return self.kind
         if self.kind == "bytes":
-            return f"{self.value / 2**20:,.0f} MiB for the table set"
+            return f"{_human_bytes(self.value)} for the table set"
         what = "raw bytes" if self.kind == "raw" else "savings"
         return f"{100 * self.value:g}% of each table's {what}"
+
+
+def _human_bytes(count: float) -> str:
+    """``count`` bytes in the largest binary unit that keeps it at least 1 (4,096 -> 4 KiB)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:,.4g} {unit}"
+    return f"{count:,.0f} bytes"
 
 
 def tier_cost(num_rows: int, row_bytes: int, rows: int) -> int:
