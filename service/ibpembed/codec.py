@@ -205,6 +205,13 @@ class CompressedTable:
         return self.payload_bytes + self.index_bytes + self.metadata_bytes
 
     @property
+    def resident_bytes(self) -> int:
+        """``stored_bytes`` counting the whole buffer the payload views: the spare room a row
+        update's spill buffer keeps is resident too."""
+        payload = max(self.payload_bytes, self.payload.untyped_storage().nbytes())
+        return payload + self.index_bytes + self.metadata_bytes
+
+    @property
     def savings(self) -> float:
         """1 - stored / raw (negative only for tiny tables, where metadata dominates)."""
         return layout.savings(self.stored_bytes, self.raw_bytes)

@@ -265,3 +265,22 @@ def test_table_size_reads_the_table() -> None:
     c = compress(_table())
     size = TableSize.of(c)
     assert (size.num_rows, size.raw_bytes, size.stored_bytes) == (ROWS, c.raw_bytes, c.stored_bytes)
+
+
+def test_a_savings_tier_keeps_an_updated_table_within_its_raw_bytes() -> None:
+    """A row update leaves spare room in the payload's spill buffer: resident, so priced."""
+    rows, dim = 20_000, 64
+    gen = torch.Generator().manual_seed(0)
+    store = TableStore.from_tables({"t": compress(torch.randn(rows, dim, generator=gen) * 0.05)})
+    store.update_rows("t", torch.tensor([100]), torch.randn(1, dim, generator=gen) * 0.05)
+    updated = _current(store)
+    assert updated.resident_bytes > updated.stored_bytes
+    assert TableSize.of(updated).stored_bytes == updated.resident_bytes
+    tier = HotTier(store, budget="savings", gate=None)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        tier.record([("t", np.minimum(rng.zipf(1.2, 100_000) - 1, rows - 1), rows)])
+        tier.refresh()
+    held = store.accounting()["t"]
+    assert held.hot > 0
+    assert held.total + tier.stats()["t"].policy_bytes <= held.raw

@@ -416,8 +416,7 @@ class TableStore:
         return {
             name: TableBytes(
                 t.raw_bytes,
-                # The whole buffer the payload views: a spill buffer's spare room is resident.
-                max(t.payload_bytes, t.payload.untyped_storage().nbytes()),
+                t.resident_bytes - t.index_bytes - t.metadata_bytes,
                 t.index_bytes,
                 t.metadata_bytes,
                 t.hot_bytes,

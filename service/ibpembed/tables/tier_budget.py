@@ -68,7 +68,7 @@ class TableSize:
 
     @classmethod
     def of(cls, table: CompressedTable) -> TableSize:
-        return cls(table.num_rows, table.row_bytes, table.stored_bytes)
+        return cls(table.num_rows, table.row_bytes, table.resident_bytes)
 
     @property
     def raw_bytes(self) -> int:
