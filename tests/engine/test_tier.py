@@ -284,3 +284,20 @@ def test_a_savings_tier_keeps_an_updated_table_within_its_raw_bytes() -> None:
     held = store.accounting()["t"]
     assert held.hot > 0
     assert held.total + tier.stats()["t"].policy_bytes <= held.raw
+
+
+def test_a_step_prices_tables_without_holding_the_lock_lookups_record_under(monkeypatch) -> None:
+    store = TableStore.from_tables({"t": compress(_table()), "u": compress(_table(seed=2))})
+    tier = HotTier(store, budget="5%", gate=None)
+    held_while_pricing = []
+    capacity = tier.capacity
+
+    def priced(table: CompressedTable, share: float) -> int:
+        held_while_pricing.append(tier._lock.locked())
+        return capacity(table, share)
+
+    monkeypatch.setattr(tier, "capacity", priced)
+    tier.record([("t", _zipf_ids(5000, seed=0), ROWS), ("u", _zipf_ids(5000, seed=1), ROWS)])
+    tier.refresh()
+    assert held_while_pricing and not any(held_while_pricing)
+    assert _tier_ids(store, "t") and _tier_ids(store, "u")

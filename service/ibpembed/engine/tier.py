@@ -414,7 +414,7 @@ class AdmissionPolicy(ABC):
         self.window_ids = int(window_ids)
         self.thread_name = thread_name
         self.gate = gate
-        self._lock = threading.Lock()  # guards _tables and the buffers; held for a copy at most
+        self._lock = threading.Lock()  # guards _tables and the buffers; one buffer copy per hold
         self._work = threading.Lock()  # one step or publication at a time
         # A state for each table whose budget buys rows, made by the steps (the first here).
         self._tables: dict[str, _TableTier] = {}
@@ -422,8 +422,9 @@ class AdmissionPolicy(ABC):
         self._thread: threading.Thread | None = None
         with self.store.acquire() as snapshot:
             current = dict(snapshot.tables)
+        capacities = self._capacities(current)
         with self._lock:
-            self._size_states(current)
+            self._size_states(current, capacities)
 
     # -- what a tier decides -------------------------------------------------------------------
     @abstractmethod
@@ -457,15 +458,19 @@ class AdmissionPolicy(ABC):
                 if state is not None and state.num_rows == num_rows:
                     state.pending.add(ids)
 
-    def _size_states(self, current: dict[str, CompressedTable]) -> dict[str, int]:
-        """Each current table's capacity; under ``_lock``, a state (and its buffer) for each
-        table that has rows to rank or a tier to withdraw, sized for its capacity, and none
-        for the others, so the policy holds what :func:`policy_state_bytes` prices."""
+    def _capacities(self, current: dict[str, CompressedTable]) -> dict[str, int]:
+        """Each current table's capacity. Not under ``_lock``: pricing hundreds of tables
+        takes milliseconds, and every lookup's :meth:`record` waits for that lock."""
         total_raw = sum(t.raw_bytes for t in current.values()) or 1
-        capacities = {
+        return {
             name: self.capacity(table, table.raw_bytes / total_raw)
             for name, table in current.items()
         }
+
+    def _size_states(self, current: dict[str, CompressedTable], capacities: dict[str, int]) -> None:
+        """Under ``_lock``: a state (and its buffer) for each table that has rows to rank or a
+        tier to withdraw, sized for its capacity, and none for the others, so the policy holds
+        what :func:`policy_state_bytes` prices."""
         for gone in set(self._tables) - set(current):  # dropped by a reload
             del self._tables[gone]
         for name, table in current.items():
@@ -481,7 +486,6 @@ class AdmissionPolicy(ABC):
                 )
             elif state.pending.ids.size != _ring_ids(capacity, self.window_ids):
                 state.pending = state.pending.resized(_ring_ids(capacity, self.window_ids))
-        return capacities
 
     def step(self) -> None:
         """Count the buffered ids of every table against its published tier, into its sketch,
@@ -489,12 +493,16 @@ class AdmissionPolicy(ABC):
         with self._work:
             with self.store.acquire() as snapshot:
                 current = dict(snapshot.tables)
+            capacities = self._capacities(current)
             with self._lock:
-                capacities = self._size_states(current)
-                work = [
-                    (name, state, current[name], state.pending.take())
-                    for name, state in self._tables.items()
-                ]
+                self._size_states(current, capacities)
+                states = dict(self._tables)
+            work = []
+            for name, state in states.items():
+                # One table's buffer copied per hold of the lock lookups record under.
+                with self._lock:
+                    ids = state.pending.take()
+                work.append((name, state, current[name], ids))
             for name, state, table, ids in work:
                 capacity = capacities[name]
                 state.count(ids, self.held(name, table))
