@@ -4,6 +4,8 @@ results never change."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -240,6 +242,20 @@ def test_off_leaves_hand_made_tiers_alone_and_bad_budgets_fail() -> None:
         HotTier(store, budget="0")
     with pytest.raises(ValueError, match="refresh_s"):
         HotTier(store, budget="1%", refresh_s=0)
+    for never in ({"refresh_s": math.inf}, {"step_s": math.inf}, {"step_s": math.nan}):
+        with pytest.raises(ValueError, match="finite"):  # the policy thread would die waiting
+            HotTier(store, budget="1%", **never)
+    with pytest.raises(ValueError, match="finite"):
+        LookupEngine(store, hot_tier="1%", hot_tier_refresh_s=math.inf)
+    with pytest.raises(TypeError, match="window_ids must be an integer"):
+        HotTier(store, budget="1%", window_ids=1.9)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="must be integers"):
+        hot_tier.HitRatioGate(0.1, 0.2, steps=2.5)  # type: ignore[arg-type]
+    table = _current(store)
+    with pytest.raises(TypeError, match="share of the raw bytes"):
+        rank_hot_rows(table, torch.arange(10), "5%")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="finite share"):
+        rank_hot_rows(table, torch.arange(10), math.nan)
 
 
 @pytest.mark.parametrize(("coverage", "fused"), [(0.9, True), (0.2, False)])

@@ -41,6 +41,7 @@ versions keep the tier they were published with. So no lookup reads a stale tier
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -116,8 +117,14 @@ class HitRatioGate:
                 "a gate needs 0 <= close_below <= open_at <= 1, got "
                 f"{self.close_below}, {self.open_at}"
             )
+        if not _is_int(self.steps) or not _is_int(self.min_ids):
+            raise TypeError(f"a gate's steps and min_ids must be integers, got {self}")
         if self.steps < 1 or self.min_ids < 0:
             raise ValueError(f"a gate needs steps >= 1, min_ids >= 0, got {self}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 # The host tier's gate. NOTE(tier): where a tier starts to pay, from the hot-tier benchmark
@@ -147,6 +154,10 @@ def rank_hot_rows(
     ``recent_ids`` they cover. Sorted; empty when nothing qualifies or the budget does not cover
     the tier's fixed cost. For teams that know their traffic offline (and the benchmarks' ideal
     against which :class:`HotTier` is measured)."""
+    if isinstance(budget, bool) or not isinstance(budget, int | float):
+        raise TypeError(f"budget must be a share of the raw bytes (0.05 for 5 %), got {budget!r}")
+    if not (math.isfinite(budget) and budget >= 0):
+        raise ValueError(f"budget must be a finite share >= 0 of the raw bytes, got {budget}")
     capacity = capacity_rows(table.num_rows, table.row_bytes, int(budget * table.raw_bytes))
     in_range = recent_ids[(recent_ids >= 0) & (recent_ids < table.num_rows)]
     ids, counts = torch.unique(in_range, return_counts=True)
@@ -404,8 +415,13 @@ class AdmissionPolicy(ABC):
         self.budget = TierBudget.parse(budget)
         if not self.budget.enabled:
             raise ValueError("a hot tier needs a budget other than off")
-        if not refresh_s > 0 or not step_s > 0:
-            raise ValueError(f"refresh_s and step_s must be > 0, got {refresh_s}, {step_s}")
+        # Finite: the policy thread waits min(step_s, time to the next refresh).
+        if not (0 < refresh_s < math.inf and 0 < step_s < math.inf):
+            raise ValueError(
+                f"refresh_s and step_s must be finite and > 0, got {refresh_s}, {step_s}"
+            )
+        if not _is_int(window_ids):
+            raise TypeError(f"window_ids must be an integer, got {window_ids!r}")
         if window_ids < 1:
             raise ValueError(f"window_ids must be >= 1, got {window_ids}")
         self.store = store
