@@ -205,7 +205,9 @@ def test_publication_follows_the_traffic_and_each_table_version(form) -> None:
     tier = HbmTier(store, budget="20%", form=form, device="cpu")
     ids = _zipf(5000, 300)
     tier.record([("t", ids, 300)])
-    assert tier.refresh() == {"t": tier.stats()["t"].rows}
+    held, wanted = tier.refresh()["t"], tier.stats()["t"].rows
+    # A compressed tier drops its largest slots (row 7, stored raw) rather than overrun.
+    assert held == wanted if form == "decoded" else 0 < held <= wanted
     with store.acquire() as snap:
         v1 = snap.tables["t"]
     published = tier.tiers.get("t", v1)
@@ -298,3 +300,24 @@ def test_the_last_pooling_set_does_not_keep_a_replaced_version_alive() -> None:
     tier.step()
     gc.collect()
     assert old() is None
+
+
+def test_a_compressed_tier_of_larger_than_average_rows_stays_within_its_budget() -> None:
+    """The compressed form is priced at the table's mean slot; hot rows stored raw are larger,
+    so the tier drops its largest slots rather than exceed the budget."""
+    rows, gen = 4000, torch.Generator().manual_seed(0)
+    values = torch.randn(rows, DIM, generator=gen) * 0.05
+    hot = np.arange(0, rows, 10)
+    values[torch.from_numpy(hot)] = torch.randn(hot.size, DIM, generator=gen) * 1e30  # raw
+    store = TableStore.from_tables({"t": compress(values)})
+    tier = HbmTier(store, budget="5%", form="compressed", device="cpu")
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        tier.record([("t", rng.choice(hot, 20_000), rows)])
+        tier.refresh()
+    with store.acquire() as snap:
+        table = snap.tables["t"]
+    published = tier.tiers.get("t", table)
+    assert published is not None and 0 < published.arrays.num_slots < tier.stats()["t"].rows
+    assert published.arrays.nbytes <= int(0.05 * table.raw_bytes)
+    assert set(published.arrays.rows.tolist()) <= set(hot.tolist())

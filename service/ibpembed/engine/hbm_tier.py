@@ -365,6 +365,24 @@ class HbmTier(AdmissionPolicy):
             return table.num_rows
         return tier_capacity(table, self.form, self.budget.table_bytes(TableSize.of(table), share))
 
+    def _within_budget(self, table: CompressedTable, rows: np.ndarray) -> np.ndarray:
+        """``rows`` (sorted), less the largest slots where their tier would exceed the table's
+        budget: the compressed form is priced at the table's mean slot, and the hot rows the
+        policy picks can be larger (stored raw). Dropping the largest keeps the most rows."""
+        if self.form != "compressed" or self.budget.kind == "all" or rows.size == 0:
+            return rows
+        with self.store.acquire() as snapshot:
+            total = sum(t.raw_bytes for t in snapshot.tables.values()) or 1
+        budget = self.budget.table_bytes(TableSize.of(table), table.raw_bytes / total)
+        room = budget - _fixed_bytes(table, self.form)
+        _, size = slot_spans(table, torch.from_numpy(rows))
+        cost = size + OFFSET_BYTES_PER_ROW
+        if int(cost.sum()) <= room:
+            return rows
+        order = torch.argsort(cost, stable=True)
+        fits = int((torch.cumsum(cost[order], 0) <= room).sum())
+        return np.sort(rows[order[:fits].numpy()])
+
     def held(self, name: str, table: CompressedTable) -> np.ndarray | None:
         tier = self.tiers.get(name, table)
         return None if tier is None else tier.arrays.rows.numpy()
@@ -399,6 +417,7 @@ class HbmTier(AdmissionPolicy):
             self.publish(lost, only=lost)
 
     def install(self, name: str, table: CompressedTable, rows: np.ndarray, coverage: float) -> int:
+        rows = self._within_budget(table, rows)
         if rows.size == 0:
             self.tiers.publish(name, None)
             return 0
