@@ -612,7 +612,7 @@ class TableStore:
         """Keep decoded copies of rows ``ids`` of ``table`` for CPU lookups (replacing any
         earlier ones; empty ``ids`` drops them). Lookups return the same rows either way, so the
         snapshot keeps its version. Returns the number of rows cached (rows stored raw are
-        skipped). ``coverage``: see ``HotRows``.
+        taken too: ``CompressedTable.with_hot_rows``). ``coverage``: see ``HotRows``.
 
         Raises
         ------
