@@ -37,6 +37,7 @@ SIZE = TableSize(ROWS, ROW_BYTES, stored_bytes=3_500_000)  # raw 5,120,000
         ("2GB", "bytes", 2e9),
         ("1.5 GiB", "bytes", 1.5 * 2**30),
         ("64kb", "bytes", 64_000.0),
+        ("0.3KiB", "bytes", 0.3 * 2**10),
     ],
 )
 def test_every_spelling_parses(text: str, kind: str, value: float) -> None:
@@ -62,6 +63,7 @@ def test_every_spelling_parses(text: str, kind: str, value: float) -> None:
         "0.05",
         "0.5b",
         "1.5",
+        "0.0001kb",
     ],
 )
 def test_bad_budgets_name_the_accepted_forms(text: str) -> None:

@@ -131,14 +131,15 @@ class TierBudget:
         size = _BYTES.fullmatch(spelt)
         if size is None:
             raise ValueError(f"{setting} budget {text!r} is not one of: {FORMS}")
-        count = float(size.group(1)) * _UNITS[size.group(2) or ""]
+        unit = size.group(2) or ""
+        count = float(size.group(1)) * _UNITS[unit]
         if not math.isfinite(count):
             raise ValueError(f"{setting} budget {text!r} is too large ({FORMS})")
         if count == 0:
             return cls("off")
         # A config file or environment variable hands a share written as 0.05 over as text:
         # read as bytes it would silently turn the tier off.
-        if count != int(count):
+        if count < 1 or (not unit and count != int(count)):
             raise ValueError(
                 f"{setting} budget {text!r} is a fraction of a byte; a share is written with "
                 f"a percent sign (5%, 50%savings) ({FORMS})"
