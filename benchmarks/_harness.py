@@ -89,6 +89,19 @@ def run_metadata(command: str) -> dict[str, Any]:
     }
 
 
+def settings(config: dict[str, Any]) -> str:
+    """A run's settings as a reader scans them: ``max_rows=100,000, seconds=2.0, batches=1/64``."""
+
+    def shown(value: Any) -> str:
+        if isinstance(value, list | tuple):
+            return "/".join(shown(v) for v in value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return f"{value:,}"
+        return str(value)
+
+    return ", ".join(f"{key}={shown(value)}" for key, value in config.items())
+
+
 def write_results(out: Path, name: str, result: dict[str, Any], markdown: str) -> None:
     """``out/<name>.json`` and ``out/<name>.md``, the pair the report renders from."""
     out.mkdir(parents=True, exist_ok=True)

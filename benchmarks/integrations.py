@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks._harness import RESULTS, run_metadata, write_results
+from benchmarks._harness import RESULTS, run_metadata, settings, write_results
 from ibpembed.codec import compress
 from ibpembed.engine import LookupEngine
 from ibpembed.server import demo
@@ -243,7 +243,7 @@ def run(cfg: Config, out: Path, command: str) -> dict:
 def markdown(report: dict) -> str:
     lines = [
         f"{report['date']}, {report['machine']}, torch {report['torch']}, "
-        f"`{report['command']}` ({report['config']}); one request at a time",
+        f"`{report['command']}` ({settings(report['config'])}); one request at a time",
         "",
         "| B | features | path | QPS | p50 ms | p99 ms |",
         "|---|---|---|---|---|---|",

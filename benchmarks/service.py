@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from benchmarks._harness import RESULTS, run_metadata, write_results
+from benchmarks._harness import RESULTS, run_metadata, settings, write_results
 from ibpembed.codec import compress
 from ibpembed.engine import LookupEngine
 from ibpembed.engine.tier import DEFAULT_TIER, FIRST_REFRESH_S
@@ -420,7 +420,7 @@ def markdown(report: dict) -> str:
     """The tables BENCHMARKS.md is generated from."""
     lines = [
         f"{report['date']}, {report['machine']}, torch {report['torch']}, "
-        f"`{report['command']}` ({report['config']})",
+        f"`{report['command']}` ({settings(report['config'])})",
         "",
         "| B | path | load | threads | QPS | p50 ms | p99 ms | CPU ms / request | CPU of "
         "| errors |",
@@ -435,11 +435,35 @@ def markdown(report: dict) -> str:
     lines += ["", "| target | measured | goal |", "|---|---|---|"]
     for name, t in report["targets"].items():
         value = t["value"]
-        shown = value if isinstance(value, bool) or value is None else f"{value:.2f}"
+        if isinstance(value, bool):
+            shown = "yes" if value else "no"
+        else:
+            shown = "—" if value is None else f"{value:.2f}"
         if t.get("cpu_ratio") is not None:
             shown = f"{shown} (CPU {t['cpu_ratio']:.2f})"
-        lines.append(f"| {name} | {shown} | {t['target']} |")
+        lines.append(f"| {_target_label(name)} | {shown} | {t['target']} |")
     return "\n".join(lines) + "\n"
+
+
+_PATH_LABELS = {
+    "tcp_fp32": "gRPC fp32 outputs",
+    "tcp_bf16": "gRPC bf16 outputs",
+    "shm": "outputs in shared memory",
+    "shm_io": "ids and outputs in shared memory",
+}
+
+
+def _target_label(name: str) -> str:
+    """A target's key (kept in the results) as a reader reads it."""
+    if name.startswith("b1_p"):
+        quantile = name.split("_")[1]
+        return f"B=1 round trip {quantile} vs a health check's"
+    if name.startswith("b512_") and name.endswith("_vs_in_process_qps"):
+        path = name.removeprefix("b512_").removesuffix("_vs_in_process_qps")
+        return f"B=512 QPS at saturation, {_PATH_LABELS.get(path, path)} vs in process"
+    if name == "b2048_shm":
+        return "B=2048 served through shared memory"
+    return name
 
 
 def _fmt(value: float | None) -> str:
