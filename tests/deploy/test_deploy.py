@@ -24,8 +24,9 @@ from ibpembed.server.app import SERVICE_NAME
 from ibpembed.server.metrics import ServerMetrics
 from ibpembed_client import LookupClient, ShardMap
 from tests.deploy.kustomize import K8S, by_kind, container, env_of, render, shard_deployments
+from tests.engine.helpers import make_store
 from tests.metrics.helpers import PROMTOOL, free_port, needs_promtool
-from tests.server.helpers import RunningServer, make_store
+from tests.server.helpers import RunningServer
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

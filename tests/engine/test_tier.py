@@ -15,7 +15,7 @@ from ibpembed.engine.tier import HotTier, hot_row_ids, policy_state_bytes, rank_
 from ibpembed.tables.store import TableStore
 from ibpembed.tables.tier_budget import TableSize, capacity_rows, tier_cost
 from tests.codec.tables import same_bits
-from tests.server.helpers import RecordingObserver
+from tests.engine.helpers import RecordingObserver
 
 ROWS, DIM = 4096, 32
 

@@ -19,13 +19,8 @@ from ibpembed_client import (
     bf16_to_float32,
     build_request,
 )
-from tests.server.helpers import (
-    FEATURES,
-    RecordingObserver,
-    RunningServer,
-    make_store,
-    source_tables,
-)
+from tests.engine.helpers import FEATURES, RecordingObserver, make_store, source_tables
+from tests.server.helpers import RunningServer
 
 POOLED = ("sum", "mean")
 NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}

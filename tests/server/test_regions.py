@@ -31,9 +31,10 @@ from ibpembed_client import (
 )
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
+from tests.engine.helpers import FEATURES, GateObserver, RecordingObserver, make_store
 from tests.metrics.helpers import fetch, parse, value
 
-from .helpers import FEATURES, GateObserver, RecordingObserver, RunningServer, make_store
+from .helpers import RunningServer
 from .test_security import _tls, pki  # noqa: F401 (pki is a fixture)
 
 MB = 1 << 20
