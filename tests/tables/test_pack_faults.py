@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Fault-injection findings (reliability.faults), pinned as fast in-process tests."""
+"""Packing onto a full disk, in process (reliability.faults runs the same case end to end): the
+failed version leaves no file behind and the previous set stays whole."""
 
 from __future__ import annotations
 
