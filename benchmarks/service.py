@@ -381,7 +381,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def targets(results: list[dict]) -> dict:
-    """The issue's targets, computed from this run."""
+    """The service targets (BENCHMARKS.md), computed from this run."""
     health = _find(results, "health", 0, "one") or {}
     one = _find(results, "tcp_fp32", 1, "one") or {}
     out: dict[str, dict] = {
