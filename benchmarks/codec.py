@@ -91,7 +91,8 @@ QUICK = Config(
 
 @dataclass(frozen=True)
 class Table:
-    """One benchmark table. ``target_ratio``: the issue's floor on ours/paper savings."""
+    """One benchmark table. ``target_ratio``: the floor on ours/paper savings that BENCHMARKS.md's
+    targets hold it to."""
 
     name: str
     tensor: torch.Tensor
@@ -620,7 +621,8 @@ CACHE_RESIDENT_MIB = 32
 
 
 def target_summary(results: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(target, measured, verdict) for each target of the issue, from one run's results."""
+    """(target, measured, verdict) for each codec target (BENCHMARKS.md), from one run's
+    results."""
     tables = results["tables"]
     big = [r for r in tables if r["raw_mib"] >= CACHE_RESIDENT_MIB]
     out = []

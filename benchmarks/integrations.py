@@ -44,7 +44,7 @@ from ibpembed.tables.pack import save_table_set
 from ibpembed.tables.store import TableStore
 from ibpembed.triton.repo import write_repository
 from ibpembed_client import LookupClient
-from ibpembed_client.workload import hotness_for, make_requests
+from ibpembed_client.workload import DCNV2_CARDINALITIES, hotness_for, make_requests
 from tools.serve_process import ServerProcess
 from tools.triton_process import TritonProcess
 
@@ -68,7 +68,7 @@ def pack(directory: Path, max_rows: int) -> dict[str, int]:
     """The demo tables into ``directory``; returns rows per feature."""
     tables, features = {}, {}
     for i, name in enumerate(demo.feature_names()):
-        rows = min(demo.DCNV2_CARDINALITIES[i], max_rows)
+        rows = min(DCNV2_CARDINALITIES[i], max_rows)
         raw = demo.demo_table(rows, demo.DIM, i, bf16_rounded=i % 4 == 3)
         tables[name] = compress(raw, sample_rows=min(rows, 4096))
         features[name] = name

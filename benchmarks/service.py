@@ -69,7 +69,7 @@ from ibpembed_client import (
 )
 from ibpembed_client._registered import move_inputs_to_region
 from ibpembed_client.v1 import lookup_pb2 as pb
-from ibpembed_client.workload import hotness_for, make_requests
+from ibpembed_client.workload import DCNV2_CARDINALITIES, hotness_for, make_requests
 from tools.serve_process import ServerProcess, proc_cpu_seconds
 
 BATCHES = (1, 64, 512, 2048)
@@ -102,7 +102,7 @@ def pack_tables(directory: Path, max_rows: int) -> list[str]:
     """Write the compressed demo tables; returns the feature names."""
     tables, features = {}, {}
     for i, name in enumerate(demo.feature_names()):
-        rows = min(demo.DCNV2_CARDINALITIES[i], max_rows)
+        rows = min(DCNV2_CARDINALITIES[i], max_rows)
         raw = demo.demo_table(rows, demo.DIM, i, bf16_rounded=i % 4 == 3)
         tables[name] = compress(raw, sample_rows=min(rows, 65536))
         features[name] = name
@@ -381,7 +381,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def targets(results: list[dict]) -> dict:
-    """The issue's targets, computed from this run."""
+    """The service targets (BENCHMARKS.md), computed from this run."""
     health = _find(results, "health", 0, "one") or {}
     one = _find(results, "tcp_fp32", 1, "one") or {}
     out: dict[str, dict] = {

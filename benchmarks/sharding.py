@@ -49,7 +49,7 @@ from ibpembed_client import (
 )
 from ibpembed_client.shards import merge_results, split_request
 from ibpembed_client.v1 import lookup_pb2 as pb
-from ibpembed_client.workload import hotness_for, make_requests
+from ibpembed_client.workload import DCNV2_CARDINALITIES, hotness_for, make_requests
 from tools.serve_process import ServerProcess
 
 SHARDS = 3
@@ -73,7 +73,7 @@ def demo_set(max_rows: int) -> TableSet:
     """The demo's 26 tables as pack sources (one feature per table)."""
     sources = []
     for i, (name, cardinality) in enumerate(
-        zip(demo.feature_names(), demo.DCNV2_CARDINALITIES, strict=True)
+        zip(demo.feature_names(), DCNV2_CARDINALITIES, strict=True)
     ):
         rows = min(cardinality, max_rows)
         weight = demo.demo_table(rows, demo.DIM, i, bf16_rounded=i % 4 == 3)

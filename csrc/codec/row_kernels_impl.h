@@ -520,9 +520,9 @@ struct LocatedRow {
 // NOTE(codec): a decoder may read up to `stride` bytes from a slot's start whatever its codes say
 // (max_encoding_bytes plus the vector decoders' window slack), so a compressed slot is decoded in
 // place only when that much lies inside the payload after it; the few slots nearer the end are
-// copied into a stage of that size first. Until 2026-11-30 every compressed slot was copied into
-// an L1 stage: decoding in place instead made whole-table decodes 3-12 % faster (D = 16 and 128
-// fp32) and Zipf lookups 0-5 % (development A/B, alternating builds, two rounds each).
+// copied into a stage of that size first. Decoding in place rather than copying every compressed
+// slot into an L1 stage makes whole-table decodes 3-12 % faster (D = 16 and 128 fp32) and Zipf
+// lookups 0-5 % (development A/B, alternating builds, two rounds each).
 template <class RowDecoder>
 void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t* out,
                       const RowSink* sink) {

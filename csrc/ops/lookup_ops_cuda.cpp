@@ -739,8 +739,8 @@ void TierSet::upload() {
   const c10::Device device = tables_->device();
   const auto bytes = static_cast<int64_t>(host_.size() * sizeof(DeviceTier));
   at::Tensor out = at::empty({bytes}, at::TensorOptions(device).dtype(at::kByte));
-  // As upload_entries: on the current stream, waited for, so every stream sees it in place (and
-  // host_ may change only after the copy has read it: it no longer changes at all).
+  // As upload_entries: on the current stream, waited for, so every stream sees it in place. The
+  // copy reads host_ until the wait, and nothing changes host_ after it (add() refuses then).
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), host_.data(), static_cast<size_t>(bytes),

@@ -52,8 +52,9 @@ def test_small_fuzz_run_stays_within_the_contract(server) -> None:
 
 
 def test_undecodable_request_is_invalid_argument_without_a_logged_traceback(server, caplog):
-    # Found by the fuzz: grpc answered UNKNOWN (unary) / INTERNAL (stream) and logged an ERROR
-    # with a traceback per message, so garbage from any client could flood the log.
+    # A fuzz case: left to grpc, an undecodable message is answered UNKNOWN (unary) / INTERNAL
+    # (stream) with an ERROR and a traceback logged per message, so that garbage from any client
+    # floods the log.
     with caplog.at_level(logging.WARNING), grpc.insecure_channel(server.target) as channel:
         with pytest.raises(grpc.RpcError) as info:
             _raw(channel, LOOKUP)(GARBAGE, timeout=30)
@@ -80,8 +81,8 @@ def test_undecodable_request_without_token_is_unauthenticated(tmp_path) -> None:
 
 
 def test_status_message_echoing_a_huge_name_is_truncated(server) -> None:
-    # Found by the fuzz: NOT_FOUND for a 10000-character feature name carried the name back in
-    # the status message; past the client's 8 KiB trailer limit it arrived as RESOURCE_EXHAUSTED.
+    # A fuzz case: a NOT_FOUND carrying a 10000-character feature name back whole in its status
+    # message passes the client's 8 KiB trailer limit and arrives as RESOURCE_EXHAUSTED.
     request = pb.LookupRequest(features=[pb.FeatureInput(name="é" * 10_000)])
     with grpc.insecure_channel(server.target) as channel:
         with pytest.raises(grpc.RpcError) as info:

@@ -20,7 +20,8 @@ from reliability.security import (
     _methods,
     check_region_quotas,
 )
-from tests.server.helpers import RunningServer, make_store
+from tests.engine.helpers import make_store
+from tests.server.helpers import RunningServer
 
 
 @pytest.fixture(scope="module")

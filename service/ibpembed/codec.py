@@ -256,6 +256,11 @@ class CompressedTable:
         return self.quant == "int8_rowwise" or self.dtype in _POOLABLE_DTYPES
 
     @property
+    def pooled_dim(self) -> int:
+        """Width of the table's pooled rows (an int8_rowwise row loses its scale and bias)."""
+        return self.dim - INT8_ROWWISE_HEADER_BYTES if self.quant == "int8_rowwise" else self.dim
+
+    @property
     def code_bits(self) -> int:
         """C of format.h: 1 for plain IBP, 2..4 for exponent-aware codebooks."""
         return code_bits_of(self.mask, self.bitval)

@@ -29,8 +29,9 @@ from ibpembed_client import (
     service_config,
 )
 from ibpembed_client.v1 import lookup_pb2 as pb
+from tests.engine.helpers import make_store
 from tests.metrics.helpers import free_port
-from tests.server.helpers import RunningServer, make_store
+from tests.server.helpers import RunningServer
 
 REPO = Path(__file__).resolve().parents[2]
 STUBS = REPO / "clients" / "python" / "ibpembed_client" / "v1"

@@ -16,8 +16,9 @@ from ibpembed.tables.pack import pack_table_set
 from ibpembed_client import loadgen
 from ibpembed_client._histogram import LatencyHistogram
 from ibpembed_client.workload import DCNV2_POOLING_FACTORS, ZipfIds, hotness_for, make_requests
+from tests.engine.helpers import make_store
 from tests.metrics.helpers import free_port
-from tests.server.helpers import RunningServer, make_store
+from tests.server.helpers import RunningServer
 from tests.sharding.helpers import make_table_set
 from tools.serve_process import ServerProcess
 

@@ -20,7 +20,8 @@ from grpc_tools import protoc
 
 from ibpembed_client import FeatureBatch, LookupClient, build_request
 from ibpembed_client.v1 import lookup_pb2 as pb
-from tests.server.helpers import RunningServer, make_store
+from tests.engine.helpers import make_store
+from tests.server.helpers import RunningServer
 
 REPO = Path(__file__).resolve().parents[2]
 TYPED_ROOT = REPO / "proto" / "typed"

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 # Loaded before the extension, which links against the libraries torch loads: this conftest is
-# imported before any test module of the folder, and the package no longer imports torch itself.
+# imported before any test module of the folder, and `import ibpembed` does not import torch (the
+# CLI starts without it).
 import torch  # noqa: F401
 
 from ibpembed import _C, cpu_path

@@ -154,8 +154,8 @@ def test_ops_validate_raw_tensor_arguments(table) -> None:
 # The ops trust a table's tensors past their shapes (checking every slot per call would cost a
 # pass over the index), but the decoders bound every read: contradicting bytes, from a corrupted
 # file whose payload was not verified at load, or from tensors built by hand, give a ValueError
-# naming the row. Each case once read or wrote past a buffer (found by review, shown with
-# AddressSanitizer).
+# naming the row. Each case reads or writes past a buffer without those bounds (cases from
+# review, confirmed under AddressSanitizer).
 
 
 def _compressed_table(code_bits: int, row: int = 31) -> tuple[CompressedTable, int]:

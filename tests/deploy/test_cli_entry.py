@@ -20,8 +20,8 @@ import pytest
 
 from ibpembed.cli import COMMANDS, build_parser
 from ibpembed.triton.local import tritonserver_root
+from tests.engine.helpers import FEATURES, make_store, source_tables
 from tests.metrics.helpers import free_port
-from tests.server.helpers import FEATURES, make_store, source_tables
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {
@@ -116,7 +116,7 @@ def test_triton_serve_answers_like_the_engine_and_stops_on_sigterm(tmp_path: Pat
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             assert time.monotonic() < give_up, "tritonserver not ready in 180 s"
             time.sleep(0.5)
-        feature = "user"  # an fp32 table (tests/server/helpers.py)
+        feature = "user"  # an fp32 table (tests/engine/helpers.py)
         request = {
             "inputs": [
                 {"name": f"{feature}__ids", "datatype": "INT64", "shape": [3], "data": [1, 2, 3]},

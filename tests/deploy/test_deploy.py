@@ -23,15 +23,16 @@ from ibpembed.server import config as server_config
 from ibpembed.server.app import SERVICE_NAME
 from ibpembed.server.metrics import ServerMetrics
 from ibpembed_client import LookupClient, ShardMap
+from tests.deploy.dockerfile import DOCKERFILE, stages
 from tests.deploy.kustomize import K8S, by_kind, container, env_of, render, shard_deployments
+from tests.engine.helpers import make_store
 from tests.metrics.helpers import PROMTOOL, free_port, needs_promtool
-from tests.server.helpers import RunningServer, make_store
+from tests.server.helpers import RunningServer
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 PROMETHEUS = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "ibpembed.json"
-DOCKERFILE = ROOT / "Dockerfile"
 HADOLINT = shutil.which("hadolint") or shutil.which(
     "hadolint", path=str(Path(sys.executable).parent)
 )
@@ -380,17 +381,6 @@ def test_the_gpu_overlay_adds_one_gpu_per_replica_and_changes_nothing_else():
 # -- Dockerfile -------------------------------------------------------------------------------
 
 
-def dockerfile_instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
-    lines = [line.strip() for line in text.splitlines()]
-    return [
-        (line.split(None, 1)[0].upper(), line.split(None, 1)[1])
-        for line in lines
-        if line and not line.startswith("#")
-    ]
-
-
 @pytest.mark.skipif(HADOLINT is None, reason="hadolint not installed (requirements/deploy.txt)")
 def test_hadolint_clean():
     result = subprocess.run(
@@ -400,10 +390,9 @@ def test_hadolint_clean():
 
 
 def test_dockerfile_installs_the_runtime_requirements_first_and_serves_unprivileged():
-    instructions = dockerfile_instructions()
-    stages = [i for i, (op, _) in enumerate(instructions) if op == "FROM"]
-    assert len(stages) == 2
-    build, runtime = instructions[stages[0] : stages[1]], instructions[stages[1] :]
+    by_name = stages()
+    assert list(by_name)[-1] == "server"  # the default target
+    build, runtime = by_name["build"], by_name["server"]
     assert "cuda" in build[0][1] and build[0][1].endswith("AS build")
     assert "cuda" in runtime[0][1] and "-runtime-" in runtime[0][1]
 
@@ -439,7 +428,7 @@ def test_dockerfile_installs_the_runtime_requirements_first_and_serves_unprivile
 
 
 def healthcheck_command() -> list[str]:
-    (args,) = [args for op, args in dockerfile_instructions() if op == "HEALTHCHECK"]
+    (args,) = [args for op, args in stages()["server"] if op == "HEALTHCHECK"]
     return json.loads(args.split("CMD", 1)[1])
 
 

@@ -17,16 +17,10 @@ from ibpembed.engine.tier import HotTier, hot_row_ids, policy_state_bytes, rank_
 from ibpembed.tables.store import TableStore
 from ibpembed.tables.tier_budget import TableSize, capacity_rows, tier_cost
 from tests.codec.tables import same_bits
-from tests.server.helpers import RecordingObserver
+from tests.engine.helpers import RecordingObserver
+from tests.tables.helpers import with_a_raw_row
 
 ROWS, DIM = 4096, 32
-
-
-def _table(seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    values = torch.randn(ROWS, DIM, generator=gen) * 0.05
-    values[7] = torch.randn(DIM, generator=gen) * 1e30  # stored raw: no mask fits it
-    return values
 
 
 def _zipf_ids(n: int, seed: int, alpha: float = 1.3) -> np.ndarray:
@@ -46,7 +40,7 @@ def _tier_ids(store: TableStore, name: str = "t") -> list[int]:
 
 
 def test_offline_ranking_takes_the_most_frequent_compressed_rows_within_budget() -> None:
-    c = compress(_table())
+    c = compress(with_a_raw_row(ROWS, DIM))
     assert not bool(c.is_compressed(torch.tensor([7])))
     recent = torch.tensor([5] * 9 + [7] * 8 + [3] * 7 + [11] * 3 + [2] * 2 + [9] + [ROWS + 5])
     room_for_two = tier_cost(ROWS, c.row_bytes, 2) / c.raw_bytes
@@ -57,7 +51,7 @@ def test_offline_ranking_takes_the_most_frequent_compressed_rows_within_budget()
 
 
 def test_the_tier_admits_the_hot_rows_and_publishes_them_without_a_new_version() -> None:
-    values = _table()
+    values = with_a_raw_row(ROWS, DIM)
     store = TableStore.from_tables({"t": compress(values)})
     tier = HotTier(store, budget="5%")
     budget = int(0.05 * ROWS * DIM * 4)  # the rows and the policy's state for them
@@ -94,7 +88,7 @@ def test_the_tier_admits_the_hot_rows_and_publishes_them_without_a_new_version()
 
 
 def test_a_new_hot_set_displaces_the_coldest_residents() -> None:
-    store = TableStore.from_tables({"t": compress(_table())})
+    store = TableStore.from_tables({"t": compress(with_a_raw_row(ROWS, DIM))})
     tier = HotTier(store, budget="5%")
     capacity = tier.capacity(_current(store), 1.0)
     old_hot = np.arange(1000, 1000 + capacity, dtype=np.int64)
@@ -116,7 +110,7 @@ def test_a_new_hot_set_displaces_the_coldest_residents() -> None:
 
 
 def test_hits_and_the_hit_ratio_count_ids_against_the_published_tier() -> None:
-    store = TableStore.from_tables({"t": compress(_table())})
+    store = TableStore.from_tables({"t": compress(with_a_raw_row(ROWS, DIM))})
     tier = HotTier(store, budget="5%", window_ids=1000)
     tier.record([("t", np.array([5, 5, 5, 9, 9, 3], np.int64), ROWS)])
     tier.refresh()  # no tier served those ids yet: all misses; 5, 9, 3 are in it now
@@ -133,7 +127,7 @@ def test_hits_and_the_hit_ratio_count_ids_against_the_published_tier() -> None:
 
 
 def test_the_buffer_keeps_the_latest_ids_and_restarts_on_a_resize() -> None:
-    store = TableStore.from_tables({"t": compress(_table())})
+    store = TableStore.from_tables({"t": compress(with_a_raw_row(ROWS, DIM))})
     tier = HotTier(store, budget="5%", window_ids=1000)
     for i, n in enumerate([300, 500, 0, 150, 70, 2500, 30, 650]):
         tier.record([("t", np.arange(n, dtype=np.int64) + 10_000 * i, ROWS)])
@@ -151,12 +145,15 @@ def test_the_buffer_keeps_the_latest_ids_and_restarts_on_a_resize() -> None:
 
 
 def test_a_resized_or_dropped_table_starts_anew() -> None:
-    store = TableStore.from_tables({"t": compress(_table()), "u": compress(_table(1))})
+    store = TableStore.from_tables(
+        {"t": compress(with_a_raw_row(ROWS, DIM)), "u": compress(with_a_raw_row(ROWS, DIM, seed=1))}
+    )
     tier = HotTier(store, budget="5%")
     tier.record([("t", _zipf_ids(5000, 0), ROWS), ("u", _zipf_ids(5000, 1), ROWS)])
     tier.step()
-    store.put_table("t", compress(_table(2)[: ROWS // 2]))  # a reload that shrank it
-    store.put_table("u", compress(_table(3)))  # same size: what the policy learnt still holds
+    # t as a reload that shrank it; u the same size: what the policy learnt still holds.
+    store.put_table("t", compress(with_a_raw_row(ROWS, DIM, seed=2)[: ROWS // 2]))
+    store.put_table("u", compress(with_a_raw_row(ROWS, DIM, seed=3)))
     published = tier.refresh(["t", "u"])
     assert published["t"] == 0 and published["u"] > 0
     assert _tier_ids(store, "t") == [] and _tier_ids(store, "u") != []
@@ -167,7 +164,12 @@ def test_a_resized_or_dropped_table_starts_anew() -> None:
 
 
 def test_a_failing_table_does_not_stop_the_others_and_is_retried(monkeypatch) -> None:
-    store = TableStore.from_tables({"a": compress(_table(1)), "b": compress(_table(2))})
+    store = TableStore.from_tables(
+        {
+            "a": compress(with_a_raw_row(ROWS, DIM, seed=1)),
+            "b": compress(with_a_raw_row(ROWS, DIM, seed=2)),
+        }
+    )
     tier = HotTier(store, budget="5%")
     for name in ("a", "b"):
         tier.record([(name, _zipf_ids(5_000, 3), ROWS)])
@@ -186,7 +188,7 @@ def test_a_failing_table_does_not_stop_the_others_and_is_retried(monkeypatch) ->
 
 
 def test_an_all_budget_decodes_every_row_without_traffic() -> None:
-    values = _table()
+    values = with_a_raw_row(ROWS, DIM)
     store = TableStore.from_tables({"t": compress(values)})
     tier = HotTier(store, budget="all")
     tier.refresh()
@@ -201,7 +203,7 @@ def test_an_all_budget_decodes_every_row_without_traffic() -> None:
 
 
 def test_the_engine_records_traffic_and_serves_the_same_results() -> None:
-    values = _table()
+    values = with_a_raw_row(ROWS, DIM)
     engine = LookupEngine(
         TableStore.from_tables({"t": compress(values)}),
         max_workers=1,
@@ -227,7 +229,7 @@ def test_the_engine_records_traffic_and_serves_the_same_results() -> None:
 
 
 def test_off_leaves_hand_made_tiers_alone_and_bad_budgets_fail() -> None:
-    store = TableStore.from_tables({"t": compress(_table())})
+    store = TableStore.from_tables({"t": compress(with_a_raw_row(ROWS, DIM))})
     store.set_hot_rows("t", torch.arange(10, 20))  # in process: a tier chosen offline
     engine = LookupEngine(store, max_workers=1, hot_tier="off")
     assert engine.tier is None
@@ -261,7 +263,7 @@ def test_off_leaves_hand_made_tiers_alone_and_bad_budgets_fail() -> None:
 @pytest.mark.parametrize(("coverage", "fused"), [(0.9, True), (0.2, False)])
 def test_tiers_that_cover_most_lookups_send_pooling_to_the_fused_kernel(coverage, fused) -> None:
     """Decode-once pays for its sort only when the tier leaves much decoding to the kernel."""
-    values = _table()
+    values = with_a_raw_row(ROWS, DIM)
     store = TableStore.from_tables({"t": compress(values)})
     store.set_hot_rows("t", torch.arange(0, 64), coverage=coverage)
     recorder = RecordingObserver()
@@ -278,7 +280,7 @@ def test_tiers_that_cover_most_lookups_send_pooling_to_the_fused_kernel(coverage
 
 
 def test_table_size_reads_the_table() -> None:
-    c = compress(_table())
+    c = compress(with_a_raw_row(ROWS, DIM))
     size = TableSize.of(c)
     assert (size.num_rows, size.raw_bytes, size.stored_bytes) == (ROWS, c.raw_bytes, c.stored_bytes)
 

@@ -23,8 +23,9 @@ from ibpembed.codec import compress
 from ibpembed.server.metrics import LATENCY_BUCKETS_S, STREAM_METHOD, ServerMetrics
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, build_request
 from ibpembed_client.v1 import lookup_pb2 as pb
+from tests.engine.helpers import make_store
 from tests.metrics.helpers import PROMTOOL, fetch, needs_promtool, parse, value
-from tests.server.helpers import RunningServer, make_store
+from tests.server.helpers import RunningServer
 
 F32_ROW = 16 * 4  # emb_f32: D=16 fp32 (features user, user_hist)
 BF16_ROW = 8 * 2  # emb_bf16: D=8 bf16 (feature item)

@@ -24,13 +24,8 @@ from ibpembed_client import (
 )
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
-from tests.server.helpers import (
-    FailingObserver,
-    GateObserver,
-    RecordingObserver,
-    RunningServer,
-    make_store,
-)
+from tests.engine.helpers import GateObserver, RecordingObserver, make_store
+from tests.server.helpers import FailingObserver, RunningServer
 
 I64, I32, F32 = "<i8", "<i4", "<f4"
 

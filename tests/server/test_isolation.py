@@ -24,9 +24,10 @@ from ibpembed.server.regions import MAX_REGIONS_PER_OWNER
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, SharedMemoryRegion
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
+from tests.engine.helpers import make_store
 from tools.hostile import SECRET, victim_object
 
-from .helpers import RunningServer, make_store
+from .helpers import RunningServer
 
 REPO = Path(__file__).resolve().parents[2]
 needs_root = pytest.mark.skipif(

@@ -24,8 +24,9 @@ from ibpembed.server.reload import TableSetReloader
 from ibpembed.tables.manifest import MANIFEST
 from ibpembed.tables.store import TableStore
 from ibpembed_client import LookupClient
+from tests.engine.helpers import RecordingObserver, make_store
 from tests.metrics.helpers import free_port
-from tests.server.helpers import DEMO_300, RecordingObserver, RunningServer, make_store
+from tests.server.helpers import DEMO_300, RunningServer
 from tests.server.test_reload import block_reloads, pack, wait_until
 from tools.serve_process import ServerProcess
 

@@ -19,13 +19,8 @@ from ibpembed_client import (
     bf16_to_float32,
     build_request,
 )
-from tests.server.helpers import (
-    FEATURES,
-    RecordingObserver,
-    RunningServer,
-    make_store,
-    source_tables,
-)
+from tests.engine.helpers import FEATURES, RecordingObserver, make_store, source_tables
+from tests.server.helpers import RunningServer
 
 POOLED = ("sum", "mean")
 NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
@@ -217,12 +212,13 @@ def test_eight_threads_two_hundred_calls_each(client, store):
 def test_large_pooled_response_fits_default_message_size(store):
     """A [2048 x 26 x 128] fp32 response is ~27 MB: over gRPC's 4 MB default, under ours."""
     from ibpembed.server import demo
+    from ibpembed_client.workload import DCNV2_POOLING_FACTORS
 
     tables = demo.build(max_rows=64)
     big = TableStore.from_tables(tables)
     rng = np.random.default_rng(0)
     features = {}
-    for name, hot in zip(demo.feature_names(), demo.DCNV2_POOLING_FACTORS, strict=True):
+    for name, hot in zip(demo.feature_names(), DCNV2_POOLING_FACTORS, strict=True):
         rows = tables[name].num_rows
         features[name] = FeatureBatch(
             rng.integers(0, rows, 2048 * hot).astype(np.int64), np.full(2048, hot, np.int32)

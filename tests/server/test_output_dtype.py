@@ -21,8 +21,9 @@ from ibpembed_client import (
     build_request,
 )
 from ibpembed_client.v1 import lookup_pb2 as pb
+from tests.engine.helpers import FEATURES, make_store
 
-from .helpers import FEATURES, RunningServer, make_store
+from .helpers import RunningServer
 
 POOLED_FEATURES = ["user", "user_hist", "item", "ctx", "quant"]
 # The documented bounds: half an ulp of the format's significand, relative to each value

@@ -13,10 +13,11 @@ import pytest
 from ibpembed.server.servicer import EmbeddingLookupServicer
 from ibpembed_client import LookupClient, RetryPolicy, build_request
 from ibpembed_client.v1 import lookup_pb2 as pb
+from tests.engine.helpers import make_store
 from tools.hostile import feature_names_request
 from tools.serve_process import ServerProcess
 
-from .helpers import RunningServer, make_store
+from .helpers import RunningServer
 
 STREAM = "/ibpembed.v1.EmbeddingLookup/LookupStream"
 

@@ -31,9 +31,10 @@ from ibpembed_client import (
 )
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
+from tests.engine.helpers import FEATURES, GateObserver, RecordingObserver, make_store
 from tests.metrics.helpers import fetch, parse, value
 
-from .helpers import FEATURES, GateObserver, RecordingObserver, RunningServer, make_store
+from .helpers import RunningServer
 from .test_security import _tls, pki  # noqa: F401 (pki is a fixture)
 
 MB = 1 << 20
@@ -339,46 +340,49 @@ def token_server(store, tokens_file):
         yield running
 
 
-def test_another_callers_region(token_server, store, shm):
-    server = token_server
+@pytest.fixture()
+def alice_and_bob(token_server):
+    """Clients of ``token_server`` as two identities (see ``tokens_file``); a test that takes
+    ``shm`` first closes them before its region goes."""
     with (
-        LookupClient(server.target, timeout=30, token="alice-secret") as alice,
-        LookupClient(server.target, timeout=30, token="bob-secret") as bob,
+        LookupClient(token_server.target, timeout=30, token="alice-secret") as alice,
+        LookupClient(token_server.target, timeout=30, token="bob-secret") as bob,
     ):
-        alice.register_region("alices", shm)
-        bob._regions["alices"] = alice._regions["alices"]  # bob names it anyway
-        features = _features(store, 1, 2, names=["user"])
-        # Another identity's region does not exist for bob: he cannot use, release or even
-        # learn of its name.
-        with pytest.raises(LookupServiceError) as err:
-            bob.lookup(features, "sum", output_region="alices")
-        assert _code(err) == grpc.StatusCode.NOT_FOUND
-        assert "output_region.name" in err.value.details
-        with pytest.raises(LookupServiceError) as err:
-            bob.unregister_region("alices")
-        assert _code(err) == grpc.StatusCode.NOT_FOUND
-        assert bob.list_regions() == []
-        assert [r.name for r in alice.list_regions()] == ["alices"]
-        assert alice.unregister_region() == 1
+        yield alice, bob
 
 
-def test_identities_name_their_regions_apart(token_server, store, shm):
+def test_another_callers_region(shm, alice_and_bob, store):
+    alice, bob = alice_and_bob
+    alice.register_region("alices", shm)
+    bob._regions["alices"] = alice._regions["alices"]  # bob names it anyway
+    features = _features(store, 1, 2, names=["user"])
+    # Another identity's region does not exist for bob: he cannot use, release or even
+    # learn of its name.
+    with pytest.raises(LookupServiceError) as err:
+        bob.lookup(features, "sum", output_region="alices")
+    assert _code(err) == grpc.StatusCode.NOT_FOUND
+    assert "output_region.name" in err.value.details
+    with pytest.raises(LookupServiceError) as err:
+        bob.unregister_region("alices")
+    assert _code(err) == grpc.StatusCode.NOT_FOUND
+    assert bob.list_regions() == []
+    assert [r.name for r in alice.list_regions()] == ["alices"]
+    assert alice.unregister_region() == 1
+
+
+def test_identities_name_their_regions_apart(shm, alice_and_bob, store):
     """Each identity has a namespace of its own: no caller can take a name another needs."""
-    server = token_server
-    with (
-        LookupClient(server.target, timeout=30, token="alice-secret") as alice,
-        LookupClient(server.target, timeout=30, token="bob-secret") as bob,
-    ):
-        alice.register_region("out", shm)
-        bob.register_region("out", shm)  # the same name, bob's own region
-        features = _features(store, 2, 3, names=["user"])
-        expected = alice.lookup(features, "sum")["user"]
-        for client in (alice, bob):
-            got = client.lookup(features, "sum", output_region="out")["user"]
-            assert np.array_equal(got, expected)
-        assert bob.unregister_region("out") == 1
-        assert [r.name for r in alice.list_regions()] == ["out"]  # alice's is untouched
-        assert alice.unregister_region() == 1
+    alice, bob = alice_and_bob
+    alice.register_region("out", shm)
+    bob.register_region("out", shm)  # the same name, bob's own region
+    features = _features(store, 2, 3, names=["user"])
+    expected = alice.lookup(features, "sum")["user"]
+    for client in (alice, bob):
+        got = client.lookup(features, "sum", output_region="out")["user"]
+        assert np.array_equal(got, expected)
+    assert bob.unregister_region("out") == 1
+    assert [r.name for r in alice.list_regions()] == ["out"]  # alice's is untouched
+    assert alice.unregister_region() == 1
 
 
 def _lookup_error(server, features, pooling="sum", **region) -> grpc.RpcError:

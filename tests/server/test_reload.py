@@ -27,8 +27,9 @@ from ibpembed.tables.manifest import MANIFEST, read_manifest
 from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.store import TableStore
 from ibpembed_client import LookupClient
+from tests.engine.helpers import RecordingObserver
 from tests.metrics.helpers import free_port
-from tests.server.helpers import DEMO_300, RecordingObserver, RunningServer
+from tests.server.helpers import DEMO_300, RunningServer
 from tests.tables.helpers import flip_bit, section_ranges
 from tools.serve_process import ServerProcess
 

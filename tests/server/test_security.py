@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, TlsOptions, loadgen
-from tests.server.helpers import RecordingObserver, RunningServer, make_store
+from tests.engine.helpers import RecordingObserver, make_store
+from tests.server.helpers import RunningServer
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 NO_RETRY = RetryPolicy(max_attempts=1)

@@ -23,8 +23,8 @@ import torch
 from ibpembed.selftest import SelfTestFailed, choose_device, sample_ids, self_test
 from ibpembed.tables.manifest import MANIFEST
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy
+from tests.engine.helpers import make_tables
 from tests.metrics.helpers import fetch, free_port, parse, value
-from tests.server.helpers import make_tables
 from tests.server.test_reload import assert_serves, pack
 from tools.serve_process import IBPEMBED, ServerProcess
 

@@ -19,10 +19,11 @@ from ibpembed.tables.store import TableStore
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, SharedMemoryRegion
 from ibpembed_client.v1 import lookup_pb2 as pb
 from ibpembed_client.v1 import lookup_pb2_grpc
+from tests.engine.helpers import RecordingObserver, make_store
 from tests.server.test_reload import ROWS, assert_serves, pack
 from tools.serve_process import ServerProcess
 
-from .helpers import RecordingObserver, RunningServer, make_store
+from .helpers import RunningServer
 
 NO_RETRY = RetryPolicy(max_attempts=1)
 

@@ -24,7 +24,8 @@ from ibpembed_client import (
     bf16_to_float32,
     build_request,
 )
-from tests.server.helpers import GateObserver, RunningServer, make_store
+from tests.engine.helpers import GateObserver, make_store
+from tests.server.helpers import RunningServer
 from tests.sharding.helpers import FEATURES, SHARDS, values_of
 
 BATCH = 48

@@ -21,6 +21,15 @@ def trained_like(rows: int, dim: int, dtype: torch.dtype = torch.float32, seed: 
     return values.to(dtype).contiguous()
 
 
+def with_a_raw_row(rows: int, dim: int, seed: int = 0) -> torch.Tensor:
+    """Small fp32 rows but row 7, whose huge values no mask fits, so it is stored raw: a hot
+    tier must hold raw rows as well as compressed ones."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, dim, generator=gen) * 0.05
+    values[7] = torch.randn(dim, generator=gen) * 1e30
+    return values
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN payloads and -0.0 included), shapes and dtypes too."""
     return (

@@ -231,8 +231,9 @@ def test_cpp_header_matches_python_structs(tmp_path: Path) -> None:
 #
 # data/golden_layout<N>.ibpt is the golden table packed by the build whose compact layout
 # (kFormatVersion in format.h) is N. A layout change must bump kFormatVersion and add a golden
-# file for the new version: python -c "from tests.tables.test_format import write_golden as w; w()"
-# Older golden files stay, to prove that files in a layout this build cannot decode are refused.
+# file for the new version: `python -m tests.tables.test_format` from the repository root (see
+# the end of this file). Older golden files stay, to prove that files in a layout this build
+# cannot decode are refused.
 
 GOLDEN_DIR = Path(__file__).parent / "data"
 GOLDEN = GOLDEN_DIR / f"golden_layout{tf.LAYOUT_VERSION}.ibpt"
@@ -482,3 +483,9 @@ def test_a_rejected_file_is_unmapped_while_its_error_is_kept(packed, section) ->
         tf.read_table(path)
     assert kept.value.section == section
     assert str(path) not in Path("/proc/self/maps").read_text()
+
+
+if __name__ == "__main__":
+    # `python -m tests.tables.test_format`: pack this layout's golden files (write_golden).
+    write_golden()
+    print(f"wrote {GOLDEN} and {GOLDEN_CODED}")

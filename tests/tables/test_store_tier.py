@@ -9,19 +9,13 @@ import torch
 from ibpembed.codec import compress
 from ibpembed.tables.store import TableStore
 from tests.codec.tables import same_bits
+from tests.tables.helpers import with_a_raw_row
 
 ROWS, DIM = 4096, 32
 
 
-def _table(seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    values = torch.randn(ROWS, DIM, generator=gen) * 0.05
-    values[7] = torch.randn(DIM, generator=gen) * 1e30  # stored raw: no mask fits it
-    return values
-
-
 def test_update_rows_reaches_cached_rows_and_spares_the_old_version() -> None:
-    values = _table()
+    values = with_a_raw_row(ROWS, DIM)
     store = TableStore.from_tables({"t": compress(values)})
     store.set_hot_rows("t", torch.tensor([1, 2, 3, 100, 4000]))
     with store.acquire() as before:
@@ -41,7 +35,7 @@ def test_update_rows_reaches_cached_rows_and_spares_the_old_version() -> None:
 def test_row_updates_keep_their_spare_area_across_hot_row_refreshes() -> None:
     """Publishing copies keeps the payload: the next update appends to its spare area instead
     of copying the whole payload into a new buffer."""
-    values = _table()
+    values = with_a_raw_row(ROWS, DIM)
     store = TableStore.from_tables({"t": compress(values)})
     store.update_rows("t", torch.tensor([100]), torch.full((1, DIM), 0.5))
     buffer = store._spill["t"].buffer
@@ -55,15 +49,17 @@ def test_row_updates_keep_their_spare_area_across_hot_row_refreshes() -> None:
 
 
 def test_reload_keeps_copies_of_unchanged_tables_and_put_table_drops_them(tmp_path) -> None:
-    values = _table()
-    TableStore.from_tables({"t": compress(values), "u": compress(_table(1))}).save(tmp_path)
+    values = with_a_raw_row(ROWS, DIM)
+    TableStore.from_tables(
+        {"t": compress(values), "u": compress(with_a_raw_row(ROWS, DIM, seed=1))}
+    ).save(tmp_path)
     store = TableStore.load(tmp_path)
     store.set_hot_rows("t", torch.arange(0, 300))
     store.reload()  # same files: the table objects, copies included, are kept
     with store.acquire() as snap:
         assert snap.tables["t"].hot is not None
         assert same_bits(snap.tables["t"].gather(torch.arange(ROWS)), values)
-    replacement = _table(2)
+    replacement = with_a_raw_row(ROWS, DIM, seed=2)
     store.put_table("t", compress(replacement))  # new rows: no copies of the old ones
     with store.acquire() as snap:
         assert snap.tables["t"].hot is None

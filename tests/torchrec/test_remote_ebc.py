@@ -38,7 +38,8 @@ from ibpembed.torchrec import (
     pooled_error_bound,
 )
 from ibpembed.torchrec.remote import RemoteLookupError
-from tests.server.helpers import RunningServer, make_store
+from tests.engine.helpers import make_store
+from tests.server.helpers import RunningServer
 
 # Awkward dims (1, 3, 129), SUM and MEAN mixed, a table read by two features, an FP16 table.
 TABLES = [

@@ -33,7 +33,8 @@ from ibpembed.codec import compress
 from ibpembed.tables.store import TableStore
 from ibpembed.triton.repo import RepositoryError, write_repository
 from ibpembed_client import FeatureBatch, LookupClient, bf16_to_float32
-from tests.server.helpers import RunningServer, make_store
+from tests.engine.helpers import make_store
+from tests.server.helpers import RunningServer
 from tools.triton_process import REPO, TritonProcess, tritonserver_root
 
 if tritonserver_root() is None or importlib.util.find_spec("tritonclient.http") is None:

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Synthetic recommendation traffic: Zipf ids over permuted rows, DLRM-DCNv2 pooling factors.
+"""Synthetic recommendation traffic: Zipf ids over permuted rows, the DLRM-DCNv2 profile (table
+cardinalities and pooling factors).
 
 Used by the load generator, the service benchmark and the server's demo tables (one copy of the
 profile); and recorded traffic to replay (:func:`read_recorded`). numpy only.
@@ -17,6 +18,11 @@ import numpy as np
 from ibpembed_client._request import FeatureBatch, Pooling, build_request
 from ibpembed_client.v1 import lookup_pb2 as pb
 
+# MLPerf DLRM-DCNv2 table cardinalities (Criteo 1TB, in feature order).
+DCNV2_CARDINALITIES: tuple[int, ...] = (
+    40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
+    2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
+)  # fmt: skip
 # Ids per sample of each of the 26 features in the MLPerf DLRM-DCNv2 multi-hot dataset.
 DCNV2_POOLING_FACTORS: tuple[int, ...] = (
     3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1,

@@ -75,7 +75,6 @@ inline constexpr int kPayloadPad = 16;
 // 64 KiB rows (16384 fp32 elements): far beyond any embedding dim, and small enough that per-chunk
 // scratch fits on a thread's stack.
 inline constexpr int kMaxRowBytes = 1 << 16;
-inline constexpr int kMaxChunks = kMaxRowBytes / 2;
 
 // Element type of a table, as stored. Rows are bits to the codec; the dtype matters only to
 // pooled lookups, which accumulate in fp32.

@@ -39,15 +39,6 @@ IBP_HD float fp16_to_float(uint16_t h) {
 // Width in bytes of the int8 row-wise header (fp16 scale, fp16 bias).
 inline constexpr int kInt8RowwiseHeaderBytes = 4;
 
-IBP_HD int64_t element_bytes(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return 4;
-    case DType::kFloat16:
-    case DType::kBFloat16: return 2;
-    default: return 1;
-  }
-}
-
 // Number of fp32 outputs one row pools into (0 when the dtype cannot be pooled).
 IBP_HD int64_t pooled_dim(DType dtype, int64_t row_bytes) {
   switch (dtype) {

@@ -7,7 +7,6 @@ back)."""
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -17,7 +16,7 @@ import torch
 from ibpembed.codec import CompressedTable
 from ibpembed.engine.cuda import CudaStreams, to_host
 from ibpembed.engine.hbm_tier import HbmTier, gather
-from ibpembed.engine.planning import RequestPlan, TableWork, pooled_dim
+from ibpembed.engine.planning import RequestPlan, TableWork
 from ibpembed.engine.requests import KernelCall, LookupObserver, PackedRequest, Pooling
 from ibpembed.tables.store import TableSnapshot
 
@@ -30,10 +29,6 @@ DEDUPE_MIN_IDS = 32768
 FUSED_MIN_HOT_COVERAGE = 0.5
 # Results of at most this many values in all are rounded in one call (see rounded).
 ROUND_TOGETHER_MAX_VALUES = 65536
-
-# Per feature of the one-call path: (position in the snapshot's pooling set, pooled dim, table,
-# rows).
-OneCallFeature = tuple[int, int, str, int]
 
 
 class IdRecorder(Protocol):
@@ -64,10 +59,6 @@ class Executor:
         self.observer = observer
         self.recorder = recorder
         self.streams = CudaStreams(device)
-        # The last snapshot's features for run_in_one_call (a snapshot never changes).
-        self._one_call_cache: (
-            tuple[weakref.ref[TableSnapshot], dict[str, OneCallFeature]] | None
-        ) = None
 
     def run_in_one_call(
         self, snap: TableSnapshot, request: PackedRequest, pooling: Pooling, limit: int | None
@@ -86,7 +77,7 @@ class Executor:
             return None
         if self.dedupe_max_unique_fraction > 0 and request.ids.size >= self.dedupe_min_ids:
             return None
-        features = self._one_call_features(snap)
+        features = snap.pooling_features
         try:
             entries = [features[name] for name in request.names]
         except KeyError:
@@ -94,7 +85,7 @@ class Executor:
         count = len(entries)
         if len(set(request.names)) != count:
             return None
-        meta = np.array([e[:2] for e in entries], dtype=np.int64).reshape(count, 2)
+        meta = np.array([(e.position, e.dim) for e in entries], dtype=np.int64).reshape(count, 2)
         samples = request.sample_counts
         if samples.shape != (count,) or request.id_counts.shape != (count,):
             return None
@@ -125,33 +116,16 @@ class Executor:
         if self.recorder is not None:  # after the kernel: it has checked every id
             id_ends = np.cumsum(request.id_counts).tolist()
             self.recorder.record(
-                (e[2], request.ids[end - n : end], e[3])
+                (e.table, request.ids[end - n : end], e.rows)
                 for e, n, end in zip(entries, request.id_counts.tolist(), id_ends, strict=True)
             )
         if self.observer is not None:
             nnz = request.id_counts.tolist()
             self.observer.kernels_done(
                 pooling,
-                [(e[2], n, n, t) for e, n, t in zip(entries, nnz, seconds, strict=True)],
+                [(e.table, n, n, t) for e, n, t in zip(entries, nnz, seconds, strict=True)],
             )
         return values
-
-    def _one_call_features(self, snap: TableSnapshot) -> dict[str, OneCallFeature]:
-        """Features of ``snap`` that :meth:`run_in_one_call` serves. Built once per
-        snapshot."""
-        cached = self._one_call_cache
-        if cached is not None and cached[0]() is snap:
-            return cached[1]
-        _, position = snap.pooling_set
-        features = {}
-        for feature, name in snap.features.items():
-            table = snap.tables[name]
-            if name not in position or name in snap.shards:
-                continue
-            features[feature] = (position[name], pooled_dim(table), name, table.num_rows)
-        # Weakly: a version a reload replaced must not stay mapped until the next such request.
-        self._one_call_cache = (weakref.ref(snap), features)
-        return features
 
     def run_plan(
         self, snap: TableSnapshot, plan: RequestPlan, pooling: Pooling, count: int

@@ -16,7 +16,6 @@ import numpy as np
 from ibpembed.codec import CompressedTable
 from ibpembed.engine.requests import FeatureQuery, LookupOptions, Pooling, TableDescription
 from ibpembed.errors import InvalidArgument, NotFound
-from ibpembed.layout import INT8_ROWWISE_HEADER_BYTES
 from ibpembed.tables.manifest import RowRange
 from ibpembed.tables.store import TableSnapshot
 
@@ -113,11 +112,6 @@ def plan_request(
     return plan
 
 
-def pooled_dim(table: CompressedTable) -> int:
-    """Width of the table's pooled rows (an int8_rowwise row loses its scale and bias)."""
-    return table.dim - INT8_ROWWISE_HEADER_BYTES if table.quant == "int8_rowwise" else table.dim
-
-
 def describe_table(
     name: str, table: CompressedTable, rows: RowRange, version: int, features: tuple[str, ...]
 ) -> TableDescription:
@@ -143,7 +137,7 @@ def _output_bytes(query: FeatureQuery, pooling: Pooling, table: CompressedTable)
     """Bytes of one feature's result: [nnz, row] for NONE, [B, pooled dim] fp32 otherwise."""
     if pooling == "none":
         return query.ids.size * table.row_bytes
-    return query.lengths.size * pooled_dim(table) * 4
+    return query.lengths.size * table.pooled_dim * 4
 
 
 def _check_layout(

@@ -36,7 +36,6 @@ from ibpembed.engine import LookupEngine, LookupObserver, resolve_device
 from ibpembed.selftest import choose_device
 from ibpembed.server import demo
 from ibpembed.server.backlog import StreamBacklog
-from ibpembed.server.cli import LOAD_THREAD
 from ibpembed.server.config import ServerConfig
 from ibpembed.server.identity import CallerIdentities, read_tokens
 from ibpembed.server.interceptors import (
@@ -64,6 +63,8 @@ _PROGRESS_EVERY_S = 2.0
 # in-flight RPC finished while calls keep coming (see LookupServer._drained).
 _DRAIN_QUIET_S = 0.1
 _DRAIN_QUIET_MAX_S = 1.0
+# The thread ``serve`` loads the table set in; ``ibpembed serve`` looks for it at exit.
+LOAD_THREAD = "ibpembed-load"
 SERVICE_NAME = lookup_pb2.DESCRIPTOR.services_by_name["EmbeddingLookup"].full_name
 
 

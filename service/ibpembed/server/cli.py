@@ -12,9 +12,6 @@ import threading
 
 from ibpembed.server import config as server_config
 
-# The thread ``serve`` loads the table set in (ibpembed.server.app).
-LOAD_THREAD = "ibpembed-load"
-
 DESCRIPTION = (
     "Run the gRPC lookup server. Without --tables it serves an embedded demo table set. Each"
     " setting is a flag, an environment variable or a key of the --config TOML file (in that"
@@ -44,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     configure(cfg.log_level, cfg.log_format)
     # Imported here so `ibpembed --help` does not pay for torch and grpc.
-    from ibpembed.server.app import serve
+    from ibpembed.server.app import LOAD_THREAD, serve
 
     quiet_dead_call_replies()
 

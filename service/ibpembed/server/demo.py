@@ -15,17 +15,12 @@ from __future__ import annotations
 import torch
 
 from ibpembed.codec import CompressedTable, compress
-from ibpembed_client.workload import DCNV2_POOLING_FACTORS
+from ibpembed_client.workload import DCNV2_CARDINALITIES
 
-# MLPerf DLRM-DCNv2 table cardinalities (Criteo 1TB, in feature order).
-DCNV2_CARDINALITIES: tuple[int, ...] = (
-    40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
-    2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
-)  # fmt: skip
 DIM = 128
 
 
-__all__ = ["DCNV2_CARDINALITIES", "DCNV2_POOLING_FACTORS", "DIM", "build", "feature_names"]
+__all__ = ["DIM", "build", "feature_names"]
 
 
 def feature_names() -> list[str]:

@@ -57,7 +57,7 @@ import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -128,6 +128,15 @@ def _buffers(table: CompressedTable) -> list[tuple[int, int]]:
     return [(s.data_ptr(), s.nbytes()) for s in storages if s.nbytes()]
 
 
+class PoolingFeature(NamedTuple):
+    """A feature served from a snapshot's pooling set (see ``TableSnapshot.pooling_features``)."""
+
+    position: int  # of its table in the pooling set
+    dim: int  # width of its pooled rows
+    table: str
+    rows: int  # of its table
+
+
 @dataclass(frozen=True)
 class TableSnapshot:
     """One published version of the whole table set. Never changes after publication."""
@@ -155,6 +164,20 @@ class TableSnapshot:
         return CompressedTableSet([self.kernel_table(n) for n in names]), {
             n: i for i, n in enumerate(names)
         }
+
+    @functools.cached_property
+    def pooling_features(self) -> Mapping[str, PoolingFeature]:
+        """The features whose tables are in :attr:`pooling_set` whole (not row shards), so that
+        a pooled lookup of them needs no id translation. Built on first use."""
+        _, position = self.pooling_set
+        features = {}
+        for feature, name in self.features.items():
+            if name in position and name not in self.shards:
+                table = self.tables[name]
+                features[feature] = PoolingFeature(
+                    position[name], table.pooled_dim, name, table.num_rows
+                )
+        return features
 
     def row_range(self, name: str) -> RowRange:
         """Global rows ``table`` holds here: its shard's range, or all its rows."""

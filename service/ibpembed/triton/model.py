@@ -205,6 +205,8 @@ class _Metrics:
             description="Bytes the table keeps: compressed payload, index and masks",
             kind=family.GAUGE,
         )
+        # Held for the model's lifetime though never read again: a MetricFamily the Python
+        # backend frees deletes itself and its metrics (the gauges set below) from Triton.
         self._gauges = (raw, stored)
         self._latency = family(
             name="ibpembed_lookup_duration_seconds",

@@ -13,8 +13,7 @@ import torch
 
 from ibpembed.engine import FeatureQuery, LookupEngine, LookupOptions, PackedRequest
 from ibpembed.errors import InvalidArgument, NotFound
-
-from .helpers import FEATURES, RecordingObserver, make_store
+from tests.engine.helpers import FEATURES, RecordingObserver, make_store
 
 POOLED = ["user", "user_hist", "item", "ctx", "quant"]
 

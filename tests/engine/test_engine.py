@@ -23,7 +23,7 @@ from ibpembed.engine import (
 )
 from ibpembed.errors import DeadlineExceeded, InvalidArgument, Overloaded
 from ibpembed.tables.store import TableStore
-from tests.server.helpers import FEATURES, GateObserver, RecordingObserver, make_store, make_tables
+from tests.engine.helpers import FEATURES, GateObserver, RecordingObserver, make_store, make_tables
 
 
 def test_kernels_release_the_gil():

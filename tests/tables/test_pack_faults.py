@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Fault-injection findings (reliability.faults), pinned as fast in-process tests."""
+"""Packing onto a full disk, in process (reliability.faults runs the same case end to end): the
+failed version leaves no file behind and the previous set stays whole."""
 
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ def small_then_big(version: int) -> TableSet:
 
 
 def test_pack_that_fills_the_disk_keeps_the_previous_set_and_leaves_no_file(tmp_path: Path):
-    # Found by the disk-full fault: the first table's complete file of the failed version stayed
-    # behind (named by no manifest) until the next successful pack.
+    # The disk fills on the second table: the first one's file of the failed version is complete
+    # but named by no manifest, so the failed pack removes it rather than leave it to the next
+    # successful one.
     directory = tmp_path / "set"
     pack_table_set(directory, small_then_big(1))
     before = {p.name: p.read_bytes() for p in directory.iterdir()}
