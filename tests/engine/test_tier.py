@@ -305,7 +305,9 @@ def test_a_savings_tier_keeps_an_updated_table_within_its_raw_bytes() -> None:
 
 
 def test_a_step_prices_tables_without_holding_the_lock_lookups_record_under(monkeypatch) -> None:
-    store = TableStore.from_tables({"t": compress(_table()), "u": compress(_table(seed=2))})
+    store = TableStore.from_tables(
+        {"t": compress(with_a_raw_row(ROWS, DIM)), "u": compress(with_a_raw_row(ROWS, DIM, 2))}
+    )
     tier = HotTier(store, budget="5%", gate=None)
     held_while_pricing = []
     capacity = tier.capacity
