@@ -61,6 +61,19 @@ def test_help_and_version_do_not_import_torch(args: tuple[str, ...]) -> None:
         assert result.stdout.startswith("ibpembed ")
 
 
+def test_python_dash_m_runs_the_command() -> None:
+    # For an environment where the `ibpembed` script is not on PATH.
+    result = subprocess.run(
+        [sys.executable, "-m", "ibpembed", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ibpembed ")
+
+
 def test_a_command_imports_only_its_own_module() -> None:
     _, modules = _modules_after("triton-repo", "--help")
     assert "ibpembed.triton.cli" in modules
