@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ``ibpembed`` entry point as a user meets it: help and version without torch, every
-command listed with the summary its module registers, and ``triton-serve`` starting a real
-tritonserver on a table set with one command."""
+"""The ``ibpembed`` entry point as a user meets it: help (``serve --help`` too) and version
+without torch, every command listed with the summary its module registers, and ``triton-serve``
+starting a real tritonserver on a table set with one command."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _modules_after(*args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
     return result, modules
 
 
-@pytest.mark.parametrize("args", [("--help",), ("--version",), ("nope",)])
+@pytest.mark.parametrize("args", [("--help",), ("--version",), ("nope",), ("serve", "--help")])
 def test_help_and_version_do_not_import_torch(args: tuple[str, ...]) -> None:
     result, modules = _modules_after(*args)
     assert "torch" not in modules and "numpy" not in modules, sorted(modules)[:20]
