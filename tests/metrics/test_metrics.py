@@ -342,5 +342,10 @@ def test_metrics_port_in_use_names_the_port():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(OSError, match=f"metrics port 127.0.0.1:{port}"):
+        with pytest.raises(OSError) as raised:
             metrics.start_http_server("127.0.0.1", port)
+    # Worded as the gRPC port's error, without the "[Errno 98]" of str(OSError(errno, text)).
+    assert str(raised.value) == (
+        f"cannot listen on 127.0.0.1:{port} (metrics): the port is in use"
+        " (by another server: another `ibpembed serve`?)"
+    )

@@ -17,10 +17,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import errno
 import logging
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -47,6 +45,7 @@ from ibpembed.server.interceptors import (
 )
 from ibpembed.server.memory import keep_freed_memory
 from ibpembed.server.metrics import ServerMetrics
+from ibpembed.server.ports import bind_problem
 from ibpembed.server.regions import RegionRegistry
 from ibpembed.server.reload import ReloadObserver, TableSetReloader, in_daemon_thread
 from ibpembed.server.servicer import EmbeddingLookupServicer, OutputObserver, add_to_server
@@ -115,22 +114,6 @@ def load_and_check(
 
 def _read(path: str) -> bytes:
     return Path(path).read_bytes()
-
-
-def _bind_problem(host: str, port: int) -> str:
-    """Why ``host:port`` cannot be listened on, as the OS says it (grpc's error does not)."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds
-            probe.bind(address)
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            return "the port is in use (by another server: another `ibpembed serve`?)"
-        return exc.strerror or str(exc)
-    return "grpc could not bind it (GRPC_VERBOSITY=debug says why)"
 
 
 class LookupServer:
@@ -230,14 +213,21 @@ class LookupServer:
             )
         address = f"{cfg.host}:{cfg.port}"
         credentials = self._credentials()
+        # Probed first: grpc's C core logs its own error line for a port it cannot bind (on
+        # stderr, before ours), and its RuntimeError says only "Failed to bind to address".
+        problem = bind_problem(cfg.host, cfg.port)
+        if problem is not None:
+            raise RuntimeError(f"cannot listen on {address}: {problem}")
         try:
             if credentials is None:
                 port = server.add_insecure_port(address)
             else:
                 port = server.add_secure_port(address, credentials)
-        except RuntimeError:  # grpc's says only "Failed to bind to address ..."
+        except RuntimeError:  # taken since the probe, or refused by grpc alone
+            problem = bind_problem(cfg.host, cfg.port)
             raise RuntimeError(
-                f"cannot listen on {address}: {_bind_problem(cfg.host, cfg.port)}"
+                f"cannot listen on {address}: "
+                f"{problem or 'grpc could not bind it (GRPC_VERBOSITY=debug says why)'}"
             ) from None
         # grpc's health servicer starts the whole server ("") SERVING: not before the tables.
         for service in ("", SERVICE_NAME):

@@ -88,6 +88,7 @@ from ibpembed.engine import KernelCall
 from ibpembed.engine.hbm_tier import HbmTier
 from ibpembed.engine.tier import HotTier
 from ibpembed.server.interceptors import STREAM_METHOD
+from ibpembed.server.ports import bind_error_text
 from ibpembed.server.reload import RELOAD_RESULTS, ReloadResult
 from ibpembed.tables.store import TableStore
 from ibpembed_client.v1 import lookup_pb2 as pb
@@ -777,8 +778,11 @@ class ServerMetrics:
         try:
             self._http = make_server(address, port, app, server_class, handler_class=_QuietHandler)
         except OSError as exc:
-            # Say which port: the bare errno text does not tell it from the gRPC one.
-            raise OSError(exc.errno, f"metrics port {host}:{port}: {exc.strerror}") from exc
+            # Say which port (the OS's words do not tell it from the gRPC one), worded as the
+            # gRPC port's error is.
+            raise OSError(
+                f"cannot listen on {host}:{port} (metrics): {bind_error_text(exc)}"
+            ) from exc
         threading.Thread(
             target=self._http.serve_forever, name="ibpembed-metrics-http", daemon=True
         ).start()
