@@ -11,6 +11,8 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -334,6 +336,19 @@ def test_stream_with_an_undecodable_message(served):
     assert value(s, count, method="LookupStream", pooling="sum") == 1
     assert value(s, count, method="LookupStream", pooling="none") == 1
     assert value(s, "ibpembed_inflight_requests") == 0
+
+
+@pytest.mark.parametrize(("path", "status"), [("/metrics", 200), ("/healthz", 200), ("/no", 404)])
+def test_head_answers_as_get_without_the_body(served, path, status):
+    url = f"http://127.0.0.1:{served.port}{path}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=10) as r:
+            got, headers, body = r.status, r.headers, r.read()
+    except urllib.error.HTTPError as exc:
+        got, headers, body = exc.code, exc.headers, exc.read()
+    assert got == status and body == b""
+    assert headers["Content-Type"].startswith("text/plain")
+    assert int(headers["Content-Length"]) > 0  # the body GET would have sent
 
 
 def test_metrics_port_in_use_names_the_port():

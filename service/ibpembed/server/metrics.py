@@ -753,7 +753,8 @@ class ServerMetrics:
         self, host: str, port: int, *, ready: Callable[[], bool] = lambda: True
     ) -> int:
         """Serve ``/metrics``, ``/healthz`` and ``/readyz`` (``ready()``) over HTTP on
-        ``host:port`` (0 = a free port); returns the port.
+        ``host:port`` (0 = a free port), to GET and to HEAD (the same headers, no body);
+        returns the port.
 
         Raises
         ------
@@ -762,13 +763,29 @@ class ServerMetrics:
         """
         exposition = prometheus_client.make_wsgi_app(self.registry)
 
-        def app(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+        def get(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
             path = environ.get("PATH_INFO", "/")
             if path == "/metrics":
                 return exposition(environ, start_response)
             status, body = _probe_answer(path, ready)
             start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
             return [body]
+
+        def app(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+            if environ.get("REQUEST_METHOD") != "HEAD":
+                return get(environ, start_response)
+            # prometheus_client answers HEAD with 405, and wsgiref would send a body with it:
+            # answer as GET does, with the body's length and without the body (`curl -I`,
+            # uptime checks).
+            answered: list[tuple[str, list[tuple[str, str]]]] = []
+            body = b"".join(
+                get({**environ, "REQUEST_METHOD": "GET"}, lambda *a: answered.append(a[:2]))
+            )
+            status, headers = answered[0]
+            if not any(name.lower() == "content-length" for name, _ in headers):
+                headers = [*headers, ("Content-Length", str(len(body)))]
+            start_response(status, headers)
+            return []
 
         # ``[::]`` is how the gRPC side spells "all IPv6 addresses"; sockets want it bare.
         address = host.strip("[]")
