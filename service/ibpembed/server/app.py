@@ -459,6 +459,10 @@ class _LoadProgress:
 async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     """Run until SIGTERM/SIGINT, then drain and return 0 (also when the signal comes while the
     tables load: nothing is in flight then, and the load is abandoned)."""
+    if config.tables is not None and not Path(config.tables).is_dir():
+        # Said before binding: the load would only find no manifest, after "bound ...".
+        what = "not a directory" if Path(config.tables).exists() else "no such directory"
+        raise ValueError(f"{config.tables}: {what}")
     # Process-wide, hence here and not in LookupServer (see ServerConfig.torch_threads).
     torch.set_num_threads(config.torch_threads)
     # A table file shortened in place under the server costs its lookups, not the process.
