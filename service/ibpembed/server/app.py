@@ -74,8 +74,7 @@ def load_store(
     config: ServerConfig, progress: Callable[[int, int], None] | None = None
 ) -> TableStore:
     """The packed table set in ``config.tables``, or the embedded demo set. ``progress(done,
-    total)``: tables loaded so far (a directory's set only; the demo reports 0 of 1 and 1 of 1).
-    """
+    total)``: tables loaded (or, for the demo, built) so far."""
     # On a GPU the store places every snapshot's tables for the CUDA kernels: index and masks
     # in device memory, payloads registered in place for zero-copy reads.
     device = resolve_device(config.device)
@@ -88,12 +87,8 @@ def load_store(
             progress=progress,
             device=device,
         )
-    if progress is not None:
-        progress(0, 1)
-    store = TableStore.from_tables(demo.build(config.demo_max_rows), device=device)
-    if progress is not None:
-        progress(1, 1)
-    return store
+    tables = demo.build(config.demo_max_rows, progress=progress)
+    return TableStore.from_tables(tables, device=device)
 
 
 def load_and_check(
