@@ -3,27 +3,31 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import queue
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
 import ibpembed
+from ibpembed.server import app
 from ibpembed.tables.store import TableStore
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, build_request
 from tests.metrics.helpers import free_port
 from tests.server.helpers import DEMO_300
-from tools.serve_process import IBPEMBED, ServerProcess
+from tools.serve_process import IBPEMBED, REPO, ServerProcess
 
 
 @pytest.fixture
@@ -34,7 +38,7 @@ def serve():
 
 
 def test_banner_example_query_health_and_reflection(serve):
-    serve.wait_for("grpcurl -plaintext -d")
+    serve.wait_for("grpcurl -plaintext")
     line = next(x for x in serve.stdout_lines if x.strip().startswith("python -c"))
     argv = shlex.split(line.strip())
     argv[0] = sys.executable
@@ -50,6 +54,41 @@ def test_banner_example_query_health_and_reflection(serve):
         services = ProtoReflectionDescriptorDatabase(channel).get_services()
     assert "ibpembed.v1.EmbeddingLookup" in services and "grpc.health.v1.Health" in services
     client.close()
+
+
+GRPCURL = shutil.which("grpcurl")
+
+
+def _run_grpcurl(line: str) -> np.ndarray:
+    """A banner's grpcurl line, run where the server runs (its typed proto path is relative
+    to that); the pooled row it prints."""
+    argv = shlex.split(line.strip())
+    assert argv[0] == "grpcurl"
+    argv[0] = GRPCURL
+    answer = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert answer.returncode == 0, answer.stderr
+    (feature,) = json.loads(answer.stdout)["features"]
+    if isinstance(feature["values"], list):  # the typed proto: floats
+        return np.array(feature["values"], dtype=np.float32)
+    return np.frombuffer(base64.b64decode(feature["values"]), dtype=np.float32)  # bytes
+
+
+@pytest.mark.skipif(GRPCURL is None, reason="grpcurl not installed: scripts/ci_install_grpcurl.sh")
+def test_the_banner_grpcurl_query_runs_typed_and_through_reflection(serve, monkeypatch):
+    serve.wait_for("grpcurl -plaintext")
+    line = next(x for x in serve.stdout_lines if x.strip().startswith("grpcurl"))
+    assert "-proto ibpembed/v1/lookup_typed.proto" in line and '"ids": ["1", "2"]' in line
+    typed = _run_grpcurl(line)
+    with LookupClient(serve.target, timeout=30) as client:
+        want = client.lookup({"cat_0": [[1, 2]]})["cat_0"].ravel()
+    assert typed.tobytes() == want.tobytes()
+    # Without the proto files (an installed wheel): lookup.proto through reflection, base64.
+    monkeypatch.setattr(app, "TYPED_PROTO_ROOT", REPO / "no_such_dir")
+    port = int(serve.target.rsplit(":", 1)[1])
+    query = app.example_query("127.0.0.1", port, "cat_0", tls=False, token=False)
+    fallback = next(x for x in query.splitlines() if x.strip().startswith("grpcurl"))
+    assert "-proto" not in fallback
+    assert _run_grpcurl(fallback).tobytes() == want.tobytes()
 
 
 def test_sigterm_drains_in_flight_stream_then_exits_zero(serve):

@@ -18,6 +18,7 @@ import asyncio
 import base64
 import dataclasses
 import logging
+import shlex
 import signal
 import sys
 import time
@@ -64,6 +65,10 @@ _PROGRESS_EVERY_S = 2.0
 _DRAIN_QUIET_S = 0.1
 _DRAIN_QUIET_MAX_S = 1.0
 SERVICE_NAME = lookup_pb2.DESCRIPTOR.services_by_name["EmbeddingLookup"].full_name
+# lookup.proto's typed mirror (docs/client.md), for the banner's grpcurl query: JSON ids and float
+# values instead of base64 bytes. Only a checkout has it (an installed wheel has no proto/).
+TYPED_PROTO_ROOT = Path(__file__).resolve().parents[3] / "proto" / "typed"
+TYPED_PROTO = "ibpembed/v1/lookup_typed.proto"
 
 
 class ServerObserver(LookupObserver, RpcObserver, ReloadObserver, OutputObserver, Protocol):
@@ -370,12 +375,27 @@ class LookupServer:
             await asyncio.wait(pending)
 
 
+def _grpcurl_query(feature: str) -> tuple[str, str, str]:
+    """How the banner's grpcurl query reads: its title, its proto flags and its JSON body."""
+    if (TYPED_PROTO_ROOT / TYPED_PROTO).is_file():
+        try:  # relative in the usual case, `ibpembed serve` run from the checkout's root
+            root = str(TYPED_PROTO_ROOT.relative_to(Path.cwd()))
+        except ValueError:
+            root = str(TYPED_PROTO_ROOT)
+        body = f'{{"features": [{{"name": "{feature}", "ids": ["1", "2"], "lengths": [2]}}]}}'
+        flags = f" -import-path {shlex.quote(root)} -proto {TYPED_PROTO}"
+        return "grpcurl, typed proto", flags, body
+    # Reflection alone: lookup.proto's bytes fields, which grpcurl's JSON spells in base64.
+    ids = base64.b64encode((1).to_bytes(8, "little") + (2).to_bytes(8, "little")).decode()
+    lengths = base64.b64encode((2).to_bytes(4, "little")).decode()
+    body = f'{{"features": [{{"name": "{feature}", "ids": "{ids}", "lengths": "{lengths}"}}]}}'
+    return "grpcurl, ids as little-endian int64 bytes in base64", "", body
+
+
 def example_query(host: str, port: int, feature: str, *, tls: bool, token: bool) -> str:
     """Copy-pasteable queries (Python client and grpcurl) for the banner."""
     host = "127.0.0.1" if host in ("0.0.0.0", "[::]", "::") else host
     target = f"{host}:{port}"
-    ids = base64.b64encode((1).to_bytes(8, "little") + (2).to_bytes(8, "little")).decode()
-    lengths = base64.b64encode((2).to_bytes(4, "little")).decode()
     client_args = f"'{target}'"
     grpcurl_args = "-plaintext"
     if tls:
@@ -385,14 +405,13 @@ def example_query(host: str, port: int, feature: str, *, tls: bool, token: bool)
         client_args += ", token=open('token').read().strip()"
         grpcurl_args += ' -H "authorization: Bearer $(cat token)"'
     imports = "LookupClient, TlsOptions" if tls else "LookupClient"
+    title, proto_flags, body = _grpcurl_query(feature)
     return (
         "example query (Python client):\n"
         f'  python -c "from ibpembed_client import {imports}; '
         f"print(LookupClient({client_args}).lookup({{'{feature}': [[1, 2]]}})['{feature}'])\"\n"
-        "example query (grpcurl):\n"
-        f'  grpcurl {grpcurl_args} -d \'{{"features": [{{"name": "{feature}", '
-        f'"ids": "{ids}", "lengths": "{lengths}"}}]}}\' {target} '
-        f"{SERVICE_NAME}/Lookup"
+        f"example query ({title}):\n"
+        f"  grpcurl {grpcurl_args}{proto_flags} -d '{body}' {target} {SERVICE_NAME}/Lookup"
     )
 
 
