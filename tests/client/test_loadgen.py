@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -190,6 +191,15 @@ def test_request_rate_sweep(server, tmp_path, capsys):
 def test_bad_ranges_are_usage_errors(text, capsys):
     assert loadgen.main(["--concurrency-range", text, "--no-progress"]) == 2
     assert f"got '{text}'" in capsys.readouterr().err
+
+
+def test_the_help_examples_sweep_up_to_their_end():
+    # A range runs END only when a step lands on it: an example that stops short misleads.
+    ranges = re.findall(r"-range (\S+)", loadgen.EXAMPLES)
+    assert ranges
+    for text in ranges:
+        end = float(text.split(":")[1])
+        assert loadgen.parse_range(text, float)[-1] == end, text
 
 
 def test_recorded_requests_are_replayed_in_order(server, tmp_path, capsys):

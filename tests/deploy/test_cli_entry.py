@@ -57,6 +57,7 @@ def test_help_and_version_do_not_import_torch(args: tuple[str, ...]) -> None:
     if args == ("--help",):
         for name, (_, summary) in COMMANDS.items():
             assert name in result.stdout and summary.split()[0] in result.stdout
+        assert "ibpembed-loadgen" in result.stdout  # not a subcommand: named in the epilog
     if args == ("--version",):
         assert result.stdout.startswith("ibpembed ")
 

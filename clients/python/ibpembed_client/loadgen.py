@@ -10,8 +10,8 @@ Two load modes, as in perf_analyzer:
   ``--max-inflight`` requests outstanding are counted as ``dropped``, not sent.
 
 ``--concurrency-range START:END:STEP`` and ``--request-rate-range START:END:STEP`` sweep the
-load, one measured step per value (END included), and print one row per step: the curve a team
-sizes with.
+load, one measured step per value (START, START+STEP, ... up to END, included when a step lands
+on it), and print one row per step: the curve a team sizes with.
 
 The warm-up (``--warmup`` seconds) runs first and is not measured; ``--requests N`` then
 measures N requests (or ``--duration`` seconds, whichever ends first). A run that measured no
@@ -362,14 +362,15 @@ rest) is printed beside the client's."""
 EXAMPLES = """\
 examples:
   ibpembed-loadgen --target 127.0.0.1:50051 --concurrency 16 --duration 10 --batch-size 512
-  ibpembed-loadgen --concurrency-range 1:32:2 --duration 5 --metrics-url http://127.0.0.1:9464/metrics
+  ibpembed-loadgen --concurrency-range 4:32:4 --duration 5 --metrics-url http://127.0.0.1:9464/metrics
   ibpembed-loadgen --request-rate-range 100:400:100 --max-inflight 64 --json sweep.json
   ibpembed-loadgen --input-data recorded.jsonl --concurrency 8   # one request per line:
       {"cat_0": [[1, 2], [3]], "cat_1": [[7]]}   (feature -> per-sample id lists)"""
 
 
 def parse_range(text: str, kind: type[int] | type[float]) -> list[float]:
-    """``START[:END[:STEP]]`` (perf_analyzer's form, END included, STEP 1 by default)."""
+    """``START[:END[:STEP]]`` (perf_analyzer's form: START, START+STEP, ... up to END, included
+    when a step lands on it; STEP 1 by default)."""
     parts = text.split(":")
     try:
         if not 1 <= len(parts) <= 3:
@@ -434,12 +435,13 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--concurrency-range",
         metavar="START:END:STEP",
-        help="sweep the concurrency from START to END (included) by STEP",
+        help="sweep the concurrency: START, START+STEP, ... up to END (END included when a step"
+        " lands on it: 4:32:4 runs 4, 8, ..., 32; 1:32:2 stops at 31)",
     )
     mode.add_argument(
         "--request-rate-range",
         metavar="START:END:STEP",
-        help="sweep the request rate (per second) from START to END (included) by STEP",
+        help="sweep the request rate (per second) the same way",
     )
     p.add_argument(
         "--duration", type=float, default=10.0, help="measured seconds per step (%(default)g)"
