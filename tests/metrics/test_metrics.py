@@ -134,6 +134,12 @@ def test_values_match_what_was_sent(served):
     )
     assert kernel_calls == 3 * 2 + 1 + 1 + 2  # one call per table per request
     assert value(s, "ibpembed_inflight_requests") == 0
+    # Every lookup request is decoded (the unknown feature and the bad id are refused after);
+    # only answered ones are encoded.
+    wire = "ibpembed_wire_duration_seconds_count"
+    assert value(s, wire, phase="decode") == 7 + 3
+    assert value(s, wire, phase="encode") == 7
+    assert value(s, "ibpembed_wire_duration_seconds_sum", phase="encode") > 0
 
     info = value(
         s,

@@ -23,9 +23,9 @@ distinct synthetic ones (Zipf ids, the DLRM-DCNv2 profile), or the recorded requ
 (``--deadline-ms``). Latencies go into a bounded histogram (1 % buckets: the memory of a run
 does not grow with its length). The report gives p50, p90, p99, p99.9, mean and max latency
 of successful requests, QPS and errors by status code; with ``--metrics-url`` (the server's
-``/metrics``), the server's own split of the mean beside it (queue, kernels, the rest); as JSON
-with ``--json`` and as a latency histogram with ``--png`` (needs matplotlib: the ``loadgen``
-extra).
+``/metrics``), the server's own split of the mean beside it (queue, kernels, request decoding,
+response encoding, the rest); as JSON with ``--json`` and as a latency histogram with ``--png``
+(needs matplotlib: the ``loadgen`` extra).
 
     ibpembed-loadgen --target 127.0.0.1:50051 --concurrency 16 --duration 10 --batch-size 512
 """
@@ -356,8 +356,8 @@ Drive an ibpembed server with recommendation traffic and report latency, QPS and
 Load: --concurrency N keeps N requests in flight (closed loop); --rate R sends Poisson arrivals
 at R requests/s (open loop). --concurrency-range and --request-rate-range sweep either, one
 measured step per value. Requests are synthetic (Zipf ids, the DLRM-DCNv2 profile) or replayed
-from --input-data. With --metrics-url, the server's own time per request (queue, kernels, the
-rest) is printed beside the client's."""
+from --input-data. With --metrics-url, the server's own time per request (queue, kernels,
+decode, encode, the rest) is printed beside the client's."""
 
 EXAMPLES = """\
 examples:
@@ -523,9 +523,10 @@ def _step_line(report: dict) -> str:
         mean = server["mean_ms"]
         line += (
             f"\nserver ({server['requests']} requests): mean {mean['total']:.2f} ms = queue "
-            f"{mean['queue']:.2f} + kernels {mean['kernels']:.2f} + other {mean['other']:.2f};"
+            f"{mean['queue']:.2f} + kernels {mean['kernels']:.2f} + decode {mean['decode']:.2f}"
+            f" + encode {mean['encode']:.2f} + other {mean['other']:.2f} (planning, hand-off);"
             f" p50 {server['p50_ms']:.2f} p99 {server['p99_ms']:.2f} ms; client - server "
-            f"{lat.get('mean', float('nan')) - mean['total']:.2f} ms (network, encoding)"
+            f"{lat.get('mean', float('nan')) - mean['total']:.2f} ms (grpc, network, client)"
         )
     return line
 
@@ -544,7 +545,8 @@ def _sweep_table(steps: list[dict]) -> str:
                 str(sum(r["errors"].values()) + r["dropped"]),
                 "-"
                 if not split
-                else f"{split['total']:.2f} (q {split['queue']:.2f}, k {split['kernels']:.2f})",
+                else f"{split['total']:.2f} (q {split['queue']:.2f}, k {split['kernels']:.2f},"
+                f" d+e {split['decode'] + split['encode']:.2f})",
             ]
         )
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]

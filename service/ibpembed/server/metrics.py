@@ -37,6 +37,7 @@ metric                                                 type       labels
 ``ibpembed_table_set_versions_held``                   gauge      —
 ``ibpembed_table_set_older_versions_bytes``            gauge      —
 ``ibpembed_queue_wait_seconds``                        histogram  —
+``ibpembed_wire_duration_seconds``                     histogram  phase
 ``ibpembed_hot_row_hits_total``                        counter    table
 ``ibpembed_hot_row_misses_total``                      counter    table
 ``ibpembed_hot_row_hit_ratio``                         gauge      table
@@ -116,6 +117,9 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
     5.0,
     10.0,
 )
+# Decoding a request and encoding its response take tens of microseconds at small batches (B=1 x 26
+# features: ~30 and ~45 us): two buckets below LATENCY_BUCKETS_S's first.
+WIRE_BUCKETS_S: tuple[float, ...] = (5e-6, 10e-6, *LATENCY_BUCKETS_S)
 # Protocol enum -> the engine's pooling names; values the server rejects share one label.
 _POOLING_NAMES = {
     pb.POOLING_UNSPECIFIED: "sum",
@@ -616,7 +620,16 @@ class ServerMetrics:
             [],
             LATENCY_BUCKETS_S,
         )
-        reg.register(_Families(self._queue))
+        self._wire = _Histograms(
+            f"{NAMESPACE}_wire_duration_seconds",
+            "Time lookup requests spent in the servicer's message conversion: decode (checks,"
+            " and the request or its input region into engine inputs) and encode (the result"
+            " into response bytes, or into its output region). Parts of"
+            " ibpembed_lookup_duration_seconds.",
+            ["phase"],
+            WIRE_BUCKETS_S,
+        )
+        reg.register(_Families(self._queue, self._wire))
         # Touched on the event loop only (lookup_started/done), so a plain int read at scrape
         # will do.
         self._inflight = 0
@@ -701,6 +714,11 @@ class ServerMetrics:
     def queue_waited(self, seconds: float) -> None:
         """A request's wait for a kernel thread (engine worker thread)."""
         self._queue.observe((), seconds)
+
+    def wire_timed(self, phase: str, seconds: float) -> None:
+        """A request's decode (event loop) or encode (worker thread, or the event loop for a
+        request run inline) in the servicer."""
+        self._wire.observe((phase,), seconds)
 
     def watch_hot_tier(self, tier: HotTier) -> None:
         """Export the hot tier's policy (the engine's, once it runs)."""
