@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
@@ -26,7 +27,7 @@ from ibpembed.server import app
 from ibpembed.tables.store import TableStore
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy, build_request
 from tests.metrics.helpers import free_port
-from tests.server.helpers import DEMO_300
+from tests.server.helpers import DEMO_300, RunningServer, make_store
 from tools.serve_process import IBPEMBED, REPO, ServerProcess
 
 
@@ -89,6 +90,27 @@ def test_the_banner_grpcurl_query_runs_typed_and_through_reflection(serve, monke
     fallback = next(x for x in query.splitlines() if x.strip().startswith("grpcurl"))
     assert "-proto" not in fallback
     assert _run_grpcurl(fallback).tobytes() == want.tobytes()
+
+
+def test_reflection_is_v1alpha_and_v1_is_unimplemented():
+    """docs/server.md: grpcio-reflection has no v1 service. UNIMPLEMENTED there is what makes
+    grpcurl >= 1.8.8, which asks for v1 first, fall back to v1alpha."""
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+    answers = {}
+    with RunningServer(make_store()) as running, grpc.insecure_channel(running.target) as channel:
+        for version in ("v1", "v1alpha"):
+            call = channel.stream_stream(
+                f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+            )
+            try:
+                (answer,) = call(iter([ask]), timeout=30)
+                answers[version] = [s.name for s in answer.list_services_response.service]
+            except grpc.RpcError as err:
+                answers[version] = err.code()
+    assert answers["v1"] == grpc.StatusCode.UNIMPLEMENTED
+    assert "ibpembed.v1.EmbeddingLookup" in answers["v1alpha"]
 
 
 def test_sigterm_drains_in_flight_stream_then_exits_zero(serve):
