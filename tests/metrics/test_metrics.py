@@ -170,6 +170,7 @@ def test_no_request_values_in_labels(served):
         "table",
         "result",
         "transport",
+        "phase",
     }
 
 
