@@ -39,7 +39,7 @@ from benchmarks._harness import RESULTS, run_metadata, write_results
 from ibpembed import reference
 from ibpembed.codec import compress
 from ibpembed.engine import DEDUPE_MIN_IDS, FeatureQuery, LookupEngine
-from ibpembed.engine.tier import DEFAULT_TIER
+from ibpembed.engine_defaults import DEFAULT_TIER
 from ibpembed.server import demo
 from ibpembed.server.wire import decode_request
 from ibpembed.tables.store import TableStore

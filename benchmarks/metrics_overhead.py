@@ -24,10 +24,11 @@ Reported per B, each as the median over rounds of the per-round on/off ratio:
   it by several percent per round.
 * **hook estimate**: the metrics code's own cost per request, timed in process (best of several
   repeats, so other load hardly matters): the service interceptor's ``lookup_started``,
-  ``lookup_done`` and ``rpc_done`` calls and ``kernels_done`` (the engine's one call per
-  request, per table read), divided by the "off" server's CPU per
-  request. It leaves out what the same code costs in a loaded server (cold caches, worker
-  threads holding the GIL the event loop waits for): 3-6x more, measured while developing.
+  ``lookup_done`` and ``rpc_done`` calls, the servicer's ``wire_timed`` (decode and encode) and
+  ``output_written``, and ``kernels_done`` (the engine's one call per request, per table read),
+  divided by the "off" server's CPU per request. It leaves out what the same code costs in a
+  loaded server (cold caches, worker threads holding the GIL the event loop waits for): 3-6x
+  more, measured while developing.
 
 Results: DIR/metrics_overhead.json and DIR/metrics_overhead.md.
 """
@@ -170,8 +171,11 @@ def hook_costs(store: TableStore, repeats: int = 7, number: int = 20_000) -> dic
     metrics = ServerMetrics(store, device="cpu")
     request = pb.LookupRequest(pooling=pb.POOLING_SUM)
 
-    def per_request() -> None:  # what the service interceptor calls for a Lookup
+    def per_request() -> None:  # what the service interceptor and the servicer call for a Lookup
         token = metrics.lookup_started(LOOKUP_METHOD, request)
+        metrics.wire_timed("decode", 3e-5)
+        metrics.wire_timed("encode", 4e-5)
+        metrics.output_written("wire", 4096)
         metrics.lookup_done(token, 1e-3)
         metrics.rpc_done(LOOKUP_METHOD, grpc.StatusCode.OK)
 

@@ -55,7 +55,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from benchmarks._harness import RESULTS, run_metadata, settings, write_results
 from ibpembed.codec import compress
 from ibpembed.engine import LookupEngine
-from ibpembed.engine.tier import DEFAULT_TIER, FIRST_REFRESH_S
+from ibpembed.engine.tier import FIRST_REFRESH_S
+from ibpembed.engine_defaults import DEFAULT_TIER
 from ibpembed.server import demo
 from ibpembed.server.wire import decode_packed
 from ibpembed.tables.pack import save_table_set

@@ -15,6 +15,12 @@ DESCRIPTION = (
     "ibpembed: lossless compressed (Invariant Bit Packing) embedding tables and the gRPC service"
     " that looks them up. `ibpembed COMMAND --help` describes each command."
 )
+# Not a subcommand: the load generator ships with the torch-free client, which a load-test
+# machine installs alone.
+EPILOG = (
+    "load generator: ibpembed-loadgen (installed with the client, clients/python;"
+    " `ibpembed-loadgen --help`)"
+)
 
 # Each subcommand: the module whose ``register(subparsers)`` adds it (and sets
 # ``func(args) -> int``), and its one-line summary. The modules import torch (over a second), so
@@ -42,7 +48,7 @@ EXIT_BROKEN_PIPE = 141
 def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
     """The ``ibpembed`` parser: every command's full parser, or only those of ``commands`` (the
     others listed with their summaries, their modules not imported)."""
-    parser = argparse.ArgumentParser(prog="ibpembed", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="ibpembed", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"ibpembed {ibpembed.__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     wanted = COMMANDS if commands is None else [c for c in commands if c in COMMANDS]

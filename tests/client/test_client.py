@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -17,12 +18,15 @@ import pytest
 
 from ibpembed_client import (
     AsyncLookupClient,
+    AsyncShardedLookupClient,
     FeatureBatch,
     KeepAliveOptions,
     LookupClient,
     LookupServiceError,
     OutlierEjection,
     RetryPolicy,
+    ShardedLookupClient,
+    ShardMap,
     bf16_to_float32,
     build_request,
     decode_response,
@@ -194,6 +198,49 @@ def test_router_picks_the_server_per_request():
         with LookupClient(bogus, timeout=30, router=route, keepalive=keepalive) as client:
             assert client.lookup({"user": [[1]]}, request_id="q1")["user"].shape == (1, 16)
         assert seen == ["q1"]
+
+
+def test_an_error_carries_the_request_id_the_server_logged(caplog):
+    """A caller that sets no id still finds one on its error, the one the server logged: the
+    clients pick a fresh one per call (the server's own pick never reached the client)."""
+    caplog.set_level(logging.DEBUG, logger="ibpembed.server.interceptors")
+    unheld = 99  # a version the server does not hold: FAILED_PRECONDITION from the server
+    prebuilt = build_request({"user": [[1]]}, table_version=unheld)
+    ids: list[str] = []
+
+    def failed(call) -> None:
+        with pytest.raises(LookupServiceError) as info:
+            call()
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        ids.append(info.value.request_id)
+
+    async def failed_async(call) -> None:
+        with pytest.raises(LookupServiceError) as info:
+            await call()
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        ids.append(info.value.request_id)
+
+    with RunningServer(make_store()) as running:
+        with LookupClient(running.target, timeout=30) as client:
+            failed(lambda: client.lookup({"user": [[1]]}, table_version=unheld))
+            failed(lambda: client.lookup_request(prebuilt))
+            failed(lambda: client.lookup_request(prebuilt))  # a new id for the second call
+        shard_map = ShardMap.discover([running.target])
+        with ShardedLookupClient(shard_map, timeout=30) as sharded:
+            failed(lambda: sharded.lookup({"user": [[1]]}, table_version=unheld))
+
+        async def run_async() -> None:
+            async with AsyncLookupClient(running.target, timeout=30) as client:
+                await failed_async(lambda: client.lookup({"user": [[1]]}, table_version=unheld))
+                await failed_async(lambda: client.lookup_request(prebuilt))
+            async with AsyncShardedLookupClient(shard_map, timeout=30) as sharded:
+                await failed_async(lambda: sharded.lookup({"user": [[1]]}, table_version=unheld))
+
+        asyncio.run(run_async())
+    assert prebuilt.request_id == ""  # sent as a copy: the caller's message is left as it was
+    assert all(re.fullmatch("[0-9a-f]{32}", i) for i in ids) and len(set(ids)) == len(ids), ids
+    logged = re.findall(r"request ([0-9a-f]{32}): FAILED_PRECONDITION", caplog.text)
+    assert set(ids) <= set(logged), (ids, logged)
 
 
 def test_async_client_matches_sync_client():

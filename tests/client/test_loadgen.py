@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -193,6 +194,15 @@ def test_bad_ranges_are_usage_errors(text, capsys):
     assert f"got '{text}'" in capsys.readouterr().err
 
 
+def test_the_help_examples_sweep_up_to_their_end():
+    # A range runs END only when a step lands on it: an example that stops short misleads.
+    ranges = re.findall(r"-range (\S+)", loadgen.EXAMPLES)
+    assert ranges
+    for text in ranges:
+        end = float(text.split(":")[1])
+        assert loadgen.parse_range(text, float)[-1] == end, text
+
+
 def test_recorded_requests_are_replayed_in_order(server, tmp_path, capsys):
     recorded = tmp_path / "recorded.jsonl"
     good = {"user": [[1, 2], [3]], "item": [[4]]}
@@ -291,8 +301,8 @@ def test_help_writes_out_every_default(capsys):
 
 
 def test_server_side_split_beside_the_clients_numbers(tmp_path: Path, capsys):
-    """A real server process with metrics: its per-request time (queue, kernels, the rest)
-    from two scrapes of /metrics around the measured window."""
+    """A real server process with metrics: its per-request time (queue, kernels, decode, encode,
+    the rest) from two scrapes of /metrics around the measured window."""
     pack_table_set(tmp_path / "tables", make_table_set(), sample_rows=None)
     process = ServerProcess(
         "--tables",
@@ -320,9 +330,13 @@ def test_server_side_split_beside_the_clients_numbers(tmp_path: Path, capsys):
     assert abs(server["requests"] - report["ok"]) <= 0.02 * report["ok"] + 2
     mean = server["mean_ms"]
     assert mean["total"] > 0 and mean["kernels"] > 0 and mean["queue"] >= 0
-    assert math.isclose(mean["queue"] + mean["kernels"] + mean["other"], mean["total"])
+    assert mean["decode"] > 0 and mean["encode"] > 0
+    parts = ("queue", "kernels", "decode", "encode", "other")
+    assert math.isclose(sum(mean[part] for part in parts), mean["total"])
+    assert mean["other"] > 0  # the engine's planning, the hand-off: never nothing
     assert report["latency_ms"]["mean"] >= mean["total"]  # the client's time includes it
-    assert "server (" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "server (" in out and " + decode " in out and " + encode " in out
     with pytest.raises(ValueError, match="http"):
         asyncio.run(
             loadgen.run_load(

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ``ibpembed`` entry point as a user meets it: help and version without torch, every
-command listed with the summary its module registers, and ``triton-serve`` starting a real
-tritonserver on a table set with one command."""
+"""The ``ibpembed`` entry point as a user meets it: help (``serve --help`` too) and version
+without torch, every command listed with the summary its module registers, and ``triton-serve``
+starting a real tritonserver on a table set with one command."""
 
 from __future__ import annotations
 
@@ -50,15 +50,29 @@ def _modules_after(*args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
     return result, modules
 
 
-@pytest.mark.parametrize("args", [("--help",), ("--version",), ("nope",)])
+@pytest.mark.parametrize("args", [("--help",), ("--version",), ("nope",), ("serve", "--help")])
 def test_help_and_version_do_not_import_torch(args: tuple[str, ...]) -> None:
     result, modules = _modules_after(*args)
     assert "torch" not in modules and "numpy" not in modules, sorted(modules)[:20]
     if args == ("--help",):
         for name, (_, summary) in COMMANDS.items():
             assert name in result.stdout and summary.split()[0] in result.stdout
+        assert "ibpembed-loadgen" in result.stdout  # not a subcommand: named in the epilog
     if args == ("--version",):
         assert result.stdout.startswith("ibpembed ")
+
+
+def test_python_dash_m_runs_the_command() -> None:
+    # For an environment where the `ibpembed` script is not on PATH.
+    result = subprocess.run(
+        [sys.executable, "-m", "ibpembed", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ibpembed ")
 
 
 def test_a_command_imports_only_its_own_module() -> None:

@@ -76,6 +76,7 @@ class RecordingObserver:
         self.reloads: list[str] = []
         self.queue_waits: list[float] = []
         self.outputs: list[tuple[str, int]] = []  # (transport, value bytes) per request
+        self.wire: list[tuple[str, float]] = []  # (phase, seconds) per request and phase
 
     def kernels_done(self, pooling: str, calls: Sequence[KernelCall]) -> None:
         self.kernels += [(table, pooling, nnz, unique) for table, nnz, unique, _ in calls]
@@ -101,6 +102,9 @@ class RecordingObserver:
 
     def output_written(self, transport: str, nbytes: int) -> None:
         self.outputs.append((transport, nbytes))
+
+    def wire_timed(self, phase: str, seconds: float) -> None:
+        self.wire.append((phase, seconds))
 
 
 class GateObserver(RecordingObserver):

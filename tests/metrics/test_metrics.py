@@ -11,6 +11,8 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -133,6 +135,12 @@ def test_values_match_what_was_sent(served):
     )
     assert kernel_calls == 3 * 2 + 1 + 1 + 2  # one call per table per request
     assert value(s, "ibpembed_inflight_requests") == 0
+    # Every lookup request is decoded (the unknown feature and the bad id are refused after);
+    # only answered ones are encoded.
+    wire = "ibpembed_wire_duration_seconds_count"
+    assert value(s, wire, phase="decode") == 7 + 3
+    assert value(s, wire, phase="encode") == 7
+    assert value(s, "ibpembed_wire_duration_seconds_sum", phase="encode") > 0
 
     info = value(
         s,
@@ -163,6 +171,7 @@ def test_no_request_values_in_labels(served):
         "table",
         "result",
         "transport",
+        "phase",
     }
 
 
@@ -337,11 +346,29 @@ def test_stream_with_an_undecodable_message(served):
     assert value(s, "ibpembed_inflight_requests") == 0
 
 
+@pytest.mark.parametrize(("path", "status"), [("/metrics", 200), ("/healthz", 200), ("/no", 404)])
+def test_head_answers_as_get_without_the_body(served, path, status):
+    url = f"http://127.0.0.1:{served.port}{path}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=10) as r:
+            got, headers, body = r.status, r.headers, r.read()
+    except urllib.error.HTTPError as exc:
+        got, headers, body = exc.code, exc.headers, exc.read()
+    assert got == status and body == b""
+    assert headers["Content-Type"].startswith("text/plain")
+    assert int(headers["Content-Length"]) > 0  # the body GET would have sent
+
+
 def test_metrics_port_in_use_names_the_port():
     metrics = ServerMetrics(make_store(), device="cpu")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(OSError, match=f"metrics port 127.0.0.1:{port}"):
+        with pytest.raises(OSError) as raised:
             metrics.start_http_server("127.0.0.1", port)
+    # Worded as the gRPC port's error, without the "[Errno 98]" of str(OSError(errno, text)).
+    assert str(raised.value) == (
+        f"cannot listen on 127.0.0.1:{port} (metrics): the port is in use"
+        " (by another server: another `ibpembed serve`?)"
+    )

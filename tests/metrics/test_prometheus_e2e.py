@@ -153,6 +153,17 @@ def test_prometheus_scrapes_serve_and_reads_a_rate(prometheus_for):
             expr = expr.replace(variable, value)
         ratio = query(base, expr.replace("$__rate_interval", "5s"))
         assert [float(r["value"][1]) for r in ratio] == [0.0]
+        # The per-request split: every part reads a time, and the parts fit in the total.
+        (panel,) = [p for p in dashboard["panels"] if p["title"].startswith("Server time per")]
+        means = {}
+        for target in panel["targets"]:
+            expr = target["expr"].replace("$job", "ibpembed").replace("$instance", ".*")
+            (result,) = query(base, expr.replace("$__rate_interval", "5s"))
+            means[target["legendFormat"]] = float(result["value"][1])
+        parts = ("queue", "kernels", "decode", "encode")
+        assert all(means[part] > 0 for part in ("kernels", "decode", "encode")), means
+        assert means["queue"] >= 0  # 0, not "No data", when every request ran inline
+        assert sum(means[part] for part in parts) <= means["total"], means
         build = query(base, "ibpembed_build_info")
         assert build[0]["metric"]["device"] == "cpu"
         rules = json.loads(fetch(f"{base}/api/v1/rules"))["data"]["groups"]

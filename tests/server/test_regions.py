@@ -497,11 +497,14 @@ def test_region_bytes_are_counted_apart_from_wire_bytes(client, store, shm, obse
     client.register_region("out", shm)
     features = _features(store, 8, 10, names=["user"])
     observer.outputs.clear()
+    observer.wire.clear()
     client.lookup(features, "sum")
     client.lookup(features, "sum", output_region="out")
     (wire, sent), (shm_, written) = observer.outputs
     assert (wire, shm_, written) == ("wire", "shm", 10 * 16 * 4)
     assert 10 * 16 * 4 < sent < 10 * 16 * 4 + 64  # the values and their framing
+    # Writing into the region is the request's encode, as building the response is.
+    assert [phase for phase, _ in observer.wire] == ["decode", "encode"] * 2
 
 
 def _open_by_this_process(path: str) -> int:

@@ -21,6 +21,9 @@ import pytest
 import torch
 
 from ibpembed.selftest import SelfTestFailed, choose_device, sample_ids, self_test
+from ibpembed.server import demo
+from ibpembed.server.app import load_store
+from ibpembed.server.config import ServerConfig
 from ibpembed.tables.manifest import MANIFEST
 from ibpembed_client import LookupClient, LookupServiceError, RetryPolicy
 from tests.engine.helpers import make_tables
@@ -187,3 +190,14 @@ def test_device_cuda_without_a_gpu_exits_non_zero(tmp_path: Path) -> None:
     )
     assert result.returncode == 1 and "--device cuda needs" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_demo_load_progress_counts_the_demo_tables():
+    # The console's "loading: N/M tables" and the loading gauge: M is what the banner then says.
+    seen: list[tuple[int, int]] = []
+    config = ServerConfig(demo_max_rows=50, device="cpu").validate()
+    store = load_store(config, lambda done, total: seen.append((done, total)))
+    total = len(demo.feature_names())
+    with store.acquire() as snap:
+        assert len(snap.tables) == total
+    assert seen == [(done, total) for done in range(total + 1)]

@@ -500,4 +500,12 @@ def test_cli_writes_the_repository(tmp_path) -> None:
         text=True,
     )
     assert bad.returncode == 1
-    assert "no manifest" in bad.stderr
+    assert bad.stderr.startswith("ibpembed triton-repo: error: ") and "no manifest" in bad.stderr
+    nope = tmp_path / "nope"
+    missing = subprocess.run(
+        [sys.executable, "-m", "ibpembed", "triton-repo", str(nope), "-o", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 1
+    assert missing.stderr == f"ibpembed triton-repo: error: {nope}: no such directory\n"

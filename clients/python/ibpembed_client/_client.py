@@ -32,7 +32,15 @@ from ibpembed_client._registered import (
     region_of,
     region_registration,
 )
-from ibpembed_client._request import FeatureInput, OutputDType, Pooling, Router, build_request
+from ibpembed_client._request import (
+    FeatureInput,
+    OutputDType,
+    Pooling,
+    Router,
+    build_request,
+    new_request_id,
+    with_request_id,
+)
 from ibpembed_client._result import LookupResult, TableInfo, decode_response, pooled_bf16
 from ibpembed_client.regions import (
     OutputRegion,
@@ -190,7 +198,8 @@ class LookupClient:
         features : feature -> :class:`FeatureBatch` or per-sample id lists.
         pooling : ``"sum"``, ``"mean"`` (``[B, D]`` float32) or ``"none"`` (``[nnz, D]`` rows).
         timeout : overall deadline in seconds (default: the client's).
-        request_id : echoed back; the server logs it with failures.
+        request_id : echoed back; the server logs it with failures. Empty: a fresh one for this
+            call (also in the result and in a :class:`LookupServiceError`).
         table_version : serve from this table-set version (see :meth:`versions_held`); 0 =
             the newest. The result's ``table_version`` says which served it.
         output_dtype : ``"float32"`` (default), ``"float16"`` or ``"bfloat16"`` pooled values,
@@ -213,7 +222,7 @@ class LookupClient:
         request = build_request(
             features,
             pooling,
-            request_id,
+            request_id or new_request_id(),
             table_version,
             output_dtype=output_dtype,
             output_region=output_region,
@@ -225,7 +234,9 @@ class LookupClient:
     def lookup_request(
         self, request: pb.LookupRequest, *, timeout: float | None = None
     ) -> LookupResult:
-        """Send a prebuilt :class:`~ibpembed_client.v1.lookup_pb2.LookupRequest`."""
+        """Send a prebuilt :class:`~ibpembed_client.v1.lookup_pb2.LookupRequest` (one without a
+        ``request_id`` is sent as a copy with a fresh one: :func:`with_request_id`)."""
+        request = with_request_id(request)
         stub = self._stub(self.router(request) if self.router else None)
         metadata = call_metadata(self._token)
         region = region_of(self._regions, request)
@@ -306,6 +317,8 @@ class LookupClient:
         cancels the stream and is raised here as it was.
         """
         timeout = self.timeout if timeout is None else timeout
+        # The server logs a failed stream under this id: the error then carries the same one.
+        stream_id = stream_id or new_request_id()
         # Responses come back in request order: each is decoded with its request's region.
         sent: collections.deque[tuple[RegisteredRegion | None, np.dtype | None]] = (
             collections.deque()

@@ -23,7 +23,8 @@ class LookupServiceError(Exception):
     ----------
     code : the gRPC status code.
     details : the server's message (names the bad field for INVALID_ARGUMENT).
-    request_id : the request's id, when known.
+    request_id : the request's id as the server logged it (one the client picked when the
+        caller gave none); for a failed stream, the stream's id.
     attempts : tries made by this client's own retries (overload refusals: see
         :class:`RetryPolicy`; gRPC's retries of UNAVAILABLE happen below and are not counted).
     versions_held : for FAILED_PRECONDITION on a pinned table-set version, the versions the

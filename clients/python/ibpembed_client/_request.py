@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Union
@@ -111,6 +112,27 @@ def _int_bytes(array: np.ndarray, dtype: str, what: str) -> bytes:
     return _le_bytes(array, dtype)
 
 
+def new_request_id() -> str:
+    """A fresh request id, in the form the server picks for a request sent without one."""
+    return uuid.uuid4().hex
+
+
+def with_request_id(request: pb.LookupRequest) -> pb.LookupRequest:
+    """``request``, or a copy of it with a fresh id when it has none.
+
+    The clients send every request with an id, so that a failure's
+    :attr:`LookupServiceError.request_id` is the id the server logged (the server would
+    otherwise pick one the client never learns). A copy, not the caller's message: a request
+    sent again would repeat this call's id. (Copying costs well under serializing it.)
+    """
+    if request.request_id:
+        return request
+    named = pb.LookupRequest()
+    named.CopyFrom(request)
+    named.request_id = new_request_id()
+    return named
+
+
 def build_request(
     features: Mapping[str, FeatureInput],
     pooling: Pooling = "sum",
@@ -126,7 +148,8 @@ def build_request(
     ----------
     features : feature name -> :class:`FeatureBatch` or list of per-sample id lists.
     pooling : ``"sum"``, ``"mean"`` or ``"none"`` (rows, bit-exact).
-    request_id : echoed back and logged by the server on failures; empty = server picks one.
+    request_id : echoed back and logged by the server on failures; empty = the client that
+        sends the request picks a fresh one per call (:func:`with_request_id`).
     table_version : the table-set version to be served from (FAILED_PRECONDITION when the
         server does not hold it); 0 = the newest it holds.
     output_dtype : ``"float32"``, ``"float16"`` or ``"bfloat16"`` pooled outputs (the server

@@ -4,10 +4,12 @@
 Two scrapes, at the start and the end of the measured window, give per-request means of what
 the server spent: the whole lookup (``ibpembed_lookup_duration_seconds``), the wait for a
 kernel thread (``ibpembed_queue_wait_seconds``), the kernels (``ibpembed_kernel_duration_seconds``:
-decode, pool and copy out, summed over a request's tables), and the rest of the server's time
-(request decoding, planning, response encoding, the handler). What the client measured beyond
-the server's total is the network and the client's own encoding and decoding. The counters are
-the server's: other traffic in the window counts too.
+decode, pool and copy out, summed over a request's tables), the request's decoding and the
+response's encoding in the servicer (``ibpembed_wire_duration_seconds{phase}``), and the rest of
+the server's time (the engine's checks and planning, the hand-off to a worker thread and back,
+waits for the event loop). What the client measured beyond the server's total is grpc's
+receiving and sending on both sides, the network, and the client's own encoding and decoding.
+The counters are the server's: other traffic in the window counts too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 LOOKUP = "ibpembed_lookup_duration_seconds"
 QUEUE = "ibpembed_queue_wait_seconds"
 KERNELS = "ibpembed_kernel_duration_seconds"
+WIRE = "ibpembed_wire_duration_seconds"
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -46,8 +49,10 @@ def _delta(before: Samples, after: Samples) -> Samples:
     return {key: value - before.get(key, 0.0) for key, value in after.items()}
 
 
-def _total(samples: Samples, name: str) -> float:
-    return sum(v for (n, _), v in samples.items() if n == name)
+def _total(samples: Samples, name: str, **where: str) -> float:
+    """``name``'s samples summed over their labels (those with the ``where`` values only)."""
+    wanted = set(where.items())
+    return sum(v for (n, labels), v in samples.items() if n == name and wanted <= set(labels))
 
 
 def histogram_quantile(q: float, samples: Samples, name: str) -> float:
@@ -81,13 +86,20 @@ def server_split(before: Samples, after: Samples) -> dict:
     total, queue, kernels = (
         1000.0 * _total(delta, f"{name}_sum") / requests for name in (LOOKUP, QUEUE, KERNELS)
     )
+    # 0 from a server older than the histogram: its time stays in "other".
+    decode, encode = (
+        1000.0 * _total(delta, f"{WIRE}_sum", phase=phase) / requests
+        for phase in ("decode", "encode")
+    )
     return {
         "requests": int(requests),
         "mean_ms": {
             "total": total,
             "queue": queue,
             "kernels": kernels,
-            "other": total - queue - kernels,
+            "decode": decode,
+            "encode": encode,
+            "other": total - queue - kernels - decode - encode,
         },
         "p50_ms": 1000.0 * histogram_quantile(0.5, delta, LOOKUP),
         "p99_ms": 1000.0 * histogram_quantile(0.99, delta, LOOKUP),

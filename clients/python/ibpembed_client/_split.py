@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ import grpc
 import numpy as np
 
 from ibpembed_client._errors import LookupServiceError
+from ibpembed_client._request import new_request_id
 from ibpembed_client._result import BFLOAT16, DTYPES, LookupResult
 from ibpembed_client.shard_map import ShardedTable, ShardMap
 from ibpembed_client.v1 import lookup_pb2 as pb
@@ -102,7 +102,7 @@ def split_request(shard_map: ShardMap, request: pb.LookupRequest) -> SplitPlan:
                 " with one server, and a result is merged from several); send the ids in the"
                 " request and copy the merged arrays where they are needed"
             )
-    request_id = request.request_id or uuid.uuid4().hex
+    request_id = request.request_id or new_request_id()
     if request.pooling not in _POOLINGS:
         raise _invalid("pooling", f"unknown value {request.pooling}", request_id)
     none = request.pooling == pb.POOLING_NONE

@@ -32,7 +32,15 @@ from ibpembed_client._registered import (
     region_of,
     region_registration,
 )
-from ibpembed_client._request import FeatureInput, OutputDType, Pooling, Router, build_request
+from ibpembed_client._request import (
+    FeatureInput,
+    OutputDType,
+    Pooling,
+    Router,
+    build_request,
+    new_request_id,
+    with_request_id,
+)
 from ibpembed_client._result import LookupResult, TableInfo, decode_response, pooled_bf16
 from ibpembed_client.regions import (
     OutputRegion,
@@ -152,7 +160,7 @@ class AsyncLookupClient:
         request = build_request(
             features,
             pooling,
-            request_id,
+            request_id or new_request_id(),
             table_version,
             output_dtype=output_dtype,
             output_region=output_region,
@@ -165,6 +173,7 @@ class AsyncLookupClient:
         self, request: pb.LookupRequest, *, timeout: float | None = None
     ) -> LookupResult:
         """Send a prebuilt ``LookupRequest``."""
+        request = with_request_id(request)
         stub = self._stub(self.router(request) if self.router else None)
         metadata = call_metadata(self._token)
         region = region_of(self._regions, request)
@@ -184,6 +193,8 @@ class AsyncLookupClient:
     ) -> AsyncIterator[LookupResult]:
         """Pipeline many requests on one stream; results in request order (see the sync client)."""
         timeout = self.timeout if timeout is None else timeout
+        # The server logs a failed stream under this id: the error then carries the same one.
+        stream_id = stream_id or new_request_id()
         # Responses come back in request order: each is decoded with its request's region.
         sent: collections.deque[tuple[RegisteredRegion | None, np.dtype | None]] = (
             collections.deque()

@@ -10,8 +10,8 @@ Two load modes, as in perf_analyzer:
   ``--max-inflight`` requests outstanding are counted as ``dropped``, not sent.
 
 ``--concurrency-range START:END:STEP`` and ``--request-rate-range START:END:STEP`` sweep the
-load, one measured step per value (END included), and print one row per step: the curve a team
-sizes with.
+load, one measured step per value (START, START+STEP, ... up to END, included when a step lands
+on it), and print one row per step: the curve a team sizes with.
 
 The warm-up (``--warmup`` seconds) runs first and is not measured; ``--requests N`` then
 measures N requests (or ``--duration`` seconds, whichever ends first). A run that measured no
@@ -23,9 +23,9 @@ distinct synthetic ones (Zipf ids, the DLRM-DCNv2 profile), or the recorded requ
 (``--deadline-ms``). Latencies go into a bounded histogram (1 % buckets: the memory of a run
 does not grow with its length). The report gives p50, p90, p99, p99.9, mean and max latency
 of successful requests, QPS and errors by status code; with ``--metrics-url`` (the server's
-``/metrics``), the server's own split of the mean beside it (queue, kernels, the rest); as JSON
-with ``--json`` and as a latency histogram with ``--png`` (needs matplotlib: the ``loadgen``
-extra).
+``/metrics``), the server's own split of the mean beside it (queue, kernels, request decoding,
+response encoding, the rest); as JSON with ``--json`` and as a latency histogram with ``--png``
+(needs matplotlib: the ``loadgen`` extra).
 
     ibpembed-loadgen --target 127.0.0.1:50051 --concurrency 16 --duration 10 --batch-size 512
 """
@@ -356,20 +356,21 @@ Drive an ibpembed server with recommendation traffic and report latency, QPS and
 Load: --concurrency N keeps N requests in flight (closed loop); --rate R sends Poisson arrivals
 at R requests/s (open loop). --concurrency-range and --request-rate-range sweep either, one
 measured step per value. Requests are synthetic (Zipf ids, the DLRM-DCNv2 profile) or replayed
-from --input-data. With --metrics-url, the server's own time per request (queue, kernels, the
-rest) is printed beside the client's."""
+from --input-data. With --metrics-url, the server's own time per request (queue, kernels,
+decode, encode, the rest) is printed beside the client's."""
 
 EXAMPLES = """\
 examples:
   ibpembed-loadgen --target 127.0.0.1:50051 --concurrency 16 --duration 10 --batch-size 512
-  ibpembed-loadgen --concurrency-range 1:32:2 --duration 5 --metrics-url http://127.0.0.1:9464/metrics
+  ibpembed-loadgen --concurrency-range 4:32:4 --duration 5 --metrics-url http://127.0.0.1:9464/metrics
   ibpembed-loadgen --request-rate-range 100:400:100 --max-inflight 64 --json sweep.json
   ibpembed-loadgen --input-data recorded.jsonl --concurrency 8   # one request per line:
       {"cat_0": [[1, 2], [3]], "cat_1": [[7]]}   (feature -> per-sample id lists)"""
 
 
 def parse_range(text: str, kind: type[int] | type[float]) -> list[float]:
-    """``START[:END[:STEP]]`` (perf_analyzer's form, END included, STEP 1 by default)."""
+    """``START[:END[:STEP]]`` (perf_analyzer's form: START, START+STEP, ... up to END, included
+    when a step lands on it; STEP 1 by default)."""
     parts = text.split(":")
     try:
         if not 1 <= len(parts) <= 3:
@@ -434,12 +435,13 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--concurrency-range",
         metavar="START:END:STEP",
-        help="sweep the concurrency from START to END (included) by STEP",
+        help="sweep the concurrency: START, START+STEP, ... up to END (END included when a step"
+        " lands on it: 4:32:4 runs 4, 8, ..., 32; 1:32:2 stops at 31)",
     )
     mode.add_argument(
         "--request-rate-range",
         metavar="START:END:STEP",
-        help="sweep the request rate (per second) from START to END (included) by STEP",
+        help="sweep the request rate (per second) the same way",
     )
     p.add_argument(
         "--duration", type=float, default=10.0, help="measured seconds per step (%(default)g)"
@@ -521,9 +523,10 @@ def _step_line(report: dict) -> str:
         mean = server["mean_ms"]
         line += (
             f"\nserver ({server['requests']} requests): mean {mean['total']:.2f} ms = queue "
-            f"{mean['queue']:.2f} + kernels {mean['kernels']:.2f} + other {mean['other']:.2f};"
+            f"{mean['queue']:.2f} + kernels {mean['kernels']:.2f} + decode {mean['decode']:.2f}"
+            f" + encode {mean['encode']:.2f} + other {mean['other']:.2f} (planning, hand-off);"
             f" p50 {server['p50_ms']:.2f} p99 {server['p99_ms']:.2f} ms; client - server "
-            f"{lat.get('mean', float('nan')) - mean['total']:.2f} ms (network, encoding)"
+            f"{lat.get('mean', float('nan')) - mean['total']:.2f} ms (grpc, network, client)"
         )
     return line
 
@@ -542,7 +545,8 @@ def _sweep_table(steps: list[dict]) -> str:
                 str(sum(r["errors"].values()) + r["dropped"]),
                 "-"
                 if not split
-                else f"{split['total']:.2f} (q {split['queue']:.2f}, k {split['kernels']:.2f})",
+                else f"{split['total']:.2f} (q {split['queue']:.2f}, k {split['kernels']:.2f},"
+                f" d+e {split['decode'] + split['encode']:.2f})",
             ]
         )
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]

@@ -31,9 +31,8 @@ The package, one job a module: ``requests`` (what a lookup takes and gives, and 
 threads, snapshots).
 """
 
-from ibpembed.engine.core import INLINE_MAX_IDS, AdmissionSlot, LookupEngine
+from ibpembed.engine.core import AdmissionSlot, LookupEngine
 from ibpembed.engine.cuda import MIN_CUDA_CAPABILITY, cuda_kernels_present, resolve_device
-from ibpembed.engine.execution import DEDUPE_MIN_IDS
 from ibpembed.engine.requests import (
     OUTPUT_DTYPES,
     POOLINGS,
@@ -48,6 +47,7 @@ from ibpembed.engine.requests import (
     Request,
     TableDescription,
 )
+from ibpembed.engine_defaults import DEDUPE_MIN_IDS, INLINE_MAX_IDS
 from ibpembed.tables.tier_budget import TierBudget
 
 __all__ = [

@@ -15,8 +15,8 @@ from typing import TypeVar
 import torch
 
 from ibpembed.engine.cuda import resolve_device
-from ibpembed.engine.execution import DEDUPE_MIN_IDS, Executor, rounded
-from ibpembed.engine.hbm_tier import DEFAULT_FORM, HbmTier
+from ibpembed.engine.execution import Executor, rounded
+from ibpembed.engine.hbm_tier import HbmTier
 from ibpembed.engine.planning import describe_table, output_limit, plan_request
 from ibpembed.engine.requests import (
     FeatureResult,
@@ -29,6 +29,7 @@ from ibpembed.engine.requests import (
     TableDescription,
 )
 from ibpembed.engine.tier import HotTier
+from ibpembed.engine_defaults import DEDUPE_MIN_IDS, DEFAULT_FORM, INLINE_MAX_IDS
 from ibpembed.errors import DeadlineExceeded, FailedPrecondition, NotFound, Overloaded
 from ibpembed.tables import mapping_guard
 from ibpembed.tables.store import TableSnapshot, TableStore
@@ -36,10 +37,6 @@ from ibpembed.tables.tier_budget import TierBudget
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-# Requests with at most this many ids run on the calling (event-loop) thread instead of a
-# worker: handing a request to a worker thread and back costs more than their kernels
-# (docs/serving.md, *The thread hand-off*, measured with benchmarks.service --handoff).
-INLINE_MAX_IDS = 256
 
 
 class AdmissionSlot:

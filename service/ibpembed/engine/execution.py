@@ -20,11 +20,6 @@ from ibpembed.engine.planning import RequestPlan, TableWork
 from ibpembed.engine.requests import KernelCall, LookupObserver, PackedRequest, Pooling
 from ibpembed.tables.store import TableSnapshot
 
-# Pooled lookups of a table with fewer ids go straight to the fused kernel, whose per-call cache
-# decodes most repeated ids once (csrc codec.h's RepeatCache): sorting the ids to find every
-# repeat only pays when there are far more distinct rows than that cache holds (see
-# LookupEngine's dedupe_min_ids).
-DEDUPE_MIN_IDS = 32768
 # Hot-row coverage from which pooled lookups skip the decode-once path (see Executor.dedupes).
 FUSED_MIN_HOT_COVERAGE = 0.5
 # Results of at most this many values in all are rounded in one call (see rounded).

@@ -31,19 +31,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 
 from ibpembed.codec import CompressedTable, CompressedTableSet, Pooling, tier_directory_bytes
 from ibpembed.engine.tier import DEFAULT_WINDOW_IDS, STEP_S, AdmissionPolicy
+from ibpembed.engine_defaults import DEFAULT_FORM, FORMS, TierForm
 from ibpembed.tables.store import TableSnapshot, TableStore
 from ibpembed.tables.tier_budget import TableSize, TierBudget, TierPlan
 
-TierForm = Literal["decoded", "compressed"]
-FORMS: tuple[TierForm, ...] = ("decoded", "compressed")
-DEFAULT_FORM: TierForm = "decoded"
 # The codec's pad: the kernels' 16-byte reads of a slot's last window may pass its end.
 PAYLOAD_PAD = 16
 # Bytes per compressed tier row besides its slot: its slot offset (decoded slots need none).

@@ -61,8 +61,6 @@ log = logging.getLogger(__name__)
 
 # A share of raw bytes for offline ranking (torchrec's cache_hot_rows, the benchmarks).
 DEFAULT_BUDGET = 0.01
-# The server's default --hot-tier.
-DEFAULT_TIER = "1%"
 # Ids buffered per table between steps at most (8 bytes each): a second of a busy table's traffic.
 DEFAULT_WINDOW_IDS = 1 << 18
 # A smaller tier buffers this many ids per tier row, at least MIN_WINDOW_IDS. NOTE(tier): the

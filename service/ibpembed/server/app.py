@@ -17,10 +17,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import errno
 import logging
+import shlex
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from ibpembed.server.interceptors import (
 )
 from ibpembed.server.memory import keep_freed_memory
 from ibpembed.server.metrics import ServerMetrics
+from ibpembed.server.ports import bind_problem
 from ibpembed.server.regions import RegionRegistry
 from ibpembed.server.reload import ReloadObserver, TableSetReloader, in_daemon_thread
 from ibpembed.server.servicer import EmbeddingLookupServicer, OutputObserver, add_to_server
@@ -66,6 +66,10 @@ _DRAIN_QUIET_MAX_S = 1.0
 # The thread ``serve`` loads the table set in; ``ibpembed serve`` looks for it at exit.
 LOAD_THREAD = "ibpembed-load"
 SERVICE_NAME = lookup_pb2.DESCRIPTOR.services_by_name["EmbeddingLookup"].full_name
+# lookup.proto's typed mirror (docs/client.md), for the banner's grpcurl query: JSON ids and float
+# values instead of base64 bytes. Only a checkout has it (an installed wheel has no proto/).
+TYPED_PROTO_ROOT = Path(__file__).resolve().parents[3] / "proto" / "typed"
+TYPED_PROTO = "ibpembed/v1/lookup_typed.proto"
 
 
 class ServerObserver(LookupObserver, RpcObserver, ReloadObserver, OutputObserver, Protocol):
@@ -76,8 +80,7 @@ def load_store(
     config: ServerConfig, progress: Callable[[int, int], None] | None = None
 ) -> TableStore:
     """The packed table set in ``config.tables``, or the embedded demo set. ``progress(done,
-    total)``: tables loaded so far (a directory's set only; the demo reports 0 of 1 and 1 of 1).
-    """
+    total)``: tables loaded (or, for the demo, built) so far."""
     # On a GPU the store places every snapshot's tables for the CUDA kernels: index and masks
     # in device memory, payloads registered in place for zero-copy reads.
     device = resolve_device(config.device)
@@ -90,12 +93,8 @@ def load_store(
             progress=progress,
             device=device,
         )
-    if progress is not None:
-        progress(0, 1)
-    store = TableStore.from_tables(demo.build(config.demo_max_rows), device=device)
-    if progress is not None:
-        progress(1, 1)
-    return store
+    tables = demo.build(config.demo_max_rows, progress=progress)
+    return TableStore.from_tables(tables, device=device)
 
 
 def load_and_check(
@@ -116,22 +115,6 @@ def load_and_check(
 
 def _read(path: str) -> bytes:
     return Path(path).read_bytes()
-
-
-def _bind_problem(host: str, port: int) -> str:
-    """Why ``host:port`` cannot be listened on, as the OS says it (grpc's error does not)."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds
-            probe.bind(address)
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            return "the port is in use (by another server: another `ibpembed serve`?)"
-        return exc.strerror or str(exc)
-    return "grpc could not bind it (GRPC_VERBOSITY=debug says why)"
 
 
 class LookupServer:
@@ -231,14 +214,21 @@ class LookupServer:
             )
         address = f"{cfg.host}:{cfg.port}"
         credentials = self._credentials()
+        # Probed first: grpc's C core logs its own error line for a port it cannot bind (on
+        # stderr, before ours), and its RuntimeError says only "Failed to bind to address".
+        problem = bind_problem(cfg.host, cfg.port)
+        if problem is not None:
+            raise RuntimeError(f"cannot listen on {address}: {problem}")
         try:
             if credentials is None:
                 port = server.add_insecure_port(address)
             else:
                 port = server.add_secure_port(address, credentials)
-        except RuntimeError:  # grpc's says only "Failed to bind to address ..."
+        except RuntimeError:  # taken since the probe, or refused by grpc alone
+            problem = bind_problem(cfg.host, cfg.port)
             raise RuntimeError(
-                f"cannot listen on {address}: {_bind_problem(cfg.host, cfg.port)}"
+                f"cannot listen on {address}: "
+                f"{problem or 'grpc could not bind it (GRPC_VERBOSITY=debug says why)'}"
             ) from None
         # grpc's health servicer starts the whole server ("") SERVING: not before the tables.
         for service in ("", SERVICE_NAME):
@@ -386,12 +376,27 @@ class LookupServer:
             await asyncio.wait(pending)
 
 
+def _grpcurl_query(feature: str) -> tuple[str, str, str]:
+    """How the banner's grpcurl query reads: its title, its proto flags and its JSON body."""
+    if (TYPED_PROTO_ROOT / TYPED_PROTO).is_file():
+        try:  # relative in the usual case, `ibpembed serve` run from the checkout's root
+            root = str(TYPED_PROTO_ROOT.relative_to(Path.cwd()))
+        except ValueError:
+            root = str(TYPED_PROTO_ROOT)
+        body = f'{{"features": [{{"name": "{feature}", "ids": ["1", "2"], "lengths": [2]}}]}}'
+        flags = f" -import-path {shlex.quote(root)} -proto {TYPED_PROTO}"
+        return "grpcurl, typed proto", flags, body
+    # Reflection alone: lookup.proto's bytes fields, which grpcurl's JSON spells in base64.
+    ids = base64.b64encode((1).to_bytes(8, "little") + (2).to_bytes(8, "little")).decode()
+    lengths = base64.b64encode((2).to_bytes(4, "little")).decode()
+    body = f'{{"features": [{{"name": "{feature}", "ids": "{ids}", "lengths": "{lengths}"}}]}}'
+    return "grpcurl, ids as little-endian int64 bytes in base64", "", body
+
+
 def example_query(host: str, port: int, feature: str, *, tls: bool, token: bool) -> str:
     """Copy-pasteable queries (Python client and grpcurl) for the banner."""
     host = "127.0.0.1" if host in ("0.0.0.0", "[::]", "::") else host
     target = f"{host}:{port}"
-    ids = base64.b64encode((1).to_bytes(8, "little") + (2).to_bytes(8, "little")).decode()
-    lengths = base64.b64encode((2).to_bytes(4, "little")).decode()
     client_args = f"'{target}'"
     grpcurl_args = "-plaintext"
     if tls:
@@ -401,14 +406,13 @@ def example_query(host: str, port: int, feature: str, *, tls: bool, token: bool)
         client_args += ", token=open('token').read().strip()"
         grpcurl_args += ' -H "authorization: Bearer $(cat token)"'
     imports = "LookupClient, TlsOptions" if tls else "LookupClient"
+    title, proto_flags, body = _grpcurl_query(feature)
     return (
         "example query (Python client):\n"
         f'  python -c "from ibpembed_client import {imports}; '
         f"print(LookupClient({client_args}).lookup({{'{feature}': [[1, 2]]}})['{feature}'])\"\n"
-        "example query (grpcurl):\n"
-        f'  grpcurl {grpcurl_args} -d \'{{"features": [{{"name": "{feature}", '
-        f'"ids": "{ids}", "lengths": "{lengths}"}}]}}\' {target} '
-        f"{SERVICE_NAME}/Lookup"
+        f"example query ({title}):\n"
+        f"  grpcurl {grpcurl_args}{proto_flags} -d '{body}' {target} {SERVICE_NAME}/Lookup"
     )
 
 
@@ -470,6 +474,10 @@ class _LoadProgress:
 async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     """Run until SIGTERM/SIGINT, then drain and return 0 (also when the signal comes while the
     tables load: nothing is in flight then, and the load is abandoned)."""
+    if config.tables is not None and not Path(config.tables).is_dir():
+        # Said before binding: the load would only find no manifest, after "bound ...".
+        what = "not a directory" if Path(config.tables).exists() else "no such directory"
+        raise ValueError(f"{config.tables}: {what}")
     # Process-wide, hence here and not in LookupServer (see ServerConfig.torch_threads).
     torch.set_num_threads(config.torch_threads)
     # A table file shortened in place under the server costs its lookups, not the process.

@@ -19,9 +19,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ibpembed.engine import DEDUPE_MIN_IDS, INLINE_MAX_IDS, TierBudget
-from ibpembed.engine.hbm_tier import DEFAULT_FORM, FORMS
-from ibpembed.engine.tier import DEFAULT_TIER
+from ibpembed.engine_defaults import (
+    DEDUPE_MIN_IDS,
+    DEFAULT_FORM,
+    DEFAULT_TIER,
+    FORMS,
+    INLINE_MAX_IDS,
+)
 
 ENV_PREFIX = "IBPEMBED_"
 # gRPC takes message sizes as int32 bytes: 2047 MiB is the most it accepts.
@@ -227,6 +231,10 @@ class ServerConfig:
         ):
             if not math.isfinite(getattr(self, name)):  # nan passes every comparison below
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        # Imported here: the budget parser lives beside the codec (torch), which `serve --help`
+        # and the settings table need none of.
+        from ibpembed.tables.tier_budget import TierBudget
+
         try:
             TierBudget.parse(self.hot_tier)
         except ValueError as exc:

@@ -12,6 +12,8 @@ model trained in bf16. The same ``max_rows`` and ``seed`` always give bit-identi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ibpembed.codec import CompressedTable, compress
@@ -43,11 +45,21 @@ def demo_table(rows: int, dim: int, seed: int, *, bf16_rounded: bool) -> torch.T
     return table
 
 
-def build(max_rows: int = 20000, seed: int = 0) -> dict[str, CompressedTable]:
-    """The 26 compressed demo tables, keyed by feature name (~2 s on 2 cores)."""
+def build(
+    max_rows: int = 20000,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, CompressedTable]:
+    """The 26 compressed demo tables, keyed by feature name (~2 s on 2 cores). ``progress(done,
+    total)``: tables built so far, before the first and after each."""
     tables = {}
+    total = len(DCNV2_CARDINALITIES)
+    if progress is not None:
+        progress(0, total)
     for i, (name, cardinality) in enumerate(zip(feature_names(), DCNV2_CARDINALITIES, strict=True)):
         raw = demo_table(min(cardinality, max_rows), DIM, seed + i, bf16_rounded=i % 4 == 3)
         # 1024 sampled rows fit masks as good as 4096 do here (same stored size), 3x faster.
         tables[name] = compress(raw, sample_rows=1024, seed=seed)
+        if progress is not None:
+            progress(i + 1, total)
     return tables

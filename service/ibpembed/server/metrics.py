@@ -37,6 +37,7 @@ metric                                                 type       labels
 ``ibpembed_table_set_versions_held``                   gauge      —
 ``ibpembed_table_set_older_versions_bytes``            gauge      —
 ``ibpembed_queue_wait_seconds``                        histogram  —
+``ibpembed_wire_duration_seconds``                     histogram  phase
 ``ibpembed_hot_row_hits_total``                        counter    table
 ``ibpembed_hot_row_misses_total``                      counter    table
 ``ibpembed_hot_row_hit_ratio``                         gauge      table
@@ -88,6 +89,7 @@ from ibpembed.engine import KernelCall
 from ibpembed.engine.hbm_tier import HbmTier
 from ibpembed.engine.tier import HotTier
 from ibpembed.server.interceptors import STREAM_METHOD
+from ibpembed.server.ports import bind_error_text
 from ibpembed.server.reload import RELOAD_RESULTS, ReloadResult
 from ibpembed.tables.store import TableStore
 from ibpembed_client.v1 import lookup_pb2 as pb
@@ -115,6 +117,9 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
     5.0,
     10.0,
 )
+# Decoding a request and encoding its response take tens of microseconds at small batches (B=1 x 26
+# features: ~30 and ~45 us): two buckets below LATENCY_BUCKETS_S's first.
+WIRE_BUCKETS_S: tuple[float, ...] = (5e-6, 10e-6, *LATENCY_BUCKETS_S)
 # Protocol enum -> the engine's pooling names; values the server rejects share one label.
 _POOLING_NAMES = {
     pb.POOLING_UNSPECIFIED: "sum",
@@ -615,7 +620,16 @@ class ServerMetrics:
             [],
             LATENCY_BUCKETS_S,
         )
-        reg.register(_Families(self._queue))
+        self._wire = _Histograms(
+            f"{NAMESPACE}_wire_duration_seconds",
+            "Time lookup requests spent in the servicer's message conversion: decode (checks,"
+            " and the request or its input region into engine inputs) and encode (the result"
+            " into response bytes, or into its output region). Parts of"
+            " ibpembed_lookup_duration_seconds.",
+            ["phase"],
+            WIRE_BUCKETS_S,
+        )
+        reg.register(_Families(self._queue, self._wire))
         # Touched on the event loop only (lookup_started/done), so a plain int read at scrape
         # will do.
         self._inflight = 0
@@ -701,6 +715,11 @@ class ServerMetrics:
         """A request's wait for a kernel thread (engine worker thread)."""
         self._queue.observe((), seconds)
 
+    def wire_timed(self, phase: str, seconds: float) -> None:
+        """A request's decode (event loop) or encode (worker thread, or the event loop for a
+        request run inline) in the servicer."""
+        self._wire.observe((phase,), seconds)
+
     def watch_hot_tier(self, tier: HotTier) -> None:
         """Export the hot tier's policy (the engine's, once it runs)."""
         self.registry.register(_HotTierCollector(tier))
@@ -752,7 +771,8 @@ class ServerMetrics:
         self, host: str, port: int, *, ready: Callable[[], bool] = lambda: True
     ) -> int:
         """Serve ``/metrics``, ``/healthz`` and ``/readyz`` (``ready()``) over HTTP on
-        ``host:port`` (0 = a free port); returns the port.
+        ``host:port`` (0 = a free port), to GET and to HEAD (the same headers, no body);
+        returns the port.
 
         Raises
         ------
@@ -761,13 +781,29 @@ class ServerMetrics:
         """
         exposition = prometheus_client.make_wsgi_app(self.registry)
 
-        def app(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+        def get(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
             path = environ.get("PATH_INFO", "/")
             if path == "/metrics":
                 return exposition(environ, start_response)
             status, body = _probe_answer(path, ready)
             start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
             return [body]
+
+        def app(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+            if environ.get("REQUEST_METHOD") != "HEAD":
+                return get(environ, start_response)
+            # prometheus_client answers HEAD with 405, and wsgiref would send a body with it:
+            # answer as GET does, with the body's length and without the body (`curl -I`,
+            # uptime checks).
+            answered: list[tuple[str, list[tuple[str, str]]]] = []
+            body = b"".join(
+                get({**environ, "REQUEST_METHOD": "GET"}, lambda *a: answered.append(a[:2]))
+            )
+            status, headers = answered[0]
+            if not any(name.lower() == "content-length" for name, _ in headers):
+                headers = [*headers, ("Content-Length", str(len(body)))]
+            start_response(status, headers)
+            return []
 
         # ``[::]`` is how the gRPC side spells "all IPv6 addresses"; sockets want it bare.
         address = host.strip("[]")
@@ -777,8 +813,11 @@ class ServerMetrics:
         try:
             self._http = make_server(address, port, app, server_class, handler_class=_QuietHandler)
         except OSError as exc:
-            # Say which port: the bare errno text does not tell it from the gRPC one.
-            raise OSError(exc.errno, f"metrics port {host}:{port}: {exc.strerror}") from exc
+            # Say which port (the OS's words do not tell it from the gRPC one), worded as the
+            # gRPC port's error is.
+            raise OSError(
+                f"cannot listen on {host}:{port} (metrics): {bind_error_text(exc)}"
+            ) from exc
         threading.Thread(
             target=self._http.serve_forever, name="ibpembed-metrics-http", daemon=True
         ).start()

@@ -51,11 +51,16 @@ log = logging.getLogger(__name__)
 
 
 class OutputObserver(Protocol):
-    """Optional metrics hook: where lookup outputs went (worker threads or the event loop)."""
+    """Optional metrics hook: where lookup outputs went, and the time a lookup request spent
+    being decoded and encoded (worker threads or the event loop)."""
 
     def output_written(self, transport: str, nbytes: int) -> None:
         """One request's output: ``"wire"``, the response's bytes (values and their framing), or
         ``"shm"``, the value bytes written into its output region."""
+
+    def wire_timed(self, phase: str, seconds: float) -> None:
+        """One request's ``"decode"`` (its checks, and the message or input region into engine
+        inputs) or ``"encode"`` (the result into response bytes, or into its output region)."""
 
 
 def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
@@ -129,6 +134,8 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     ) -> bytes:
         """One request's response bytes: decoded, looked up and encoded (into the response, or
         its values into the output region)."""
+        observer = self.observer
+        started = time.perf_counter() if observer is not None else 0.0
         check_request(request)
         names = self._check_features(request)
         output_dtype = output_dtype_of(request)
@@ -158,6 +165,8 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             for region in uses:
                 region.release_use()
             raise
+        if observer is not None:
+            observer.wire_timed("decode", time.perf_counter() - started)
         on_done = None
         if uses:
 
@@ -263,14 +272,18 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         return OutputWindow(region, spec.offset, end, deadline)
 
     def _encode(self, request_id: str, result: LookupResult) -> bytes:
+        started = time.perf_counter()
         response = encode_response(request_id, result)
         if self.observer is not None:
+            self.observer.wire_timed("encode", time.perf_counter() - started)
             self.observer.output_written("wire", len(response))
         return response
 
     def _write_region(self, window: OutputWindow, request_id: str, result: LookupResult) -> bytes:
+        started = time.perf_counter()
         response, written = window.write(request_id, result)
         if self.observer is not None:
+            self.observer.wire_timed("encode", time.perf_counter() - started)
             self.observer.output_written("shm", written)
         return response
 

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             features=args.features,
         )
     except (RepositoryError, TableSetError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"ibpembed triton-repo: error: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {version_dir} (model '{args.name}', version {version_dir.name})")
     print(

@@ -107,8 +107,8 @@ def _serve(args: argparse.Namespace, repository: Path, scratch: Path) -> int:
         backends = [f"--backend-directory={python_backend_dir(root, scratch)}"]
     else:
         print(
-            "error: no tritonserver on PATH and nvidia-pytriton is not installed "
-            "(pip install --no-deps -r requirements/triton.txt)",
+            "ibpembed triton-serve: error: no tritonserver on PATH and nvidia-pytriton is not"
+            " installed (pip install --no-deps -r requirements/triton.txt)",
             file=sys.stderr,
         )
         return 1
@@ -148,5 +148,5 @@ def run(args: argparse.Namespace) -> int:
             write_repository(args.tables, repository, pooling=args.pooling, device=args.device)
             return _serve(args, repository, scratch)
         except (RepositoryError, TableSetError, RuntimeError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"ibpembed triton-serve: error: {exc}", file=sys.stderr)
             return 1

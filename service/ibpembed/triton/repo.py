@@ -234,9 +234,9 @@ def write_repository(
     Raises
     ------
     RepositoryError
-        for a ``name`` that is not one directory name, a version that exists already, or a
-        table set whose features, dims or dtypes
-        differ from the config earlier versions were written with.
+        for a ``tables`` that is not a directory, a ``name`` that is not one directory name, a
+        version that exists already, or a table set whose features, dims or dtypes differ from
+        the config earlier versions were written with.
     TableSetError
         for a directory that is not a table set.
     """
@@ -244,6 +244,9 @@ def write_repository(
     if instances < 1:
         raise RepositoryError(f"instances must be >= 1, got {instances}")
     source = Path(tables).resolve()
+    if not source.is_dir():  # else read as a table set without a manifest: a misleading error
+        what = "not a directory" if source.exists() else "no such directory"
+        raise RepositoryError(f"{tables}: {what}")
     manifest = read_manifest(source)
     ios = feature_ios(manifest, pooling, features)
     config = render_config(name, ios, pooling, device, instances)
