@@ -274,8 +274,8 @@ class CompressedTable:
             self.num_rows,
         )
 
-    def _hot_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The op's tier arguments (tier_slots, tier_rows): the decoded tier, or for a table
+    def _tier_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The op's tier arguments (tier_dir, tier_rows): the decoded tier, or for a table
         whose every row is stored raw at one stride its own payload, read as a tier of every
         row (the lean path of raw rows), or none."""
         if self.hot is not None:
@@ -310,7 +310,7 @@ class CompressedTable:
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any order, duplicates allowed), bit-exact, as [len(ids), dim]."""
         indices = _as_indices(ids, "ids")
-        return self._as_rows(ops.ibp_gather(*self._args(), indices, *self._hot_args()))
+        return self._as_rows(ops.ibp_gather(*self._args(), indices, *self._tier_args()))
 
     def lookup(
         self,
@@ -351,7 +351,7 @@ class CompressedTable:
             weights,
             dtype_code,
             _POOLING_CODES[pooling],
-            *self._hot_args(),
+            *self._tier_args(),
         )
 
     # -- decoded tier ----------------------------------------------------------------------------
@@ -433,7 +433,7 @@ class CompressedTableSet:
         self.tables = tuple(tables)
         self._handle = torch.classes.ibpembed.TableSet()
         for table in self.tables:
-            self._handle.add(*table._args(), table._dtype_code(), *table._hot_args())
+            self._handle.add(*table._args(), table._dtype_code(), *table._tier_args())
 
     def __len__(self) -> int:
         return len(self.tables)

@@ -121,8 +121,8 @@ def test_raw_tables_and_empty_selections_give_no_tier() -> None:
     table = torch.randn(100, 8)
     raw = compress(table, method="raw")
     assert raw.with_hot_rows(torch.arange(100)).hot is None
-    assert raw._hot_args()[1] is not None  # the payload itself, read by the lean path
-    assert compress(make_table(torch.float32, 100, 8, "trained_like", 0))._hot_args() == (
+    assert raw._tier_args()[1] is not None  # the payload itself, read by the lean path
+    assert compress(make_table(torch.float32, 100, 8, "trained_like", 0))._tier_args() == (
         None,
         None,
     )
@@ -142,7 +142,7 @@ def test_raw_rows_lean_path_is_bit_exact(path, dim) -> None:
     offsets = torch.arange(0, 901, 9)
     for align in (None, 64):
         raw = compress(table, method="raw", align=align)
-        stride = raw._hot_args()[1].shape[1]  # type: ignore[union-attr]
+        stride = raw._tier_args()[1].shape[1]  # type: ignore[union-attr]
         assert stride == (dim * 4 if align is None else -(-dim * 4 // 64) * 64)
         indexed = dataclasses.replace(raw)  # a fresh object: its own cached check
         assert same_bits(raw.gather(ids), table[ids])
