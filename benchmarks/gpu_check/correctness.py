@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from benchmarks.gpu_check.common import (
-    POOLING,
     STAGING_ENV,
     Checks,
     CudaFault,
@@ -217,6 +216,8 @@ def check_pooled(
 ) -> None:
     """Pooled SUM/MEAN, with and without weights: on a GPU against the CPU op bit for bit (NaN
     payloads aside); on the CPU (``values``: the source rows as float64) against the reference."""
+    from ibpembed.layout import POOLING_CODES
+
     lengths = rng.integers(0, 40, 200)
     lengths[::9] = 0  # empty bags
     offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
@@ -226,18 +227,20 @@ def check_pooled(
     for pooling in ("sum", "mean"):
         for w in (None, weights):
             if values is not None:
-                got = ops.lookup_pooled(*args, ids, offsets, w, dtype_code, POOLING[pooling])
+                got = ops.lookup_pooled(*args, ids, offsets, w, dtype_code, POOLING_CODES[pooling])
                 ok = matches_reference(got, values, ids, offsets, w, pooling)
                 checks.record(ok, f"pooled {pooling} weighted={w is not None} {label} (reference)")
                 continue
-            want = ops.lookup_pooled(*c._args(), ids, offsets, w, dtype_code, POOLING[pooling])
+            want = ops.lookup_pooled(
+                *c._args(), ids, offsets, w, dtype_code, POOLING_CODES[pooling]
+            )
             got = ops.lookup_pooled(
                 *args,
                 ids.to(dev),
                 offsets.to(dev),
                 None if w is None else w.to(dev),
                 dtype_code,
-                POOLING[pooling],
+                POOLING_CODES[pooling],
             ).cpu()
             equal = torch.equal(got.isnan(), want.isnan()) and torch.equal(
                 got.nan_to_num(0.0), want.nan_to_num(0.0)

@@ -54,6 +54,7 @@
 #include "../cuda/warp_decode.cuh"
 #include "ibpembed/format.h"
 #include "ibpembed/numeric.h"
+#include "ibpembed/tier.h"
 #include "op_checks.h"
 #include "ops.h"
 
@@ -540,8 +541,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> pooled_tables(
   TORCH_CHECK_VALUE(device.is_cuda() || tables->size() == 0,
                     "lookup_pooled_tables on a GPU needs a TableSet of GPU tables; this one's "
                     "are on ", device);
-  TORCH_CHECK_VALUE(pooling == 0 || pooling == 1, "pooling must be 0 (sum) or 1 (mean), got ",
-                    pooling);
+  check_pooling(pooling);
   TORCH_CHECK_VALUE(table_bags.is_cpu() && table_bags.scalar_type() == at::kLong &&
                         table_bags.is_contiguous() && table_bags.dim() == 2 &&
                         table_bags.size(1) == 3,
@@ -635,7 +635,7 @@ DeviceTier device_tier(const at::Tensor& dir, const std::optional<at::Tensor>& s
   check_device_tensor(dir, "tier directory", at::kLong, device);
   check_device_tensor(payload, "tier payload", at::kByte, device);
   check_device_tensor(counters, "tier counters", at::kLong, device);
-  const int64_t words = (num_rows + 63) / 64;
+  const int64_t words = tier_dir_words(num_rows);
   TORCH_CHECK_VALUE(dir.dim() == 1 && dir.numel() == 2 * words,
                     "the tier directory must hold two int64 words per 64 rows of the table (",
                     2 * words, " for ", num_rows, " rows), got ", dir.sizes());

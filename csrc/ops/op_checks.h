@@ -13,6 +13,7 @@
 
 #include "ibpembed/format.h"
 #include "ibpembed/numeric.h"
+#include "ibpembed/tier.h"
 
 namespace ibpembed {
 
@@ -74,12 +75,20 @@ inline TableShape check_table_shapes(const at::Tensor& block_base, const at::Ten
   return TableShape{v, check_mask_shapes(mask, bitval, v)};
 }
 
+// A pooling code (format.h Pooling), as every pooled op takes it.
+inline void check_pooling(int64_t pooling) {
+  static_assert(static_cast<int>(Pooling::kSum) == 0 && static_cast<int>(Pooling::kMean) == 1,
+                "the message below names the codes");
+  TORCH_CHECK_VALUE(pooling == static_cast<int64_t>(Pooling::kSum) ||
+                        pooling == static_cast<int64_t>(Pooling::kMean),
+                    "pooling must be 0 (sum) or 1 (mean), got ", pooling);
+}
+
 // The dtype and pooling codes, and the number of fp32 outputs per bag.
 inline int64_t check_pooling_args(int64_t dtype, int64_t pooling, int64_t row_bytes) {
   TORCH_CHECK_VALUE(dtype >= 0 && dtype <= static_cast<int64_t>(DType::kInt8Rowwise),
                     "unknown dtype code ", dtype);
-  TORCH_CHECK_VALUE(pooling == 0 || pooling == 1, "pooling must be 0 (sum) or 1 (mean), got ",
-                    pooling);
+  check_pooling(pooling);
   const int64_t dim = pooled_dim(static_cast<DType>(dtype), row_bytes);
   TORCH_CHECK_VALUE(dim > 0, "tables of dtype code ", dtype, " with ", row_bytes,
                     "-byte rows cannot be pooled (plain int8/uint8 rows carry no scale)");
@@ -102,7 +111,7 @@ inline void check_tier_shape(const std::optional<at::Tensor>& tier_dir,
   TORCH_CHECK_VALUE(tier_dir.has_value() == tier_rows.has_value(),
                     "tier_dir and tier_rows go together: pass both or neither");
   if (!tier_dir.has_value()) return;
-  const int64_t words = (num_rows + 63) / 64;
+  const int64_t words = tier_dir_words(num_rows);
   TORCH_CHECK_VALUE(tier_dir->dim() == 1 &&
                         (tier_dir->numel() == 2 * words || tier_dir->numel() == 0),
                     "tier_dir must have ", 2 * words, " entries (two per 64 rows) or none, got "

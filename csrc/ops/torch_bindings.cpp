@@ -16,6 +16,7 @@
 
 #include "ibpembed/codec.h"
 #include "ibpembed/numeric.h"
+#include "ibpembed/tier.h"
 #include "mapping_guard.h"
 #include "ops.h"
 
@@ -107,6 +108,8 @@ PYBIND11_MODULE(_C, module) {
   module.attr("ROWS_PER_BLOCK") = ibpembed::kRowsPerBlock;
   module.attr("PAYLOAD_PAD") = ibpembed::kPayloadPad;
   module.attr("MAX_UNITS_PER_ROW") = ibpembed::kMaxUnitsPerRow;
+  module.attr("MAX_SLOT_UNIT") = ibpembed::kMaxSlotUnit;
+  module.attr("TIER_WORD_ROWS") = ibpembed::kTierWordRows;
   module.attr("INT8_ROWWISE_HEADER_BYTES") = ibpembed::kInt8RowwiseHeaderBytes;
   module.attr("DTYPE_FLOAT32") = static_cast<int>(ibpembed::DType::kFloat32);
   module.attr("DTYPE_FLOAT16") = static_cast<int>(ibpembed::DType::kFloat16);
@@ -114,6 +117,8 @@ PYBIND11_MODULE(_C, module) {
   module.attr("DTYPE_UINT8") = static_cast<int>(ibpembed::DType::kUInt8);
   module.attr("DTYPE_INT8") = static_cast<int>(ibpembed::DType::kInt8);
   module.attr("DTYPE_INT8_ROWWISE") = static_cast<int>(ibpembed::DType::kInt8Rowwise);
+  module.attr("POOLING_SUM") = static_cast<int>(ibpembed::Pooling::kSum);
+  module.attr("POOLING_MEAN") = static_cast<int>(ibpembed::Pooling::kMean);
   module.def("cpu_path", [] { return std::string(ibpembed::cpu_path_name(ibpembed::active_cpu_path())); },
              "The CPU codec path in use: 'avx512', 'bmi2' or 'ref'.");
   module.def("cpu_has_bmi2", &ibpembed::cpu_has_bmi2, "Whether this CPU reports BMI2.");

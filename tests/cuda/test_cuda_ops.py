@@ -14,14 +14,12 @@ import torch
 
 from ibpembed import CompressedTable, compress
 from ibpembed._ops import ops
-from ibpembed.layout import INT8_ROWWISE_CODE
+from ibpembed.layout import INT8_ROWWISE_CODE, POOLING_CODES
 from tests.codec.tables import DTYPES, FLOAT_DTYPES, make_table, same_bits
 from tests.cuda import cuda_kernels_missing, request_ids
 
 _REASON = cuda_kernels_missing()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
-
-POOLING = {"sum": 0, "mean": 1}
 
 
 def device_args(c: CompressedTable, payload: str = "pinned") -> tuple:
@@ -75,9 +73,9 @@ def _pooled_both(c, ids, offsets, weights, dtype_code, pooling):
         offsets.cuda(),
         None if weights is None else weights.cuda(),
         dtype_code,
-        POOLING[pooling],
+        POOLING_CODES[pooling],
     )
-    want = ops.lookup_pooled(*c._args(), ids, offsets, weights, dtype_code, POOLING[pooling])
+    want = ops.lookup_pooled(*c._args(), ids, offsets, weights, dtype_code, POOLING_CODES[pooling])
     return got.cpu(), want
 
 

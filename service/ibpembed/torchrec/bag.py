@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torchrec.modules.embedding_configs import DataType, PoolingType
 
-from ibpembed import _C
+from ibpembed import _C, layout
 from ibpembed._ops import ops, pooled_dim
 from ibpembed.codec import CompressedTable, HotRows
 from ibpembed.layout import DTYPE_CODES
@@ -23,7 +23,10 @@ from ibpembed.tables.format import TableFileError, check_index
 # clear error instead of decoding garbage.
 STATE_VERSION = 1
 
-POOLING_CODES: dict[PoolingType, int] = {PoolingType.SUM: 0, PoolingType.MEAN: 1}
+POOLING_CODES: dict[PoolingType, int] = {
+    PoolingType.SUM: layout.POOLING_CODES["sum"],
+    PoolingType.MEAN: layout.POOLING_CODES["mean"],
+}
 TORCH_DTYPES: dict[DataType, torch.dtype] = {
     DataType.FP32: torch.float32,
     DataType.FP16: torch.float16,
@@ -274,7 +277,7 @@ class CompressedEmbeddingBag(nn.Module):
         self._set_hot(None)  # copies of the previous rows
 
     def extra_repr(self) -> str:
-        pooling = "sum" if self.pooling_code == 0 else "mean"
+        pooling = "sum" if self.pooling_code == POOLING_CODES[PoolingType.SUM] else "mean"
         return f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}, mode={pooling}"
 
 
