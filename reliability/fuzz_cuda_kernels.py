@@ -94,7 +94,7 @@ def run_case(kernels: EmulatedKernels, seed: int, stats: Stats) -> list[str]:
     stats.rows_gathered += ids.numel()
     stats.rows_decompressed += rows
 
-    dtype_code = INT8_ROWWISE_CODE if quant else (c._dtype_code() if dtype != torch.uint8 else None)
+    dtype_code = INT8_ROWWISE_CODE if quant else (c.dtype_code if dtype != torch.uint8 else None)
     if dtype_code is not None:
         lengths = rng.integers(0, 7, int(rng.integers(1, 12)))
         lengths[rng.random(lengths.size) < 0.2] = 0

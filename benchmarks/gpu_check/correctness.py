@@ -152,7 +152,7 @@ def check_case(ibpembed, ops, dev, table, kwargs, label, wheres, rng, checks: Ch
     c = ibpembed.compress(table, **kwargs)
     ids = request_ids(rng, c.num_rows, 3000)
     if gpu:
-        want = ops.ibp_gather(*c._args(), ids)
+        want = ops.ibp_gather(*c.op_args(), ids)
     else:  # the source rows themselves, as the op returns them (bytes of each row)
         want = table[ids].contiguous().view(torch.uint8).reshape(ids.numel(), c.row_bytes)
     for where in wheres:
@@ -167,7 +167,7 @@ def check_case(ibpembed, ops, dev, table, kwargs, label, wheres, rng, checks: Ch
     )
     if table.dtype.is_floating_point:
         values = None if gpu else source_values(table, str(table.dtype).split(".")[-1])
-        check_pooled(ops, c, c._dtype_code(), rng, checks, label, dev, values)
+        check_pooled(ops, c, c.dtype_code, rng, checks, label, dev, values)
 
 
 def source_values(table: torch.Tensor, kind: str) -> np.ndarray:
@@ -232,7 +232,7 @@ def check_pooled(
                 checks.record(ok, f"pooled {pooling} weighted={w is not None} {label} (reference)")
                 continue
             want = ops.lookup_pooled(
-                *c._args(), ids, offsets, w, dtype_code, POOLING_CODES[pooling]
+                *c.op_args(), ids, offsets, w, dtype_code, POOLING_CODES[pooling]
             )
             got = ops.lookup_pooled(
                 *args,

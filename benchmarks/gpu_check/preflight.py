@@ -108,6 +108,6 @@ def phase_preflight(gpu: bool) -> dict[str, Any]:
     del alias
     table = compress(torch.randn(4096, 64))
     got = ops.ibp_gather(*device_args(table, torch.device("cuda")), torch.arange(4096).cuda())
-    info["registered_gather_exact"] = same_bits(got.cpu(), ops.ibp_decompress(*table._args()))
+    info["registered_gather_exact"] = same_bits(got.cpu(), ops.ibp_decompress(*table.op_args()))
     info["register"] = info["alias_reads_back"] and info["registered_gather_exact"]
     return info

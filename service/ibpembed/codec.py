@@ -15,7 +15,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -108,6 +108,23 @@ def slot_unit_bytes(row_bytes: int, align: int) -> int:
     while layout.ceil_div(row_bytes, unit) > MAX_UNITS_PER_ROW:
         unit <<= 1
     return unit
+
+
+class TableArgs(NamedTuple):
+    """A compressed table as every op takes it, in the order of csrc/ops/ops.h: six tensors, then
+    four ints (``ops.ibp_gather(*table.op_args(), ids)``). ``_replace`` swaps fields, e.g. the
+    tensors of a table placed on a GPU."""
+
+    payload: torch.Tensor  # uint8 [stored bytes + pad]
+    block_base: torch.Tensor  # int64 [ceil(N / 32) + 1]
+    row_units: torch.Tensor  # uint8 [ceil(N / 32) * 32]
+    bitmask: torch.Tensor  # int32 [ceil(N / 32)]
+    mask: torch.Tensor  # int64 [V]
+    bitval: torch.Tensor  # int64 [V * (2^C - 1)]
+    chunk_bits: int
+    row_bytes: int
+    unit_bytes: int
+    num_rows: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -268,9 +285,24 @@ class CompressedTable:
         bits = torch.bitwise_and(self.bitmask.view(torch.uint8)[:, None], _BIT_WEIGHTS)
         return int(bits.ne(0).sum())
 
+    @property
+    def dtype_code(self) -> int:
+        """The ops' ``dtype`` argument of pooled lookups (``layout.DTYPE_CODES``, or
+        ``INT8_ROWWISE_CODE`` for ``quant="int8_rowwise"``); a TypeError for int8/uint8 rows
+        without a scale, which cannot be pooled."""
+        if self.quant == "int8_rowwise":
+            return INT8_ROWWISE_CODE
+        if self.dtype in (torch.uint8, torch.int8):
+            raise TypeError(
+                f"{self.dtype} rows without a scale cannot be pooled; compress fbgemm row-wise "
+                "int8 rows with quant='int8_rowwise'"
+            )
+        return DTYPE_CODES[self.dtype]
+
     # -- decoding ------------------------------------------------------------------------------
-    def _args(self) -> tuple:
-        return (
+    def op_args(self) -> TableArgs:
+        """The table as every op takes it: ``ops.ibp_gather(*table.op_args(), ids)``."""
+        return TableArgs(
             self.payload,
             self.block_base,
             self.row_units,
@@ -314,12 +346,12 @@ class CompressedTable:
 
     def decompress(self) -> torch.Tensor:
         """The whole table, bit-exact, as a new [num_rows, dim] tensor of the source dtype."""
-        return self._as_rows(ops.ibp_decompress(*self._args()))
+        return self._as_rows(ops.ibp_decompress(*self.op_args()))
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any order, duplicates allowed), bit-exact, as [len(ids), dim]."""
         indices = _as_indices(ids, "ids")
-        return self._as_rows(ops.ibp_gather(*self._args(), indices, *self._tier_args()))
+        return self._as_rows(ops.ibp_gather(*self.op_args(), indices, *self._tier_args()))
 
     def lookup(
         self,
@@ -346,7 +378,7 @@ class CompressedTable:
         """
         if pooling not in POOLING_CODES:
             raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
-        dtype_code = self._dtype_code()
+        dtype_code = self.dtype_code
         indices = _as_indices(ids, "ids")
         offsets = _as_offsets(offsets, lengths)
         if weights is not None:
@@ -354,7 +386,7 @@ class CompressedTable:
                 raise TypeError("weights must be a float32 tensor")
             weights = weights.contiguous()
         return ops.lookup_pooled(
-            *self._args(),
+            *self.op_args(),
             indices,
             offsets,
             weights,
@@ -382,7 +414,7 @@ class CompressedTable:
         if ids.numel() == 0 or base._raw_rows_as_tier[1] is not None:
             return base
         directory = ids.new_empty(0) if ids.numel() == self.num_rows else self.rank_directory(ids)
-        rows = ops.ibp_gather(*self._args(), ids, None, None)
+        rows = ops.ibp_gather(*self.op_args(), ids, None, None)
         return dataclasses.replace(self, hot=HotRows(ids, directory, rows, coverage))
 
     def rank_directory(self, ids: torch.Tensor) -> torch.Tensor:
@@ -411,16 +443,6 @@ class CompressedTable:
         bits = torch.bitwise_right_shift(words.to(torch.int64), ids % BITMASK_WORD_ROWS)
         return torch.bitwise_and(bits, 1).bool()
 
-    def _dtype_code(self) -> int:
-        if self.quant == "int8_rowwise":
-            return INT8_ROWWISE_CODE
-        if self.dtype in (torch.uint8, torch.int8):
-            raise TypeError(
-                f"{self.dtype} rows without a scale cannot be pooled; compress fbgemm row-wise "
-                "int8 rows with quant='int8_rowwise'"
-            )
-        return DTYPE_CODES[self.dtype]
-
 
 class CompressedTableSet:
     """Tables registered once with the native op, for pooled lookups of several of them in one
@@ -443,7 +465,7 @@ class CompressedTableSet:
         self.tables = tuple(tables)
         self._handle = torch.classes.ibpembed.TableSet()
         for table in self.tables:
-            self._handle.add(*table._args(), table._dtype_code(), *table._tier_args())
+            self._handle.add(*table.op_args(), table.dtype_code, *table._tier_args())
 
     def __len__(self) -> int:
         return len(self.tables)

@@ -148,7 +148,7 @@ def test_raw_rows_lean_path_is_bit_exact(path, dim) -> None:
         assert same_bits(raw.gather(ids), table[ids])
         assert same_bits(
             raw.lookup(ids, offsets),
-            ops.lookup_pooled(*indexed._args(), ids, offsets, None, 0, 0, None, None),
+            ops.lookup_pooled(*indexed.op_args(), ids, offsets, None, 0, 0, None, None),
         )
 
 
@@ -190,29 +190,29 @@ def test_ops_reject_an_inconsistent_tier() -> None:
     assert tier is not None
     ids = torch.tensor([0, 3, 5])
     with pytest.raises(ValueError, match="pass both or neither"):
-        ops.ibp_gather(*c._args(), ids, tier.directory, None)
+        ops.ibp_gather(*c.op_args(), ids, tier.directory, None)
     with pytest.raises(ValueError, match="two per 64 rows"):
-        ops.ibp_gather(*c._args(), ids, tier.directory[:-2], tier.rows)
+        ops.ibp_gather(*c.op_args(), ids, tier.directory[:-2], tier.rows)
     with pytest.raises(ValueError, match="tier rows but tier_rows holds"):
-        ops.ibp_gather(*c._args(), ids, tier.directory, tier.rows[1:])
+        ops.ibp_gather(*c.op_args(), ids, tier.directory, tier.rows[1:])
     with pytest.raises(ValueError, match="tier holds every row"):
-        ops.ibp_gather(*c._args(), ids, tier.directory[:0], tier.rows)
+        ops.ibp_gather(*c.op_args(), ids, tier.directory[:0], tier.rows)
     with pytest.raises(ValueError, match=r"tier_rows must be \[tier rows, >= 64\]"):
-        ops.ibp_gather(*c._args(), ids, tier.directory, tier.rows[:, :8].contiguous())
+        ops.ibp_gather(*c.op_args(), ids, tier.directory, tier.rows[:, :8].contiguous())
     with pytest.raises(ValueError, match="tier_dir must be Long"):
         ops.lookup_pooled(
-            *c._args(), ids, torch.tensor([0, 3]), None, 0, 0, tier.directory.int(), tier.rows
+            *c.op_args(), ids, torch.tensor([0, 3]), None, 0, 0, tier.directory.int(), tier.rows
         )
     handle = torch.classes.ibpembed.TableSet()
     miscounted = tier.directory.clone()
     miscounted[3] += 1  # word 1's count; the total (checked per call) still matches
     miscounted[1] -= 1
     with pytest.raises(ValueError, match="rows before word"):
-        handle.add(*c._args(), 0, miscounted, tier.rows)
+        handle.add(*c.op_args(), 0, miscounted, tier.rows)
     past = tier.directory.clone()
     past[6] = (past[6] ^ 1) | (1 << 20)  # row 192 out, row 212 of a 200-row table in
     with pytest.raises(ValueError, match="past the table"):
-        handle.add(*c._args(), 0, past, tier.rows)
+        handle.add(*c.op_args(), 0, past, tier.rows)
 
 
 @pytest.mark.usefixtures("restore_path")

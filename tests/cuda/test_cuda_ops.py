@@ -50,7 +50,7 @@ def test_gather_and_decompress_are_bit_exact(dtype, dim, kind, chunk_bits) -> No
         args = device_args(c)
         ids = request_ids(rng, c.num_rows, 500)
         got = ops.ibp_gather(*args, ids.cuda())
-        want = ops.ibp_gather(*c._args(), ids)
+        want = ops.ibp_gather(*c.op_args(), ids)
         assert got.is_cuda
         assert same_bits(_as_rows(c, got.cpu()), _as_rows(c, want))
         assert same_bits(_as_rows(c, ops.ibp_decompress(*args).cpu()), table)
@@ -75,7 +75,9 @@ def _pooled_both(c, ids, offsets, weights, dtype_code, pooling):
         dtype_code,
         POOLING_CODES[pooling],
     )
-    want = ops.lookup_pooled(*c._args(), ids, offsets, weights, dtype_code, POOLING_CODES[pooling])
+    want = ops.lookup_pooled(
+        *c.op_args(), ids, offsets, weights, dtype_code, POOLING_CODES[pooling]
+    )
     return got.cpu(), want
 
 
@@ -94,7 +96,7 @@ def test_pooled_equals_cpu(dtype, dim, pooling, weighted, chunk_bits) -> None:
     offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
     ids = torch.from_numpy(rng.integers(0, c.num_rows, int(lengths.sum())))
     weights = torch.from_numpy(rng.random(ids.numel()).astype(np.float32)) if weighted else None
-    got, want = _pooled_both(c, ids, offsets, weights, c._dtype_code(), pooling)
+    got, want = _pooled_both(c, ids, offsets, weights, c.dtype_code, pooling)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
@@ -111,10 +113,10 @@ def test_every_code_width_is_bit_exact(code_bits, chunk_bits, dim) -> None:
     rng = np.random.default_rng(dim * 5 + code_bits)
     ids = request_ids(rng, c.num_rows, 400)
     got = ops.ibp_gather(*args, ids.cuda())
-    assert same_bits(_as_rows(c, got.cpu()), _as_rows(c, ops.ibp_gather(*c._args(), ids)))
+    assert same_bits(_as_rows(c, got.cpu()), _as_rows(c, ops.ibp_gather(*c.op_args(), ids)))
     assert same_bits(_as_rows(c, ops.ibp_decompress(*args).cpu()), table)
     offsets = torch.tensor([0, 100, 100, ids.numel()])
-    got, want = _pooled_both(c, ids, offsets, None, c._dtype_code(), "sum")
+    got, want = _pooled_both(c, ids, offsets, None, c.dtype_code, "sum")
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 

@@ -165,7 +165,7 @@ def test_pooled_equals_cpu_bit_for_bit(kernels, dtype, dim, pooling, weighted) -
     ids, offsets = _bags(rng, c.num_rows, 24)
     weights = torch.from_numpy(rng.random(ids.numel()).astype(np.float32)) if weighted else None
     got, error = kernels.pooled(
-        c, ids, offsets, weights, c._dtype_code(), POOLING_CODES[pooling], Grid(2, 2)
+        c, ids, offsets, weights, c.dtype_code, POOLING_CODES[pooling], Grid(2, 2)
     )
     assert error == 0
     want = c.lookup(ids, offsets, weights, pooling)
@@ -217,7 +217,7 @@ def test_a_repeated_id_is_decoded_once_and_pooled_bit_exact(kernels, grid) -> No
     offsets = torch.tensor([0, 2, 9, 10, 10, 16, 23])
     weights = torch.linspace(0.1, 2.0, ids.numel())
     for w in (None, weights):
-        got, error = kernels.pooled(c, ids, offsets, w, c._dtype_code(), POOLING_CODES["sum"], grid)
+        got, error = kernels.pooled(c, ids, offsets, w, c.dtype_code, POOLING_CODES["sum"], grid)
         assert error == 0
         want = c.lookup(ids, offsets, w, "sum")
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
@@ -232,7 +232,7 @@ def _table_set_case(seed: int) -> tuple[list, list, torch.Tensor, torch.Tensor, 
     rows = make_table(torch.uint8, 60, 36, "random_bits", seed=seed + 2)
     rows[:, :4] = torch.tensor([0x00, 0x3C, 0x00, 0x00], dtype=torch.uint8)  # scale 1, bias 0
     int8 = compress(rows, quant="int8_rowwise", chunk_bits=16)
-    tables = [(fp32, fp32._dtype_code()), (bf16, bf16._dtype_code()), (int8, INT8_ROWWISE_CODE)]
+    tables = [(fp32, fp32.dtype_code), (bf16, bf16.dtype_code), (int8, INT8_ROWWISE_CODE)]
     rng = np.random.default_rng(seed)
     # (table, first bag, bags): bags 0-5 fp32, 6-9 bf16, 10-10 none, 10-13 int8, 13-16 fp32 again
     parts = [(0, 0, 6), (1, 6, 4), (2, 10, 0), (2, 10, 3), (0, 13, 3)]
@@ -367,9 +367,7 @@ def test_a_line_aware_layout_reads_bit_exact(kernels, grid, dtype, dim) -> None:
     assert torch.equal(rows, _cpu_rows(c, ids))
     rng = np.random.default_rng(dim + 1)
     bag_ids, offsets = _bags(rng, c.num_rows, 20)
-    got, error = kernels.pooled(
-        c, bag_ids, offsets, None, c._dtype_code(), POOLING_CODES["sum"], grid
-    )
+    got, error = kernels.pooled(c, bag_ids, offsets, None, c.dtype_code, POOLING_CODES["sum"], grid)
     assert error == 0
     want = c.lookup(bag_ids, offsets, None, "sum")
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
@@ -393,7 +391,7 @@ def test_two_tables_pooling_the_same_bags_resolve_their_own_rows(kernels, grid) 
     # table must be resolved again, against that table's index.
     a = compress(make_table(torch.float32, 80, 24, "trained_like", seed=31), chunk_bits=16)
     b = compress(make_table(torch.bfloat16, 90, 40, "trained_like", seed=32), chunk_bits=16)
-    tables = [(a, a._dtype_code()), (b, b._dtype_code())]
+    tables = [(a, a.dtype_code), (b, b.dtype_code)]
     lengths = np.array([40, 3, 0, 33])
     offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
     ids = torch.from_numpy(np.random.default_rng(3).integers(0, 80, int(lengths.sum())))

@@ -15,7 +15,7 @@ from torchrec.modules.embedding_configs import DataType, PoolingType
 
 from ibpembed import _C, layout
 from ibpembed._ops import ops, pooled_dim
-from ibpembed.codec import CompressedTable, HotRows
+from ibpembed.codec import CompressedTable, HotRows, TableArgs
 from ibpembed.layout import DTYPE_CODES
 from ibpembed.tables.format import TableFileError, check_index
 
@@ -121,11 +121,24 @@ class CompressedEmbeddingBag(nn.Module):
                 "CompressedEmbeddingBag has no table: build it with a CompressedTable or "
                 "load_state_dict into it"
             )
-        hot_dir: Tensor | None = None
-        hot_rows: Tensor | None = None
+        tier_dir: Tensor | None = None
+        tier_rows: Tensor | None = None
         if self.hot_ids.numel() > 0:
-            hot_dir, hot_rows = self.hot_dir, self.hot_rows
+            tier_dir, tier_rows = self.hot_dir, self.hot_rows
         return ops.lookup_pooled(
+            *self.op_args(),
+            indices,
+            offsets,
+            per_sample_weights,
+            self.dtype_code,
+            self.pooling_code,
+            tier_dir,
+            tier_rows,
+        )
+
+    def op_args(self) -> TableArgs:
+        """The buffers as every op takes them, as ``CompressedTable.op_args`` (scriptable)."""
+        return TableArgs(
             self.payload,
             self.block_base,
             self.row_units,
@@ -136,13 +149,6 @@ class CompressedEmbeddingBag(nn.Module):
             self.row_bytes,
             self.unit_bytes,
             self.num_embeddings,
-            indices,
-            offsets,
-            per_sample_weights,
-            self.dtype_code,
-            self.pooling_code,
-            hot_dir,
-            hot_rows,
         )
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
