@@ -30,7 +30,7 @@ from benchmarks.gpu_check.common import (
     same_bits,
     sort_min_ids,
 )
-from benchmarks.gpu_check.device import device_args
+from tools.device_args import device_args
 
 EDGE_BITS = {
     4: [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFFBFFFFF, 0x7F800001,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_check.common import CACHE, GIB, MIB, anonymous_bytes, same_bits
-from benchmarks.gpu_check.device import device_args
+from tools.device_args import device_args
 
 SHARED_BYTES = 4 * GIB  # about a real table set's payload: a pin's cost shows at this size
 PRIVATE_BYTES = 1 * GIB
