@@ -113,6 +113,23 @@ def test_bad_lookup_arguments(table) -> None:
         table.gather(ids.view(3, 1))
 
 
+def test_table_shape_problem_names_the_argument_the_op_rejects(table) -> None:
+    """_C.table_shape_problem runs the ops' shape checks without raising: the argument at fault
+    and the message the op raises, or None."""
+    args = table.op_args()
+    shapes = {k: v for k, v in args._asdict().items() if k != "payload"}
+    assert _C.table_shape_problem(**shapes) is None
+    arg, problem = _C.table_shape_problem(**{**shapes, "row_units": args.row_units[:-1]})
+    assert arg == "row_units" and problem.startswith("row_units must have")
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        ops.ibp_decompress(*args._replace(row_units=args.row_units[:-1]))
+    for name, value in [("chunk_bits", 8), ("unit_bytes", 3), ("num_rows", -1), ("row_bytes", 0)]:
+        arg, problem = _C.table_shape_problem(**{**shapes, name: value})
+        assert arg == name and problem.startswith(name), problem
+    arg, _ = _C.table_shape_problem(**{**shapes, "bitval": args.bitval[:-1]})
+    assert arg == "bitval"
+
+
 def test_plain_int8_rows_cannot_be_pooled() -> None:
     c = compress(torch.randint(0, 255, (10, 8), dtype=torch.uint8))
     with pytest.raises(TypeError, match="int8_rowwise"):

@@ -287,8 +287,8 @@ class CompressedEmbeddingBag(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}, mode={pooling}"
 
 
-# The first word of the op's table checks (table_view in lookup_ops.cpp) names the buffer at
-# fault, or one of these ints, which come from meta (row_bytes through its dim and dtype).
+# The table arguments that come from meta (row_bytes through its dim and dtype): a problem with
+# one of them is meta's.
 _META_INTS = ("chunk_bits", "unit_bytes", "row_bytes", "num_rows")
 
 
@@ -312,11 +312,17 @@ def _table_problem(
         if tensor.dtype != expected or tensor.dim() != 1:
             shape = list(tensor.shape)
             return f"{name}: expected a 1-D {expected} tensor, got {tensor.dtype} of shape {shape}"
-    if chunk_bits not in (16, 32, 64):
-        return f"meta: chunk_bits must be 16, 32 or 64, got {chunk_bits}"
     # The checks run on the host (the tensors of a GPU module's state dict are copied there,
     # except the payload: only its size is checked, and a host payload is not read).
     host = {name: buffers[name].cpu() for name in _BUFFER_NAMES[1:-1]}
+    row_bytes = dim * dtype.itemsize
+    shape_problem = _C.table_shape_problem(
+        **host, chunk_bits=chunk_bits, row_bytes=row_bytes, unit_bytes=unit_bytes,
+        num_rows=num_rows,
+    )  # fmt: skip
+    if shape_problem is not None:
+        arg, problem = shape_problem  # e.g. ("row_units", "row_units must have 1024 entries, ...")
+        return f"meta: {problem}" if arg in _META_INTS else problem
     payload = buffers["payload"]
     if payload.device.type != "cpu":
         if not payload.is_contiguous():
@@ -333,9 +339,9 @@ def _table_problem(
     except TableFileError as exc:
         return f"{exc.section}: {exc.problem}"
     except (ValueError, RuntimeError) as exc:
-        message = str(exc).splitlines()[0]  # e.g. "row_units must have 1024 entries, got 128"
-        culprit = message.split(" ", 1)[0].split("[", 1)[0]
-        return f"meta: {message}" if culprit in _META_INTS else message
+        # The op's checks past the shapes (contiguity, masks within the chunk width, the index
+        # against the payload) name the buffer at fault; the first line is the message.
+        return str(exc).splitlines()[0]
     return None
 
 
