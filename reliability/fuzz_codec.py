@@ -43,7 +43,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -436,18 +436,12 @@ def check_batch(batch: Batch, seed: int) -> tuple[list[str], int, int]:
     payload, block_base, row_units, bitmask = ops.ibp_compress(
         stack, batch.chunk_bits, mask, bitval, unit
     )
-    args = (
-        payload,
-        block_base,
-        row_units,
-        bitmask,
-        mask,
-        bitval,
-        batch.chunk_bits,
-        row_bytes,
-        unit,
-        n,
-    )
+    # The stack as one table of uint8 rows (check_pooled reads it as the batch's dtype).
+    whole = codec.CompressedTable(
+        payload, block_base, row_units, bitmask, mask, bitval,
+        chunk_bits=batch.chunk_bits, num_rows=n, dim=row_bytes, dtype=torch.uint8, unit_bytes=unit,
+    )  # fmt: skip
+    args = whole.op_args()
     problems = []
     if not torch.equal(ops.ibp_decompress(*args), stack):
         problems.append("decompress")
@@ -455,7 +449,6 @@ def check_batch(batch: Batch, seed: int) -> tuple[list[str], int, int]:
     if not torch.equal(ops.ibp_gather(*args, ids), stack[ids]):
         problems.append("gather")
     # The same gather with a random half of the rows read from a hot-row overlay.
-    whole = codec.CompressedTable(*args[:6], batch.chunk_bits, n, row_bytes, torch.uint8, unit)
     hot = whole.with_hot_rows(torch.from_numpy(np.flatnonzero(rng.random(n) < 0.5)))
     if not torch.equal(hot.gather(ids), stack[ids]):
         problems.append("hot-row gather")
@@ -464,19 +457,20 @@ def check_batch(batch: Batch, seed: int) -> tuple[list[str], int, int]:
         problems.append("slot_bytes")
     calls = 6 + (batch.fit_source != "raw")
     if batch.dtype != torch.uint8:
-        problems += check_pooled(batch, stack, args, rng)
+        problems += check_pooled(batch, stack, whole, rng)
         calls += 3
     compressed = int(np.unpackbits(bitmask.numpy().view(np.uint8)).sum())
     return problems, compressed, calls
 
 
 def check_pooled(
-    batch: Batch, stack: torch.Tensor, args: tuple, rng: np.random.Generator
+    batch: Batch, stack: torch.Tensor, whole: codec.CompressedTable, rng: np.random.Generator
 ) -> list[str]:
     """Pooled SUM over repeated ids (each thread's repeat cache in play) gives the bits of the
-    same rows stored raw: same rows, same order, so NaN payloads and -0.0 included."""
+    same rows stored raw: same rows, same order, so NaN payloads and -0.0 included. ``whole``:
+    the stack compressed, as uint8 rows."""
     n = stack.shape[0]
-    ours = codec.CompressedTable(*args[:6], batch.chunk_bits, n, batch.dim, batch.dtype, args[8])
+    ours = replace(whole, dim=batch.dim, dtype=batch.dtype)
     raw = codec.compress(stack.view(batch.dtype).view(n, batch.dim), method="raw")
     ids = torch.from_numpy(rng.integers(0, n, int(rng.integers(2, 4 * n + 3))))
     cuts = np.sort(rng.integers(0, ids.numel() + 1, int(rng.integers(0, 20))))

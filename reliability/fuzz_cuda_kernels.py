@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ibpembed import compress
-from ibpembed.layout import INT8_ROWWISE_CODE
+from ibpembed.layout import INT8_ROWWISE_CODE, POOLING_CODES
 from reliability import fuzz_codec as fc
 from tools.simt.harness import EmulatedKernels, EmulationError, Grid, build
 
@@ -94,7 +94,7 @@ def run_case(kernels: EmulatedKernels, seed: int, stats: Stats) -> list[str]:
     stats.rows_gathered += ids.numel()
     stats.rows_decompressed += rows
 
-    dtype_code = INT8_ROWWISE_CODE if quant else (c._dtype_code() if dtype != torch.uint8 else None)
+    dtype_code = INT8_ROWWISE_CODE if quant else (c.dtype_code if dtype != torch.uint8 else None)
     if dtype_code is not None:
         lengths = rng.integers(0, 7, int(rng.integers(1, 12)))
         lengths[rng.random(lengths.size) < 0.2] = 0
@@ -105,7 +105,7 @@ def run_case(kernels: EmulatedKernels, seed: int, stats: Stats) -> list[str]:
             weights = torch.from_numpy(rng.uniform(-2, 2, bag_ids.numel()).astype(np.float32))
         pooling = ("sum", "mean")[rng.integers(2)]
         got, error = kernels.pooled(
-            c, bag_ids, offsets, weights, dtype_code, {"sum": 0, "mean": 1}[pooling], grid
+            c, bag_ids, offsets, weights, dtype_code, POOLING_CODES[pooling], grid
         )
         want = c.lookup(bag_ids, offsets, weights, pooling)
         if error or not _pooled_equal(got, want):

@@ -22,7 +22,6 @@ BATCHES = (1024, 4096, 16384, 65536)
 # reported there, judged only at and above it.
 JUDGED_MIN_BATCH = 16384
 BAG_SIZE = 16  # ids per bag in the pooled timings
-POOLING = {"sum": 0, "mean": 1}
 # A GPU reads zero-copy host memory in 32-byte sectors: the wire cost of a slot is the sectors
 # it touches, not its bytes (docs/cuda.md, *What compression saves on the wire*).
 SECTOR_BYTES = 32

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from benchmarks.gpu_check.common import (
-    POOLING,
     STAGING_ENV,
     Checks,
     CudaFault,
@@ -31,7 +30,7 @@ from benchmarks.gpu_check.common import (
     same_bits,
     sort_min_ids,
 )
-from benchmarks.gpu_check.device import device_args
+from tools.device_args import device_args
 
 EDGE_BITS = {
     4: [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFFBFFFFF, 0x7F800001,
@@ -153,7 +152,7 @@ def check_case(ibpembed, ops, dev, table, kwargs, label, wheres, rng, checks: Ch
     c = ibpembed.compress(table, **kwargs)
     ids = request_ids(rng, c.num_rows, 3000)
     if gpu:
-        want = ops.ibp_gather(*c._args(), ids)
+        want = ops.ibp_gather(*c.op_args(), ids)
     else:  # the source rows themselves, as the op returns them (bytes of each row)
         want = table[ids].contiguous().view(torch.uint8).reshape(ids.numel(), c.row_bytes)
     for where in wheres:
@@ -168,7 +167,7 @@ def check_case(ibpembed, ops, dev, table, kwargs, label, wheres, rng, checks: Ch
     )
     if table.dtype.is_floating_point:
         values = None if gpu else source_values(table, str(table.dtype).split(".")[-1])
-        check_pooled(ops, c, c._dtype_code(), rng, checks, label, dev, values)
+        check_pooled(ops, c, c.dtype_code, rng, checks, label, dev, values)
 
 
 def source_values(table: torch.Tensor, kind: str) -> np.ndarray:
@@ -217,6 +216,8 @@ def check_pooled(
 ) -> None:
     """Pooled SUM/MEAN, with and without weights: on a GPU against the CPU op bit for bit (NaN
     payloads aside); on the CPU (``values``: the source rows as float64) against the reference."""
+    from ibpembed.layout import POOLING_CODES
+
     lengths = rng.integers(0, 40, 200)
     lengths[::9] = 0  # empty bags
     offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
@@ -226,18 +227,20 @@ def check_pooled(
     for pooling in ("sum", "mean"):
         for w in (None, weights):
             if values is not None:
-                got = ops.lookup_pooled(*args, ids, offsets, w, dtype_code, POOLING[pooling])
+                got = ops.lookup_pooled(*args, ids, offsets, w, dtype_code, POOLING_CODES[pooling])
                 ok = matches_reference(got, values, ids, offsets, w, pooling)
                 checks.record(ok, f"pooled {pooling} weighted={w is not None} {label} (reference)")
                 continue
-            want = ops.lookup_pooled(*c._args(), ids, offsets, w, dtype_code, POOLING[pooling])
+            want = ops.lookup_pooled(
+                *c.op_args(), ids, offsets, w, dtype_code, POOLING_CODES[pooling]
+            )
             got = ops.lookup_pooled(
                 *args,
                 ids.to(dev),
                 offsets.to(dev),
                 None if w is None else w.to(dev),
                 dtype_code,
-                POOLING[pooling],
+                POOLING_CODES[pooling],
             ).cpu()
             equal = torch.equal(got.isnan(), want.isnan()) and torch.equal(
                 got.nan_to_num(0.0), want.nan_to_num(0.0)

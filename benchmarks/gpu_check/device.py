@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Where the CUDA ops' arguments live: page-locked host buffers for the big tables, and a small
-table's op arguments for each payload placement (registered in place, pinned copy, GPU memory,
-pageable)."""
+"""Where the big tables' rows live for the CUDA ops: page-locked host buffers, as the server makes
+them. A small table's op arguments for each payload placement: tools.device_args."""
 
 from __future__ import annotations
 
@@ -52,44 +51,3 @@ class Pinned:
 
     def release(self) -> None:
         self.aliases.clear()  # the last alias view going unregisters its buffer
-
-
-def device_args(c, dev: torch.device, where: str = "registered") -> tuple:
-    """A CompressedTable's op arguments as the CUDA ops take them (lookup_ops_cuda.cpp), the
-    small tensors on ``dev`` and the payload: ``"registered"``, placed as the table store places
-    it (``placement.place_table``: registered in place, read through its device alias);
-    ``"pinned"``, a page-locked copy (``pin_memory()``); ``"device"``, in GPU memory; ``"host"``,
-    pageable. With a CPU ``dev`` (--dry-run) these are the CPU ops' args."""
-    from ibpembed.tables import placement
-
-    gpu = dev.type == "cuda"
-    if where == "registered" and gpu:
-        aliases = placement.HostAliases(placement.cuda_register(dev))
-        placed = placement.place_table(c, dev, aliases)
-        return (
-            placed.payload,
-            placed.block_base,
-            placed.row_units,
-            placed.bitmask,
-            placed.mask,
-            placed.bitval,
-            c.chunk_bits,
-            c.row_bytes,
-            c.unit_bytes,
-            c.num_rows,
-        )
-    payload = {
-        "registered": c.payload,
-        "pinned": c.payload.pin_memory() if gpu else c.payload,
-        "device": c.payload.to(dev),
-        "host": c.payload,
-    }[where]
-    small = (c.block_base, c.row_units, c.bitmask, c.mask, c.bitval)
-    return (
-        payload,
-        *(t.to(dev) for t in small),
-        c.chunk_bits,
-        c.row_bytes,
-        c.unit_bytes,
-        c.num_rows,
-    )

@@ -50,23 +50,19 @@ def compressed_table(big: BigTable, *, placed: bool = False) -> CompressedTable:
     read."""
     from ibpembed.codec import CompressedTable
 
-    payload, block_base, row_units, bitmask, mask, bitval, chunk_bits, row_bytes, unit, n = (
-        big.comp_cpu
-    )
-    if placed:
-        payload, block_base, row_units, bitmask, mask, bitval = big.comp[:6]
+    args = big.comp if placed else big.comp_cpu
     return CompressedTable(
-        payload,
-        block_base,
-        row_units,
-        bitmask,
-        mask,
-        bitval,
-        chunk_bits,
-        n,
-        row_bytes // 4,
-        torch.float32,
-        unit,
+        payload=args.payload,
+        block_base=args.block_base,
+        row_units=args.row_units,
+        bitmask=args.bitmask,
+        mask=args.mask,
+        bitval=args.bitval,
+        chunk_bits=args.chunk_bits,
+        num_rows=args.num_rows,
+        dim=args.row_bytes // 4,
+        dtype=torch.float32,
+        unit_bytes=args.unit_bytes,
     )
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_check.common import CACHE, GIB, MIB, anonymous_bytes, same_bits
-from benchmarks.gpu_check.device import device_args
+from tools.device_args import device_args
 
 SHARED_BYTES = 4 * GIB  # about a real table set's payload: a pin's cost shows at this size
 PRIVATE_BYTES = 1 * GIB
@@ -108,6 +108,6 @@ def phase_preflight(gpu: bool) -> dict[str, Any]:
     del alias
     table = compress(torch.randn(4096, 64))
     got = ops.ibp_gather(*device_args(table, torch.device("cuda")), torch.arange(4096).cuda())
-    info["registered_gather_exact"] = same_bits(got.cpu(), ops.ibp_decompress(*table._args()))
+    info["registered_gather_exact"] = same_bits(got.cpu(), ops.ibp_decompress(*table.op_args()))
     info["register"] = info["alias_reads_back"] and info["registered_gather_exact"]
     return info

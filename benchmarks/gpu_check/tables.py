@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,6 +15,9 @@ import torch
 from benchmarks.gpu_check.common import BAG_SIZE, Checks, has_baseline, same_bits, sort_min_ids
 from benchmarks.gpu_check.device import Pinned
 from benchmarks.gpu_check.real_table import real_table
+
+if TYPE_CHECKING:  # the package imports ibpembed only once a phase runs (it may build it first)
+    from ibpembed.codec import TableArgs
 
 TILE_BYTES = 64 << 20  # big tables are copies of one compressed tile of this many raw bytes
 FIT_SAMPLE_ROWS = 65536
@@ -24,10 +28,10 @@ class BigTable:
     row_bytes: int
     num_rows: int
     plain: torch.Tensor  # [N, row_bytes] uint8, pinned: the uva/cpu baselines' table
-    comp_cpu: tuple  # op arguments, everything on the host (the CPU ops' view)
-    comp: tuple  # op arguments for the CUDA ops (payload pinned, small parts on the GPU)
-    raw_cpu: tuple  # the same rows stored raw, on the host
-    raw: tuple  # ... and placed for the same kernels
+    comp_cpu: TableArgs  # op arguments, everything on the host (the CPU ops' view)
+    comp: TableArgs  # op arguments for the CUDA ops (payload pinned, small parts on the GPU)
+    raw_cpu: TableArgs  # the same rows stored raw, on the host
+    raw: TableArgs  # ... and placed for the same kernels
     unit_bytes: int
     compressed_payload_bytes: int
     ratio_stored: float  # raw bytes / (payload + index + bitmask + masks)
@@ -36,8 +40,8 @@ class BigTable:
     anonymous_added: int  # RssAnon the registrations added
     # The same rows in gpu_layout.line_aware's layout (slots moved to 32-byte boundaries where
     # that saves lines), host and placed; None for the real table.
-    line_cpu: tuple | None = None
-    line: tuple | None = None
+    line_cpu: TableArgs | None = None
+    line: TableArgs | None = None
 
 
 def tiled(c, tile_rows: int, reps: int, pinned: Pinned) -> tuple[torch.Tensor, tuple, int]:
@@ -134,24 +138,25 @@ def build_big(
     metadata = 8 * (c.mask.numel() + c.bitval.numel())  # masks and codebooks, as c counts them
     stored = reps * used + 16 + block_base.numel() * 8 + n + blocks * 4 + metadata
     alias = pinned.on_device(plain_buf)
+    args = ibpembed.codec.TableArgs
     return BigTable(
         row_bytes=row_bytes,
         num_rows=n,
         plain=plain,
-        comp_cpu=(payload, *small, *ints),
-        comp=(pinned.on_device(payload), *to_gpu(small), *ints),
-        raw_cpu=(plain_buf, *raw_small, *raw_ints),
-        raw=(alias, *to_gpu(raw_small), *raw_ints),
+        comp_cpu=args(payload, *small, *ints),
+        comp=args(pinned.on_device(payload), *to_gpu(small), *ints),
+        raw_cpu=args(plain_buf, *raw_small, *raw_ints),
+        raw=args(alias, *to_gpu(raw_small), *raw_ints),
         unit_bytes=c.unit_bytes,
         compressed_payload_bytes=reps * used,
         ratio_stored=n * row_bytes / stored,
         source=source,
         plain_alias=alias[: n * row_bytes].view(n, row_bytes) if alias.is_cuda else None,
         anonymous_added=pinned.anonymous_added - anonymous_before,
-        line_cpu=None if line_small is None else (line_payload, *line_small, *ints),
+        line_cpu=None if line_small is None else args(line_payload, *line_small, *ints),
         line=None
         if line_small is None
-        else (pinned.on_device(line_payload), *to_gpu(line_small), *ints),
+        else args(pinned.on_device(line_payload), *to_gpu(line_small), *ints),
     )
 
 

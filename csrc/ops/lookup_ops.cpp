@@ -12,6 +12,7 @@
 #include "cpu_op_checks.h"
 #include "ibpembed/lookup.h"
 #include "ibpembed/numeric.h"
+#include "ibpembed/tier.h"
 #include "ops.h"
 
 namespace ibpembed {
@@ -68,7 +69,7 @@ void attach_tier(TableView& t, const std::optional<at::Tensor>& tier_dir,
   t.tier_stride = tier_rows->size(1);
   t.tier_num_rows = tier_rows->size(0);
   if (tier_dir->numel() == 0) return;
-  const int64_t words = (t.num_rows + 63) / 64;
+  const int64_t words = tier_dir_words(t.num_rows);
   const auto* dir = reinterpret_cast<const uint64_t*>(tier_dir->data_ptr<int64_t>());
   const auto held = static_cast<int64_t>(dir[2 * words - 1]) + popcount64(dir[2 * words - 2]);
   TORCH_CHECK_VALUE(held == tier_rows->size(0), "tier_dir lists ", held,
@@ -80,7 +81,7 @@ void attach_tier(TableView& t, const std::optional<at::Tensor>& tier_dir,
 // lies past the table's last row.
 void check_tier_dir(const TableView& t) {
   if (t.tier_dir == nullptr) return;
-  const int64_t words = (t.num_rows + 63) / 64;
+  const int64_t words = tier_dir_words(t.num_rows);
   uint64_t before = 0;
   for (int64_t w = 0; w < words; ++w) {
     TORCH_CHECK_VALUE(t.tier_dir[2 * w + 1] == before, "tier_dir[", 2 * w + 1, "] counts ",
@@ -88,8 +89,8 @@ void check_tier_dir(const TableView& t) {
                       ", the words before it hold ", before);
     before += static_cast<uint64_t>(popcount64(t.tier_dir[2 * w]));
   }
-  const int tail = static_cast<int>(t.num_rows - 64 * (words - 1));
-  TORCH_CHECK_VALUE(tail == 64 || (t.tier_dir[2 * words - 2] >> tail) == 0,
+  const int tail = static_cast<int>(t.num_rows - kTierWordRows * (words - 1));
+  TORCH_CHECK_VALUE(tail == kTierWordRows || (t.tier_dir[2 * words - 2] >> tail) == 0,
                     "tier_dir marks rows past the table's ", t.num_rows);
 }
 
@@ -232,8 +233,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cpu(
     const std::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
   TORCH_CHECK_VALUE(tables->device().is_cpu(), "this TableSet's tables are on ",
                     tables->device(), ": pass indices and offsets on that device");
-  TORCH_CHECK_VALUE(pooling == 0 || pooling == 1, "pooling must be 0 (sum) or 1 (mean), got ",
-                    pooling);
+  check_pooling(pooling);
   check_cpu_contiguous(table_bags, "table_bags", at::kLong);
   TORCH_CHECK_VALUE(table_bags.dim() == 2 && table_bags.size(1) == 3,
                     "table_bags must be [K, 3] (set position, first bag, bag count), got shape ",

@@ -17,9 +17,9 @@
 //   block_base, row_units, bitmask, mask, bitval: CUDA tensors on one device, the op's device.
 //                bitval is the codebook, V * (2^C - 1) entries; its length gives the code width C.
 //   indices / offsets (int64), per_sample_weights (float32): CUDA tensors on that device.
-//   hot_dir / hot_rows: the CPU lookups' decoded tier (format.h tier_dir, tier_rows); shapes
-//                checked as on the CPU, not read. It holds exact copies of rows the kernels decode from the
-//                payload, so results are the same.
+//   tier_dir / tier_rows: the CPU lookups' decoded tier (format.h TableView::tier_dir); shapes
+//                checked as on the CPU, not read. It holds exact copies of rows the kernels
+//                decode from the payload, so results are the same.
 //   Results are new CUDA tensors on that device, produced on its current stream.
 // Shapes, dtypes and devices are checked here, before any launch. Values (ids in range, offsets
 // well formed, index and masks consistent with the payload) are checked by the kernels as they go
@@ -54,6 +54,7 @@
 #include "../cuda/warp_decode.cuh"
 #include "ibpembed/format.h"
 #include "ibpembed/numeric.h"
+#include "ibpembed/tier.h"
 #include "op_checks.h"
 #include "ops.h"
 
@@ -407,12 +408,12 @@ at::Tensor ibp_gather_cuda(const at::Tensor& payload, const at::Tensor& block_ba
                            const at::Tensor& row_units, const at::Tensor& bitmask,
                            const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
                            int64_t row_bytes, int64_t unit_bytes, int64_t num_rows,
-                           const at::Tensor& indices, const std::optional<at::Tensor>& hot_dir,
-                           const std::optional<at::Tensor>& hot_rows) {
+                           const at::Tensor& indices, const std::optional<at::Tensor>& tier_dir,
+                           const std::optional<at::Tensor>& tier_rows) {
   const c10::cuda::CUDAGuard guard(block_base.device());
   const DeviceTable table = device_table(payload, block_base, row_units, bitmask, mask, bitval,
                                          chunk_bits, row_bytes, unit_bytes, num_rows);
-  check_tier_shape(hot_dir, hot_rows, num_rows, row_bytes);  // checked, then not read
+  check_tier_shape(tier_dir, tier_rows, num_rows, row_bytes);  // checked, then not read
   check_indices_tensor(indices, block_base.device());
   if (indices.numel() < sort_min_ids()) {
     // Unsorted ids are correct too: runs form only on adjacent equal ids, and no perm means
@@ -446,13 +447,13 @@ at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block
                               int64_t num_rows, const at::Tensor& indices,
                               const at::Tensor& offsets,
                               const std::optional<at::Tensor>& per_sample_weights, int64_t dtype,
-                              int64_t pooling, const std::optional<at::Tensor>& hot_dir,
-                              const std::optional<at::Tensor>& hot_rows) {
+                              int64_t pooling, const std::optional<at::Tensor>& tier_dir,
+                              const std::optional<at::Tensor>& tier_rows) {
   const c10::Device device = block_base.device();
   const c10::cuda::CUDAGuard guard(device);
   const DeviceTable table = device_table(payload, block_base, row_units, bitmask, mask, bitval,
                                          chunk_bits, row_bytes, unit_bytes, num_rows);
-  check_tier_shape(hot_dir, hot_rows, num_rows, row_bytes);  // checked, then not read
+  check_tier_shape(tier_dir, tier_rows, num_rows, row_bytes);  // checked, then not read
   const int64_t dim = check_pooling_args(dtype, pooling, row_bytes);
   const float* weights = check_batch(indices, offsets, per_sample_weights, device);
   const int64_t bags = offsets.numel() - 1;
@@ -490,12 +491,12 @@ TableSet::Entry table_set_entry(const at::Tensor& payload, const at::Tensor& blo
                                 const at::Tensor& mask, const at::Tensor& bitval,
                                 int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
                                 int64_t num_rows, int64_t dtype,
-                                const std::optional<at::Tensor>& hot_dir,
-                                const std::optional<at::Tensor>& hot_rows) {
+                                const std::optional<at::Tensor>& tier_dir,
+                                const std::optional<at::Tensor>& tier_rows) {
   const c10::cuda::CUDAGuard guard(block_base.device());
   const DeviceTable table = device_table(payload, block_base, row_units, bitmask, mask, bitval,
                                          chunk_bits, row_bytes, unit_bytes, num_rows);
-  check_tier_shape(hot_dir, hot_rows, num_rows, row_bytes);  // checked, then not read
+  check_tier_shape(tier_dir, tier_rows, num_rows, row_bytes);  // checked, then not read
   const int64_t dim = check_pooling_args(dtype, 0, row_bytes);
   // The payload's alias stays valid as long as the payload (its storage) lives: kept here.
   return TableSet::Entry{table.view,
@@ -540,8 +541,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> pooled_tables(
   TORCH_CHECK_VALUE(device.is_cuda() || tables->size() == 0,
                     "lookup_pooled_tables on a GPU needs a TableSet of GPU tables; this one's "
                     "are on ", device);
-  TORCH_CHECK_VALUE(pooling == 0 || pooling == 1, "pooling must be 0 (sum) or 1 (mean), got ",
-                    pooling);
+  check_pooling(pooling);
   TORCH_CHECK_VALUE(table_bags.is_cpu() && table_bags.scalar_type() == at::kLong &&
                         table_bags.is_contiguous() && table_bags.dim() == 2 &&
                         table_bags.size(1) == 3,
@@ -635,7 +635,7 @@ DeviceTier device_tier(const at::Tensor& dir, const std::optional<at::Tensor>& s
   check_device_tensor(dir, "tier directory", at::kLong, device);
   check_device_tensor(payload, "tier payload", at::kByte, device);
   check_device_tensor(counters, "tier counters", at::kLong, device);
-  const int64_t words = (num_rows + 63) / 64;
+  const int64_t words = tier_dir_words(num_rows);
   TORCH_CHECK_VALUE(dir.dim() == 1 && dir.numel() == 2 * words,
                     "the tier directory must hold two int64 words per 64 rows of the table (",
                     2 * words, " for ", num_rows, " rows), got ", dir.sizes());

@@ -7,31 +7,60 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <utility>
 
 #include "ibpembed/format.h"
 #include "ibpembed/numeric.h"
+#include "ibpembed/tier.h"
 
 namespace ibpembed {
 
+// A table argument that fails its check: the ValueError TORCH_CHECK_VALUE raises, with the same
+// message, that also names the argument (`arg`: "block_base", "chunk_bits", ...), so that a
+// caller tells which one failed without parsing the message (table_shape_problem, for the
+// torchrec module's state-dict checks).
+class TableArgError : public c10::ValueError {
+ public:
+  TableArgError(c10::SourceLocation where, const char* arg, std::string msg)
+      : c10::ValueError(where, std::move(msg)), arg_(arg) {}
+  const char* arg() const { return arg_; }
+
+ private:
+  const char* arg_;
+};
+
+// TORCH_CHECK_VALUE for table argument `arg`, raising TableArgError; the message is built only
+// on failure.
+#define IBP_CHECK_TABLE_ARG(cond, arg, ...)                                                  \
+  do {                                                                                       \
+    if (C10_UNLIKELY(!(cond))) {                                                             \
+      throw ::ibpembed::TableArgError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, \
+                                      arg, ::c10::str(__VA_ARGS__));                         \
+    }                                                                                        \
+  } while (false)
+
 inline void check_chunk_bits(int64_t chunk_bits) {
-  TORCH_CHECK_VALUE(chunk_bits == 16 || chunk_bits == 32 || chunk_bits == 64,
-                    "chunk_bits must be 16, 32 or 64, got ", chunk_bits);
+  IBP_CHECK_TABLE_ARG(chunk_bits == 16 || chunk_bits == 32 || chunk_bits == 64, "chunk_bits",
+                      "chunk_bits must be 16, 32 or 64, got ", chunk_bits);
 }
 
 // mask [V] and bitval [V * (2^C - 1)]; returns the code width C the codebook length implies.
 inline int check_mask_shapes(const at::Tensor& mask, const at::Tensor& bitval, int64_t v) {
-  TORCH_CHECK_VALUE(mask.dim() == 1 && mask.numel() == v, "mask must have ", v,
-                    " entries (one per chunk position), got shape ", mask.sizes());
+  IBP_CHECK_TABLE_ARG(mask.dim() == 1 && mask.numel() == v, "mask", "mask must have ", v,
+                      " entries (one per chunk position), got shape ", mask.sizes());
   const int code_bits = bitval.dim() == 1 ? code_bits_for(bitval.numel(), static_cast<int>(v))
                                           : 0;
   static_assert(kMaxCodeBits == 4, "the message below lists every valid codebook length");
-  TORCH_CHECK_VALUE(code_bits != 0, "bitval must have V * (2^C - 1) entries for V = ", v,
-                    " chunk positions and a code width C in [1, 4] (", v * codebook_size(1), ", ",
-                    v * codebook_size(2), ", ", v * codebook_size(3), " or ",
-                    v * codebook_size(4), "), got shape ", bitval.sizes());
+  IBP_CHECK_TABLE_ARG(code_bits != 0, "bitval",
+                      "bitval must have V * (2^C - 1) entries for V = ", v,
+                      " chunk positions and a code width C in [1, 4] (", v * codebook_size(1),
+                      ", ", v * codebook_size(2), ", ", v * codebook_size(3), " or ",
+                      v * codebook_size(4), "), got shape ", bitval.sizes());
   return code_bits;
 }
 
@@ -45,17 +74,18 @@ struct TableShape {
 // returns the number of index blocks.
 inline int64_t check_index_shapes(const at::Tensor& block_base, const at::Tensor& row_units,
                                   int64_t row_bytes, int64_t unit_bytes, int64_t num_rows) {
-  TORCH_CHECK_VALUE(row_bytes > 0 && row_bytes <= kMaxRowBytes, "row_bytes out of range: ",
-                    row_bytes);
-  TORCH_CHECK_VALUE(num_rows >= 0, "num_rows must be >= 0");
-  TORCH_CHECK_VALUE(unit_bytes > 0 && unit_bytes == slot_unit_bytes(row_bytes, unit_bytes),
-                    "unit_bytes ", unit_bytes, " is not a valid slot unit for ", row_bytes,
-                    "-byte rows");
+  IBP_CHECK_TABLE_ARG(row_bytes > 0 && row_bytes <= kMaxRowBytes, "row_bytes",
+                      "row_bytes out of range: ", row_bytes);
+  IBP_CHECK_TABLE_ARG(num_rows >= 0, "num_rows", "num_rows must be >= 0");
+  IBP_CHECK_TABLE_ARG(unit_bytes > 0 && unit_bytes == slot_unit_bytes(row_bytes, unit_bytes),
+                      "unit_bytes", "unit_bytes ", unit_bytes, " is not a valid slot unit for ",
+                      row_bytes, "-byte rows");
   const int64_t blocks = num_blocks(num_rows);
-  TORCH_CHECK_VALUE(block_base.numel() == blocks + 1, "block_base must have ", blocks + 1,
-                    " entries, got ", block_base.numel());
-  TORCH_CHECK_VALUE(row_units.numel() == blocks * kRowsPerBlock, "row_units must have ",
-                    blocks * kRowsPerBlock, " entries, got ", row_units.numel());
+  IBP_CHECK_TABLE_ARG(block_base.numel() == blocks + 1, "block_base", "block_base must have ",
+                      blocks + 1, " entries, got ", block_base.numel());
+  IBP_CHECK_TABLE_ARG(row_units.numel() == blocks * kRowsPerBlock, "row_units",
+                      "row_units must have ", blocks * kRowsPerBlock, " entries, got ",
+                      row_units.numel());
   return blocks;
 }
 
@@ -68,18 +98,26 @@ inline TableShape check_table_shapes(const at::Tensor& block_base, const at::Ten
                                      int64_t row_bytes, int64_t unit_bytes, int64_t num_rows) {
   check_chunk_bits(chunk_bits);
   check_index_shapes(block_base, row_units, row_bytes, unit_bytes, num_rows);
-  TORCH_CHECK_VALUE(bitmask.numel() == (num_rows + 31) / 32, "bitmask must have ",
-                    (num_rows + 31) / 32, " words, got ", bitmask.numel());
+  IBP_CHECK_TABLE_ARG(bitmask.numel() == (num_rows + 31) / 32, "bitmask", "bitmask must have ",
+                      (num_rows + 31) / 32, " words, got ", bitmask.numel());
   const int v = chunks_per_row(row_bytes, static_cast<int>(chunk_bits));
   return TableShape{v, check_mask_shapes(mask, bitval, v)};
+}
+
+// A pooling code (format.h Pooling), as every pooled op takes it.
+inline void check_pooling(int64_t pooling) {
+  static_assert(static_cast<int>(Pooling::kSum) == 0 && static_cast<int>(Pooling::kMean) == 1,
+                "the message below names the codes");
+  TORCH_CHECK_VALUE(pooling == static_cast<int64_t>(Pooling::kSum) ||
+                        pooling == static_cast<int64_t>(Pooling::kMean),
+                    "pooling must be 0 (sum) or 1 (mean), got ", pooling);
 }
 
 // The dtype and pooling codes, and the number of fp32 outputs per bag.
 inline int64_t check_pooling_args(int64_t dtype, int64_t pooling, int64_t row_bytes) {
   TORCH_CHECK_VALUE(dtype >= 0 && dtype <= static_cast<int64_t>(DType::kInt8Rowwise),
                     "unknown dtype code ", dtype);
-  TORCH_CHECK_VALUE(pooling == 0 || pooling == 1, "pooling must be 0 (sum) or 1 (mean), got ",
-                    pooling);
+  check_pooling(pooling);
   const int64_t dim = pooled_dim(static_cast<DType>(dtype), row_bytes);
   TORCH_CHECK_VALUE(dim > 0, "tables of dtype code ", dtype, " with ", row_bytes,
                     "-byte rows cannot be pooled (plain int8/uint8 rows carry no scale)");
@@ -102,7 +140,7 @@ inline void check_tier_shape(const std::optional<at::Tensor>& tier_dir,
   TORCH_CHECK_VALUE(tier_dir.has_value() == tier_rows.has_value(),
                     "tier_dir and tier_rows go together: pass both or neither");
   if (!tier_dir.has_value()) return;
-  const int64_t words = (num_rows + 63) / 64;
+  const int64_t words = tier_dir_words(num_rows);
   TORCH_CHECK_VALUE(tier_dir->dim() == 1 &&
                         (tier_dir->numel() == 2 * words || tier_dir->numel() == 0),
                     "tier_dir must have ", 2 * words, " entries (two per 64 rows) or none, got "

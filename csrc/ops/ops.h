@@ -135,8 +135,8 @@ at::Tensor ibp_gather_cuda(const at::Tensor& payload, const at::Tensor& block_ba
                            const at::Tensor& row_units, const at::Tensor& bitmask,
                            const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
                            int64_t row_bytes, int64_t unit_bytes, int64_t num_rows,
-                           const at::Tensor& indices, const std::optional<at::Tensor>& hot_dir,
-                           const std::optional<at::Tensor>& hot_rows);
+                           const at::Tensor& indices, const std::optional<at::Tensor>& tier_dir,
+                           const std::optional<at::Tensor>& tier_rows);
 at::Tensor ibp_decompress_cuda(const at::Tensor& payload, const at::Tensor& block_base,
                                const at::Tensor& row_units, const at::Tensor& bitmask,
                                const at::Tensor& mask, const at::Tensor& bitval,
@@ -149,8 +149,8 @@ at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block
                               int64_t num_rows, const at::Tensor& indices,
                               const at::Tensor& offsets,
                               const std::optional<at::Tensor>& per_sample_weights, int64_t dtype,
-                              int64_t pooling, const std::optional<at::Tensor>& hot_dir,
-                              const std::optional<at::Tensor>& hot_rows);
+                              int64_t pooling, const std::optional<at::Tensor>& tier_dir,
+                              const std::optional<at::Tensor>& tier_rows);
 
 // -- host_memory_cuda.cpp: in-place registration of host buffers (Python module functions) ----
 // lookup_pooled_tables on a GPU set: every table of one chunk width in one launch.
@@ -170,8 +170,8 @@ TableSet::Entry table_set_entry(const at::Tensor& payload, const at::Tensor& blo
                                 const at::Tensor& mask, const at::Tensor& bitval,
                                 int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
                                 int64_t num_rows, int64_t dtype,
-                                const std::optional<at::Tensor>& hot_dir,
-                                const std::optional<at::Tensor>& hot_rows);
+                                const std::optional<at::Tensor>& tier_dir,
+                                const std::optional<at::Tensor>& tier_rows);
 // The entries as the kernels read them, copied into memory of `device`.
 at::Tensor upload_entries(const std::vector<TableSet::Entry>& entries, const c10::Device& device);
 

@@ -12,11 +12,15 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "ibpembed/codec.h"
 #include "ibpembed/numeric.h"
+#include "ibpembed/tier.h"
 #include "mapping_guard.h"
+#include "op_checks.h"
 #include "ops.h"
 
 namespace ibpembed {
@@ -99,7 +103,8 @@ TORCH_LIBRARY_IMPL(ibpembed, CUDA, m) {
 
 }  // namespace ibpembed
 
-// The Python module only carries process-level controls; all table work goes through torch.ops.
+// The Python module carries process-level controls, the layout's constants and a non-raising
+// form of the ops' table checks; all table work goes through torch.ops.
 PYBIND11_MODULE(_C, module) {
   module.doc() = "ibpembed native ops (registered under torch.ops.ibpembed)";
   // The layout's constants, so Python reads them from the header instead of repeating them.
@@ -107,6 +112,8 @@ PYBIND11_MODULE(_C, module) {
   module.attr("ROWS_PER_BLOCK") = ibpembed::kRowsPerBlock;
   module.attr("PAYLOAD_PAD") = ibpembed::kPayloadPad;
   module.attr("MAX_UNITS_PER_ROW") = ibpembed::kMaxUnitsPerRow;
+  module.attr("MAX_SLOT_UNIT") = ibpembed::kMaxSlotUnit;
+  module.attr("TIER_WORD_ROWS") = ibpembed::kTierWordRows;
   module.attr("INT8_ROWWISE_HEADER_BYTES") = ibpembed::kInt8RowwiseHeaderBytes;
   module.attr("DTYPE_FLOAT32") = static_cast<int>(ibpembed::DType::kFloat32);
   module.attr("DTYPE_FLOAT16") = static_cast<int>(ibpembed::DType::kFloat16);
@@ -114,6 +121,27 @@ PYBIND11_MODULE(_C, module) {
   module.attr("DTYPE_UINT8") = static_cast<int>(ibpembed::DType::kUInt8);
   module.attr("DTYPE_INT8") = static_cast<int>(ibpembed::DType::kInt8);
   module.attr("DTYPE_INT8_ROWWISE") = static_cast<int>(ibpembed::DType::kInt8Rowwise);
+  module.attr("POOLING_SUM") = static_cast<int>(ibpembed::Pooling::kSum);
+  module.attr("POOLING_MEAN") = static_cast<int>(ibpembed::Pooling::kMean);
+  module.def(
+      "table_shape_problem",
+      [](const at::Tensor& block_base, const at::Tensor& row_units, const at::Tensor& bitmask,
+         const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits, int64_t row_bytes,
+         int64_t unit_bytes,
+         int64_t num_rows) -> std::optional<std::pair<std::string, std::string>> {
+        try {
+          ibpembed::check_table_shapes(block_base, row_units, bitmask, mask, bitval, chunk_bits,
+                                       row_bytes, unit_bytes, num_rows);
+        } catch (const ibpembed::TableArgError& e) {
+          return std::make_pair(std::string(e.arg()), e.msg());
+        }
+        return std::nullopt;
+      },
+      pybind11::arg("block_base"), pybind11::arg("row_units"), pybind11::arg("bitmask"),
+      pybind11::arg("mask"), pybind11::arg("bitval"), pybind11::arg("chunk_bits"),
+      pybind11::arg("row_bytes"), pybind11::arg("unit_bytes"), pybind11::arg("num_rows"),
+      "The first table argument the ops' shape checks reject (op_checks.h check_table_shapes), "
+      "as (argument, message); None when every check passes.");
   module.def("cpu_path", [] { return std::string(ibpembed::cpu_path_name(ibpembed::active_cpu_path())); },
              "The CPU codec path in use: 'avx512', 'bmi2' or 'ref'.");
   module.def("cpu_has_bmi2", &ibpembed::cpu_has_bmi2, "Whether this CPU reports BMI2.");

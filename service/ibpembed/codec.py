@@ -15,13 +15,23 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
 from ibpembed import _C, layout
 from ibpembed._ops import ops
-from ibpembed.layout import DTYPE_CODES, INT8_ROWWISE_CODE, INT8_ROWWISE_HEADER_BYTES
+from ibpembed.layout import (
+    BITMASK_WORD_ROWS,
+    DTYPE_CODES,
+    INT8_ROWWISE_CODE,
+    INT8_ROWWISE_HEADER_BYTES,
+    MAX_SLOT_UNIT,
+    MAX_UNITS_PER_ROW,
+    POOLING_CODES,
+    ROWS_PER_BLOCK,
+    TIER_WORD_ROWS,
+)
 
 Method = Literal["ibpembed", "paper", "raw"]
 Pooling = Literal["sum", "mean"]
@@ -46,9 +56,6 @@ FASTER_LAYOUT_SLACK = 0.01
 DEFAULT_SAMPLE_ROWS = 1_000_000
 DEFAULT_ALIGN: int | None = None  # None: the slot unit is chosen by measured size
 WIDTH_PROBE_ROWS = 65_536  # rows on which the chunk width is chosen
-ROWS_PER_BLOCK = 32
-MAX_SLOT_UNIT = 1 << 16  # format.h kMaxSlotUnit: the largest alignment a table may ask for
-_POOLING_CODES = {"sum": 0, "mean": 1}
 _BIT_WEIGHTS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 _POOLABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -81,8 +88,9 @@ def slot_unit_candidates(row_bytes: int, align: int | None) -> list[int]:
 
     With ``align`` given: the one unit that honours it. Otherwise every power of two up to 64
     that divides the row width (so raw rows carry no padding: an incompressible table costs raw
-    + index + metadata, nothing more) and keeps a raw row within 255 units; the finest valid unit
-    when none divides. The fit then keeps the one that stores the sample smallest.
+    + index + metadata, nothing more) and keeps a raw row within MAX_UNITS_PER_ROW units; the
+    finest valid unit when none divides. The fit then keeps the one that stores the sample
+    smallest.
     """
     if align is not None:
         return [slot_unit_bytes(row_bytes, align)]
@@ -92,13 +100,31 @@ def slot_unit_candidates(row_bytes: int, align: int | None) -> list[int]:
 
 
 def slot_unit_bytes(row_bytes: int, align: int) -> int:
-    """Smallest power of two >= align in which a raw row spans at most 255 units (format.h)."""
+    """Smallest power of two >= align in which a raw row spans at most MAX_UNITS_PER_ROW units
+    (format.h slot_unit_bytes)."""
     unit = 1
     while unit < align:
         unit <<= 1
-    while -(-row_bytes // unit) > 255:
+    while layout.ceil_div(row_bytes, unit) > MAX_UNITS_PER_ROW:
         unit <<= 1
     return unit
+
+
+class TableArgs(NamedTuple):
+    """A compressed table as every op takes it, in the order of csrc/ops/ops.h: six tensors, then
+    four ints (``ops.ibp_gather(*table.op_args(), ids)``). ``_replace`` swaps fields, e.g. the
+    tensors of a table placed on a GPU."""
+
+    payload: torch.Tensor  # uint8 [stored bytes + pad]
+    block_base: torch.Tensor  # int64 [ceil(N / 32) + 1]
+    row_units: torch.Tensor  # uint8 [ceil(N / 32) * 32]
+    bitmask: torch.Tensor  # int32 [ceil(N / 32)]
+    mask: torch.Tensor  # int64 [V]
+    bitval: torch.Tensor  # int64 [V * (2^C - 1)]
+    chunk_bits: int
+    row_bytes: int
+    unit_bytes: int
+    num_rows: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,8 +160,8 @@ class HotRows:
 
 
 def tier_directory_bytes(num_rows: int) -> int:
-    """Bytes of a tier's rank directory: two 8-byte words per 64 table rows."""
-    return 16 * -(-num_rows // 64)
+    """Bytes of a tier's rank directory: two 8-byte words per TIER_WORD_ROWS table rows."""
+    return 16 * layout.ceil_div(num_rows, TIER_WORD_ROWS)
 
 
 def tier_bytes_for(num_rows: int, row_bytes: int, count: int) -> int:
@@ -271,9 +297,24 @@ class CompressedTable:
         bits = torch.bitwise_and(self.bitmask.view(torch.uint8)[:, None], _BIT_WEIGHTS)
         return int(bits.ne(0).sum())
 
+    @property
+    def dtype_code(self) -> int:
+        """The ops' ``dtype`` argument of pooled lookups (``layout.DTYPE_CODES``, or
+        ``INT8_ROWWISE_CODE`` for ``quant="int8_rowwise"``); a TypeError for int8/uint8 rows
+        without a scale, which cannot be pooled."""
+        if self.quant == "int8_rowwise":
+            return INT8_ROWWISE_CODE
+        if self.dtype in (torch.uint8, torch.int8):
+            raise TypeError(
+                f"{self.dtype} rows without a scale cannot be pooled; compress fbgemm row-wise "
+                "int8 rows with quant='int8_rowwise'"
+            )
+        return DTYPE_CODES[self.dtype]
+
     # -- decoding ------------------------------------------------------------------------------
-    def _args(self) -> tuple:
-        return (
+    def op_args(self) -> TableArgs:
+        """The table as every op takes it: ``ops.ibp_gather(*table.op_args(), ids)``."""
+        return TableArgs(
             self.payload,
             self.block_base,
             self.row_units,
@@ -286,8 +327,8 @@ class CompressedTable:
             self.num_rows,
         )
 
-    def _hot_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The op's tier arguments (tier_slots, tier_rows): the decoded tier, or for a table
+    def _tier_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The op's tier arguments (tier_dir, tier_rows): the decoded tier, or for a table
         whose every row is stored raw at one stride its own payload, read as a tier of every
         row (the lean path of raw rows), or none."""
         if self.hot is not None:
@@ -317,12 +358,12 @@ class CompressedTable:
 
     def decompress(self) -> torch.Tensor:
         """The whole table, bit-exact, as a new [num_rows, dim] tensor of the source dtype."""
-        return self._as_rows(ops.ibp_decompress(*self._args()))
+        return self._as_rows(ops.ibp_decompress(*self.op_args()))
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any order, duplicates allowed), bit-exact, as [len(ids), dim]."""
         indices = _as_indices(ids, "ids")
-        return self._as_rows(ops.ibp_gather(*self._args(), indices, *self._hot_args()))
+        return self._as_rows(ops.ibp_gather(*self.op_args(), indices, *self._tier_args()))
 
     def lookup(
         self,
@@ -347,9 +388,9 @@ class CompressedTable:
         -------
         [B, D] float32, accumulated in fp32; empty bags give zeros.
         """
-        if pooling not in _POOLING_CODES:
+        if pooling not in POOLING_CODES:
             raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
-        dtype_code = self._dtype_code()
+        dtype_code = self.dtype_code
         indices = _as_indices(ids, "ids")
         offsets = _as_offsets(offsets, lengths)
         if weights is not None:
@@ -357,13 +398,13 @@ class CompressedTable:
                 raise TypeError("weights must be a float32 tensor")
             weights = weights.contiguous()
         return ops.lookup_pooled(
-            *self._args(),
+            *self.op_args(),
             indices,
             offsets,
             weights,
             dtype_code,
-            _POOLING_CODES[pooling],
-            *self._hot_args(),
+            POOLING_CODES[pooling],
+            *self._tier_args(),
         )
 
     # -- decoded tier ----------------------------------------------------------------------------
@@ -385,7 +426,7 @@ class CompressedTable:
         if ids.numel() == 0 or base._raw_rows_as_tier[1] is not None:
             return base
         directory = ids.new_empty(0) if ids.numel() == self.num_rows else self.rank_directory(ids)
-        rows = ops.ibp_gather(*self._args(), ids, None, None)
+        rows = ops.ibp_gather(*self.op_args(), ids, None, None)
         return dataclasses.replace(self, hot=HotRows(ids, directory, rows, coverage))
 
     def rank_directory(self, ids: torch.Tensor) -> torch.Tensor:
@@ -393,12 +434,12 @@ class CompressedTable:
         and the HBM tier's residency map): int64 [2 * ceil(num_rows / 64)], per 64 table rows a
         bit word (bit r % 64: the tier holds row r) and the tier slot of the word's first held
         row (csrc/include/ibpembed/tier.h ``rank_slot``)."""
-        words = -(-self.num_rows // 64)
-        word = torch.div(ids, 64, rounding_mode="floor")
+        words = layout.ceil_div(self.num_rows, TIER_WORD_ROWS)
+        word = torch.div(ids, TIER_WORD_ROWS, rounding_mode="floor")
         # Distinct bits of a word never carry, so their sum is their OR (bit 63 wraps to the
         # sign bit, which is what the uint64 reading of the word wants).
         bits = torch.zeros(words, dtype=torch.int64).index_add_(
-            0, word, torch.bitwise_left_shift(torch.ones_like(ids), ids - word * 64)
+            0, word, torch.bitwise_left_shift(torch.ones_like(ids), ids - word * TIER_WORD_ROWS)
         )
         per_word = torch.bincount(word, minlength=words)
         before = torch.cumsum(per_word, 0) - per_word
@@ -410,18 +451,9 @@ class CompressedTable:
 
     def is_compressed(self, ids: torch.Tensor) -> torch.Tensor:
         """Bool [len(ids)]: whether each row (ids int64, in range) is stored compressed."""
-        words = self.bitmask[torch.div(ids, 32, rounding_mode="floor")].to(torch.int64)
-        return torch.bitwise_and(torch.bitwise_right_shift(words, ids % 32), 1).bool()
-
-    def _dtype_code(self) -> int:
-        if self.quant == "int8_rowwise":
-            return INT8_ROWWISE_CODE
-        if self.dtype in (torch.uint8, torch.int8):
-            raise TypeError(
-                f"{self.dtype} rows without a scale cannot be pooled; compress fbgemm row-wise "
-                "int8 rows with quant='int8_rowwise'"
-            )
-        return DTYPE_CODES[self.dtype]
+        words = self.bitmask[torch.div(ids, BITMASK_WORD_ROWS, rounding_mode="floor")]
+        bits = torch.bitwise_right_shift(words.to(torch.int64), ids % BITMASK_WORD_ROWS)
+        return torch.bitwise_and(bits, 1).bool()
 
 
 class CompressedTableSet:
@@ -445,7 +477,7 @@ class CompressedTableSet:
         self.tables = tuple(tables)
         self._handle = torch.classes.ibpembed.TableSet()
         for table in self.tables:
-            self._handle.add(*table._args(), table._dtype_code(), *table._hot_args())
+            self._handle.add(*table.op_args(), table.dtype_code, *table._tier_args())
 
     def __len__(self) -> int:
         return len(self.tables)
@@ -468,7 +500,7 @@ class CompressedTableSet:
         the CPU every id is checked (``IndexError``) before any table is read; on a GPU the
         kernels check them and the call raises the same errors.
         """
-        if pooling not in _POOLING_CODES:
+        if pooling not in POOLING_CODES:
             raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
         if weights is not None and (
             not isinstance(weights, torch.Tensor) or weights.dtype != torch.float32
@@ -484,7 +516,7 @@ class CompressedTableSet:
             _as_indices(offsets, "offsets"),
             table_bags,
             None if weights is None else weights.contiguous(),
-            _POOLING_CODES[pooling],
+            POOLING_CODES[pooling],
         )
         return values, seconds.tolist()
 

@@ -16,8 +16,10 @@ FORMAT_VERSION = int(_C.FORMAT_VERSION)
 ROWS_PER_BLOCK = int(_C.ROWS_PER_BLOCK)  # rows per index block (block_base entry)
 PAYLOAD_PAD = int(_C.PAYLOAD_PAD)  # zero bytes past a payload's end the decoders may read
 MAX_UNITS_PER_ROW = int(_C.MAX_UNITS_PER_ROW)  # a row's slot size in units fits a uint8
+MAX_SLOT_UNIT = int(_C.MAX_SLOT_UNIT)  # the largest slot unit (alignment) a table may ask for
 INT8_ROWWISE_HEADER_BYTES = int(_C.INT8_ROWWISE_HEADER_BYTES)  # fp16 scale + fp16 bias
 BITMASK_WORD_ROWS = 32  # rows per int32 word of the compressed-row bitmask
+TIER_WORD_ROWS = int(_C.TIER_WORD_ROWS)  # table rows per bit word of a tier's rank directory
 
 # ibpembed::DType (format.h); the row-wise int8 code marks uint8 rows with a scale/bias header.
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -28,6 +30,8 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.int8: int(_C.DTYPE_INT8),
 }
 INT8_ROWWISE_CODE = int(_C.DTYPE_INT8_ROWWISE)
+# ibpembed::Pooling (format.h): the pooling argument of the pooled-lookup ops.
+POOLING_CODES: dict[str, int] = {"sum": int(_C.POOLING_SUM), "mean": int(_C.POOLING_MEAN)}
 
 
 def ceil_div(numerator: int, denominator: int) -> int:

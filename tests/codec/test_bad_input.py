@@ -113,6 +113,23 @@ def test_bad_lookup_arguments(table) -> None:
         table.gather(ids.view(3, 1))
 
 
+def test_table_shape_problem_names_the_argument_the_op_rejects(table) -> None:
+    """_C.table_shape_problem runs the ops' shape checks without raising: the argument at fault
+    and the message the op raises, or None."""
+    args = table.op_args()
+    shapes = {k: v for k, v in args._asdict().items() if k != "payload"}
+    assert _C.table_shape_problem(**shapes) is None
+    arg, problem = _C.table_shape_problem(**{**shapes, "row_units": args.row_units[:-1]})
+    assert arg == "row_units" and problem.startswith("row_units must have")
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        ops.ibp_decompress(*args._replace(row_units=args.row_units[:-1]))
+    for name, value in [("chunk_bits", 8), ("unit_bytes", 3), ("num_rows", -1), ("row_bytes", 0)]:
+        arg, problem = _C.table_shape_problem(**{**shapes, name: value})
+        assert arg == name and problem.startswith(name), problem
+    arg, _ = _C.table_shape_problem(**{**shapes, "bitval": args.bitval[:-1]})
+    assert arg == "bitval"
+
+
 def test_plain_int8_rows_cannot_be_pooled() -> None:
     c = compress(torch.randint(0, 255, (10, 8), dtype=torch.uint8))
     with pytest.raises(TypeError, match="int8_rowwise"):
@@ -120,30 +137,23 @@ def test_plain_int8_rows_cannot_be_pooled() -> None:
 
 
 def test_ops_validate_raw_tensor_arguments(table) -> None:
-    args = list(table._args())
-    bad_payload = args.copy()
-    bad_payload[0] = table.payload[:10]
+    args = table.op_args()
     with pytest.raises(ValueError, match="payload holds 10 bytes"):
-        ops.ibp_decompress(*bad_payload)
-    bad_units = args.copy()
-    bad_units[8] = 3
+        ops.ibp_decompress(*args._replace(payload=table.payload[:10]))
     with pytest.raises(ValueError, match="unit_bytes 3"):
-        ops.ibp_decompress(*bad_units)
-    bad_units[8] = (1 << 62) + 1  # once sent the unit search into an endless loop
+        ops.ibp_decompress(*args._replace(unit_bytes=3))
+    # Once sent the unit search into an endless loop.
     with pytest.raises(ValueError, match="not a valid slot unit"):
-        ops.ibp_decompress(*bad_units)
+        ops.ibp_decompress(*args._replace(unit_bytes=(1 << 62) + 1))
     rows = torch.zeros(4, 16, dtype=torch.uint8)
     with pytest.raises(ValueError, match="minimum slot unit"):
         ops.ibp_slot_bytes(rows, 32, torch.zeros(4, dtype=torch.int64),
                            torch.zeros(4, dtype=torch.int64), (1 << 62) + 1)  # fmt: skip
-    bad_mask = args.copy()
-    bad_mask[4] = torch.full_like(table.mask, -1) if table.chunk_bits < 64 else table.mask[:1]
+    bad_mask = torch.full_like(table.mask, -1) if table.chunk_bits < 64 else table.mask[:1]
     with pytest.raises(ValueError, match="mask"):
-        ops.ibp_decompress(*bad_mask)
-    bad_bitval = args.copy()
-    bad_bitval[5] = table.bitval | ~table.mask
+        ops.ibp_decompress(*args._replace(mask=bad_mask))
     with pytest.raises(ValueError, match="bitval"):
-        ops.ibp_decompress(*bad_bitval)
+        ops.ibp_decompress(*args._replace(bitval=table.bitval | ~table.mask))
     with pytest.raises(ValueError, match="chunk_bits"):
         ops.ibp_fit(torch.zeros(4, 4, dtype=torch.uint8), 8, "ibpembed")
     with pytest.raises(ValueError, match=r"uint8|Byte"):
@@ -234,7 +244,7 @@ _HOSTILE = textwrap.dedent(
     from ibpembed._ops import ops
 
     def table_args(t, **fields):
-        return dataclasses.replace(t, **fields)._args()
+        return dataclasses.replace(t, **fields).op_args()
 
     def report(call):
         try:
@@ -271,7 +281,7 @@ _HOSTILE = textwrap.dedent(
         bad = dataclasses.replace(t, block_base=base)
         ids = torch.tensor([40])
         if case == "payload_end":
-            report(lambda: ops.ibp_gather(*bad._args(), ids, None, None))
+            report(lambda: ops.ibp_gather(*bad.op_args(), ids, None, None))
         else:
             report(lambda: codec.CompressedTableSet([bad]).lookup(
                 torch.tensor([[0, 0, 1]]), ids, torch.tensor([0, 1])))
@@ -285,9 +295,9 @@ _HOSTILE = textwrap.dedent(
         # Row 3 is word 0's second tier row: a base of -1 (2^64 - 1) wraps its slot to 0.
         ids = torch.tensor([3])
         if what == "tier_gather":
-            report(lambda: ops.ibp_gather(*t._args(), ids, *tier))
+            report(lambda: ops.ibp_gather(*t.op_args(), ids, *tier))
         else:
-            report(lambda: ops.lookup_pooled(*t._args(), ids, torch.tensor([0, 1]), None, 2, 0,
+            report(lambda: ops.lookup_pooled(*t.op_args(), ids, torch.tensor([0, 1]), None, 2, 0,
                                              *tier))
     """
 )

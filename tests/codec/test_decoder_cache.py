@@ -41,29 +41,13 @@ def path(request):
 
 
 def _gather(table: CompressedTable, ids: torch.Tensor, mask, bitval) -> torch.Tensor:
-    payload, block_base, row_units, bitmask, _, _, *sizes = table._args()
-    return ops.ibp_gather(payload, block_base, row_units, bitmask, mask, bitval, *sizes, ids)
+    return ops.ibp_gather(*table.op_args()._replace(mask=mask, bitval=bitval), ids)
 
 
 def _pooled(table: CompressedTable, ids: torch.Tensor, mask, bitval) -> torch.Tensor:
-    payload, block_base, row_units, bitmask, _, _, *sizes = table._args()
     offsets = torch.tensor([0, ids.numel() // 2, ids.numel()])
-    return ops.lookup_pooled(
-        payload,
-        block_base,
-        row_units,
-        bitmask,
-        mask,
-        bitval,
-        *sizes,
-        ids,
-        offsets,
-        None,
-        table._dtype_code(),
-        0,
-        None,
-        None,
-    )
+    args = table.op_args()._replace(mask=mask, bitval=bitval)
+    return ops.lookup_pooled(*args, ids, offsets, None, table.dtype_code, 0, None, None)
 
 
 @pytest.mark.parametrize("path", PATHS, indirect=True)

@@ -121,8 +121,8 @@ def test_raw_tables_and_empty_selections_give_no_tier() -> None:
     table = torch.randn(100, 8)
     raw = compress(table, method="raw")
     assert raw.with_hot_rows(torch.arange(100)).hot is None
-    assert raw._hot_args()[1] is not None  # the payload itself, read by the lean path
-    assert compress(make_table(torch.float32, 100, 8, "trained_like", 0))._hot_args() == (
+    assert raw._tier_args()[1] is not None  # the payload itself, read by the lean path
+    assert compress(make_table(torch.float32, 100, 8, "trained_like", 0))._tier_args() == (
         None,
         None,
     )
@@ -142,13 +142,13 @@ def test_raw_rows_lean_path_is_bit_exact(path, dim) -> None:
     offsets = torch.arange(0, 901, 9)
     for align in (None, 64):
         raw = compress(table, method="raw", align=align)
-        stride = raw._hot_args()[1].shape[1]  # type: ignore[union-attr]
+        stride = raw._tier_args()[1].shape[1]  # type: ignore[union-attr]
         assert stride == (dim * 4 if align is None else -(-dim * 4 // 64) * 64)
         indexed = dataclasses.replace(raw)  # a fresh object: its own cached check
         assert same_bits(raw.gather(ids), table[ids])
         assert same_bits(
             raw.lookup(ids, offsets),
-            ops.lookup_pooled(*indexed._args(), ids, offsets, None, 0, 0, None, None),
+            ops.lookup_pooled(*indexed.op_args(), ids, offsets, None, 0, 0, None, None),
         )
 
 
@@ -190,29 +190,29 @@ def test_ops_reject_an_inconsistent_tier() -> None:
     assert tier is not None
     ids = torch.tensor([0, 3, 5])
     with pytest.raises(ValueError, match="pass both or neither"):
-        ops.ibp_gather(*c._args(), ids, tier.directory, None)
+        ops.ibp_gather(*c.op_args(), ids, tier.directory, None)
     with pytest.raises(ValueError, match="two per 64 rows"):
-        ops.ibp_gather(*c._args(), ids, tier.directory[:-2], tier.rows)
+        ops.ibp_gather(*c.op_args(), ids, tier.directory[:-2], tier.rows)
     with pytest.raises(ValueError, match="tier rows but tier_rows holds"):
-        ops.ibp_gather(*c._args(), ids, tier.directory, tier.rows[1:])
+        ops.ibp_gather(*c.op_args(), ids, tier.directory, tier.rows[1:])
     with pytest.raises(ValueError, match="tier holds every row"):
-        ops.ibp_gather(*c._args(), ids, tier.directory[:0], tier.rows)
+        ops.ibp_gather(*c.op_args(), ids, tier.directory[:0], tier.rows)
     with pytest.raises(ValueError, match=r"tier_rows must be \[tier rows, >= 64\]"):
-        ops.ibp_gather(*c._args(), ids, tier.directory, tier.rows[:, :8].contiguous())
+        ops.ibp_gather(*c.op_args(), ids, tier.directory, tier.rows[:, :8].contiguous())
     with pytest.raises(ValueError, match="tier_dir must be Long"):
         ops.lookup_pooled(
-            *c._args(), ids, torch.tensor([0, 3]), None, 0, 0, tier.directory.int(), tier.rows
+            *c.op_args(), ids, torch.tensor([0, 3]), None, 0, 0, tier.directory.int(), tier.rows
         )
     handle = torch.classes.ibpembed.TableSet()
     miscounted = tier.directory.clone()
     miscounted[3] += 1  # word 1's count; the total (checked per call) still matches
     miscounted[1] -= 1
     with pytest.raises(ValueError, match="rows before word"):
-        handle.add(*c._args(), 0, miscounted, tier.rows)
+        handle.add(*c.op_args(), 0, miscounted, tier.rows)
     past = tier.directory.clone()
     past[6] = (past[6] ^ 1) | (1 << 20)  # row 192 out, row 212 of a 200-row table in
     with pytest.raises(ValueError, match="past the table"):
-        handle.add(*c._args(), 0, past, tier.rows)
+        handle.add(*c.op_args(), 0, past, tier.rows)
 
 
 @pytest.mark.usefixtures("restore_path")

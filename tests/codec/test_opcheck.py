@@ -15,7 +15,7 @@ ROWS = torch.randn(70, 12).view(torch.uint8).reshape(70, -1)
 
 
 def _cases() -> list[tuple[str, tuple]]:
-    args = TABLE._args()
+    args = TABLE.op_args()
     ids = torch.tensor([3, 69, 3, 0])
     hot = CODED.with_hot_rows(torch.tensor([1, 5, 64, 69])).hot
     assert hot is not None
@@ -23,18 +23,18 @@ def _cases() -> list[tuple[str, tuple]]:
         ("ibp_fit", (ROWS, 32, "ibpembed")),
         ("ibp_fit", (ROWS, 16, "ibpembed", 3)),
         ("ibp_fit_codebooks", (ROWS, 32, [2, 4])),
-        ("ibp_decompress", CODED._args()),
-        ("ibp_gather", (*CODED._args(), torch.tensor([5, 1, 5]))),
-        ("ibp_gather", (*CODED._args(), torch.tensor([5, 2, 69]), hot.directory, hot.rows)),
+        ("ibp_decompress", CODED.op_args()),
+        ("ibp_gather", (*CODED.op_args(), torch.tensor([5, 1, 5]))),
+        ("ibp_gather", (*CODED.op_args(), torch.tensor([5, 2, 69]), hot.directory, hot.rows)),
         (
             "lookup_pooled",
-            (*CODED._args(), ids, torch.tensor([0, 1, 4]), None, 0, 0, hot.directory, hot.rows),
+            (*CODED.op_args(), ids, torch.tensor([0, 1, 4]), None, 0, 0, hot.directory, hot.rows),
         ),
         ("ibp_slot_bytes", (ROWS, TABLE.chunk_bits, TABLE.mask, TABLE.bitval, TABLE.unit_bytes)),
         ("ibp_compress", (ROWS, TABLE.chunk_bits, TABLE.mask, TABLE.bitval, TABLE.unit_bytes)),
         (
             "ibp_line_aware",
-            (*CODED._args()[:3], CODED.row_bytes, CODED.unit_bytes, CODED.num_rows),
+            (*CODED.op_args()[:3], CODED.row_bytes, CODED.unit_bytes, CODED.num_rows),
         ),
         ("ibp_decompress", args),
         ("ibp_gather", (*args, ids)),

@@ -14,26 +14,14 @@ import torch
 
 from ibpembed import CompressedTable, compress
 from ibpembed._ops import ops
-from ibpembed.layout import INT8_ROWWISE_CODE
+from ibpembed.layout import INT8_ROWWISE_CODE, POOLING_CODES
 from tests.codec.tables import DTYPES, FLOAT_DTYPES, make_table, same_bits
 from tests.cuda import cuda_kernels_missing, request_ids
+from tools.device_args import device_args
 
 _REASON = cuda_kernels_missing()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
-
-POOLING = {"sum": 0, "mean": 1}
-
-
-def device_args(c: CompressedTable, payload: str = "pinned") -> tuple:
-    """The seven table tensors and four ints, placed as the CUDA ops expect."""
-    if payload == "pinned":
-        data = c.payload.pin_memory()
-    elif payload == "cuda":
-        data = c.payload.cuda()
-    else:
-        data = c.payload
-    small = (c.block_base, c.row_units, c.bitmask, c.mask, c.bitval)
-    return (data, *(t.cuda() for t in small), c.chunk_bits, c.row_bytes, c.unit_bytes, c.num_rows)
+GPU = torch.device("cuda")
 
 
 def _as_rows(c: CompressedTable, raw: torch.Tensor) -> torch.Tensor:
@@ -49,35 +37,37 @@ def test_gather_and_decompress_are_bit_exact(dtype, dim, kind, chunk_bits) -> No
     rng = np.random.default_rng(dim)
     for align in (1, 8, 32):
         c = compress(table, chunk_bits=chunk_bits, align=align)
-        args = device_args(c)
+        args = device_args(c, GPU, "pinned")
         ids = request_ids(rng, c.num_rows, 500)
         got = ops.ibp_gather(*args, ids.cuda())
-        want = ops.ibp_gather(*c._args(), ids)
+        want = ops.ibp_gather(*c.op_args(), ids)
         assert got.is_cuda
         assert same_bits(_as_rows(c, got.cpu()), _as_rows(c, want))
         assert same_bits(_as_rows(c, ops.ibp_decompress(*args).cpu()), table)
 
 
 @pytest.mark.parametrize("method", ["raw", "paper"])
-@pytest.mark.parametrize("payload", ["pinned", "cuda"])
+@pytest.mark.parametrize("payload", ["pinned", "device"])
 def test_raw_rows_and_device_payload(method, payload) -> None:
     table = make_table(torch.float32, 1000, 128, "trained_like", seed=3)
     c = compress(table, method=method)
-    got = ops.ibp_gather(*device_args(c, payload), torch.arange(999, -1, -1).cuda())
+    got = ops.ibp_gather(*device_args(c, GPU, payload), torch.arange(999, -1, -1).cuda())
     assert same_bits(_as_rows(c, got.cpu()), table.flip(0))
 
 
 def _pooled_both(c, ids, offsets, weights, dtype_code, pooling):
-    args = device_args(c)
+    args = device_args(c, GPU, "pinned")
     got = ops.lookup_pooled(
         *args,
         ids.cuda(),
         offsets.cuda(),
         None if weights is None else weights.cuda(),
         dtype_code,
-        POOLING[pooling],
+        POOLING_CODES[pooling],
     )
-    want = ops.lookup_pooled(*c._args(), ids, offsets, weights, dtype_code, POOLING[pooling])
+    want = ops.lookup_pooled(
+        *c.op_args(), ids, offsets, weights, dtype_code, POOLING_CODES[pooling]
+    )
     return got.cpu(), want
 
 
@@ -96,7 +86,7 @@ def test_pooled_equals_cpu(dtype, dim, pooling, weighted, chunk_bits) -> None:
     offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
     ids = torch.from_numpy(rng.integers(0, c.num_rows, int(lengths.sum())))
     weights = torch.from_numpy(rng.random(ids.numel()).astype(np.float32)) if weighted else None
-    got, want = _pooled_both(c, ids, offsets, weights, c._dtype_code(), pooling)
+    got, want = _pooled_both(c, ids, offsets, weights, c.dtype_code, pooling)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
@@ -109,14 +99,14 @@ def test_every_code_width_is_bit_exact(code_bits, chunk_bits, dim) -> None:
     table = make_table(torch.bfloat16, 300, dim, "trained_like", seed=dim + code_bits)
     c = compress(table, chunk_bits=chunk_bits, code_bits=code_bits)
     assert c.code_bits == code_bits
-    args = device_args(c)
+    args = device_args(c, GPU, "pinned")
     rng = np.random.default_rng(dim * 5 + code_bits)
     ids = request_ids(rng, c.num_rows, 400)
     got = ops.ibp_gather(*args, ids.cuda())
-    assert same_bits(_as_rows(c, got.cpu()), _as_rows(c, ops.ibp_gather(*c._args(), ids)))
+    assert same_bits(_as_rows(c, got.cpu()), _as_rows(c, ops.ibp_gather(*c.op_args(), ids)))
     assert same_bits(_as_rows(c, ops.ibp_decompress(*args).cpu()), table)
     offsets = torch.tensor([0, 100, 100, ids.numel()])
-    got, want = _pooled_both(c, ids, offsets, None, c._dtype_code(), "sum")
+    got, want = _pooled_both(c, ids, offsets, None, c.dtype_code, "sum")
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
@@ -140,17 +130,18 @@ def test_hot_row_overlay_is_accepted_and_changes_nothing() -> None:
     c = compress(table).with_hot_rows(torch.arange(0, 300, 3))
     assert c.hot is not None
     ids = torch.arange(300).flip(0)
+    args = device_args(c, GPU, "pinned")
     hot = (c.hot.directory, c.hot.rows)
-    rows = ops.ibp_gather(*device_args(c), ids.cuda(), *hot).cpu()
+    rows = ops.ibp_gather(*args, ids.cuda(), *hot).cpu()
     assert same_bits(_as_rows(c, rows), table[ids])
     offsets = torch.tensor([0, 10, 300]).cuda()
-    pooled = ops.lookup_pooled(*device_args(c), ids.cuda(), offsets, None, 0, 0, *hot).cpu()
+    pooled = ops.lookup_pooled(*args, ids.cuda(), offsets, None, 0, 0, *hot).cpu()
     assert same_bits(pooled, c.lookup(ids, offsets.cpu()))
 
 
 def test_bad_input_raises_like_cpu() -> None:
     c = compress(torch.randn(100, 16))
-    args = device_args(c)
+    args = device_args(c, GPU, "pinned")
     with pytest.raises(IndexError, match=r"index 100 at position 2 .* 100 rows"):
         ops.ibp_gather(*args, torch.tensor([0, 5, 100]).cuda())
     with pytest.raises(IndexError, match=r"index -1"):
@@ -160,8 +151,7 @@ def test_bad_input_raises_like_cpu() -> None:
             *args, torch.tensor([1, 2, 3]).cuda(), torch.tensor([0, 2, 1, 3]).cuda(), None, 0, 0
         )
     with pytest.raises(ValueError, match="pinned"):
-        ops.ibp_gather(*device_args(c, payload="pageable"), torch.tensor([0]).cuda())
-    short = list(args)
-    short[5] = short[5][:-1]  # bitval: no code width C gives V * (2^C - 1) - 1 entries
+        ops.ibp_gather(*device_args(c, GPU, "host"), torch.tensor([0]).cuda())
+    short = args._replace(bitval=args.bitval[:-1])  # no code width C gives V * (2^C - 1) - 1
     with pytest.raises(ValueError, match=r"bitval must have V \* \(2\^C - 1\) entries"):
         ops.ibp_gather(*short, torch.tensor([0]).cuda())

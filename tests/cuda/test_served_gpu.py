@@ -102,7 +102,7 @@ def test_a_payload_past_its_registered_range_is_refused() -> None:
         with pytest.raises(ValueError, match="pageable host memory"):
             ops.ibp_decompress(buffer, *small, *masks, *args)
         got = ops.ibp_decompress(buffer[:n], *small, *masks, *args)
-        assert torch.equal(got.cpu(), ops.ibp_decompress(*table._args()))
+        assert torch.equal(got.cpu(), ops.ibp_decompress(*table.op_args()))
     finally:
         cudart.cudaHostUnregister(buffer.data_ptr())
 
@@ -177,7 +177,7 @@ def test_deferred_errors_raise_at_the_check_and_then_clear() -> None:
             _C.check_cuda_errors()
         rows = ops.ibp_gather(*args, torch.tensor([3, 4], device=dev))
         _C.check_cuda_errors()  # cleared: nothing left to raise
-        assert torch.equal(rows.cpu(), ops.ibp_gather(*table._args(), torch.tensor([3, 4])))
+        assert torch.equal(rows.cpu(), ops.ibp_gather(*table.op_args(), torch.tensor([3, 4])))
     finally:
         _C.set_defer_cuda_errors(False)
     with pytest.raises(IndexError):  # synchronous again: raised by the call itself

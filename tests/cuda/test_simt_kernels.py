@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from ibpembed import CompressedTable, compress
 from ibpembed.codec import CompressedTableSet
-from ibpembed.layout import INT8_ROWWISE_CODE
+from ibpembed.layout import INT8_ROWWISE_CODE, POOLING_CODES
 from tests.codec.tables import DTYPES, FLOAT_DTYPES, make_table, same_bits
 from tests.cuda import request_ids
 from tools.simt.harness import CXX, EmulatedKernels, EmulationError, Grid, build
@@ -31,7 +31,6 @@ pytestmark = pytest.mark.skipif(
     shutil.which(CXX) is None, reason=f"no C++ compiler ({CXX}) to build the SIMT emulator"
 )
 
-POOLING = {"sum": 0, "mean": 1}
 # kernels.h ErrorBits
 ERR_INDEX, ERR_OFFSETS, ERR_TABLE = 1, 2, 4
 GRIDS = (Grid(1, 1), Grid(2, 2), Grid(3, 4, async_copies=False))
@@ -166,7 +165,7 @@ def test_pooled_equals_cpu_bit_for_bit(kernels, dtype, dim, pooling, weighted) -
     ids, offsets = _bags(rng, c.num_rows, 24)
     weights = torch.from_numpy(rng.random(ids.numel()).astype(np.float32)) if weighted else None
     got, error = kernels.pooled(
-        c, ids, offsets, weights, c._dtype_code(), POOLING[pooling], Grid(2, 2)
+        c, ids, offsets, weights, c.dtype_code, POOLING_CODES[pooling], Grid(2, 2)
     )
     assert error == 0
     want = c.lookup(ids, offsets, weights, pooling)
@@ -178,13 +177,13 @@ def test_pooled_int8_rowwise_and_edge_values(kernels) -> None:
     rows[:, :4] = torch.tensor([0x00, 0x3C, 0x00, 0x00], dtype=torch.uint8)  # scale 1, bias 0
     c = compress(rows, quant="int8_rowwise")
     ids, offsets = torch.arange(64).flip(0), torch.tensor([0, 1, 30, 64])
-    got, error = kernels.pooled(c, ids, offsets, None, INT8_ROWWISE_CODE, POOLING["mean"])
+    got, error = kernels.pooled(c, ids, offsets, None, INT8_ROWWISE_CODE, POOLING_CODES["mean"])
     assert error == 0
     torch.testing.assert_close(got, c.lookup(ids, offsets, pooling="mean"), rtol=0, atol=0)
 
     edge = compress(make_table(torch.float32, 64, 33, "edge_values", seed=1))
     ids, offsets = torch.arange(64), torch.tensor([0, 32, 64])
-    got, error = kernels.pooled(edge, ids, offsets, None, 0, POOLING["sum"], Grid(1, 2))
+    got, error = kernels.pooled(edge, ids, offsets, None, 0, POOLING_CODES["sum"], Grid(1, 2))
     assert error == 0
     torch.testing.assert_close(got, edge.lookup(ids, offsets), rtol=0, atol=0, equal_nan=True)
 
@@ -201,7 +200,7 @@ def test_long_bags_are_staged_ahead_and_stay_bit_exact(kernels, grid) -> None:
     ids = torch.from_numpy(rng.integers(0, c.num_rows, int(lengths.sum())))
     weights = torch.from_numpy(rng.random(ids.numel()).astype(np.float32))
     for pooling in ("sum", "mean"):
-        got, error = kernels.pooled(c, ids, offsets, weights, 0, POOLING[pooling], grid)
+        got, error = kernels.pooled(c, ids, offsets, weights, 0, POOLING_CODES[pooling], grid)
         assert error == 0
         want = c.lookup(ids, offsets, weights, pooling)
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
@@ -218,7 +217,7 @@ def test_a_repeated_id_is_decoded_once_and_pooled_bit_exact(kernels, grid) -> No
     offsets = torch.tensor([0, 2, 9, 10, 10, 16, 23])
     weights = torch.linspace(0.1, 2.0, ids.numel())
     for w in (None, weights):
-        got, error = kernels.pooled(c, ids, offsets, w, c._dtype_code(), POOLING["sum"], grid)
+        got, error = kernels.pooled(c, ids, offsets, w, c.dtype_code, POOLING_CODES["sum"], grid)
         assert error == 0
         want = c.lookup(ids, offsets, w, "sum")
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
@@ -233,7 +232,7 @@ def _table_set_case(seed: int) -> tuple[list, list, torch.Tensor, torch.Tensor, 
     rows = make_table(torch.uint8, 60, 36, "random_bits", seed=seed + 2)
     rows[:, :4] = torch.tensor([0x00, 0x3C, 0x00, 0x00], dtype=torch.uint8)  # scale 1, bias 0
     int8 = compress(rows, quant="int8_rowwise", chunk_bits=16)
-    tables = [(fp32, fp32._dtype_code()), (bf16, bf16._dtype_code()), (int8, INT8_ROWWISE_CODE)]
+    tables = [(fp32, fp32.dtype_code), (bf16, bf16.dtype_code), (int8, INT8_ROWWISE_CODE)]
     rng = np.random.default_rng(seed)
     # (table, first bag, bags): bags 0-5 fp32, 6-9 bf16, 10-10 none, 10-13 int8, 13-16 fp32 again
     parts = [(0, 0, 6), (1, 6, 4), (2, 10, 0), (2, 10, 3), (0, 13, 3)]
@@ -255,7 +254,9 @@ def test_one_launch_pools_every_table_as_the_cpu_table_set(kernels, grid, poolin
     table_set = CompressedTableSet([c for c, _ in tables])
     table_bags = torch.tensor(parts, dtype=torch.int64)
     for w in (None, weights):
-        got, error = kernels.pooled_tables(tables, parts, ids, offsets, w, POOLING[pooling], grid)
+        got, error = kernels.pooled_tables(
+            tables, parts, ids, offsets, w, POOLING_CODES[pooling], grid
+        )
         assert error == 0
         want, _ = table_set.lookup(table_bags, ids, offsets, w, pooling)
         for g, expected in zip(got, want, strict=True):
@@ -266,7 +267,7 @@ def test_one_launch_reports_an_id_out_of_its_tables_range(kernels) -> None:
     tables, parts, ids, offsets, _ = _table_set_case(seed=4)
     begin = int(offsets[parts[1][1]])  # the bf16 part's first id: past its 70 rows,
     ids[begin] = 80  # though within the fp32 table's 90
-    _, error = kernels.pooled_tables(tables, parts, ids, offsets, None, POOLING["sum"])
+    _, error = kernels.pooled_tables(tables, parts, ids, offsets, None, POOLING_CODES["sum"])
     assert error == ERR_INDEX
 
 
@@ -366,7 +367,7 @@ def test_a_line_aware_layout_reads_bit_exact(kernels, grid, dtype, dim) -> None:
     assert torch.equal(rows, _cpu_rows(c, ids))
     rng = np.random.default_rng(dim + 1)
     bag_ids, offsets = _bags(rng, c.num_rows, 20)
-    got, error = kernels.pooled(c, bag_ids, offsets, None, c._dtype_code(), POOLING["sum"], grid)
+    got, error = kernels.pooled(c, bag_ids, offsets, None, c.dtype_code, POOLING_CODES["sum"], grid)
     assert error == 0
     want = c.lookup(bag_ids, offsets, None, "sum")
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
@@ -390,12 +391,14 @@ def test_two_tables_pooling_the_same_bags_resolve_their_own_rows(kernels, grid) 
     # table must be resolved again, against that table's index.
     a = compress(make_table(torch.float32, 80, 24, "trained_like", seed=31), chunk_bits=16)
     b = compress(make_table(torch.bfloat16, 90, 40, "trained_like", seed=32), chunk_bits=16)
-    tables = [(a, a._dtype_code()), (b, b._dtype_code())]
+    tables = [(a, a.dtype_code), (b, b.dtype_code)]
     lengths = np.array([40, 3, 0, 33])
     offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
     ids = torch.from_numpy(np.random.default_rng(3).integers(0, 80, int(lengths.sum())))
     parts = [(0, 0, 4), (1, 0, 4), (0, 1, 2)]
-    got, error = kernels.pooled_tables(tables, parts, ids, offsets, None, POOLING["sum"], grid)
+    got, error = kernels.pooled_tables(
+        tables, parts, ids, offsets, None, POOLING_CODES["sum"], grid
+    )
     assert error == 0
     want, _ = CompressedTableSet([a, b]).lookup(
         torch.tensor(parts, dtype=torch.int64), ids, offsets, None, "sum"

@@ -115,6 +115,6 @@ def test_a_registered_shared_mapping_adds_no_anonymous_memory(table_file: Path) 
     grown = rss_anon() - before
     assert grown < 8 * MIB, f"registering grew RssAnon by {grown / MIB:.1f} MiB"
     ids = torch.arange(0, loaded.table.num_rows, 5)
-    got = ops.ibp_gather(*placed._args(), ids.to(device)).cpu()
+    got = ops.ibp_gather(*placed.op_args(), ids.to(device)).cpu()
     want = loaded.table.gather(ids).contiguous().view(torch.uint8).view(ids.numel(), -1)
     assert torch.equal(got, want)

@@ -591,6 +591,16 @@ def test_a_bad_chunk_width_in_meta_fails_the_load(mixed, chunk_bits: int) -> Non
     assert fresh.embedding_bags["t_mid"].chunk_bits == 0
 
 
+def test_a_bad_slot_unit_in_meta_is_reported_as_meta(mixed) -> None:
+    _, ours = mixed
+    state = dict(ours.state_dict())
+    meta = state["embedding_bags.t_mid.meta"].clone()
+    meta[3] = 3  # unit_bytes: not a power of two
+    state["embedding_bags.t_mid.meta"] = meta
+    with pytest.raises(RuntimeError, match=r"t_mid\.meta: unit_bytes 3 is not a valid slot unit"):
+        CompressedEmbeddingBagCollection(TABLES).load_state_dict(state)
+
+
 def test_an_index_that_disagrees_with_its_rows_fails_the_load(mixed) -> None:
     """Right sizes and dtypes, wrong contents: the loader's index checks catch it."""
     _, ours = mixed

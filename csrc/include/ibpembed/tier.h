@@ -12,6 +12,15 @@
 
 namespace ibpembed {
 
+// Table rows per bit word of a rank directory: one uint64 (rank_slot's `r >> 6` and `r & 63`).
+inline constexpr int kTierWordRows = 64;
+
+// Bit words of the rank directory of a table of num_rows rows; the directory holds two entries
+// per word (the bits, then the count before them).
+IBP_HD int64_t tier_dir_words(int64_t num_rows) {
+  return (num_rows + kTierWordRows - 1) / kTierWordRows;
+}
+
 // Where row r is in a tier, by the tier's rank directory `dir`: two uint64 words per 64 rows of
 // the table (16 bytes, 0.25 per row), a bit word (bit r & 63 set: the tier holds row r) and the
 // slot of the word's first held row (the rows the words before it hold). Slots follow row ids,

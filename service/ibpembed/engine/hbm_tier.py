@@ -248,7 +248,7 @@ def gather(table: CompressedTable, ids: torch.Tensor, tier: DeviceTier | None) -
         return table.gather(ids)
     a = tier.arrays
     raw = torch.ops.ibpembed.ibp_gather_hbm(
-        *table._args(),
+        *table.op_args(),
         ids.to(torch.int64).contiguous(),
         a.directory,
         a.slot_offset,

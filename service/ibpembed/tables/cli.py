@@ -17,7 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from ibpembed import codec
-from ibpembed.layout import DTYPE_CODES, INT8_ROWWISE_CODE
+from ibpembed.layout import DTYPE_CODES, INT8_ROWWISE_CODE, MAX_SLOT_UNIT
 from ibpembed.tables import format as tf
 from ibpembed.tables import importers, manifest, pack
 from ibpembed.tables import writer as tw
@@ -199,10 +199,8 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 
 def _align(text: str) -> int:
     value = _int(text)
-    if value < 1 or value & (value - 1) or value > codec.MAX_SLOT_UNIT:
-        raise argparse.ArgumentTypeError(
-            f"must be a power of two <= {codec.MAX_SLOT_UNIT}, got {value}"
-        )
+    if value < 1 or value & (value - 1) or value > MAX_SLOT_UNIT:
+        raise argparse.ArgumentTypeError(f"must be a power of two <= {MAX_SLOT_UNIT}, got {value}")
     return value
 
 

@@ -13,9 +13,9 @@ import torch
 from torch import Tensor, nn
 from torchrec.modules.embedding_configs import DataType, PoolingType
 
-from ibpembed import _C
+from ibpembed import _C, layout
 from ibpembed._ops import ops, pooled_dim
-from ibpembed.codec import CompressedTable, HotRows
+from ibpembed.codec import CompressedTable, HotRows, TableArgs
 from ibpembed.layout import DTYPE_CODES
 from ibpembed.tables.format import TableFileError, check_index
 
@@ -23,7 +23,10 @@ from ibpembed.tables.format import TableFileError, check_index
 # clear error instead of decoding garbage.
 STATE_VERSION = 1
 
-POOLING_CODES: dict[PoolingType, int] = {PoolingType.SUM: 0, PoolingType.MEAN: 1}
+POOLING_CODES: dict[PoolingType, int] = {
+    PoolingType.SUM: layout.POOLING_CODES["sum"],
+    PoolingType.MEAN: layout.POOLING_CODES["mean"],
+}
 TORCH_DTYPES: dict[DataType, torch.dtype] = {
     DataType.FP32: torch.float32,
     DataType.FP16: torch.float16,
@@ -118,11 +121,24 @@ class CompressedEmbeddingBag(nn.Module):
                 "CompressedEmbeddingBag has no table: build it with a CompressedTable or "
                 "load_state_dict into it"
             )
-        hot_dir: Tensor | None = None
-        hot_rows: Tensor | None = None
+        tier_dir: Tensor | None = None
+        tier_rows: Tensor | None = None
         if self.hot_ids.numel() > 0:
-            hot_dir, hot_rows = self.hot_dir, self.hot_rows
+            tier_dir, tier_rows = self.hot_dir, self.hot_rows
         return ops.lookup_pooled(
+            *self.op_args(),
+            indices,
+            offsets,
+            per_sample_weights,
+            self.dtype_code,
+            self.pooling_code,
+            tier_dir,
+            tier_rows,
+        )
+
+    def op_args(self) -> TableArgs:
+        """The buffers as every op takes them, as ``CompressedTable.op_args`` (scriptable)."""
+        return TableArgs(
             self.payload,
             self.block_base,
             self.row_units,
@@ -133,13 +149,6 @@ class CompressedEmbeddingBag(nn.Module):
             self.row_bytes,
             self.unit_bytes,
             self.num_embeddings,
-            indices,
-            offsets,
-            per_sample_weights,
-            self.dtype_code,
-            self.pooling_code,
-            hot_dir,
-            hot_rows,
         )
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
@@ -274,12 +283,12 @@ class CompressedEmbeddingBag(nn.Module):
         self._set_hot(None)  # copies of the previous rows
 
     def extra_repr(self) -> str:
-        pooling = "sum" if self.pooling_code == 0 else "mean"
+        pooling = "sum" if self.pooling_code == POOLING_CODES[PoolingType.SUM] else "mean"
         return f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}, mode={pooling}"
 
 
-# The first word of the op's table checks (table_view in lookup_ops.cpp) names the buffer at
-# fault, or one of these ints, which come from meta (row_bytes through its dim and dtype).
+# The table arguments that come from meta (row_bytes through its dim and dtype): a problem with
+# one of them is meta's.
 _META_INTS = ("chunk_bits", "unit_bytes", "row_bytes", "num_rows")
 
 
@@ -303,11 +312,17 @@ def _table_problem(
         if tensor.dtype != expected or tensor.dim() != 1:
             shape = list(tensor.shape)
             return f"{name}: expected a 1-D {expected} tensor, got {tensor.dtype} of shape {shape}"
-    if chunk_bits not in (16, 32, 64):
-        return f"meta: chunk_bits must be 16, 32 or 64, got {chunk_bits}"
     # The checks run on the host (the tensors of a GPU module's state dict are copied there,
     # except the payload: only its size is checked, and a host payload is not read).
     host = {name: buffers[name].cpu() for name in _BUFFER_NAMES[1:-1]}
+    row_bytes = dim * dtype.itemsize
+    shape_problem = _C.table_shape_problem(
+        **host, chunk_bits=chunk_bits, row_bytes=row_bytes, unit_bytes=unit_bytes,
+        num_rows=num_rows,
+    )  # fmt: skip
+    if shape_problem is not None:
+        arg, problem = shape_problem  # e.g. ("row_units", "row_units must have 1024 entries, ...")
+        return f"meta: {problem}" if arg in _META_INTS else problem
     payload = buffers["payload"]
     if payload.device.type != "cpu":
         if not payload.is_contiguous():
@@ -324,9 +339,9 @@ def _table_problem(
     except TableFileError as exc:
         return f"{exc.section}: {exc.problem}"
     except (ValueError, RuntimeError) as exc:
-        message = str(exc).splitlines()[0]  # e.g. "row_units must have 1024 entries, got 128"
-        culprit = message.split(" ", 1)[0].split("[", 1)[0]
-        return f"meta: {message}" if culprit in _META_INTS else message
+        # The op's checks past the shapes (contiguity, masks within the chunk width, the index
+        # against the payload) name the buffer at fault; the first line is the message.
+        return str(exc).splitlines()[0]
     return None
 
 
