@@ -21,13 +21,18 @@ import torch
 
 from ibpembed import _C, layout
 from ibpembed._ops import ops
+from ibpembed.codec_options import (
+    CHUNK_BITS_CHOICES,
+    CODE_BITS_CHOICES,
+    DEFAULT_ALIGN,
+    DEFAULT_SAMPLE_ROWS,
+    MAX_SLOT_UNIT,
+)
 from ibpembed.layout import DTYPE_CODES, INT8_ROWWISE_CODE, INT8_ROWWISE_HEADER_BYTES
 
 Method = Literal["ibpembed", "paper", "raw"]
 Pooling = Literal["sum", "mean"]
 
-CHUNK_BITS_CHOICES = (64, 32, 16)
-CODE_BITS_CHOICES = (1, 2, 3, 4)
 # (chunk_bits, code_bits) layouts the fit compares, in classes of equal decode speed, fastest
 # first: wider chunks decode more bytes per step, and C = 1 (plain IBP) needs no codebook lookup
 # per chunk; within a class the code width barely changes the decode cost. Codebooks (C > 1) are
@@ -43,11 +48,8 @@ FIT_LAYOUT_CLASSES = (
 # The smallest layout of a class wins it; a faster class is kept unless a slower one saves more
 # than this fraction of the raw bytes.
 FASTER_LAYOUT_SLACK = 0.01
-DEFAULT_SAMPLE_ROWS = 1_000_000
-DEFAULT_ALIGN: int | None = None  # None: the slot unit is chosen by measured size
 WIDTH_PROBE_ROWS = 65_536  # rows on which the chunk width is chosen
 ROWS_PER_BLOCK = 32
-MAX_SLOT_UNIT = 1 << 16  # format.h kMaxSlotUnit: the largest alignment a table may ask for
 _POOLING_CODES = {"sum": 0, "mean": 1}
 _BIT_WEIGHTS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
