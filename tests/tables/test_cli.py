@@ -220,6 +220,19 @@ def test_usage_errors_exit_2(argv: list[str]) -> None:
         (["--feature", "f="], "argument --feature: expected FEATURE=TABLE, got 'f='"),
         (["--sample-rows", "-5"], "argument --sample-rows: must be >= 0, got -5"),
         (["--sample-rows", "many"], "argument --sample-rows: invalid int value: 'many'"),
+        (
+            ["--method", "raw", "--code-bits", "3"],
+            "argument --code-bits: method 'raw' has no codebooks (it takes --code-bits 1 only)",
+        ),
+        (
+            ["--method", "paper", "--code-bits", "2"],
+            "argument --code-bits: method 'paper' has no codebooks",
+        ),
+        (["--table", "item", "--table", "item"], "argument --table: table 'item' is named twice"),
+        (
+            ["--feature", "f=item", "--feature", "f=t_user"],
+            "argument --feature: feature 'f' is mapped to both 'item' and 't_user'",
+        ),
     ],
 )
 def test_bad_pack_flags_exit_2_before_reading_a_source(

@@ -95,6 +95,22 @@ def _pack_usage_error(args: argparse.Namespace) -> str | None:
             shard_addresses(args.shard_address, args.shards)
         except ValueError as exc:
             return f"argument --shard-address: {exc}"
+    if args.method in ("paper", "raw") and args.code_bits not in (None, 1):
+        return (
+            f"argument --code-bits: method '{args.method}' has no codebooks "
+            f"(it takes --code-bits 1 only), got {args.code_bits}"
+        )
+    tables = args.table or []
+    for name in tables:
+        if tables.count(name) > 1:
+            return f"argument --table: table '{name}' is named twice"
+    mapped: dict[str, str] = {}
+    for feature, table in args.feature:
+        if mapped.setdefault(feature, table) != table:
+            return (
+                f"argument --feature: feature '{feature}' is mapped to both "
+                f"'{mapped[feature]}' and '{table}'"
+            )
     return None
 
 
