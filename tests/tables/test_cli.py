@@ -146,6 +146,22 @@ def test_pack_faults_exit_1(tmp_path: Path, sources: Path, argv: list[str], caps
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_a_sparse_tensor_is_refused_by_name(tmp_path: Path, layout: str, capsys) -> None:
+    """Every 2-D tensor is a table by default: a sparse one is named, with the way to leave it
+    out, instead of a traceback."""
+    dense = trained_like(20, 4)
+    adj = torch.eye(5).to_sparse() if layout == "coo" else torch.eye(5).to_sparse_csr()
+    torch.save({"emb": dense, "adj": adj}, tmp_path / "m.pt")
+    argv = ["pack", str(tmp_path / "m.pt"), "-o", str(tmp_path / "out"), "--no-progress"]
+    assert run(argv) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'm.pt'}: table 'adj' is a sparse tensor" in err, err
+    assert "--table" in err and len(err.splitlines()) == 1
+    assert run([*argv, "--table", "emb"]) == 0
+
+
 def _whole_then_cut(path: Path, keep: int) -> None:
     data = path.read_bytes()
     path.write_bytes(data[:keep])

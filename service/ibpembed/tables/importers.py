@@ -120,6 +120,11 @@ def _rows(weight: torch.Tensor, origin: str, name: str) -> torch.Tensor:
         raise SourceError(f"{origin}: table '{name}' is a {type(weight).__name__}, not a tensor")
     if weight.device.type == "meta":
         raise SourceError(f"{origin}: table '{name}' is on the meta device (not materialised)")
+    if weight.layout != torch.strided:  # sparse COO, CSR, ...: no rows to pack as they are
+        raise SourceError(
+            f"{origin}: table '{name}' is a sparse tensor ({weight.layout}), not dense rows; "
+            "pick the tables to pack by name (ibpembed pack --table NAME)"
+        )
     weight = weight.detach()
     if weight.device.type != "cpu":
         weight = weight.cpu()
