@@ -162,6 +162,22 @@ def test_a_sparse_tensor_is_refused_by_name(tmp_path: Path, layout: str, capsys)
     assert run([*argv, "--table", "emb"]) == 0
 
 
+def test_table_names_longer_than_a_file_name_pack(tmp_path: Path) -> None:
+    """A table's file name is cut from its name (its meta and the manifest keep it whole), so
+    names past the 255-byte file name limit pack, also two that share their first 250 bytes."""
+    names = ["e" * 250 + "_user", "e" * 250 + "_item", "ü" * 300]
+    tables = {name: trained_like(40, 4, seed=i) for i, name in enumerate(names)}
+    torch.save(tables, tmp_path / "m.pt")
+    out = tmp_path / "out"
+    assert run(["pack", str(tmp_path / "m.pt"), "-o", str(out), "--no-progress"]) == 0
+    assert run(["verify", str(out)]) == 0
+    assert len(list(out.glob("*.ibpt"))) == 3
+    with TableStore.load(out, verify=True).acquire() as snap:
+        assert sorted(snap.tables) == sorted(names)
+        for name, weight in tables.items():
+            assert same_bits(snap.tables[name].decompress(), weight)
+
+
 def _whole_then_cut(path: Path, keep: int) -> None:
     data = path.read_bytes()
     path.write_bytes(data[:keep])

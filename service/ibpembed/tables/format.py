@@ -165,9 +165,17 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
+# File names hold at most 255 bytes (Linux file systems); a table's file adds 22 to its stem
+# (".<16 hex>.ibpt"), and so does its temporary file (".<stem>.tmp-<pid>-<8 hex>").
+MAX_FILE_STEM = 200
+
+
 def file_stem(name: str) -> str:
-    """A file-name-safe form of a table name (table names may hold dots, slashes, spaces)."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".") or "table"
+    """A file-name-safe form of a table name (table names may hold dots, slashes, spaces), cut
+    to ``MAX_FILE_STEM`` characters. Table files are content-named (``<stem>.<header
+    checksum>.ibpt``, and the checksum covers the meta section, which holds the full name), so
+    two long names with one stem still get two files."""
+    return (re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".") or "table")[:MAX_FILE_STEM]
 
 
 def row_steps(num_rows: int, row_bytes: int, step_bytes: int) -> Iterator[tuple[int, int]]:
