@@ -17,6 +17,9 @@ from safetensors.torch import save_file
 
 from ibpembed import cli as main_cli
 from ibpembed.tables import cli
+from ibpembed.tables import format as tf
+from ibpembed.tables import writer as tw
+from ibpembed.tables.manifest import read_manifest
 from ibpembed.tables.store import TableStore
 from tests.tables.helpers import flip_bit, same_bits, section_ranges, trained_like
 
@@ -160,6 +163,28 @@ def test_a_sparse_tensor_is_refused_by_name(tmp_path: Path, layout: str, capsys)
     assert f"{tmp_path / 'm.pt'}: table 'adj' is a sparse tensor" in err, err
     assert "--table" in err and len(err.splitlines()) == 1
     assert run([*argv, "--table", "emb"]) == 0
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_pack_removes_only_the_files_it_wrote(tmp_path: Path, sources: Path, merge: bool) -> None:
+    """A pack sweeps what a previous manifest named and what a killed pack left (content-named
+    files, temporaries), never a table file someone else wrote into the directory."""
+    out = tmp_path / "out"
+    out.mkdir()
+    own = out / "user_emb.ibpt"  # the documented single-file writer, no manifest
+    tw.pack_table(own, trained_like(50, 4), name="user_emb")
+    left = tw.pack_table(out, trained_like(60, 4), name="killed", content_named=True).path
+    temp = out / ".item.tmp-123-abcd0123"
+    temp.write_bytes(b"partial")
+    argv = ["pack", str(sources / "item.npy"), "-o", str(out), "--no-progress"]
+    assert run([*argv, "--merge"] if merge else argv) == 0
+    first = {e.file for e in read_manifest(out).tables.values()}
+    assert own.exists() and not left.exists() and not temp.exists()
+    assert run(["pack", str(sources / "ckpt.pt"), "-o", str(out), "--no-progress"]) == 0
+    names = {p.name for p in out.glob("*.ibpt")}
+    assert names == {own.name, *(e.file for e in read_manifest(out).tables.values())}
+    assert not first & names  # the replaced set's files are gone
+    assert tf.verify_file(own).name == "user_emb"
 
 
 def test_table_names_longer_than_a_file_name_pack(tmp_path: Path) -> None:
