@@ -216,6 +216,23 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     return Manifest(tables=tables, features=features, table_set_version=table_set_version)
 
 
+def shard_count(directory: str | os.PathLike[str]) -> int | None:
+    """How many shards the ``shard_map.json`` in ``directory`` lists; None when there is none.
+
+    Raises
+    ------
+    TableSetError
+        for a shard map that cannot be read.
+    """
+    path = Path(directory) / SHARD_MAP
+    if not path.exists():
+        return None
+    try:
+        return len(json.loads(path.read_bytes())["shards"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TableSetError(f"{path}: cannot read the shard map: {exc}") from None
+
+
 def _is_count(value: Any, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 

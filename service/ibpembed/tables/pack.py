@@ -31,11 +31,13 @@ from ibpembed.tables.manifest import (
     LOCK_FILE,
     MANIFEST,
     MAX_TABLE_SET_VERSION,
+    SHARD_MAP,
     Manifest,
     ManifestEntry,
     RowRange,
     TableSetError,
     read_manifest,
+    shard_count,
     split_rows,
 )
 
@@ -223,6 +225,12 @@ def pack_table_set(
     with _pack_lock(directory), _unpublished_removed_on_error(directory, reports):
         version = next_version(directory) if table_set_version is None else table_set_version
         _check_newer(directory, version)
+        shards = shard_count(directory) if merge and shard is None else None
+        if shards is not None:  # the tables to keep are in the shards, not here
+            raise TableSetError(
+                f"{directory / SHARD_MAP}: the set has {shards} shards; a merge must keep them "
+                f"(--shards {shards})"
+            )
         kept = kept_for_merge(directory, table_set) if merge else Manifest({}, {})
         for source in table_set.tables:
             num_rows = source.weight.shape[0]
