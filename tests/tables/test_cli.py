@@ -416,6 +416,23 @@ def test_verify_ok_then_each_fault(packed: Path, capsys) -> None:
     assert run(["verify", str(packed / "nothing-here")]) == 1
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_the_root_of_a_sharded_set_names_its_shards(
+    tmp_path: Path, sources: Path, command: str, capsys
+) -> None:
+    out = tmp_path / "out"
+    argv = ["pack", str(sources), "-o", str(out), "--shards", "2", "--no-progress"]
+    assert run(argv) == 0
+    capsys.readouterr()
+    assert run([command, str(out)]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"holds 2 row shards (shard_map.json), each a table set: name one, e.g. {out}/shard-0-of-2"
+        in err
+    )
+    assert run([command, str(out / "shard-0-of-2")]) == 0
+
+
 def test_commands_are_registered_with_the_ibpembed_command(packed: Path) -> None:
     assert main_cli.COMMANDS["verify"][0] == "ibpembed.tables.cli"
     done = subprocess.run(

@@ -163,7 +163,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     try:
         body = json.loads(path.read_bytes())
     except (FileNotFoundError, NotADirectoryError):
-        raise TableSetError(f"{path}: no manifest; is this a packed table set?") from None
+        raise TableSetError(f"{path}: no manifest; {_not_a_set(Path(directory))}") from None
     except OSError as exc:
         raise TableSetError(f"{path}: cannot read the manifest: {exc.strerror}") from None
     except ValueError as exc:
@@ -214,6 +214,21 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
                 "manifest does not list"
             )
     return Manifest(tables=tables, features=features, table_set_version=table_set_version)
+
+
+def _not_a_set(directory: Path) -> str:
+    """Why a directory without a manifest is not a table set: the root of a sharded pack holds
+    one per shard, which is what to name."""
+    try:
+        count = shard_count(directory)
+    except TableSetError:
+        count = None
+    if count is None:
+        return "is this a packed table set?"
+    return (
+        f"{directory} holds {count} row shards ({SHARD_MAP}), each a table set: name one, "
+        f"e.g. {directory / shard_directory(0, count)}"
+    )
 
 
 def shard_count(directory: str | os.PathLike[str]) -> int | None:
