@@ -21,7 +21,13 @@ from ibpembed.tables import format as tf
 from ibpembed.tables import writer as tw
 from ibpembed.tables.manifest import read_manifest
 from ibpembed.tables.store import TableStore
-from tests.tables.helpers import flip_bit, same_bits, section_ranges, trained_like
+from tests.tables.helpers import (
+    flip_bit,
+    reseal_section,
+    same_bits,
+    section_ranges,
+    trained_like,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -386,6 +392,66 @@ def test_inspect_does_not_decode(packed: Path, capsys) -> None:
     flip_bit(one, begin + 1)
     assert run(["inspect", str(one)]) == 0  # headers are fine; the payload is verify's job
     assert run(["verify", str(one)]) == 1
+
+
+@pytest.mark.parametrize(
+    "where", ["mask", "bitval", "block_base", "row_units", "bitmask", "meta", "gap"]
+)
+@pytest.mark.parametrize("target", ["file", "dir"])
+def test_inspect_checks_every_section_but_the_payload(
+    packed: Path, where: str, target: str, capsys
+) -> None:
+    """A flipped bit anywhere but in the payload is caught by inspect as by a load (the small
+    sections and the zero gaps are hashed; the payload is verify's)."""
+    one = next(packed.glob("t_user.*.ibpt"))
+    ranges = section_ranges(one)
+    offset = ranges["payload"][0] - 1 if where == "gap" else ranges[where][0]
+    assert where != "gap" or offset >= ranges["bitmask"][1]  # the page-aligned payload's gap
+    flip_bit(one, offset)
+    assert run(["inspect", str(one if target == "file" else packed)]) == 1
+    err = capsys.readouterr().err
+    section = "payload" if where == "gap" else where  # a gap is named by the section after it
+    assert err.startswith(f"ibpembed inspect: error: {one}: section '{section}': "), err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("meta", "problem"),
+    [
+        (b"[1]", "section 'meta': expected a JSON object with a 'name'"),
+        (b'{"gpu_layout": {}}', "section 'meta': expected a JSON object with a 'name'"),
+        (b'{"name": "t_user", "gpu_layout": "x"}', "'gpu_layout' must be an object"),
+    ],
+)
+def test_inspect_refuses_a_malformed_meta_with_sound_checksums(
+    packed: Path, meta: bytes, problem: str, capsys
+) -> None:
+    one = next(packed.glob("t_user.*.ibpt"))
+    begin, end = section_ranges(one)["meta"]
+    reseal_section(one, tf.SectionKind.META, meta.ljust(end - begin))  # JSON allows the spaces
+    assert run(["inspect", str(one)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ibpembed inspect: error: ") and problem in err, err
+    assert len(err.splitlines()) == 1
+
+
+def test_inspect_checks_each_file_against_its_manifest_entry(packed: Path, capsys) -> None:
+    """A sound file that is not the one the manifest names (swapped behind its back) is the
+    mismatch a load refuses; a missing one is named."""
+    entries = read_manifest(packed).tables
+    user, item = (packed / entries[name].file for name in ("t_user", "item"))
+    item.unlink()
+    assert run(["inspect", str(packed)]) == 1
+    assert f"table 'item': file {item} is missing" in capsys.readouterr().err
+    user.rename(item)
+    assert run(["inspect", str(packed)]) == 1
+    assert "table 'item': " in capsys.readouterr().err
+    assert run(["inspect", str(item)]) == 0  # the file alone is sound
+
+
+def test_inspect_names_the_dtype(packed: Path, capsys) -> None:
+    assert run(["inspect", str(next(packed.glob("item.*.ibpt")))]) == 0
+    assert "  dtype            float16 (code 1)\n" in capsys.readouterr().out
 
 
 def test_inspect_shows_files_of_other_layouts(capsys) -> None:

@@ -172,22 +172,22 @@ def run_pack(args: argparse.Namespace) -> int:
 
 
 def describe_file(path: Path) -> dict[str, Any]:
-    """Header, sections and metadata of a table file, read without decoding or hashing rows."""
-    with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        f.seek(0)
-        head = f.read(tf.HEADER.size + tf.SECTION.size * len(tf.SectionKind))
-        header = tf.read_header(path, head, size, any_layout=True)
-        sections = tf.read_sections(path, head, header)
-        meta_section = sections[-1]
-        f.seek(meta_section.offset)
-        meta_bytes = f.read(meta_section.length)
-    try:
-        meta = json.loads(meta_bytes)
-    except ValueError as exc:
-        raise tf.TableFileError(path, "meta", f"not valid JSON: {exc}") from None
+    """Header, sections and metadata of a table file, read without decoding a row: every
+    checksum but the payload's is checked (hashing the payload reads every byte: verify's job),
+    and the meta section must be a JSON object with a name (and a well-formed ``gpu_layout``,
+    whose reason is printed)."""
+    return _description(tf.read_layout(path))
+
+
+def _description(layout: tf.FileLayout) -> dict[str, Any]:
+    header, meta = layout.header, layout.meta
+    gpu = meta.get("gpu_layout")
+    if gpu is not None and not (isinstance(gpu, dict) and isinstance(gpu.get("reason"), str)):
+        raise tf.TableFileError(
+            layout.path, "meta", f"'gpu_layout' must be an object with a 'reason', got {gpu!r}"
+        )
     return {
-        "file": str(path),
+        "file": str(layout.path),
         "header": {
             **vars(header),
             "sections_xxh3": f"{header.sections_xxh3:016x}",
@@ -195,26 +195,45 @@ def describe_file(path: Path) -> dict[str, Any]:
         },
         "sections": [
             {"kind": s.kind.label, "offset": s.offset, "length": s.length, "xxh3": f"{s.xxh3:016x}"}
-            for s in sections
+            for s in layout.sections
         ],
-        "meta": meta,
+        "meta": dict(meta),
     }
+
+
+def _describe_set(directory: Path, found: manifest.Manifest) -> list[dict[str, Any]]:
+    """Every table file of a set, each checked against its manifest entry as a load checks it
+    (header checksum, name, shape, dtype, row range)."""
+    descriptions = []
+    for name, entry in found.tables.items():
+        path = directory / entry.file
+        if not path.is_file():
+            raise manifest.TableSetError(
+                f"{directory / manifest.MANIFEST}: table '{name}': file {path} is missing"
+            )
+        layout = tf.read_layout(path)
+        manifest.check_entry(directory / manifest.MANIFEST, name, entry, layout)
+        descriptions.append(_description(layout))
+    return descriptions
+
+
+def _dtype_label(code: int) -> str:
+    """A header's dtype code as reports name it: the dtype, or ``int8_rowwise``."""
+    by_code = {c: d for d, c in DTYPE_CODES.items()}
+    return "int8_rowwise" if code == INT8_ROWWISE_CODE else tf.dtype_name(by_code[code])
 
 
 def summarize(desc: dict[str, Any]) -> dict[str, Any]:
     """One table's size line for ``inspect``: rows, dtype name, raw bytes (rows x row bytes),
     stored bytes (every section but the metadata: what a server holds) and the savings."""
     header = desc["header"]
-    code = header["dtype_code"]
-    by_code = {c: d for d, c in DTYPE_CODES.items()}
-    dtype = "int8_rowwise" if code == INT8_ROWWISE_CODE else tf.dtype_name(by_code[code])
     raw = header["num_rows"] * header["row_bytes"]
     stored = sum(s["length"] for s in desc["sections"] if s["kind"] != "meta")
     return {
-        "table": desc["meta"].get("name", Path(desc["file"]).name),
+        "table": desc["meta"]["name"],
         "rows": header["num_rows"],
         "dim": header["dim"],
-        "dtype": dtype,
+        "dtype": _dtype_label(header["dtype_code"]),
         "raw_bytes": raw,
         "stored_bytes": stored,
         "savings": 1 - stored / raw,
@@ -273,7 +292,10 @@ def _summary_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _print_description(desc: dict[str, Any]) -> None:
     print(f"{desc['file']}")
     for key, value in desc["header"].items():
-        print(f"  {key:<16} {value}")
+        if key == "dtype_code":
+            print(f"  {'dtype':<16} {_dtype_label(value)} (code {value})")
+        else:
+            print(f"  {key:<16} {value}")
     print("  sections:")
     for s in desc["sections"]:
         print(
@@ -290,10 +312,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     try:
         if args.path.is_dir():
             found = manifest.read_manifest(args.path)
-            files = [args.path / e.file for e in found.tables.values()]
             result: dict[str, Any] = {
                 "manifest": json.loads(found.to_json()),
-                "tables": [describe_file(p) for p in files],
+                "tables": _describe_set(args.path, found),
             }
         else:
             result = {"tables": [describe_file(args.path)]}

@@ -304,10 +304,11 @@ def _parse_entry(path: Path, name: str, raw: Any) -> ManifestEntry:
 
 
 def check_entry(
-    manifest_path: str | os.PathLike[str], name: str, entry: ManifestEntry, loaded: tf.TableFile
+    manifest_path: str | os.PathLike[str], name: str, entry: ManifestEntry, loaded: tf.FileLayout
 ) -> None:
-    """Check that ``loaded`` is the file ``entry`` describes: its header checksum and name, and
-    the rows, width, dtype, quantisation and row range its header and metadata record.
+    """Check that ``loaded`` (a loaded table file, or its layout alone) is the file ``entry``
+    describes: its header checksum and name, and the rows, width, dtype, quantisation and row
+    range its header and metadata record.
 
     Raises
     ------
@@ -323,8 +324,8 @@ def check_entry(
     in_file = {
         "num_rows": header.num_rows,
         "dim": header.dim,
-        "dtype": tf.dtype_name(loaded.table.dtype),
-        "quant": loaded.table.quant,
+        "dtype": tf.dtype_name(header.dtype),
+        "quant": header.quant,
         "row_start": meta.get("row_start", 0),
         "total_rows": meta.get("total_rows", header.num_rows),
     }
