@@ -522,6 +522,12 @@ def validate_table(table: torch.Tensor, quant: str | None = None) -> None:
         raise ValueError(f"table must be 2-D [num_rows, dim], got shape {tuple(table.shape)}")
     if table.shape[0] == 0 or table.shape[1] == 0:
         raise ValueError(f"table must be non-empty, got shape {tuple(table.shape)}")
+    row_bytes = table.shape[1] * table.element_size()
+    if row_bytes > layout.MAX_ROW_BYTES:
+        raise ValueError(
+            f"rows must be at most {layout.MAX_ROW_BYTES} bytes, got {table.shape[1]} x "
+            f"{table.dtype} = {row_bytes} bytes"
+        )
     if not table.is_contiguous():
         raise ValueError("table must be contiguous (call .contiguous() first)")
     if table.device.type != "cpu":

@@ -209,6 +209,26 @@ def test_table_names_longer_than_a_file_name_pack(tmp_path: Path) -> None:
             assert same_bits(snap.tables[name].decompress(), weight)
 
 
+def test_rows_wider_than_the_format_holds_are_refused_before_packing(
+    tmp_path: Path, capsys
+) -> None:
+    """The 64 KiB row limit is checked with the other source checks, naming the table, before
+    any table is packed (a table listed before it included)."""
+    np.save(tmp_path / "a_first.npy", trained_like(100, 8).numpy())
+    np.save(tmp_path / "z_wide.npy", np.zeros((2, 16385), np.float32))
+    np.save(tmp_path / "z_widest.npy", np.zeros((2, 16384), np.float32))  # 65536 bytes: fits
+    out = tmp_path / "out"
+    argv = ["pack", str(tmp_path / "a_first.npy"), "-o", str(out), "--no-progress"]
+    assert run([*argv[:2], str(tmp_path / "z_wide.npy"), *argv[2:]]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"{tmp_path / 'z_wide.npy'}: table 'z_wide': rows must be at most 65536 bytes, got "
+        "16385 x torch.float32 = 65540 bytes" in err
+    ), err
+    assert not out.exists()
+    assert run([*argv[:2], str(tmp_path / "z_widest.npy"), *argv[2:]]) == 0
+
+
 def _whole_then_cut(path: Path, keep: int) -> None:
     data = path.read_bytes()
     path.write_bytes(data[:keep])
