@@ -159,3 +159,19 @@ def test_a_merge_must_keep_the_sets_layout(tmp_path: Path, capsys) -> None:
     assert {d: _files(d) for d in (sharded, whole)} == before
     assert run([*merge, "-o", str(sharded), "--shards", "2"]) == 0
     assert set(json.loads((sharded / SHARD_MAP).read_text())["tables"]) == {"t", "u"}
+
+
+def test_a_feature_of_a_kept_table_needs_that_table_packed(tmp_path: Path, capsys) -> None:
+    """--feature maps to the tables a pack packs; a merge keeps the others as they are, so an
+    alias of one is refused saying so, and packing that table again maps it."""
+    torch.save({"t": trained_like(50, 8)}, tmp_path / "t.pt")
+    torch.save({"u": trained_like(60, 8)}, tmp_path / "u.pt")
+    out = tmp_path / "set"
+    assert run(["pack", str(tmp_path / "t.pt"), "-o", str(out), "--no-progress"]) == 0
+    merge = ["-o", str(out), "--no-progress", "--merge", "--feature", "alias=t"]
+    assert run(["pack", str(tmp_path / "u.pt"), *merge]) == 1
+    err = capsys.readouterr().err
+    assert "feature 'alias' maps to table 't', which is not among the tables packed ['u']" in err
+    assert "for a table a merge keeps, pack that table again" in err
+    assert run(["pack", str(tmp_path / "t.pt"), str(tmp_path / "u.pt"), *merge]) == 0
+    assert read_manifest(out).features["alias"] == "t"

@@ -86,7 +86,11 @@ class TableSet:
                 raise SourceError(f"{source.origin}: table '{source.name}': {exc}") from None
         for feature, table in self.extra_features.items():
             if table not in seen:
-                raise SourceError(f"feature '{feature}' maps to unknown table '{table}'")
+                raise SourceError(
+                    f"feature '{feature}' maps to table '{table}', which is not among the tables "
+                    f"packed {sorted(seen)}: a feature maps only to a table packed with it (for a "
+                    "table a merge keeps, pack that table again)"
+                )
         self.features()  # raises on a feature claimed by two tables
 
     def features(self) -> dict[str, str]:
