@@ -19,7 +19,9 @@ from ibpembed import cli as main_cli
 from ibpembed.tables import cli
 from ibpembed.tables import format as tf
 from ibpembed.tables import writer as tw
+from ibpembed.tables.importers import TableSet, TableSource
 from ibpembed.tables.manifest import read_manifest
+from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.store import TableStore
 from tests.tables.helpers import (
     flip_bit,
@@ -331,6 +333,31 @@ def test_bad_pack_flags_exit_2_before_reading_a_source(
     assert code == 2
     assert f"ibpembed pack: error: {message}" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_feature_may_not_take_a_tables_only_feature(tmp_path: Path, sources: Path, capsys):
+    """`--feature item=t_user` would leave table item packed but read by no lookup (lookups
+    name features): refused, saying how to alias instead."""
+    argv = ["pack", str(sources), "-o", str(tmp_path / "out"), "--no-progress"]
+    assert run([*argv, "--feature", "item=t_user"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "--feature item=t_user maps every feature of table 'item' to another table, leaving "
+        "nothing to look 'item' up with" in err
+    ), err
+    assert not (tmp_path / "out").exists()
+    assert run([*argv, "--feature", "item_alias=t_user"]) == 0
+
+
+def test_a_feature_mapped_away_leaves_the_tables_feature_names(tmp_path: Path) -> None:
+    """A table keeps, in its manifest entry and meta, the features still mapped to it."""
+    two = TableSource("two", trained_like(20, 4), feature_names=("f", "g"))
+    one = TableSource("one", trained_like(20, 4, seed=1))
+    pack_table_set(tmp_path, TableSet((two, one), {"f": "one"}), sample_rows=None)
+    found = read_manifest(tmp_path)
+    assert dict(found.features) == {"f": "one", "g": "two", "one": "one"}
+    assert found.tables["two"].feature_names == ("g",)
+    assert tf.read_table(tmp_path / found.tables["two"].file).meta["feature_names"] == ["g"]
 
 
 def test_pack_code_bits_writes_codebooks_that_verify(tmp_path: Path, sources: Path, capsys) -> None:

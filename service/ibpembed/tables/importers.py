@@ -91,7 +91,19 @@ class TableSet:
                     f"packed {sorted(seen)}: a feature maps only to a table packed with it (for a "
                     "table a merge keeps, pack that table again)"
                 )
-        self.features()  # raises on a feature claimed by two tables
+        served = set(self.features().values())  # raises on a feature claimed by two tables
+        for source in self.tables:
+            if source.name not in served:
+                # Lookups name features: packed, such a table would be stored and loaded but
+                # read by nothing. Usually a slip: `--feature a=b` meant as an alias of b.
+                moved = ", ".join(
+                    f"{f}={t}" for f, t in self.extra_features.items() if f in source.features
+                )
+                raise SourceError(
+                    f"--feature {moved} maps every feature of table '{source.name}' to another "
+                    f"table, leaving nothing to look '{source.name}' up with: give the new feature "
+                    f"a name of its own, or leave table '{source.name}' out (--table)"
+                )
 
     def features(self) -> dict[str, str]:
         """feature -> table: each table's features, then ``extra_features``."""

@@ -164,9 +164,9 @@ def _entry(
     )
 
 
-def _source_meta(source: TableSource, rows: RowRange) -> dict[str, Any]:
+def _source_meta(source: TableSource, features: tuple[str, ...], rows: RowRange) -> dict[str, Any]:
     meta: dict[str, Any] = {
-        "feature_names": list(source.features),
+        "feature_names": list(features),
         "pooling": source.pooling,
         "origin": source.origin,
     }
@@ -232,7 +232,10 @@ def pack_table_set(
                 f"(--shards {shards})"
             )
         kept = kept_for_merge(directory, table_set) if merge else Manifest({}, {})
+        mapping = table_set.features()
         for source in table_set.tables:
+            # Its own features, less those `--feature` maps to another table.
+            own = tuple(f for f in source.features if mapping[f] == source.name)
             num_rows = source.weight.shape[0]
             rows = (
                 RowRange.whole(num_rows)
@@ -255,18 +258,18 @@ def pack_table_set(
                 align=align,
                 chunk_bits=chunk_bits,
                 code_bits=code_bits,
-                meta=_source_meta(source, rows),
+                meta=_source_meta(source, own, rows),
                 progress=progress(part) if progress else None,
                 for_gpu=for_gpu,
             )
-            entries[source.name] = _entry(packed, source.pooling, source.features, rows)
+            entries[source.name] = _entry(packed, source.pooling, own, rows)
             reports.append(packed)
             if on_table is not None:
                 on_table(packed)
         tables = {**kept.tables, **entries}
         # A repacked table keeps the features that mapped to it, unless this shard left it out.
         carried = {f: t for f, t in kept.features.items() if t in tables}
-        features = {f: t for f, t in table_set.features().items() if t in entries}
+        features = {f: t for f, t in mapping.items() if t in entries}
         _publish(
             directory,
             Manifest(
