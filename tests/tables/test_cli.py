@@ -108,6 +108,29 @@ def test_pack_text_report_and_table_selection(tmp_path: Path, sources: Path, cap
     assert "item" in text and "t_user" not in text and "wrote 1 table(s)" in text
 
 
+def test_text_reports_have_every_column_and_no_trailing_spaces(
+    tmp_path: Path, sources: Path, capsys
+) -> None:
+    out = tmp_path / "out"
+    assert run(["pack", str(sources), "-o", str(out), "--no-progress", "--code-bits", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == [
+        "table", "rows", "dim", "dtype", "chunk_bits", "code_bits", "savings", "seconds",
+    ]  # fmt: skip
+    assert [line.split()[5] for line in lines[1:3]] == ["1", "1"]
+    assert run(["inspect", str(out)]) == 0
+    lines += capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line != line.rstrip()] == []
+
+
+def test_every_flag_has_help() -> None:
+    subparsers = argparse.ArgumentParser(prog="ibpembed").add_subparsers()
+    cli.register(subparsers)
+    for name, command in subparsers.choices.items():
+        bare = [a.option_strings or a.dest for a in command._actions if not a.help]
+        assert bare == [], f"ibpembed {name}: no help for {bare}"
+
+
 def test_table_selection_applies_before_other_entries_are_checked(tmp_path: Path) -> None:
     emb = trained_like(100, 8)
     checkpoint = {"model": {"emb": emb, "pos_ids": torch.arange(20).reshape(2, 10)}}

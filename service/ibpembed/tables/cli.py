@@ -46,7 +46,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="table-set directory to publish into (created if missing)",
     )
-    pack.add_argument("--method", choices=("ibpembed", "paper", "raw"), default="ibpembed")
+    pack.add_argument(
+        "--method",
+        choices=("ibpembed", "paper", "raw"),
+        default="ibpembed",
+        help="ibpembed: per-position masks, chunk and code width measured per table (default); "
+        "paper: the published global-threshold sweep on the widest integer view; raw: every "
+        "row stored raw (the uncompressed baseline, in the same layout and engine)",
+    )
     pack.add_argument(
         "--align",
         type=_align,
@@ -130,8 +137,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Print the header, section table and metadata of an .ibpt file, or the "
         "manifest and headers of a table set directory, without decoding any row.",
     )
-    inspect.add_argument("path", type=Path, metavar="FILE|DIR")
-    inspect.add_argument("--json", action="store_true")
+    inspect.add_argument(
+        "path", type=Path, metavar="FILE|DIR", help="a table file (.ibpt) or a table set directory"
+    )
+    inspect.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document (manifest, every file's header, sections and meta, and the "
+        "size summary) instead of text",
+    )
     inspect.add_argument(
         "--hot-tier",
         metavar="BUDGET",
@@ -147,7 +161,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Check every section checksum, decode every row and compare with the source "
         "hash recorded at pack time. Exit code 1 on any fault.",
     )
-    verify.add_argument("path", type=Path, metavar="FILE|DIR")
+    verify.add_argument(
+        "path", type=Path, metavar="FILE|DIR", help="a table file (.ibpt) or a table set directory"
+    )
     verify.add_argument(
         "--json",
         action="store_true",

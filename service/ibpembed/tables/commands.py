@@ -80,9 +80,8 @@ def _report_row(p: tw.PackedTable) -> dict[str, Any]:
 def _print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
     cells = [[str(r[c]) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
-    for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+    for row in [list(columns), *cells]:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
 
 
 def _pack_usage_error(args: argparse.Namespace) -> str | None:
@@ -159,7 +158,7 @@ def run_pack(args: argparse.Namespace) -> int:
         for row in rows:
             row["savings"] = f"{100 * row['savings']:.1f}%"
             row["seconds"] = f"{row['seconds']:.2f}"
-        columns = ("table", "rows", "dim", "dtype", "chunk_bits", "savings", "seconds")
+        columns = ("table", "rows", "dim", "dtype", "chunk_bits", "code_bits", "savings", "seconds")
         _print_table(rows, columns if args.shards is None else ("shard", *columns))
         if args.shards is None:
             print(f"wrote {len(rows)} table(s) to {args.output}")
