@@ -546,10 +546,31 @@ def test_verify_ok_then_each_fault(packed: Path, capsys) -> None:
     assert run(["verify", str(packed)]) == 1
     captured = capsys.readouterr()
     assert captured.out.count("OK") == 1  # the healthy table still verifies
-    assert f"FAIL {victim}: section 'payload'" in captured.err
+    assert f"FAIL {victim}: section 'payload'" in captured.out  # the report is on stdout
+    assert captured.err == ""
     victim.unlink()
     assert run(["verify", str(packed)]) == 1
+    assert f"table 't_user': file {victim} is missing" in capsys.readouterr().out
     assert run(["verify", str(packed / "nothing-here")]) == 1
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_missing_path_is_one_plain_error_line(tmp_path: Path, command: str, capsys) -> None:
+    """No '[Errno 2]' or quotes: the path and the reason, as other tools say it."""
+    assert run([command, str(tmp_path / "nope")]) == 1
+    captured = capsys.readouterr()
+    assert (
+        captured.err
+        == f"ibpembed {command}: error: {tmp_path / 'nope'}: no such file or directory\n"
+    )
+    assert captured.out == ""
+
+
+def test_an_os_error_names_the_path_and_the_reason(tmp_path: Path, sources: Path, capsys) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    argv = ["pack", str(sources), "-o", str(tmp_path / "file"), "--no-progress"]
+    assert run(argv) == 1
+    assert capsys.readouterr().err == (f"ibpembed pack: error: {tmp_path / 'file'}: file exists\n")
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify"])

@@ -25,8 +25,20 @@ EXIT_FAULT = 1
 EXIT_USAGE = 2
 
 
+def _message(error: Exception) -> str:
+    """An error in one line; an OSError as ``<file>: <reason>``, without Python's ``[Errno N]``
+    and quotes."""
+    if not isinstance(error, OSError) or not error.strerror:
+        return str(error)
+    reason = error.strerror[:1].lower() + error.strerror[1:]
+    if error.filename is None:
+        return reason
+    names = error.filename if error.filename2 is None else f"{error.filename} -> {error.filename2}"
+    return f"{names}: {reason}"
+
+
 def _fail(command: str, error: Exception) -> int:
-    print(f"ibpembed {command}: error: {error}", file=sys.stderr)
+    print(f"ibpembed {command}: error: {_message(error)}", file=sys.stderr)
     return EXIT_FAULT
 
 
@@ -205,15 +217,20 @@ def _describe_set(directory: Path, found: manifest.Manifest) -> list[dict[str, A
     (header checksum, name, shape, dtype, row range)."""
     descriptions = []
     for name, entry in found.tables.items():
-        path = directory / entry.file
-        if not path.is_file():
-            raise manifest.TableSetError(
-                f"{directory / manifest.MANIFEST}: table '{name}': file {path} is missing"
-            )
-        layout = tf.read_layout(path)
+        layout = tf.read_layout(_set_file(directory, name, entry))
         manifest.check_entry(directory / manifest.MANIFEST, name, entry, layout)
         descriptions.append(_description(layout))
     return descriptions
+
+
+def _set_file(directory: Path, name: str, entry: manifest.ManifestEntry) -> Path:
+    """The file of a set's table; a missing one is named as a load names it."""
+    path = directory / entry.file
+    if not path.is_file():
+        raise manifest.TableSetError(
+            f"{directory / manifest.MANIFEST}: table '{name}': file {path} is missing"
+        )
+    return path
 
 
 def _dtype_label(code: int) -> str:
@@ -347,24 +364,28 @@ def run_verify(args: argparse.Namespace) -> int:
         if args.path.is_dir():
             found = manifest.read_manifest(args.path)
             targets = [(name, args.path / e.file, e) for name, e in found.tables.items()]
-        else:
+        elif args.path.exists():
             targets = [(None, args.path, None)]
+        else:  # no table to report on: an error line, as inspect gives
+            raise ValueError(f"{args.path}: no such file or directory")
     except (ValueError, OSError) as exc:
         if args.json:
-            print(
-                json.dumps({"path": str(args.path), "ok": False, "error": str(exc), "tables": []})
-            )
+            error = _message(exc)
+            print(json.dumps({"path": str(args.path), "ok": False, "error": error, "tables": []}))
         return _fail("verify", exc)
     results = []
     for name, path, entry in targets:
         try:
+            if entry is not None:
+                _set_file(args.path, name, entry)
             loaded = tf.verify_file(path)
             if entry is not None:  # the checks a load makes: checksum, name, shape, row range
                 manifest.check_entry(args.path / manifest.MANIFEST, name, entry, loaded)
         except (ValueError, OSError) as exc:
-            results.append({"table": name, "file": str(path), "ok": False, "error": str(exc)})
-            if not args.json:
-                print(f"FAIL {exc}", file=sys.stderr, flush=True)
+            error = _message(exc)
+            results.append({"table": name, "file": str(path), "ok": False, "error": error})
+            if not args.json:  # on stdout with the OK lines: the exit status tells a failure
+                print(f"FAIL {error}", flush=True)
             continue
         rows, dim = loaded.header.num_rows, loaded.header.dim
         results.append(
