@@ -114,6 +114,7 @@ PYBIND11_MODULE(_C, module) {
   module.attr("MAX_UNITS_PER_ROW") = ibpembed::kMaxUnitsPerRow;
   module.attr("MAX_SLOT_UNIT") = ibpembed::kMaxSlotUnit;
   module.attr("TIER_WORD_ROWS") = ibpembed::kTierWordRows;
+  module.attr("MAX_ROW_BYTES") = ibpembed::kMaxRowBytes;
   module.attr("INT8_ROWWISE_HEADER_BYTES") = ibpembed::kInt8RowwiseHeaderBytes;
   module.attr("DTYPE_FLOAT32") = static_cast<int>(ibpembed::DType::kFloat32);
   module.attr("DTYPE_FLOAT16") = static_cast<int>(ibpembed::DType::kFloat16);

@@ -21,6 +21,12 @@ import torch
 
 from ibpembed import _C, layout
 from ibpembed._ops import ops
+from ibpembed.codec_options import (
+    CHUNK_BITS_CHOICES,
+    CODE_BITS_CHOICES,
+    DEFAULT_ALIGN,
+    DEFAULT_SAMPLE_ROWS,
+)
 from ibpembed.layout import (
     BITMASK_WORD_ROWS,
     DTYPE_CODES,
@@ -36,8 +42,6 @@ from ibpembed.layout import (
 Method = Literal["ibpembed", "paper", "raw"]
 Pooling = Literal["sum", "mean"]
 
-CHUNK_BITS_CHOICES = (64, 32, 16)
-CODE_BITS_CHOICES = (1, 2, 3, 4)
 # (chunk_bits, code_bits) layouts the fit compares, in classes of equal decode speed, fastest
 # first: wider chunks decode more bytes per step, and C = 1 (plain IBP) needs no codebook lookup
 # per chunk; within a class the code width barely changes the decode cost. Codebooks (C > 1) are
@@ -53,8 +57,6 @@ FIT_LAYOUT_CLASSES = (
 # The smallest layout of a class wins it; a faster class is kept unless a slower one saves more
 # than this fraction of the raw bytes.
 FASTER_LAYOUT_SLACK = 0.01
-DEFAULT_SAMPLE_ROWS = 1_000_000
-DEFAULT_ALIGN: int | None = None  # None: the slot unit is chosen by measured size
 WIDTH_PROBE_ROWS = 65_536  # rows on which the chunk width is chosen
 _BIT_WEIGHTS = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
@@ -557,6 +559,12 @@ def validate_table(table: torch.Tensor, quant: str | None = None) -> None:
         raise ValueError(f"table must be 2-D [num_rows, dim], got shape {tuple(table.shape)}")
     if table.shape[0] == 0 or table.shape[1] == 0:
         raise ValueError(f"table must be non-empty, got shape {tuple(table.shape)}")
+    row_bytes = table.shape[1] * table.element_size()
+    if row_bytes > layout.MAX_ROW_BYTES:
+        raise ValueError(
+            f"rows must be at most {layout.MAX_ROW_BYTES} bytes, got {table.shape[1]} x "
+            f"{table.dtype} = {row_bytes} bytes"
+        )
     if not table.is_contiguous():
         raise ValueError("table must be contiguous (call .contiguous() first)")
     if table.device.type != "cpu":

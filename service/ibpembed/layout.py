@@ -17,6 +17,7 @@ ROWS_PER_BLOCK = int(_C.ROWS_PER_BLOCK)  # rows per index block (block_base entr
 PAYLOAD_PAD = int(_C.PAYLOAD_PAD)  # zero bytes past a payload's end the decoders may read
 MAX_UNITS_PER_ROW = int(_C.MAX_UNITS_PER_ROW)  # a row's slot size in units fits a uint8
 MAX_SLOT_UNIT = int(_C.MAX_SLOT_UNIT)  # the largest slot unit (alignment) a table may ask for
+MAX_ROW_BYTES = int(_C.MAX_ROW_BYTES)  # the widest row the codec holds (16384 fp32 elements)
 INT8_ROWWISE_HEADER_BYTES = int(_C.INT8_ROWWISE_HEADER_BYTES)  # fp16 scale + fp16 bias
 BITMASK_WORD_ROWS = 32  # rows per int32 word of the compressed-row bitmask
 TIER_WORD_ROWS = int(_C.TIER_WORD_ROWS)  # table rows per bit word of a tier's rank directory

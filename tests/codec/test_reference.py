@@ -494,3 +494,10 @@ def test_fit_codebooks_op_equals_one_fit_per_width(chunk_bits: int) -> None:
     for i, code_bits in enumerate((4, 2, 3)):
         mask, bitval = ops.ibp_fit(npy, chunk_bits, "ibpembed", code_bits)
         assert torch.equal(out[2 * i], mask) and torch.equal(out[2 * i + 1], bitval)
+
+
+def test_the_torch_free_codec_limits_are_the_headers() -> None:
+    # codec_options copies format.h's limits so that command-line parsers skip torch.
+    from ibpembed import codec_options, layout
+
+    assert codec_options.MAX_SLOT_UNIT == layout.MAX_SLOT_UNIT

@@ -75,6 +75,14 @@ def test_python_dash_m_runs_the_command() -> None:
     assert result.stdout.startswith("ibpembed ")
 
 
+@pytest.mark.parametrize("command", ["pack", "inspect", "verify"])
+def test_table_command_help_does_not_import_torch(command: str) -> None:
+    # The table commands' parser is torch-free; their work (ibpembed.tables.commands) is not.
+    result, modules = _modules_after(command, "--help")
+    assert result.stdout.startswith(f"usage: ibpembed {command}"), result.stderr
+    assert "torch" not in modules and "numpy" not in modules, sorted(modules)[:20]
+
+
 def test_a_command_imports_only_its_own_module() -> None:
     _, modules = _modules_after("triton-repo", "--help")
     assert "ibpembed.triton.cli" in modules

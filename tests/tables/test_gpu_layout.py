@@ -291,6 +291,19 @@ def test_pack_for_gpu_records_the_layout_and_inspect_says_why(tmp_path: Path, ca
     assert "gpu layout: stored raw: its best compressed layout" in out
 
 
+def test_pack_for_gpu_stores_a_table_raw_under_a_forced_code_width(tmp_path: Path, capsys) -> None:
+    """--code-bits shapes the compressed layout; a table that goes raw has no codebooks, so the
+    raw alternative is built without it instead of failing the pack."""
+    item = trained(2000, 16, 6)  # stored raw (test above)
+    np.save(tmp_path / "item.npy", item.numpy())
+    out = tmp_path / "out"
+    argv = ["pack", str(tmp_path / "item.npy"), "-o", str(out), "--no-progress", "--for-gpu"]
+    assert cli_main([*argv, "--code-bits", "3", "--chunk-bits", "32"]) == 0
+    assert cli_main(["inspect", str(out)]) == 0
+    assert "gpu layout: stored raw" in capsys.readouterr().out
+    assert cli_main(["verify", str(out)]) == 0
+
+
 def test_pack_for_gpu_reports_every_row_to_the_progress_callback(tmp_path: Path) -> None:
     """A progress bar of ``pack --for-gpu`` reaches its total (and closes) like any pack's."""
     weight = trained(1000, 32, 7)

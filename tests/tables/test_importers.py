@@ -310,7 +310,7 @@ def test_pt_tensor_and_directory_of_sources(tmp_path: Path) -> None:
         ),
         (
             lambda p: TableSet((TableSource("a", torch.zeros(2, 2)),), {"f": "zz"}),
-            "unknown table 'zz'",
+            r"maps to table 'zz', which is not among the tables packed \['a'\]",
         ),
     ],
 )

@@ -99,6 +99,8 @@ def test_an_entry_that_disagrees_with_its_file_is_refused(
     with pytest.raises(TableSetError, match=expected):
         TableStore.load(directory)
     assert run(["verify", str(directory)]) == 1
+    assert f"{field} is {said!r} in the manifest" in capsys.readouterr().out  # a FAIL line
+    assert run(["inspect", str(directory)]) == 1
     assert f"{field} is {said!r} in the manifest" in capsys.readouterr().err
 
 

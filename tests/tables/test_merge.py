@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from ibpembed.tables.importers import TableSet, TableSource
-from ibpembed.tables.manifest import MANIFEST, SHARD_MAP, TableSetError, read_manifest
+from ibpembed.tables.manifest import (
+    LOCK_FILE,
+    MANIFEST,
+    SHARD_MAP,
+    TableSetError,
+    read_manifest,
+)
 from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.shards import pack_shards
 from ibpembed.tables.store import TableStore
@@ -125,3 +131,47 @@ def test_a_sharded_merge_keeps_the_aliases_of_repacked_tables(tmp_path: Path) ->
     assert json.loads((tmp_path / SHARD_MAP).read_text())["features"] == {"a": "a", "fa": "a"}
     for k in range(2):
         assert dict(read_manifest(tmp_path / f"shard-{k}-of-2").features) == {"a": "a", "fa": "a"}
+
+
+def _files(directory: Path) -> dict[Path, bytes]:
+    """Every file under ``directory`` and its bytes, but the lock a refused pack may create."""
+    return {p: p.read_bytes() for p in directory.rglob("*") if p.is_file() and p.name != LOCK_FILE}
+
+
+def test_a_merge_must_keep_the_sets_layout(tmp_path: Path, capsys) -> None:
+    """A sharded set merged without --shards, or a whole one with --shards, keeps nothing of
+    the set it merges into: refused, with nothing written."""
+    torch.save({"t": trained_like(50, 8)}, tmp_path / "t.pt")
+    torch.save({"u": trained_like(60, 8)}, tmp_path / "u.pt")
+    sharded, whole = tmp_path / "sharded", tmp_path / "whole"
+    pack = ["pack", str(tmp_path / "t.pt"), "--no-progress"]
+    assert run([*pack, "-o", str(sharded), "--shards", "2"]) == 0
+    assert run([*pack, "-o", str(whole)]) == 0
+    capsys.readouterr()
+    before = {d: _files(d) for d in (sharded, whole)}
+    merge = ["pack", str(tmp_path / "u.pt"), "--no-progress", "--merge"]
+    assert run([*merge, "-o", str(sharded)]) == 1
+    err = capsys.readouterr().err
+    assert f"{sharded / SHARD_MAP}: the set has 2 shards; a merge must keep them" in err
+    assert run([*merge, "-o", str(whole), "--shards", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"{whole / MANIFEST}: the set is not split into shards; a merge must" in err
+    assert {d: _files(d) for d in (sharded, whole)} == before
+    assert run([*merge, "-o", str(sharded), "--shards", "2"]) == 0
+    assert set(json.loads((sharded / SHARD_MAP).read_text())["tables"]) == {"t", "u"}
+
+
+def test_a_feature_of_a_kept_table_needs_that_table_packed(tmp_path: Path, capsys) -> None:
+    """--feature maps to the tables a pack packs; a merge keeps the others as they are, so an
+    alias of one is refused saying so, and packing that table again maps it."""
+    torch.save({"t": trained_like(50, 8)}, tmp_path / "t.pt")
+    torch.save({"u": trained_like(60, 8)}, tmp_path / "u.pt")
+    out = tmp_path / "set"
+    assert run(["pack", str(tmp_path / "t.pt"), "-o", str(out), "--no-progress"]) == 0
+    merge = ["-o", str(out), "--no-progress", "--merge", "--feature", "alias=t"]
+    assert run(["pack", str(tmp_path / "u.pt"), *merge]) == 1
+    err = capsys.readouterr().err
+    assert "feature 'alias' maps to table 't', which is not among the tables packed ['u']" in err
+    assert "for a table a merge keeps, pack that table again" in err
+    assert run(["pack", str(tmp_path / "t.pt"), str(tmp_path / "u.pt"), *merge]) == 0
+    assert read_manifest(out).features["alias"] == "t"

@@ -473,6 +473,40 @@ def test_a_dtype_that_differs_from_the_config(server) -> None:
         compress_model(TinyModel(make_ebc()), allow_dtype_mismatch=True)
 
 
+def test_a_feature_served_from_another_table_is_refused(tmp_path: Path) -> None:
+    """A checkpoint packed with its aliases crossed (--feature f0=t1 --feature f1=t0) serves
+    every feature from a table of the right shape, but the other one: refused, naming both
+    tables, unless the model's tables are served under other names on purpose."""
+    pair = [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=4, num_embeddings=20, feature_names=[f"f{i}"]
+        )
+        for i in range(2)
+    ]
+    model = TinyModel(EmbeddingBagCollection(tables=pair))
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    argv = ["pack", str(tmp_path / "model.pt"), "-o", str(tmp_path / "set"), "--no-progress"]
+    assert main_cli([*argv, "--feature", "f0=t1", "--feature", "f1=t0"]) == 0
+    with RunningServer(TableStore.load(tmp_path / "set")) as running:
+        with pytest.raises(
+            ValueError,
+            match=r"feature 'f0' \(table 't0'\): 127.0.0.1:\d+ serves it from table 't1' .*"
+            r"pass allow_table_name_mismatch=True",
+        ):
+            compress_model(model, remote=running.target)
+        assert not isinstance(model.sparse, RemoteEmbeddingBagCollection)
+        compress_model(model, remote=running.target, allow_table_name_mismatch=True)
+        assert isinstance(model.sparse, RemoteEmbeddingBagCollection)
+        model.sparse.close()
+    with pytest.raises(TypeError, match="allow_table_name_mismatch applies to remote"):
+        compress_model(TinyModel(make_ebc()), allow_table_name_mismatch=True)
+
+
+def test_a_feature_listed_twice(server) -> None:
+    with pytest.raises(ValueError, match="feature 'f_a' is listed twice in features"):
+        RemoteEmbeddingBagCollection.from_server(server.target, ["f_a", "f_b", "f_a"])
+
+
 def test_int8_rowwise_rows_need_an_int8_config() -> None:
     with RunningServer(make_store()) as running:
         # The store's "quant" feature reads 300 int8_rowwise rows of 12 codes: pooled dim 12.

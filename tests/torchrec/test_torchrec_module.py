@@ -6,8 +6,10 @@ Pooled outputs are compared with a bound derived from fp32 summation error
 """
 
 import io
+import re
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 # NOTE: this folder has no __init__.py on purpose: as a package named "torchrec" on sys.path it
@@ -30,6 +32,7 @@ from ibpembed.cli import main as main_cli
 from ibpembed.codec import compress
 from ibpembed.tables.importers import TableSet, TableSource, from_torchrec
 from ibpembed.tables.pack import pack_table_set
+from ibpembed.tables.store import TableStore
 from ibpembed.torchrec import (
     CompressedEmbeddingBagCollection,
     compress_model,
@@ -671,6 +674,42 @@ def test_from_table_set_reads_the_features_mapped_to_a_state_dicts_tables(tmp_pa
     )
     assert [c.feature_names for c in ours.embedding_bag_configs()] == [["f_a", "f_b"], ["f_c"]]
     assert_same_as_torchrec(ebc, ours, random_kjt(ebc, 16, 5, seed=0))
+
+
+def test_from_table_set_refuses_a_row_shard(tmp_path) -> None:
+    """A shard's file holds global rows [start, end): read as a table of its own, id 0 would
+    return row `start`. Refused, naming the way that serves shards."""
+    np.save(tmp_path / "t.npy", np.arange(40, dtype=np.float32).reshape(10, 4))
+    argv = ["pack", str(tmp_path / "t.npy"), "-o", str(tmp_path / "set"), "--no-progress"]
+    assert main_cli([*argv, "--shards", "2"]) == 0
+    for k, rows in enumerate(["[0, 5) of 10", "[5, 10) of 10"]):
+        with pytest.raises(
+            ValueError,
+            match=rf"table 't' of .*shard-{k}-of-2 is a row shard \(rows {re.escape(rows)}\)",
+        ) as info:
+            CompressedEmbeddingBagCollection.from_table_set(tmp_path / "set" / f"shard-{k}-of-2")
+        assert "RemoteEmbeddingBagCollection.from_server" in str(info.value)
+
+
+def test_from_table_set_reads_what_the_manifest_maps_as_the_server_does(tmp_path) -> None:
+    """A merge that maps table a's only feature to table b leaves a reachable by no lookup:
+    the server answers feature 'a' from b, and so does the collection, which leaves a out."""
+    a, b = np.full((6, 2), 1.0, np.float32), np.full((6, 2), 2.0, np.float32)
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    out = tmp_path / "set"
+    argv = ["-o", str(out), "--no-progress"]
+    assert main_cli(["pack", str(tmp_path / "a.npy"), str(tmp_path / "b.npy"), *argv]) == 0
+    assert main_cli(["pack", str(tmp_path / "b.npy"), *argv, "--merge", "--feature", "a=b"]) == 0
+    with TableStore.load(out).acquire() as snap:
+        assert snap.table_for_feature("a")[0] == "b"
+    ours = CompressedEmbeddingBagCollection.from_table_set(out)
+    assert [(c.name, c.feature_names) for c in ours.embedding_bag_configs()] == [("b", ["a"])]
+    kjt = KeyedJaggedTensor(keys=["a"], values=torch.tensor([0, 5]), lengths=torch.tensor([2]))
+    got = ours(kjt)
+    assert got.keys() == ["a"] and torch.equal(got.values(), torch.tensor([[4.0, 4.0]]))
+    with pytest.raises(ValueError, match=r"table 'a' of .*: no feature maps to it"):
+        CompressedEmbeddingBagCollection.from_table_set(out, tables=["a", "b"])
 
 
 def test_from_table_set_bf16_and_int8(tmp_path) -> None:

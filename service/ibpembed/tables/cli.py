@@ -1,6 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """``ibpembed pack | inspect | verify``: build, look into and check table files.
 
+This module only parses the flags; the commands are :mod:`ibpembed.tables.commands`, imported
+when one runs: they import torch (over a second), which ``ibpembed pack --help`` does without.
+
 Exit codes: 0 success; 1 a fault in the data (bad source, corrupt or mismatched file);
 2 bad command-line usage (argparse).
 """
@@ -8,25 +11,14 @@ Exit codes: 0 success; 1 a fault in the data (bad source, corrupt or mismatched 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from tqdm import tqdm
+from ibpembed import codec_options
 
-from ibpembed import codec
-from ibpembed.layout import DTYPE_CODES, INT8_ROWWISE_CODE, MAX_SLOT_UNIT
-from ibpembed.tables import format as tf
-from ibpembed.tables import importers, manifest, pack
-from ibpembed.tables import writer as tw
-from ibpembed.tables.shards import pack_shards, shard_addresses
-from ibpembed.tables.tier_budget import TableSize, TierBudget
-
-EXIT_OK = 0
-EXIT_FAULT = 1
-EXIT_USAGE = 2
+if TYPE_CHECKING:
+    from ibpembed.tables.tier_budget import TierBudget
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,24 +46,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="table-set directory to publish into (created if missing)",
     )
-    pack.add_argument("--method", choices=("ibpembed", "paper", "raw"), default="ibpembed")
+    pack.add_argument(
+        "--method",
+        choices=("ibpembed", "paper", "raw"),
+        default="ibpembed",
+        help="ibpembed: per-position masks, chunk and code width measured per table (default); "
+        "paper: the published global-threshold sweep on the widest integer view; raw: every "
+        "row stored raw (the uncompressed baseline, in the same layout and engine)",
+    )
     pack.add_argument(
         "--align",
         type=_align,
-        default=codec.DEFAULT_ALIGN,
+        default=codec_options.DEFAULT_ALIGN,
         help="slot alignment in bytes (default: the unit that stores the table smallest)",
     )
     pack.add_argument(
         "--chunk-bits",
         type=int,
-        choices=codec.CHUNK_BITS_CHOICES,
+        choices=codec_options.CHUNK_BITS_CHOICES,
         default=None,
         help="force the chunk width (default: measured per table)",
     )
     pack.add_argument(
         "--code-bits",
         type=int,
-        choices=codec.CODE_BITS_CHOICES,
+        choices=codec_options.CODE_BITS_CHOICES,
         default=None,
         help="force the code width: 1 = plain IBP (fastest decode), 2-4 = exponent-aware "
         "codebooks (default: measured per table)",
@@ -79,7 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pack.add_argument(
         "--sample-rows",
         type=_at_least(0),
-        default=codec.DEFAULT_SAMPLE_ROWS,
+        default=codec_options.DEFAULT_SAMPLE_ROWS,
         help="rows sampled to fit the masks; 0 = all rows",
     )
     pack.add_argument(
@@ -138,8 +137,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Print the header, section table and metadata of an .ibpt file, or the "
         "manifest and headers of a table set directory, without decoding any row.",
     )
-    inspect.add_argument("path", type=Path, metavar="FILE|DIR")
-    inspect.add_argument("--json", action="store_true")
+    inspect.add_argument(
+        "path", type=Path, metavar="FILE|DIR", help="a table file (.ibpt) or a table set directory"
+    )
+    inspect.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document (manifest, every file's header, sections and meta, and the "
+        "size summary) instead of text",
+    )
     inspect.add_argument(
         "--hot-tier",
         metavar="BUDGET",
@@ -155,7 +161,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Check every section checksum, decode every row and compare with the source "
         "hash recorded at pack time. Exit code 1 on any fault.",
     )
-    verify.add_argument("path", type=Path, metavar="FILE|DIR")
+    verify.add_argument(
+        "path", type=Path, metavar="FILE|DIR", help="a table file (.ibpt) or a table set directory"
+    )
     verify.add_argument(
         "--json",
         action="store_true",
@@ -164,18 +172,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify.set_defaults(func=_verify)
 
 
-def _fail(command: str, error: Exception) -> int:
-    print(f"ibpembed {command}: error: {error}", file=sys.stderr)
-    return EXIT_FAULT
+# The commands, each imported as it runs (see the module docstring).
 
 
-def _usage(command: str, message: str) -> int:
-    """A usage error argparse cannot see (it spans flags): argparse's message and status."""
-    print(f"ibpembed {command}: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
+def _pack(args: argparse.Namespace) -> int:
+    from ibpembed.tables import commands
+
+    return commands.run_pack(args)
 
 
-# -- pack ------------------------------------------------------------------------------------
+def _inspect(args: argparse.Namespace) -> int:
+    from ibpembed.tables import commands
+
+    return commands.run_inspect(args)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from ibpembed.tables import commands
+
+    return commands.run_verify(args)
+
+
 # The flags' own checks are argparse types, so a bad value is a usage error (exit 2) before
 # any source is read.
 
@@ -199,8 +216,10 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 
 def _align(text: str) -> int:
     value = _int(text)
-    if value < 1 or value & (value - 1) or value > MAX_SLOT_UNIT:
-        raise argparse.ArgumentTypeError(f"must be a power of two <= {MAX_SLOT_UNIT}, got {value}")
+    if value < 1 or value & (value - 1) or value > codec_options.MAX_SLOT_UNIT:
+        raise argparse.ArgumentTypeError(
+            f"must be a power of two <= {codec_options.MAX_SLOT_UNIT}, got {value}"
+        )
     return value
 
 
@@ -211,312 +230,11 @@ def _feature_pair(text: str) -> tuple[str, str]:
     return feature, table
 
 
-def _progress_factory(enabled: bool) -> Callable[[importers.TableSource], Callable[[int], None]]:
-    def make(source: importers.TableSource) -> Callable[[int], None]:
-        bar = tqdm(
-            total=source.weight.shape[0],
-            desc=source.name,
-            unit="row",
-            unit_scale=True,
-            disable=not enabled,
-            leave=False,
-            file=sys.stderr,
-        )
-
-        def step(rows: int) -> None:
-            bar.update(rows)
-            if bar.n >= bar.total:
-                bar.close()
-
-        return step
-
-    return make
-
-
-def _report_row(p: tw.PackedTable) -> dict[str, Any]:
-    return {
-        "table": p.name,
-        "rows": p.num_rows,
-        "dim": p.dim,
-        "dtype": p.quant or p.dtype,
-        "chunk_bits": p.chunk_bits,
-        "code_bits": p.code_bits,
-        "raw_bytes": p.raw_bytes,
-        "stored_bytes": p.stored_bytes,
-        "savings": round(p.savings, 4),
-        "seconds": round(p.seconds, 3),
-        "file": p.path.name,
-    }
-
-
-def _print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
-    cells = [[str(r[c]) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
-    for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
-
-
-def _pack_usage_error(args: argparse.Namespace) -> str | None:
-    """What is wrong with ``pack``'s flags taken together, checked before any source is read
-    or any shard written; None when nothing is."""
-    if args.shards is None and args.shard_address is not None:
-        return "argument --shard-address: needs --shards"
-    if args.shards is not None and args.shard_address is not None:
-        try:
-            shard_addresses(args.shard_address, args.shards)
-        except ValueError as exc:
-            return f"argument --shard-address: {exc}"
-    return None
-
-
-def _pack(args: argparse.Namespace) -> int:
-    usage_error = _pack_usage_error(args)
-    if usage_error is not None:
-        return _usage("pack", usage_error)
-    try:
-        # The selection applies first: other entries of a checkpoint are never checked.
-        table_set = importers.load_sources(args.sources, tables=args.table)
-        extra = dict(args.feature)
-        if extra:
-            table_set = importers.TableSet(table_set.tables, extra)
-        pack_args: dict[str, Any] = {
-            "method": args.method,
-            "sample_rows": args.sample_rows or None,
-            "seed": args.seed,
-            "align": args.align,
-            "chunk_bits": args.chunk_bits,
-            "code_bits": args.code_bits,
-            "progress": _progress_factory(not args.no_progress),
-            "merge": args.merge,
-            "for_gpu": args.for_gpu,
-        }
-        if args.shards is None:
-            shards = [(None, pack.pack_table_set(args.output, table_set, **pack_args))]
-        else:
-            written = pack_shards(
-                args.output,
-                table_set,
-                args.shards,
-                address_template=args.shard_address,
-                **pack_args,
-            )
-            shards = [(r.index, r.tables) for r in written]
-    except (ValueError, OSError) as exc:  # SourceError, TableSetError, TableFileError are these
-        return _fail("pack", exc)
-    rows = [
-        _report_row(p) if k is None else {"shard": k, **_report_row(p)}
-        for k, reports in shards
-        for p in reports
-    ]
-    if args.json:
-        print(json.dumps({"output": str(args.output), "tables": rows}, indent=1))
-    else:
-        for row in rows:
-            row["savings"] = f"{100 * row['savings']:.1f}%"
-            row["seconds"] = f"{row['seconds']:.2f}"
-        columns = ("table", "rows", "dim", "dtype", "chunk_bits", "savings", "seconds")
-        _print_table(rows, columns if args.shards is None else ("shard", *columns))
-        if args.shards is None:
-            print(f"wrote {len(rows)} table(s) to {args.output}")
-        else:
-            print(f"wrote {len(rows)} table file(s) in {args.shards} shards to {args.output}")
-    return EXIT_OK
-
-
-# -- inspect ---------------------------------------------------------------------------------
-
-
-def describe_file(path: Path) -> dict[str, Any]:
-    """Header, sections and metadata of a table file, read without decoding or hashing rows."""
-    with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        f.seek(0)
-        head = f.read(tf.HEADER.size + tf.SECTION.size * len(tf.SectionKind))
-        header = tf.read_header(path, head, size, any_layout=True)
-        sections = tf.read_sections(path, head, header)
-        meta_section = sections[-1]
-        f.seek(meta_section.offset)
-        meta_bytes = f.read(meta_section.length)
-    try:
-        meta = json.loads(meta_bytes)
-    except ValueError as exc:
-        raise tf.TableFileError(path, "meta", f"not valid JSON: {exc}") from None
-    return {
-        "file": str(path),
-        "header": {
-            **vars(header),
-            "sections_xxh3": f"{header.sections_xxh3:016x}",
-            "header_xxh3": f"{header.header_xxh3:016x}",
-        },
-        "sections": [
-            {"kind": s.kind.label, "offset": s.offset, "length": s.length, "xxh3": f"{s.xxh3:016x}"}
-            for s in sections
-        ],
-        "meta": meta,
-    }
-
-
-def summarize(desc: dict[str, Any]) -> dict[str, Any]:
-    """One table's size line for ``inspect``: rows, dtype name, raw bytes (rows x row bytes),
-    stored bytes (every section but the metadata: what a server holds) and the savings."""
-    header = desc["header"]
-    code = header["dtype_code"]
-    by_code = {c: d for d, c in DTYPE_CODES.items()}
-    dtype = "int8_rowwise" if code == INT8_ROWWISE_CODE else tf.dtype_name(by_code[code])
-    raw = header["num_rows"] * header["row_bytes"]
-    stored = sum(s["length"] for s in desc["sections"] if s["kind"] != "meta")
-    return {
-        "table": desc["meta"].get("name", Path(desc["file"]).name),
-        "rows": header["num_rows"],
-        "dim": header["dim"],
-        "dtype": dtype,
-        "raw_bytes": raw,
-        "stored_bytes": stored,
-        "savings": 1 - stored / raw,
-    }
-
-
 def _tier_budget(text: str) -> TierBudget:
     """``--hot-tier``'s value; a malformed one is a usage error (exit 2)."""
+    from ibpembed.tables.tier_budget import TierBudget
+
     try:
         return TierBudget.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _add_tier(summaries: list[dict[str, Any]], budget: TierBudget) -> None:
-    """Each table's hot tier under ``budget`` as the server's policy spends it (``tier_bytes``
-    of decoded rows, ``policy_bytes`` of admission state) and its savings net of both."""
-    from ibpembed.engine.tier import policy_state_bytes  # the engine's torch import, only here
-
-    sizes = {
-        s["table"]: TableSize(s["rows"], s["raw_bytes"] // max(s["rows"], 1), s["stored_bytes"])
-        for s in summaries
-    }
-    plans = budget.plan(sizes, policy_state_bytes)
-    for s in summaries:
-        plan = plans[s["table"]]
-        s["tier_bytes"], s["policy_bytes"] = plan.bytes, plan.state_bytes
-        held = s["stored_bytes"] + plan.total_bytes
-        s["net_savings"] = 1 - held / s["raw_bytes"] if s["raw_bytes"] else 0.0
-
-
-def _summary_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The per-table lines and a total, formatted for :func:`_print_table`."""
-    raw = sum(s["raw_bytes"] for s in summaries)
-    stored = sum(s["stored_bytes"] for s in summaries)
-    total = {
-        "table": "total",
-        "rows": sum(s["rows"] for s in summaries),
-        "dim": "",
-        "dtype": "",
-        "raw_bytes": raw,
-        "stored_bytes": stored,
-        "savings": 1 - stored / raw if raw else 0.0,
-    }
-    if summaries and "tier_bytes" in summaries[0]:
-        tier = sum(s["tier_bytes"] for s in summaries)
-        state = sum(s["policy_bytes"] for s in summaries)
-        held = stored + tier + state
-        total |= {
-            "tier_bytes": tier,
-            "policy_bytes": state,
-            "net_savings": 1 - held / raw if raw else 0.0,
-        }
-    counts = ("raw_bytes", "stored_bytes", "tier_bytes", "policy_bytes")
-    shares = ("savings", "net_savings")
-    return [
-        s
-        | {k: f"{s[k]:,}" for k in counts if k in s}
-        | {k: f"{100 * s[k]:.1f}%" for k in shares if k in s}
-        for s in [*summaries, total]
-    ]
-
-
-def _print_description(desc: dict[str, Any]) -> None:
-    print(f"{desc['file']}")
-    for key, value in desc["header"].items():
-        print(f"  {key:<16} {value}")
-    print("  sections:")
-    for s in desc["sections"]:
-        print(
-            f"    {s['kind']:<11} offset {s['offset']:>12}  length {s['length']:>12}  "
-            f"xxh3 {s['xxh3']}"
-        )
-    gpu = desc["meta"].get("gpu_layout")
-    if gpu:
-        print(f"  gpu layout: {gpu['reason']}")
-    print(f"  meta: {json.dumps(desc['meta'], sort_keys=True)}")
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    try:
-        if args.path.is_dir():
-            found = manifest.read_manifest(args.path)
-            files = [args.path / e.file for e in found.tables.values()]
-            result: dict[str, Any] = {
-                "manifest": json.loads(found.to_json()),
-                "tables": [describe_file(p) for p in files],
-            }
-        else:
-            result = {"tables": [describe_file(args.path)]}
-    except (ValueError, OSError) as exc:
-        return _fail("inspect", exc)
-    summaries = [summarize(desc) for desc in result["tables"]]
-    columns = ("table", "rows", "dim", "dtype", "raw_bytes", "stored_bytes", "savings")
-    if args.hot_tier is not None:
-        _add_tier(summaries, args.hot_tier)
-        columns = (*columns, "tier_bytes", "policy_bytes", "net_savings")
-    if args.json:
-        print(json.dumps({**result, "summary": summaries}, indent=1))
-        return EXIT_OK
-    if "manifest" in result:
-        version = result["manifest"].get("table_set_version", "unnumbered")
-        print(f"table set {args.path}: {len(result['tables'])} table(s), version {version}")
-        for feature, table in sorted(result["manifest"]["features"].items()):
-            print(f"  feature {feature} -> {table}")
-    for desc in result["tables"]:
-        _print_description(desc)
-    print()
-    _print_table(_summary_rows(summaries), columns)
-    return EXIT_OK
-
-
-# -- verify ----------------------------------------------------------------------------------
-
-
-def _verify(args: argparse.Namespace) -> int:
-    try:
-        if args.path.is_dir():
-            found = manifest.read_manifest(args.path)
-            targets = [(name, args.path / e.file, e) for name, e in found.tables.items()]
-        else:
-            targets = [(None, args.path, None)]
-    except (ValueError, OSError) as exc:
-        if args.json:
-            print(
-                json.dumps({"path": str(args.path), "ok": False, "error": str(exc), "tables": []})
-            )
-        return _fail("verify", exc)
-    results = []
-    for name, path, entry in targets:
-        try:
-            loaded = tf.verify_file(path)
-            if entry is not None:  # the checks a load makes: checksum, name, shape, row range
-                manifest.check_entry(args.path / manifest.MANIFEST, name, entry, loaded)
-        except (ValueError, OSError) as exc:
-            results.append({"table": name, "file": str(path), "ok": False, "error": str(exc)})
-            if not args.json:
-                print(f"FAIL {exc}", file=sys.stderr, flush=True)
-            continue
-        rows, dim = loaded.header.num_rows, loaded.header.dim
-        results.append(
-            {"table": loaded.name, "file": str(path), "ok": True, "rows": rows, "dim": dim}
-        )
-        if not args.json:  # one line per table as it is checked: the progress of a long verify
-            print(f"OK   {path}  {loaded.name}  [{rows}, {dim}]", flush=True)
-    ok = all(r["ok"] for r in results)
-    if args.json:
-        print(json.dumps({"path": str(args.path), "ok": ok, "tables": results}, indent=1))
-    return EXIT_OK if ok else EXIT_FAULT

@@ -116,6 +116,15 @@ class FileHeader:
     sections_xxh3: int
     header_xxh3: int
 
+    @property
+    def quant(self) -> str | None:
+        return "int8_rowwise" if self.dtype_code == INT8_ROWWISE_CODE else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The rows' dtype as stored (uint8 for row-wise int8 rows)."""
+        return torch.uint8 if self.quant else _DTYPES_BY_CODE[self.dtype_code]
+
 
 @dataclass(frozen=True)
 class Section:
@@ -125,19 +134,25 @@ class Section:
     xxh3: int
 
 
-@dataclass(frozen=True, eq=False)
-class TableFile:
-    """A loaded table file: its header, sections, metadata and the zero-copy table."""
+@dataclass(frozen=True)
+class FileLayout:
+    """A table file's header, sections and metadata: what is read of it without decoding."""
 
     path: Path
     header: FileHeader
     sections: tuple[Section, ...]
     meta: Mapping[str, Any]
-    table: CompressedTable
 
     @property
     def name(self) -> str:
         return str(self.meta["name"])
+
+
+@dataclass(frozen=True, eq=False)
+class TableFile(FileLayout):
+    """A loaded table file: its layout and the zero-copy table."""
+
+    table: CompressedTable
 
 
 # -- small helpers ---------------------------------------------------------------------------
@@ -165,9 +180,17 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
+# File names hold at most 255 bytes (Linux file systems); a table's file adds 22 to its stem
+# (".<16 hex>.ibpt"), and so does its temporary file (".<stem>.tmp-<pid>-<8 hex>").
+MAX_FILE_STEM = 200
+
+
 def file_stem(name: str) -> str:
-    """A file-name-safe form of a table name (table names may hold dots, slashes, spaces)."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".") or "table"
+    """A file-name-safe form of a table name (table names may hold dots, slashes, spaces), cut
+    to ``MAX_FILE_STEM`` characters. Table files are content-named (``<stem>.<header
+    checksum>.ibpt``, and the checksum covers the meta section, which holds the full name), so
+    two long names with one stem still get two files."""
+    return (re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".") or "table")[:MAX_FILE_STEM]
 
 
 def row_steps(num_rows: int, row_bytes: int, step_bytes: int) -> Iterator[tuple[int, int]]:
@@ -385,6 +408,64 @@ def _check_gaps(path: Path, data: memoryview, sections: tuple[Section, ...]) -> 
         cursor = section.offset + section.length
 
 
+def check_sections(
+    path: Path, data: memoryview, sections: tuple[Section, ...], *, payload: bool
+) -> None:
+    """The zero gaps and the checksums of every section but the payload, and the payload's too
+    with ``payload`` (the one large section: hashing it reads every byte)."""
+    by_kind = {s.kind: s for s in sections}
+    _check_gaps(path, data, sections)
+    for kind in _INDEX_KINDS:
+        _check_section(path, data, by_kind[kind])
+    if payload:
+        _check_section(path, data, by_kind[SectionKind.PAYLOAD])
+
+
+def parse_meta(path: Path, data: memoryview, sections: tuple[Section, ...]) -> dict[str, Any]:
+    """The meta section: a JSON object with a string ``name``."""
+    meta_section = next(s for s in sections if s.kind is SectionKind.META)
+    try:
+        meta = json.loads(
+            bytes(data[meta_section.offset : meta_section.offset + meta_section.length])
+        )
+    except ValueError as exc:
+        raise TableFileError(path, "meta", f"not valid JSON: {exc}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+        raise TableFileError(path, "meta", "expected a JSON object with a 'name'")
+    return meta
+
+
+def read_layout(path: str | os.PathLike[str]) -> FileLayout:
+    """A table file's header, sections and metadata (for ``ibpembed inspect``): the checks
+    :func:`read_table` makes before it builds the table, but the payload's checksum, and in any
+    compact layout (nothing is decoded). Of the payload, no byte is read.
+
+    Raises
+    ------
+    TableFileError
+        naming the file and the section, for a foreign, truncated or corrupt file.
+    """
+    path = Path(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < HEADER.size:
+            read_header(path, f.read(), size, any_layout=True)  # raises the precise error
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = memoryview(data)
+    try:
+        header = read_header(path, view, size, any_layout=True)
+        sections = read_sections(path, view, header)
+        check_sections(path, view, sections, payload=False)
+        meta = parse_meta(path, view, sections)
+    finally:
+        # Unmapped now rather than when an error's traceback is freed (the checks have let go
+        # of every slice they took).
+        view.release()
+        with contextlib.suppress(BufferError):
+            data.close()
+    return FileLayout(path=path, header=header, sections=sections, meta=meta)
+
+
 def check_index(path: Path, table: CompressedTable) -> None:
     """Structural checks the decoder relies on, beyond the checksums: a valid, compact layout
     whose every slot lies inside the payload."""
@@ -493,23 +574,10 @@ def read_table(
         header = read_header(path, view, size)
         sections = read_sections(path, view, header)
         by_kind = {s.kind: s for s in sections}
-        _check_gaps(path, view, sections)
-        for kind in _INDEX_KINDS:
-            _check_section(path, view, by_kind[kind])
-        if verify:
-            _check_section(path, view, by_kind[SectionKind.PAYLOAD])
-        elif prefetch:
+        check_sections(path, view, sections, payload=verify)
+        if prefetch and not verify:
             _prefetch(data, by_kind[SectionKind.PAYLOAD])
-        meta_section = by_kind[SectionKind.META]
-        try:
-            meta = json.loads(
-                bytes(view[meta_section.offset : meta_section.offset + meta_section.length])
-            )
-        except ValueError as exc:
-            raise TableFileError(path, "meta", f"not valid JSON: {exc}") from None
-        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
-            raise TableFileError(path, "meta", "expected a JSON object with a 'name'")
-        quant = "int8_rowwise" if header.dtype_code == INT8_ROWWISE_CODE else None
+        meta = parse_meta(path, view, sections)
         table = CompressedTable(
             payload=_tensor(data, by_kind[SectionKind.PAYLOAD], torch.uint8),
             block_base=_tensor(data, by_kind[SectionKind.BLOCK_BASE], torch.int64),
@@ -520,9 +588,9 @@ def read_table(
             chunk_bits=header.chunk_bits,
             num_rows=header.num_rows,
             dim=header.dim,
-            dtype=torch.uint8 if quant else _DTYPES_BY_CODE[header.dtype_code],
+            dtype=header.dtype,
             unit_bytes=header.unit_bytes,
-            quant=quant,
+            quant=header.quant,
         )
         check_index(path, table)
     except BaseException:

@@ -86,8 +86,24 @@ class TableSet:
                 raise SourceError(f"{source.origin}: table '{source.name}': {exc}") from None
         for feature, table in self.extra_features.items():
             if table not in seen:
-                raise SourceError(f"feature '{feature}' maps to unknown table '{table}'")
-        self.features()  # raises on a feature claimed by two tables
+                raise SourceError(
+                    f"feature '{feature}' maps to table '{table}', which is not among the tables "
+                    f"packed {sorted(seen)}: a feature maps only to a table packed with it (for a "
+                    "table a merge keeps, pack that table again)"
+                )
+        served = set(self.features().values())  # raises on a feature claimed by two tables
+        for source in self.tables:
+            if source.name not in served:
+                # Lookups name features: packed, such a table would be stored and loaded but
+                # read by nothing. Usually a slip: `--feature a=b` meant as an alias of b.
+                moved = ", ".join(
+                    f"{f}={t}" for f, t in self.extra_features.items() if f in source.features
+                )
+                raise SourceError(
+                    f"--feature {moved} maps every feature of table '{source.name}' to another "
+                    f"table, leaving nothing to look '{source.name}' up with: give the new feature "
+                    f"a name of its own, or leave table '{source.name}' out (--table)"
+                )
 
     def features(self) -> dict[str, str]:
         """feature -> table: each table's features, then ``extra_features``."""
@@ -120,6 +136,11 @@ def _rows(weight: torch.Tensor, origin: str, name: str) -> torch.Tensor:
         raise SourceError(f"{origin}: table '{name}' is a {type(weight).__name__}, not a tensor")
     if weight.device.type == "meta":
         raise SourceError(f"{origin}: table '{name}' is on the meta device (not materialised)")
+    if weight.layout != torch.strided:  # sparse COO, CSR, ...: no rows to pack as they are
+        raise SourceError(
+            f"{origin}: table '{name}' is a sparse tensor ({weight.layout}), not dense rows; "
+            "pick the tables to pack by name (ibpembed pack --table NAME)"
+        )
     weight = weight.detach()
     if weight.device.type != "cpu":
         weight = weight.cpu()

@@ -163,7 +163,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     try:
         body = json.loads(path.read_bytes())
     except (FileNotFoundError, NotADirectoryError):
-        raise TableSetError(f"{path}: no manifest; is this a packed table set?") from None
+        raise TableSetError(f"{path}: no manifest; {_not_a_set(Path(directory))}") from None
     except OSError as exc:
         raise TableSetError(f"{path}: cannot read the manifest: {exc.strerror}") from None
     except ValueError as exc:
@@ -214,6 +214,38 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
                 "manifest does not list"
             )
     return Manifest(tables=tables, features=features, table_set_version=table_set_version)
+
+
+def _not_a_set(directory: Path) -> str:
+    """Why a directory without a manifest is not a table set: the root of a sharded pack holds
+    one per shard, which is what to name."""
+    try:
+        count = shard_count(directory)
+    except TableSetError:
+        count = None
+    if count is None:
+        return "is this a packed table set?"
+    return (
+        f"{directory} holds {count} row shards ({SHARD_MAP}), each a table set: name one, "
+        f"e.g. {directory / shard_directory(0, count)}"
+    )
+
+
+def shard_count(directory: str | os.PathLike[str]) -> int | None:
+    """How many shards the ``shard_map.json`` in ``directory`` lists; None when there is none.
+
+    Raises
+    ------
+    TableSetError
+        for a shard map that cannot be read.
+    """
+    path = Path(directory) / SHARD_MAP
+    if not path.exists():
+        return None
+    try:
+        return len(json.loads(path.read_bytes())["shards"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TableSetError(f"{path}: cannot read the shard map: {exc}") from None
 
 
 def _is_count(value: Any, minimum: int) -> bool:
@@ -272,10 +304,11 @@ def _parse_entry(path: Path, name: str, raw: Any) -> ManifestEntry:
 
 
 def check_entry(
-    manifest_path: str | os.PathLike[str], name: str, entry: ManifestEntry, loaded: tf.TableFile
+    manifest_path: str | os.PathLike[str], name: str, entry: ManifestEntry, loaded: tf.FileLayout
 ) -> None:
-    """Check that ``loaded`` is the file ``entry`` describes: its header checksum and name, and
-    the rows, width, dtype, quantisation and row range its header and metadata record.
+    """Check that ``loaded`` (a loaded table file, or its layout alone) is the file ``entry``
+    describes: its header checksum and name, and the rows, width, dtype, quantisation and row
+    range its header and metadata record.
 
     Raises
     ------
@@ -291,8 +324,8 @@ def check_entry(
     in_file = {
         "num_rows": header.num_rows,
         "dim": header.dim,
-        "dtype": tf.dtype_name(loaded.table.dtype),
-        "quant": loaded.table.quant,
+        "dtype": tf.dtype_name(header.dtype),
+        "quant": header.quant,
         "row_start": meta.get("row_start", 0),
         "total_rows": meta.get("total_rows", header.num_rows),
     }

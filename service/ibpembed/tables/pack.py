@@ -4,9 +4,10 @@
 A table set is published by its manifest (format: :mod:`ibpembed.tables.manifest`). Table files
 are content-named (``<table>.<header checksum>.ibpt``) and written before the manifest, and the
 manifest is replaced atomically last, so a crash at any point leaves the previous manifest
-pointing at its own intact files; new files only become live with the new manifest. Files no
-manifest references (and temporaries of killed writers) are removed after the new manifest is in
-place. Each publication gets the next ``table_set_version`` (see the manifest module).
+pointing at its own intact files; new files only become live with the new manifest. Once the
+new manifest is in place, the table files the previous one named and the new one does not are
+removed, with what killed packs left (content-named table files, temporaries); files of any other
+name stay. Each publication gets the next ``table_set_version`` (see the manifest module).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import dataclasses
 import fcntl
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,11 +31,13 @@ from ibpembed.tables.manifest import (
     LOCK_FILE,
     MANIFEST,
     MAX_TABLE_SET_VERSION,
+    SHARD_MAP,
     Manifest,
     ManifestEntry,
     RowRange,
     TableSetError,
     read_manifest,
+    shard_count,
     split_rows,
 )
 
@@ -96,14 +100,47 @@ def _check_newer(directory: Path, version: int) -> None:
 
 
 def _publish(directory: Path, manifest: Manifest) -> None:
-    """Replace the manifest, then remove files no manifest refers to any more."""
+    """Replace the manifest, then remove the files of this tool that no manifest refers to any
+    more: those the replaced manifest named, table files a killed pack left under their content
+    names, and temporaries. Any other file stays (a directory may hold ``.ibpt`` files of its
+    own, written by ``writer.pack_table``)."""
+    previous = (
+        {e.file for e in read_manifest(directory).tables.values()}
+        if (directory / MANIFEST).exists()
+        else set()
+    )
     atomic.write_bytes_atomic(directory / MANIFEST, manifest.to_json())
     live = {e.file for e in manifest.tables.values()}
     for path in directory.iterdir():
-        stale_table = path.suffix == tf.SUFFIX and path.name not in live
+        stale_table = (
+            path.suffix == tf.SUFFIX
+            and path.name not in live
+            and (path.name in previous or _content_named(path))
+        )
         stale_temp = path.name.startswith(".") and atomic.TEMP_MARKER in path.name
         if stale_table or stale_temp:
             path.unlink(missing_ok=True)
+
+
+_CONTENT_NAME = re.compile(r"\.([0-9a-f]{16})" + re.escape(tf.SUFFIX) + "$")
+
+
+def _content_named(path: Path) -> bool:
+    """Whether ``path`` is a table file under the content name a pack gives it, ``<stem>.<header
+    checksum>.ibpt``: the checksum in its name is the one in its header."""
+    match = _CONTENT_NAME.search(path.name)
+    if match is None:
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(tf.HEADER.size)
+    except OSError:
+        return False
+    return (
+        len(head) == tf.HEADER.size
+        and head.startswith(tf.MAGIC)
+        and tf.HEADER.unpack(head)[-1] == int(match[1], 16)
+    )
 
 
 def _entry(
@@ -127,9 +164,9 @@ def _entry(
     )
 
 
-def _source_meta(source: TableSource, rows: RowRange) -> dict[str, Any]:
+def _source_meta(source: TableSource, features: tuple[str, ...], rows: RowRange) -> dict[str, Any]:
     meta: dict[str, Any] = {
-        "feature_names": list(source.features),
+        "feature_names": list(features),
         "pooling": source.pooling,
         "origin": source.origin,
     }
@@ -188,8 +225,17 @@ def pack_table_set(
     with _pack_lock(directory), _unpublished_removed_on_error(directory, reports):
         version = next_version(directory) if table_set_version is None else table_set_version
         _check_newer(directory, version)
+        shards = shard_count(directory) if merge and shard is None else None
+        if shards is not None:  # the tables to keep are in the shards, not here
+            raise TableSetError(
+                f"{directory / SHARD_MAP}: the set has {shards} shards; a merge must keep them "
+                f"(--shards {shards})"
+            )
         kept = kept_for_merge(directory, table_set) if merge else Manifest({}, {})
+        mapping = table_set.features()
         for source in table_set.tables:
+            # Its own features, less those `--feature` maps to another table.
+            own = tuple(f for f in source.features if mapping[f] == source.name)
             num_rows = source.weight.shape[0]
             rows = (
                 RowRange.whole(num_rows)
@@ -212,18 +258,18 @@ def pack_table_set(
                 align=align,
                 chunk_bits=chunk_bits,
                 code_bits=code_bits,
-                meta=_source_meta(source, rows),
+                meta=_source_meta(source, own, rows),
                 progress=progress(part) if progress else None,
                 for_gpu=for_gpu,
             )
-            entries[source.name] = _entry(packed, source.pooling, source.features, rows)
+            entries[source.name] = _entry(packed, source.pooling, own, rows)
             reports.append(packed)
             if on_table is not None:
                 on_table(packed)
         tables = {**kept.tables, **entries}
         # A repacked table keeps the features that mapped to it, unless this shard left it out.
         carried = {f: t for f, t in kept.features.items() if t in tables}
-        features = {f: t for f, t in table_set.features().items() if t in entries}
+        features = {f: t for f, t in mapping.items() if t in entries}
         _publish(
             directory,
             Manifest(

@@ -21,6 +21,7 @@ from ibpembed.tables import format as tf
 from ibpembed.tables import writer as tw
 from ibpembed.tables.importers import TableSet, TableSource
 from ibpembed.tables.manifest import (
+    MANIFEST,
     SHARD_MAP,
     SHARD_MAP_FORMAT,
     SHARD_MAP_VERSION,
@@ -72,6 +73,12 @@ def pack_shards(
     previous = None
     if pack_args.get("merge"):
         previous = _previous_shard_map(directory, shards)
+        if previous is None and (directory / MANIFEST).exists():
+            # The tables to keep are in one whole-table set: shards would leave them out.
+            raise TableSetError(
+                f"{directory / MANIFEST}: the set is not split into shards; a merge must keep "
+                "it whole (no --shards)"
+            )
         # Every shard's conflicts before any shard is published: a merge that failed on a later
         # shard would leave the earlier ones serving the new tables.
         for k in range(shards):

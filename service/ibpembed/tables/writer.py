@@ -330,10 +330,11 @@ def pack_table(
     if for_gpu:
         from ibpembed.tables import gpu_layout
 
-        args = {"quant": quant, "seed": seed, "chunk_bits": chunk_bits, "code_bits": code_bits}
+        args = {"quant": quant, "seed": seed, "chunk_bits": chunk_bits}
         compressed = codec.compress(
-            weight, method=method, sample_rows=sample_rows, align=align, **args
+            weight, method=method, sample_rows=sample_rows, align=align, code_bits=code_bits, **args
         )
+        # Raw rows have no codebooks: a forced code width applies to the compressed layout only.
         table, decision = gpu_layout.for_gpu(
             compressed, lambda: codec.compress(weight, method="raw", align=align, **args)
         )

@@ -158,15 +158,18 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         serves them: those packed with the table, in their order, then those mapped with
         ``ibpembed pack --feature F=T``, in the manifest's (sorted) order. A table packed from a
         state dict, which holds no feature names, is recorded under its own name; once features
-        are mapped to it that name is dropped, so the model's KJT keys are what it reads. The
-        payloads stay memory-mapped from the table files until rows are read.
+        are mapped to it that name is dropped, so the model's KJT keys are what it reads. A table
+        no feature maps to (a merge mapped its features to another table) serves no lookup, on a
+        server or here. The payloads stay memory-mapped from the table files until rows are read.
 
         Parameters
         ----------
-        directory : the table set (its ``manifest.json`` and ``.ibpt`` files).
+        directory : the table set (its ``manifest.json`` and ``.ibpt`` files); whole tables
+            only: a row shard (``ibpembed pack --shards``) holds some of a table's rows, which
+            the servers of every shard answer together (``RemoteEmbeddingBagCollection``).
         tables : table names in the order the output ``KeyedTensor`` should list them (pass
             ``[c.name for c in ebc.embedding_bag_configs()]`` to match a model); default: every
-            table in manifest order.
+            table a feature maps to, in manifest order.
         is_weighted, allow_unknown_keys : see the class docstring.
         verify : hash every payload while loading (see ``ibpembed.tables.load_table_set``).
 
@@ -175,15 +178,32 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         KeyError
             for a name in ``tables`` the set does not hold.
         ValueError
-            for tables torchrec cannot pool as floats (row-wise int8, int8/uint8 rows).
+            for a row shard of a table, a table no feature maps to, and tables torchrec cannot
+            pool as floats (row-wise int8, int8/uint8 rows).
         """
         manifest, compressed = load_table_set(directory, verify=verify)
-        names = list(manifest.tables) if tables is None else tables
+        served = set(manifest.features.values())
+        names = [n for n in manifest.tables if n in served] if tables is None else tables
         configs = []
         for name in names:
             if name not in manifest.tables:
                 raise KeyError(f"table '{name}' is not in the table set {directory}")
             entry = manifest.tables[name]
+            rows = entry.row_range
+            if not rows.is_whole:
+                # Its ids are global rows [start, end) of a larger table: read as a table of
+                # its own, id 0 would be row `start`.
+                raise ValueError(
+                    f"table '{name}' of {directory} is a row shard (rows [{rows.start}, "
+                    f"{rows.end}) of {rows.total}): a collection holds whole tables; serve each "
+                    "shard and use RemoteEmbeddingBagCollection.from_server([shard addresses]), "
+                    "or pack the table without --shards"
+                )
+            if name not in served:
+                raise ValueError(
+                    f"table '{name}' of {directory}: no feature maps to it (its features map to "
+                    "other tables), so no lookup can read it"
+                )
             if entry.quant is not None or entry.dtype not in DATA_TYPES:
                 raise ValueError(
                     f"table '{name}' holds {entry.dtype} rows (quant={entry.quant}): only "

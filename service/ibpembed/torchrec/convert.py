@@ -20,6 +20,7 @@ def compress_model(
     remote: str | Sequence[str] | None = None,
     client_options: dict[str, Any] | None = None,
     allow_dtype_mismatch: bool = False,
+    allow_table_name_mismatch: bool = False,
     pack_to: str | os.PathLike[str] | None = None,
     **compress_kwargs: Any,
 ) -> list[TableReport]:
@@ -36,13 +37,17 @@ def compress_model(
         A server address (or every shard's address) makes each collection a
         ``RemoteEmbeddingBagCollection`` on that server instead, with the collection's own
         configs (each table's data type that of its weights, which torchrec pools), checked
-        against what the server serves: features, dims, rows and dtype (pack the model's
-        tables with ``compress_model(model, pack_to=DIR)`` first). All collections share one
-        connection, closed once every one of them has been closed (``close()``).
+        against what the server serves: features, the tables serving them, dims, rows and
+        dtype (pack the model's tables with ``compress_model(model, pack_to=DIR)`` first).
+        All collections share one connection, closed once every one of them has been closed
+        (``close()``).
     client_options : for ``remote`` only: :class:`~ibpembed_client.LookupClient` options.
     allow_dtype_mismatch : for ``remote``: accept served tables whose rows are not the
         weights' dtype (e.g. int8_rowwise rows for an fp32 model); the outputs are then those
         rows' pooling.
+    allow_table_name_mismatch : for ``remote``: accept a feature served from a table of
+        another name than the config's (tables packed under other names, their features mapped
+        with ``ibpembed pack --feature``); dims, rows and dtype are still checked.
     pack_to : a table-set directory: pack every collection's tables into it (publishing its
         next version, as ``ibpembed pack`` does) with their torchrec feature names, which a
         state dict does not hold, so that ``ibpembed serve --tables DIR`` serves what
@@ -63,11 +68,13 @@ def compress_model(
     TypeError
         If ``model`` is itself an ``EmbeddingBagCollection`` (there is no parent to swap it in:
         use ``CompressedEmbeddingBagCollection.from_ebc``), or for an option that would do
-        nothing: ``client_options`` or ``allow_dtype_mismatch`` without ``remote``,
+        nothing: ``client_options``, ``allow_dtype_mismatch`` or
+        ``allow_table_name_mismatch`` without ``remote``,
         ``allow_unknown_keys`` or ``client_options`` with ``pack_to``.
     ValueError
-        If ``model`` holds no ``EmbeddingBagCollection``; for ``remote``, a table whose dim,
-        rows or dtype differ from the server's (naming the feature and table).
+        If ``model`` holds no ``EmbeddingBagCollection``; for ``remote``, a feature served
+        from another table, or a table whose dim, rows or dtype differ from the server's
+        (naming the feature and table).
     KeyError
         For ``remote``, a feature the server does not serve.
 
@@ -83,6 +90,7 @@ def compress_model(
         for name, given in (
             ("client_options", client_options is not None),
             ("allow_dtype_mismatch", allow_dtype_mismatch),
+            ("allow_table_name_mismatch", allow_table_name_mismatch),
         ):
             if given:
                 raise TypeError(f"{name} applies to remote collections only")
@@ -132,6 +140,7 @@ def compress_model(
             remote,
             allow_unknown_keys=allow_unknown_keys,
             allow_dtype_mismatch=allow_dtype_mismatch,
+            allow_table_name_mismatch=allow_table_name_mismatch,
             **(client_options or {}),
         )
         for (path, ebc), twin in zip(sources, remotes, strict=True):

@@ -125,6 +125,7 @@ def remote_collections(
     *,
     allow_unknown_keys: bool = False,
     allow_dtype_mismatch: bool = False,
+    allow_table_name_mismatch: bool = False,
     **client_options: Any,
 ) -> list[RemoteEmbeddingBagCollection]:
     """A remote twin of each torchrec collection, all over one connection to ``target``.
@@ -147,6 +148,7 @@ def remote_collections(
                 is_weighted=ebc.is_weighted(),
                 allow_unknown_keys=allow_unknown_keys,
                 allow_dtype_mismatch=allow_dtype_mismatch,
+                allow_table_name_mismatch=allow_table_name_mismatch,
             )
             for ebc in ebcs
         ]
@@ -214,8 +216,8 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     Parameters
     ----------
-    tables : one config per table; every feature must be served, by a table of the config's
-        dim and rows, holding rows its data type pools (FP32 float32, FP16 float16, BF16
+    tables : one config per table; every feature must be served, by the table of the config's
+        name, dim and rows, holding rows its data type pools (FP32 float32, FP16 float16, BF16
         bfloat16 or float16, INT8 int8_rowwise). A feature read by two tables (torchrec's
         ``feature@table``) cannot be served: a server maps each feature to one table.
     client : a connected :class:`~ibpembed_client.LookupClient` or ``ShardedLookupClient``
@@ -228,6 +230,10 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     allow_dtype_mismatch : accept a served table whose rows differ from the config's data type
         (an FP32 model on a server holding float16 or int8_rowwise rows, to save its memory):
         the outputs are then the served rows' pooling, not the model's. Refused by default.
+    allow_table_name_mismatch : accept a feature served from a table of another name than
+        the config's (a set packed under other table names, the model's features mapped to them
+        with ``ibpembed pack --feature``). Refused by default: crossed mappings (f0 to t1, f1 to
+        t0) of tables of one shape would otherwise pool the wrong rows without a word.
     """
 
     def __init__(
@@ -241,6 +247,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         allow_unknown_keys: bool = False,
         owns_client: bool = False,
         allow_dtype_mismatch: bool = False,
+        allow_table_name_mismatch: bool = False,
     ) -> None:
         super().__init__()
         self._client = client
@@ -265,6 +272,8 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         owner: dict[str, str] = {}
         for config in configs:
             for feature in config.feature_names:
+                if owner.get(feature) == config.name:
+                    raise ValueError(f"table '{config.name}' lists feature '{feature}' twice")
                 if feature in owner:
                     raise ValueError(
                         f"feature '{feature}' is read by tables '{owner[feature]}' and "
@@ -272,7 +281,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                     )
                 owner[feature] = config.name
         self._served = served
-        self._check_served(allow_dtype_mismatch)
+        self._check_served(allow_dtype_mismatch, allow_table_name_mismatch)
         self._features: list[str] = [f for c in configs for f in c.feature_names]
         self._dims: list[int] = [c.embedding_dim for c in configs for _ in c.feature_names]
         self._mean: list[bool] = [
@@ -318,11 +327,14 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         KeyError
             for a feature in ``features`` the server does not serve.
         ValueError
-            for a feature in ``features`` whose table holds rows that cannot be pooled, or a
-            ``pooling`` name that is not a served table.
+            for a feature listed twice in ``features`` or whose table holds rows that cannot
+            be pooled, or a ``pooling`` name that is not a served table.
         ConnectionError
             when the server cannot be reached.
         """
+        if features is not None and len(set(features)) < len(features):
+            twice = next(f for f in features if list(features).count(f) > 1)
+            raise ValueError(f"feature '{twice}' is listed twice in features")
         client, name, served = connect(target, **client_options)
         try:
             if isinstance(pooling, dict):
@@ -384,7 +396,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             client.close()
             raise
 
-    def _check_served(self, allow_dtype_mismatch: bool) -> None:
+    def _check_served(self, allow_dtype_mismatch: bool, allow_table_name_mismatch: bool) -> None:
         by_feature = {f: t for t in self._served.values() for f in t.features}
         for config in self._embedding_bag_configs:
             for feature in config.feature_names:
@@ -422,6 +434,13 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                         f"{config.data_type.value}, {self._target} serves it from table "
                         f"'{info.name}' holding {_rows(info)} rows (pass "
                         "allow_dtype_mismatch=True to pool those rows anyway)"
+                    )
+                if not allow_table_name_mismatch and info.name != config.name:
+                    raise ValueError(
+                        f"feature '{feature}' (table '{config.name}'): {self._target} serves it "
+                        f"from table '{info.name}' (a --feature mapping that crosses tables? "
+                        "pass allow_table_name_mismatch=True if the server holds this table "
+                        "under another name)"
                     )
 
     # -- torchrec's interface --------------------------------------------------------------
