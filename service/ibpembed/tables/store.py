@@ -56,7 +56,7 @@ from ibpembed.codec import CompressedTable, CompressedTableSet
 from ibpembed.errors import VersionNotHeld
 from ibpembed.tables import writer as tw
 from ibpembed.tables.manifest import ManifestEntry, RowRange, load_table_set_meta
-from ibpembed.tables.mapped_files import FileStamp
+from ibpembed.tables.mapped_files import MappedFiles
 from ibpembed.tables.pack import save_table_set
 from ibpembed.tables.placement import HostAliases, cuda_register, maps_shared, place_table
 from ibpembed.tables.updates import RowUpdates
@@ -266,9 +266,8 @@ class TableStore:
         )
         # Published snapshots still served on request, oldest first; the last is _current.
         self._kept: list[TableSnapshot] = [self._current]
-        # The files mapped tables were read from, as they were then, with the memory each table
-        # reads (_mapping): not the table itself, which would keep its mapping alive.
-        self._files: dict[Path, tuple[int, FileStamp]] = {}
+        # The files mapped tables were read from, keyed by the memory each table reads (_mapping).
+        self._files = MappedFiles()
         # Feature -> why the table serving it was withdrawn (its file changed under it).
         self.refused: dict[str, str] = {}
         if directory is not None:
@@ -535,12 +534,8 @@ class TableStore:
         """Record the files ``tables`` were just mapped from, for :meth:`check_files`."""
         for name, table in tables.items():
             entry = entries.get(name)
-            stamp = FileStamp.of(directory / entry.file) if entry is not None else None
-            if stamp is not None:
-                key = _mapping(table)
-                # Memory of a table no longer held may be mapped again for this one.
-                self._files = {p: w for p, w in self._files.items() if w[0] != key}
-                self._files[stamp.path] = (key, stamp)
+            if entry is not None:
+                self._files.watch(directory / entry.file, _mapping(table))
 
     def check_files(self) -> dict[str, str]:
         """Withdraw every held table whose file was changed in place since it was mapped
@@ -554,15 +549,7 @@ class TableStore:
         """
         with self._write_lock:
             held = {_mapping(t) for snap in self._kept for t in snap.tables.values()}
-            # Files no held version reads any more (replaced by a reload, compacted by a row
-            # update) are not watched.
-            self._files = {p: w for p, w in self._files.items() if w[0] in held}
-            damaged: dict[int, str] = {}  # mapping -> why
-            for path, (key, stamp) in list(self._files.items()):
-                why = stamp.change()
-                if why is not None:
-                    damaged[key] = why
-                    del self._files[path]
+            damaged = self._files.changed(held)  # mapping -> why
             if not damaged:
                 return {}
             withdrawn: dict[str, str] = {}
