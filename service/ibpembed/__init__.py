@@ -7,7 +7,7 @@ import importlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-__all__ = ["CompressedTable", "compress", "cpu_path"]
+__all__ = ["CompressedTable", "FitOptions", "compress", "cpu_path"]
 try:  # one source: clients/python/VERSION, read by both packages' builds
     __version__ = version("ibpembed")
 except PackageNotFoundError:  # a source tree on sys.path, never installed

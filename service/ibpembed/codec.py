@@ -15,7 +15,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -582,8 +582,6 @@ def _sample(rows: torch.Tensor, sample_rows: int | None, seed: int) -> torch.Ten
     n = rows.shape[0]
     if sample_rows is None or sample_rows >= n:
         return rows
-    if sample_rows <= 0:
-        raise ValueError(f"sample_rows must be positive, got {sample_rows}")
     gen = torch.Generator().manual_seed(seed)
     if n <= 8 * sample_rows:
         picks = torch.randperm(n, generator=gen)[:sample_rows]
@@ -621,31 +619,22 @@ def _probe(sample: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 def _fit_sample(
-    sample: torch.Tensor,
-    *,
-    method: Method,
-    unit: int,
-    chunk_bits: int | None,
-    code_bits: int | None,
-    seed: int,
+    sample: torch.Tensor, fit: FitOptions, unit: int
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
     """(chunk_bits, mask, bitval) for uint8 sample rows [n, row_bytes]; sizes measured in
     slots of ``unit`` bytes. bitval holds the codebooks: V * (2^C - 1) entries."""
     row_bytes = sample.shape[1]
-    if method in ("paper", "raw") and code_bits not in (None, 1):
-        raise ValueError(f"method {method!r} has no codebooks: code_bits must be None or 1")
-    if method == "paper":
+    chunk_bits, code_bits = fit.chunk_bits, fit.code_bits
+    if fit.method == "paper":
         bits = chunk_bits or paper_chunk_bits(row_bytes)
         return (bits, *ops.ibp_fit(sample, bits, "paper"))
-    if method == "raw":
+    if fit.method == "raw":
         # Empty masks: no row can shrink, so every row is stored raw. The uncompressed baseline
         # that runs through the very same engine.
         bits = chunk_bits or paper_chunk_bits(row_bytes)
         v = -(-row_bytes // (bits // 8))
         zeros = torch.zeros(v, dtype=torch.int64)
         return bits, zeros, zeros.clone()
-    if method != "ibpembed":
-        raise ValueError(f"method must be 'ibpembed', 'paper' or 'raw', got {method!r}")
     allowed = [
         [(b, c) for b, c in layouts if chunk_bits in (None, b) and code_bits in (None, c)]
         for layouts in FIT_LAYOUT_CLASSES
@@ -656,7 +645,7 @@ def _fit_sample(
     layouts = [layout for layouts in classes for layout in layouts]
     # The layout is chosen on a sub-sample (the fits are the costly part), then the masks of the
     # chosen layout are fitted on the whole sample.
-    probe = sample if len(layouts) == 1 else _probe(sample, seed)
+    probe = sample if len(layouts) == 1 else _probe(sample, fit.seed)
     fits: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def fit_on_probe(bits: int, code: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -689,6 +678,68 @@ def _fit_sample(
 
 
 @dataclass(frozen=True)
+class FitOptions:
+    """How ``compress`` fits a table: one value for every writer that compresses
+    (``compress``, ``tables.writer.pack_table``, ``tables.pack.pack_table_set``), so the
+    options and their checks live in one place. Invalid values raise ValueError on creation.
+
+    Fields
+    ------
+    method : ``"ibpembed"`` (per-position masks, chunk width and code width chosen by measured
+        size: plain IBP or exponent-aware codebooks, format.h) or
+        ``"paper"`` (the published global-threshold sweep on the widest integer view), or
+        ``"raw"`` (every row stored raw: the uncompressed baseline in the same layout and engine).
+    sample_rows : rows sampled uniformly at random (``seed``) to fit the masks; None = all rows.
+    seed : seeds the row sample and the layout probe.
+    align : slot alignment in bytes (a power of two; raised for very wide rows). None: the
+        unit that stores the sample smallest among those that leave raw rows unpadded.
+    chunk_bits : force the chunk width (16, 32 or 64) instead of choosing it.
+    code_bits : force the code width C (1 = the published one-pattern IBP, fastest to decode;
+        2..4 = codebooks of 2^C - 1 patterns per position) instead of choosing it. ``"paper"``
+        and ``"raw"`` have no codebooks: 1 or None only.
+    quant : ``"int8_rowwise"`` for uint8 rows in fbgemm's row-wise int8 layout (checked against
+        the table by ``validate_table``).
+    """
+
+    method: Method = "ibpembed"
+    sample_rows: int | None = DEFAULT_SAMPLE_ROWS
+    seed: int = 0
+    align: int | None = DEFAULT_ALIGN
+    chunk_bits: int | None = None
+    code_bits: int | None = None
+    quant: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ibpembed", "paper", "raw"):
+            raise ValueError(f"method must be 'ibpembed', 'paper' or 'raw', got {self.method!r}")
+        if self.sample_rows is not None and self.sample_rows <= 0:
+            raise ValueError(f"sample_rows must be positive, got {self.sample_rows}")
+        align = self.align
+        if align is not None and (align <= 0 or align & (align - 1) or align > MAX_SLOT_UNIT):
+            raise ValueError(f"align must be a power of two <= {MAX_SLOT_UNIT}, got {align}")
+        if self.chunk_bits is not None and self.chunk_bits not in CHUNK_BITS_CHOICES:
+            raise ValueError(
+                f"chunk_bits must be one of {CHUNK_BITS_CHOICES}, got {self.chunk_bits}"
+            )
+        if self.code_bits is not None and self.code_bits not in CODE_BITS_CHOICES:
+            raise ValueError(f"code_bits must be one of {CODE_BITS_CHOICES}, got {self.code_bits}")
+        if self.method in ("paper", "raw") and self.code_bits not in (None, 1):
+            raise ValueError(
+                f"method {self.method!r} has no codebooks: code_bits must be None or 1"
+            )
+
+    def meta(self) -> dict[str, Any]:
+        """The fit parameters a table file's meta section records (``docs/format.md``); the
+        forced layout is in the header, and ``quant`` is recorded with the name."""
+        return {
+            "method": self.method,
+            "align": self.align,
+            "sample_rows": self.sample_rows,
+            "seed": self.seed,
+        }
+
+
+@dataclass(frozen=True)
 class TableFit:
     """What ``compress`` decides before it writes a byte: chunk width, masks and slot unit."""
 
@@ -702,39 +753,17 @@ class TableFit:
         return code_bits_of(self.mask, self.bitval)
 
 
-def fit_table(
-    table: torch.Tensor,
-    *,
-    method: Method = "ibpembed",
-    sample_rows: int | None = DEFAULT_SAMPLE_ROWS,
-    seed: int = 0,
-    align: int | None = DEFAULT_ALIGN,
-    chunk_bits: int | None = None,
-    code_bits: int | None = None,
-    quant: str | None = None,
-) -> TableFit:
-    """The fit ``compress`` runs (same arguments, same sample): for writers that stream rows."""
-    validate_table(table, quant)
-    if align is not None and (align <= 0 or align & (align - 1) or align > MAX_SLOT_UNIT):
-        raise ValueError(f"align must be a power of two <= {MAX_SLOT_UNIT}, got {align}")
-    if chunk_bits is not None and chunk_bits not in CHUNK_BITS_CHOICES:
-        raise ValueError(f"chunk_bits must be one of {CHUNK_BITS_CHOICES}, got {chunk_bits}")
-    if code_bits is not None and code_bits not in CODE_BITS_CHOICES:
-        raise ValueError(f"code_bits must be one of {CODE_BITS_CHOICES}, got {code_bits}")
+def fit_table(table: torch.Tensor, fit: FitOptions | None = None) -> TableFit:
+    """The fit ``compress`` runs (same options, same sample): for writers that stream rows."""
+    fit = fit or FitOptions()
+    validate_table(table, fit.quant)
     rows = table.view(torch.uint8).view(table.shape[0], -1)
-    sample = _sample(rows, sample_rows, seed)
-    units = slot_unit_candidates(rows.shape[1], align)
-    bits, mask, bitval = _fit_sample(
-        sample,
-        method=method,
-        unit=units[0],
-        chunk_bits=chunk_bits,
-        code_bits=code_bits,
-        seed=seed,
-    )
+    sample = _sample(rows, fit.sample_rows, fit.seed)
+    units = slot_unit_candidates(rows.shape[1], fit.align)
+    bits, mask, bitval = _fit_sample(sample, fit, units[0])
     unit = units[0]
     if len(units) > 1:
-        probe = _probe(sample, seed)
+        probe = _probe(sample, fit.seed)
         finest = ops.ibp_slot_bytes(probe, bits, mask, bitval, units[0])
         # One sizing serves every candidate: each divides the row width and is a multiple of the
         # finest u0, so a slot of ceil(b / u0) * u0 bytes takes ceil(b / u) * u at unit u (raw
@@ -746,43 +775,22 @@ def fit_table(
 
 
 def compress(
-    table: torch.Tensor,
-    *,
-    method: Method = "ibpembed",
-    sample_rows: int | None = DEFAULT_SAMPLE_ROWS,
-    seed: int = 0,
-    align: int | None = DEFAULT_ALIGN,
-    chunk_bits: int | None = None,
-    code_bits: int | None = None,
-    quant: str | None = None,
+    table: torch.Tensor, *, fit: FitOptions | None = None, **options: Any
 ) -> CompressedTable:
     """Compress a [num_rows, dim] CPU table losslessly.
+
+    >>> compress(weights, chunk_bits=32)                    # options as keywords, or
+    >>> compress(weights, fit=FitOptions(chunk_bits=32))   # as one value to pass along
 
     Parameters
     ----------
     table : contiguous 2-D fp32 / fp16 / bf16 / int8 / uint8 tensor.
-    method : ``"ibpembed"`` (per-position masks, chunk width and code width chosen by measured
-        size: plain IBP or exponent-aware codebooks, format.h) or
-        ``"paper"`` (the published global-threshold sweep on the widest integer view), or
-        ``"raw"`` (every row stored raw: the uncompressed baseline in the same layout and engine).
-    sample_rows : rows sampled uniformly at random (``seed``) to fit the masks; None = all rows.
-    align : slot alignment in bytes (a power of two; raised for very wide rows). None: the
-        unit that stores the sample smallest among those that leave raw rows unpadded.
-    chunk_bits : force the chunk width (16, 32 or 64) instead of choosing it.
-    code_bits : force the code width C (1 = the published one-pattern IBP, fastest to decode;
-        2..4 = codebooks of 2^C - 1 patterns per position) instead of choosing it.
-    quant : ``"int8_rowwise"`` for uint8 rows in fbgemm's row-wise int8 layout.
+    fit : how to fit it (:class:`FitOptions`; default: its defaults).
+    options : :class:`FitOptions` fields (``method``, ``sample_rows``, ``seed``, ``align``,
+        ``chunk_bits``, ``code_bits``, ``quant``), replacing those of ``fit``.
     """
-    fitted = fit_table(
-        table,
-        method=method,
-        sample_rows=sample_rows,
-        seed=seed,
-        align=align,
-        chunk_bits=chunk_bits,
-        code_bits=code_bits,
-        quant=quant,
-    )
+    fit = dataclasses.replace(fit or FitOptions(), **options)
+    fitted = fit_table(table, fit)
     rows = table.view(torch.uint8).view(table.shape[0], -1)
     payload, block_base, row_units, bitmask = ops.ibp_compress(
         rows, fitted.chunk_bits, fitted.mask, fitted.bitval, fitted.unit_bytes
@@ -799,5 +807,5 @@ def compress(
         dim=table.shape[1],
         dtype=table.dtype,
         unit_bytes=fitted.unit_bytes,
-        quant=quant,
+        quant=fit.quant,
     )

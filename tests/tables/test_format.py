@@ -18,7 +18,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibpembed import compress
+from ibpembed import FitOptions, compress
 from ibpembed.tables import format as tf
 from ibpembed.tables import writer as tw
 from tests.codec.tables import DIMS, DTYPES, KINDS, make_table
@@ -91,7 +91,7 @@ def test_payload_is_zero_copy_over_the_mapping(packed) -> None:
 def test_int8_rowwise_quant_survives_the_file(tmp_path: Path) -> None:
     rows = torch.randint(0, 256, (100, 12), dtype=torch.uint8)
     rows[:, :4] = torch.tensor([0.01, 0.5], dtype=torch.float16).view(torch.uint8)
-    tw.pack_table(tmp_path / "q.ibpt", rows, name="q", quant="int8_rowwise")
+    tw.pack_table(tmp_path / "q.ibpt", rows, name="q", fit=FitOptions(quant="int8_rowwise"))
     table = tf.read_table(tmp_path / "q.ibpt").table
     assert table.quant == "int8_rowwise"
     expected = compress(rows, quant="int8_rowwise")
@@ -104,7 +104,7 @@ def test_int8_rowwise_quant_survives_the_file(tmp_path: Path) -> None:
 
 def test_write_table_of_a_compressed_table_matches_pack(tmp_path: Path) -> None:
     weight = trained_like(257, 16, torch.bfloat16)
-    tw.pack_table(tmp_path / "a.ibpt", weight, name="t", sample_rows=None)
+    tw.pack_table(tmp_path / "a.ibpt", weight, name="t", fit=FitOptions(sample_rows=None))
     meta = {
         k: v
         for k, v in tf.read_table(tmp_path / "a.ibpt").meta.items()
@@ -245,10 +245,9 @@ GOLDEN_READABLE_OLDER = (GOLDEN_DIR / "golden_layout2.ibpt",)
 
 def write_golden() -> None:
     """Pack the golden tables with this build (run once per new layout version)."""
-    tw.pack_table(GOLDEN, golden_weight(), name="golden", sample_rows=None)
-    tw.pack_table(
-        GOLDEN_CODED, golden_weight(), name="golden", sample_rows=None, chunk_bits=32, code_bits=3
-    )
+    tw.pack_table(GOLDEN, golden_weight(), name="golden", fit=FitOptions(sample_rows=None))
+    coded = FitOptions(sample_rows=None, chunk_bits=32, code_bits=3)
+    tw.pack_table(GOLDEN_CODED, golden_weight(), name="golden", fit=coded)
 
 
 def golden_weight() -> torch.Tensor:

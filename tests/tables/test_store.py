@@ -21,7 +21,8 @@ from ibpembed.tables import writer as tw
 from ibpembed.tables.importers import TableSet, TableSource
 from ibpembed.tables.manifest import MANIFEST, TableSetError, read_manifest
 from ibpembed.tables.pack import pack_table_set
-from ibpembed.tables.store import MIN_SPILL_BYTES, TableBytes, TableSnapshot, TableStore
+from ibpembed.tables.store import TableBytes, TableSnapshot, TableStore
+from ibpembed.tables.updates import MIN_SPILL_BYTES
 from tests.codec.tables import make_table
 from tests.tables.helpers import (
     flip_bit,

@@ -38,10 +38,10 @@ def test_row_updates_keep_their_spare_area_across_hot_row_refreshes() -> None:
     values = with_a_raw_row(ROWS, DIM)
     store = TableStore.from_tables({"t": compress(values)})
     store.update_rows("t", torch.tensor([100]), torch.full((1, DIM), 0.5))
-    buffer = store._spill["t"].buffer
+    buffer = store._updates._spill["t"].buffer
     store.set_hot_rows("t", torch.arange(0, 100))
     store.update_rows("t", torch.tensor([200]), torch.full((1, DIM), 0.25))
-    assert store._spill["t"].buffer is buffer
+    assert store._updates._spill["t"].buffer is buffer
     expected = values.clone()
     expected[100], expected[200] = 0.5, 0.25
     with store.acquire() as snap:

@@ -13,6 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ibpembed.codec import FitOptions
 from ibpembed.layout import DTYPE_CODES, INT8_ROWWISE_CODE
 from ibpembed.tables import format as tf
 from ibpembed.tables import importers, manifest, pack
@@ -136,12 +137,14 @@ def run_pack(args: argparse.Namespace) -> int:
         if extra:
             table_set = importers.TableSet(table_set.tables, extra)
         pack_args: dict[str, Any] = {
-            "method": args.method,
-            "sample_rows": args.sample_rows or None,
-            "seed": args.seed,
-            "align": args.align,
-            "chunk_bits": args.chunk_bits,
-            "code_bits": args.code_bits,
+            "fit": FitOptions(
+                method=args.method,
+                sample_rows=args.sample_rows or None,
+                seed=args.seed,
+                align=args.align,
+                chunk_bits=args.chunk_bits,
+                code_bits=args.code_bits,
+            ),
             "progress": _progress_factory(not args.no_progress),
             "merge": args.merge,
             "for_gpu": args.for_gpu,

@@ -181,18 +181,14 @@ def pack_table_set(
     directory: str | os.PathLike[str],
     table_set: TableSet,
     *,
-    method: codec.Method = "ibpembed",
-    sample_rows: int | None = codec.DEFAULT_SAMPLE_ROWS,
-    seed: int = 0,
-    align: int | None = codec.DEFAULT_ALIGN,
-    chunk_bits: int | None = None,
-    code_bits: int | None = None,
+    fit: codec.FitOptions | None = None,
     progress: Callable[[TableSource], Callable[[int], None] | None] | None = None,
     on_table: Callable[[tw.PackedTable], None] | None = None,
     shard: tuple[int, int] | None = None,
     merge: bool = False,
     table_set_version: int | None = None,
     for_gpu: bool = False,
+    **options: Any,
 ) -> list[tw.PackedTable]:
     """Pack every table of a set into ``directory`` and publish its manifest.
 
@@ -201,6 +197,7 @@ def pack_table_set(
 
     Parameters
     ----------
+    fit : how to fit every table (``codec.FitOptions``); each table's ``quant`` is its source's.
     progress : given a table (its rows sliced to the shard's range), returns a per-step
         callback (rows done) or None.
     on_table : called with each table's report as soon as it is written.
@@ -211,6 +208,7 @@ def pack_table_set(
     table_set_version : the version to publish; None = the next (:func:`next_version`). Must be
         newer than the directory's: servers refuse a reload to an older or equal number.
     for_gpu : every table laid out for a GPU's zero-copy reads (``writer.pack_table``).
+    options : ``codec.FitOptions`` fields (``sample_rows=None``...), replacing those of ``fit``.
 
     Raises
     ------
@@ -218,6 +216,7 @@ def pack_table_set(
         with ``merge``, when the directory's manifest cannot be read, or a feature a kept table
         serves is also claimed by a packed table (``TableSet.extra_features`` may remap it).
     """
+    fit = dataclasses.replace(fit or codec.FitOptions(), **options)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     reports = []
@@ -251,13 +250,7 @@ def pack_table_set(
                 part.weight,
                 name=source.name,
                 content_named=True,
-                quant=source.quant,
-                method=method,
-                sample_rows=sample_rows,
-                seed=seed,
-                align=align,
-                chunk_bits=chunk_bits,
-                code_bits=code_bits,
+                fit=dataclasses.replace(fit, quant=source.quant),
                 meta=_source_meta(source, own, rows),
                 progress=progress(part) if progress else None,
                 for_gpu=for_gpu,

@@ -62,7 +62,7 @@ def pack_shards(
         ``ibpembed-{shard}.ibpembed:50051`` for a StatefulSet's pods); None leaves the
         addresses out of the shard map, for clients to supply.
     progress : as for :func:`pack_table_set`.
-    pack_args : ``method``, ``sample_rows``, ``seed``, ``align``, ``chunk_bits``, ``code_bits``,
+    pack_args : as for :func:`pack_table_set`: ``fit`` or its fields (``sample_rows``...),
         ``merge`` (keep the other tables of every shard, and their entries in the shard map).
     """
     # The addresses (and so the whole map) first: a template that does not expand must stop

@@ -24,19 +24,9 @@ the same number; a set whose manifest has no number, or a number not newer than 
 number here, so one number never names two contents in one store. Tables shared by kept versions
 (a reload keeps unchanged tables) are held once.
 
-Row updates (copy-on-write per 32-row block, into a spill area). The compact layout addresses
-rows through per-block bases, so an updated row moves with its whole block: the affected blocks
-are decoded, the new rows put in, the blocks re-encoded with the table's existing masks
-(``ibp_compress``, so the table stays lossless whatever the new values) and appended to a spill
-area past the end of the payload; the new version's index points at them. Bytes a published
-version can read are never written, which is what makes the update atomic without reader locks
-(an in-place overwrite, even of a same-size slot, would be seen half-done by a concurrent
-lookup). The spill area is spare capacity of one buffer shared by successive versions; when it is
-full, when block 0 changes (the layout pins block 0 at offset 0) or on the first update of a
-memory-mapped table, the table is compacted into a fresh buffer with new spare room (and its masks
-copied, so nothing of a mapped file stays referenced). Each update also copies the small index
-(about 1.4 bytes per row). Updates live in memory: ``save`` writes them out; ``reload`` replaces
-updated tables with their files.
+Row updates (copy-on-write per 32-row block, into a spill area: :mod:`ibpembed.tables.updates`)
+publish the updated table as the next version, like a reload. Updates live in memory: ``save``
+writes them out; ``reload`` replaces updated tables with their files.
 
 Devices. A store built for a GPU (``device="cuda"``) places every table of a snapshot it
 publishes for the CUDA kernels (``placement.place_table``): the snapshot owns copies of the
@@ -62,20 +52,14 @@ from typing import Any, NamedTuple
 import torch
 
 from ibpembed import layout
-from ibpembed._ops import ops
-from ibpembed.codec import CompressedTable, CompressedTableSet, HotRows
+from ibpembed.codec import CompressedTable, CompressedTableSet
 from ibpembed.errors import VersionNotHeld
-from ibpembed.tables import _layout
 from ibpembed.tables import writer as tw
 from ibpembed.tables.manifest import ManifestEntry, RowRange, load_table_set_meta
-from ibpembed.tables.mapped_files import FileStamp
+from ibpembed.tables.mapped_files import MappedFiles
 from ibpembed.tables.pack import save_table_set
 from ibpembed.tables.placement import HostAliases, cuda_register, maps_shared, place_table
-
-# Spare payload bytes a compaction reserves for later spills: this fraction of the payload, and
-# at least enough for a few updates like the one that triggered it.
-SPILL_FRACTION = 8
-MIN_SPILL_BYTES = 1 << 16
+from ibpembed.tables.updates import RowUpdates
 
 
 @dataclass(frozen=True)
@@ -216,14 +200,6 @@ def _without(snap: TableSnapshot, tables: set[str]) -> TableSnapshot:
     )
 
 
-@dataclass(frozen=True, eq=False)
-class _Spill:
-    """The buffer under ``table``'s payload; bytes past the payload's end are free."""
-
-    table: CompressedTable
-    buffer: torch.Tensor
-
-
 def _frozen(mapping: Mapping) -> Mapping:
     return types.MappingProxyType(dict(mapping))
 
@@ -279,7 +255,7 @@ class TableStore:
         if aliases is None and self.device.type == "cuda":
             aliases = HostAliases(cuda_register(self.device))
         self._aliases = aliases
-        self._spill: dict[str, _Spill] = {}
+        self._updates = RowUpdates()
         self._keep = keep_versions
         self._current = TableSnapshot(
             version,
@@ -290,9 +266,8 @@ class TableStore:
         )
         # Published snapshots still served on request, oldest first; the last is _current.
         self._kept: list[TableSnapshot] = [self._current]
-        # The files mapped tables were read from, as they were then, with the memory each table
-        # reads (_mapping): not the table itself, which would keep its mapping alive.
-        self._files: dict[Path, tuple[int, FileStamp]] = {}
+        # The files mapped tables were read from, keyed by the memory each table reads (_mapping).
+        self._files = MappedFiles()
         # Feature -> why the table serving it was withdrawn (its file changed under it).
         self.refused: dict[str, str] = {}
         if directory is not None:
@@ -512,7 +487,7 @@ class TableStore:
 
             def reuse(name: str, entry: ManifestEntry) -> CompressedTable | None:
                 kept = target == self._directory and self._entries.get(name) == entry
-                return current.get(name) if kept and name not in self._spill else None
+                return current.get(name) if kept and name not in self._updates else None
 
             manifest, tables, metas = load_table_set_meta(
                 target,
@@ -536,7 +511,7 @@ class TableStore:
                 # below must keep describing what is published, or the next reload would
                 # "reuse" old tables.
                 self._publish(tables, manifest.features, shards, version=manifest.table_set_version)
-                self._spill.clear()
+                self._updates.clear()
             if not unchanged:
                 # Files of tables no held version serves any more are not watched (nor kept).
                 self._watch_files(target, manifest.tables, fresh)
@@ -559,12 +534,8 @@ class TableStore:
         """Record the files ``tables`` were just mapped from, for :meth:`check_files`."""
         for name, table in tables.items():
             entry = entries.get(name)
-            stamp = FileStamp.of(directory / entry.file) if entry is not None else None
-            if stamp is not None:
-                key = _mapping(table)
-                # Memory of a table no longer held may be mapped again for this one.
-                self._files = {p: w for p, w in self._files.items() if w[0] != key}
-                self._files[stamp.path] = (key, stamp)
+            if entry is not None:
+                self._files.watch(directory / entry.file, _mapping(table))
 
     def check_files(self) -> dict[str, str]:
         """Withdraw every held table whose file was changed in place since it was mapped
@@ -578,15 +549,7 @@ class TableStore:
         """
         with self._write_lock:
             held = {_mapping(t) for snap in self._kept for t in snap.tables.values()}
-            # Files no held version reads any more (replaced by a reload, compacted by a row
-            # update) are not watched.
-            self._files = {p: w for p, w in self._files.items() if w[0] in held}
-            damaged: dict[int, str] = {}  # mapping -> why
-            for path, (key, stamp) in list(self._files.items()):
-                why = stamp.change()
-                if why is not None:
-                    damaged[key] = why
-                    del self._files[path]
+            damaged = self._files.changed(held)  # mapping -> why
             if not damaged:
                 return {}
             withdrawn: dict[str, str] = {}
@@ -629,7 +592,7 @@ class TableStore:
             self._publish(tables, merged, shards)
             self._entries.pop(name, None)
             self._meta.pop(name, None)
-            self._spill.pop(name, None)
+            self._updates.forget(name)
 
     def set_hot_rows(self, table: str, ids: torch.Tensor, *, coverage: float = 0.0) -> int:
         """Keep decoded copies of rows ``ids`` of ``table`` for CPU lookups (replacing any
@@ -650,10 +613,7 @@ class TableStore:
                 raise KeyError(f"unknown table '{table}'")
             new = current[table].with_hot_rows(ids, coverage=coverage)
             self._publish({**current, table: new}, self._current.features, same_rows=True)
-            spill = self._spill.get(table)
-            if spill is not None and spill.table is current[table]:
-                # Same payload: later row updates keep appending to its spare area.
-                self._spill[table] = _Spill(new, spill.buffer)
+            self._updates.republished(table, current[table], new)
             return new.hot.count if new.hot is not None else 0
 
     def update_rows(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -676,82 +636,14 @@ class TableStore:
             current = self._current.tables
             if table not in current:
                 raise KeyError(f"unknown table '{table}'")
-            old = current[table]
-            ids, rows = _check_update(old, ids, rows)
-            if ids.numel() == 0:
+            update = self._updates.prepare(table, current[table], ids, rows)
+            if update is None:  # no ids: nothing to publish
                 return
-            new, buffer = self._apply(table, old, ids, rows)
-            self._publish({**current, table: new}, self._current.features)
-            self._spill[table] = _Spill(new, buffer)
+            self._publish({**current, table: update.table}, self._current.features)
+            # Recorded only once published: after a failed publish the next update starts again
+            # from the published table, whose spare area this one's bytes are still part of.
+            self._updates.commit(table, update)
             self._entries.pop(table, None)  # it no longer matches its file (_pooling, _meta stay)
-
-    def _apply(
-        self, name: str, old: CompressedTable, ids: torch.Tensor, rows: torch.Tensor
-    ) -> tuple[CompressedTable, torch.Tensor]:
-        """The table with the rows replaced, and the buffer under its payload."""
-        blocks = torch.unique(torch.div(ids, layout.ROWS_PER_BLOCK, rounding_mode="floor"))
-        # Every row of the affected blocks, in order; only the table's last block can be short,
-        # and it sorts last, so these rows form whole blocks of a small table of their own.
-        block_rows = (
-            blocks[:, None] * layout.ROWS_PER_BLOCK + torch.arange(layout.ROWS_PER_BLOCK)
-        ).flatten()
-        block_rows = block_rows[block_rows < old.num_rows]
-        decoded = old.gather(block_rows).view(torch.uint8).reshape(block_rows.numel(), -1)
-        decoded[torch.searchsorted(block_rows, ids)] = rows.view(torch.uint8).reshape(
-            ids.numel(), -1
-        )
-        payload, base, units, bitmask = ops.ibp_compress(
-            decoded, old.chunk_bits, old.mask, old.bitval, old.unit_bytes
-        )
-        row_units = old.row_units.clone()
-        row_units.view(-1, layout.ROWS_PER_BLOCK)[blocks] = units.view(-1, layout.ROWS_PER_BLOCK)
-        new_bitmask = old.bitmask.clone()
-        new_bitmask[blocks] = bitmask
-        added = int(base[-1])
-        end = _layout.payload_end(old)
-        spill = self._spill.get(name)
-        start = end + layout.PAYLOAD_PAD  # past the pad the previous version may read ahead into
-        mask, bitval = old.mask, old.bitval
-        if (
-            spill is not None
-            and spill.table is old
-            and int(blocks[0]) != 0
-            and start + added + layout.PAYLOAD_PAD <= spill.buffer.numel()
-        ):
-            buffer = spill.buffer
-            buffer[start : start + added] = payload[:added]
-            block_base = old.block_base.clone()
-            block_base[blocks] = base[:-1] + start
-            block_base[-1] = start + added
-        else:
-            lengths = _layout.block_bytes(row_units, old.unit_bytes)
-            source = torch.zeros_like(lengths)
-            source[blocks] = 1
-            offsets = old.block_base[:-1].clone()
-            offsets[blocks] = base[:-1]
-            reserve = max(end // SPILL_FRACTION, 8 * (added + layout.PAYLOAD_PAD), MIN_SPILL_BYTES)
-            buffer, block_base = _layout.assemble(
-                [old.payload, payload],
-                source,
-                offsets,
-                lengths,
-                reserve=reserve,
-            )
-            # The masks too get memory of their own: views of a mapped file would keep the
-            # whole mapping (and the file's disk space, once a pack deletes it) alive.
-            mask, bitval = old.mask.clone(), old.bitval.clone()
-        new_end = int(block_base[-1])
-        table = dataclasses.replace(
-            old,
-            payload=buffer[: new_end + layout.PAYLOAD_PAD],
-            block_base=block_base,
-            row_units=row_units,
-            bitmask=new_bitmask,
-            mask=mask,
-            bitval=bitval,
-            hot=_updated_hot_rows(old.hot, ids, rows),
-        )
-        return table, buffer
 
     def save(self, directory: str | os.PathLike[str]) -> list[tw.PackedTable]:
         """Write the current version (row updates included) as a table set: each table with its
@@ -764,42 +656,3 @@ class TableStore:
             return save_table_set(
                 directory, snapshot.tables, snapshot.features, pooling, snapshot.shards, meta
             )
-
-
-def _updated_hot_rows(hot: HotRows | None, ids: torch.Tensor, rows: torch.Tensor) -> HotRows | None:
-    """The decoded tier after rows ``ids`` (sorted) became ``rows``: tier rows take their new
-    bits (whether the row is now stored compressed or raw, the tier row is exact); the tier is
-    shared with the previous version unless one of its rows changed."""
-    if hot is None:
-        return None
-    at = torch.searchsorted(hot.ids, ids).clamp(max=hot.count - 1)
-    cached = hot.ids[at] == ids
-    if not bool(cached.any()):
-        return hot
-    copies = hot.rows.clone()
-    copies[at[cached]] = rows.view(torch.uint8).reshape(ids.numel(), -1)[cached]
-    return dataclasses.replace(hot, rows=copies)
-
-
-def _check_update(
-    table: CompressedTable, ids: torch.Tensor, rows: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise TypeError("ids must be an integer tensor")
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError("rows must be a tensor")
-    if ids.dim() != 1:
-        raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
-    ids = ids.to(device="cpu", dtype=torch.int64)
-    if rows.dtype != table.dtype or tuple(rows.shape) != (ids.numel(), table.dim):
-        raise ValueError(
-            f"rows must be {table.dtype} [{ids.numel()}, {table.dim}], got {rows.dtype} "
-            f"{list(rows.shape)}"
-        )
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.num_rows):
-        raise ValueError(f"ids must lie in [0, {table.num_rows})")
-    order = torch.argsort(ids)
-    ids = ids[order]
-    if bool((ids[1:] == ids[:-1]).any()):
-        raise ValueError("ids must be distinct (the new value of a repeated id is ambiguous)")
-    return ids, rows.detach().to("cpu")[order].contiguous()

@@ -167,28 +167,14 @@ def _pack_into(
     weight: torch.Tensor,
     *,
     name: str,
-    quant: str | None,
-    method: codec.Method,
-    sample_rows: int | None,
-    seed: int,
-    align: int | None,
-    chunk_bits: int | None,
-    code_bits: int | None,
+    fit: codec.FitOptions,
     meta: Mapping[str, Any] | None,
     progress: Callable[[int], None] | None,
 ) -> _Written:
     """Fit on a sample, then compress and write step by step."""
     # The same sample and fit as codec.compress, so the file holds exactly its bytes.
-    fitted = codec.fit_table(
-        weight,
-        method=method,
-        sample_rows=sample_rows,
-        seed=seed,
-        align=align,
-        chunk_bits=chunk_bits,
-        code_bits=code_bits,
-        quant=quant,
-    )
+    fitted = codec.fit_table(weight, fit)
+    quant = fit.quant
     num_rows, dim = weight.shape
     rows = weight.view(torch.uint8).view(num_rows, -1)
     row_bytes = rows.shape[1]
@@ -218,11 +204,10 @@ def _pack_into(
         SectionKind.ROW_UNITS: row_units,
         SectionKind.BITMASK: bitmask,
     }
-    fit_meta = {"method": method, "align": align, "sample_rows": sample_rows, "seed": seed}
     header_xxh3, file_bytes = writer.finish(
         (num_rows, dim, row_bytes, unit, dtype_code(weight.dtype, quant), bits),
         index,
-        _meta(name, quant, source_hash.intdigest(), {**fit_meta, **(meta or {})}),
+        _meta(name, quant, source_hash.intdigest(), {**fit.meta(), **(meta or {})}),
     )
     return _Written(
         num_rows,
@@ -292,13 +277,7 @@ def pack_table(
     *,
     name: str,
     content_named: bool = False,
-    quant: str | None = None,
-    method: codec.Method = "ibpembed",
-    sample_rows: int | None = codec.DEFAULT_SAMPLE_ROWS,
-    seed: int = 0,
-    align: int | None = codec.DEFAULT_ALIGN,
-    chunk_bits: int | None = None,
-    code_bits: int | None = None,
+    fit: codec.FitOptions | None = None,
     meta: Mapping[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
     for_gpu: bool = False,
@@ -307,7 +286,7 @@ def pack_table(
 
     The fit sees a random row sample; rows are then compressed ``PACK_STEP_BYTES`` at a time and
     streamed to disk, so memory stays near the source size plus one step (the bytes equal those
-    of ``codec.compress`` with the same arguments).
+    of ``codec.compress`` with the same ``fit``).
 
     Parameters
     ----------
@@ -315,7 +294,7 @@ def pack_table(
         ``<name>.<header checksum>.ibpt`` into (the files of a table set).
     weight : [N, D] contiguous CPU tensor (fp32/fp16/bf16/int8/uint8).
     name : table name recorded in the file.
-    quant, method, sample_rows, seed, align, chunk_bits, code_bits : as for ``codec.compress``.
+    fit : how to fit it (``codec.FitOptions``; default: its defaults), as for ``codec.compress``.
     meta : extra JSON-serialisable fields for the meta section (features, pooling, origin).
     progress : called with the number of rows done after each step.
     for_gpu : lay the table out for a GPU's zero-copy reads (``gpu_layout.for_gpu``: slots on
@@ -327,24 +306,22 @@ def pack_table(
     PackedTable: sizes, checksum and wall time.
     """
     start = time.perf_counter()
+    fit = fit or codec.FitOptions()
     if for_gpu:
         from ibpembed.tables import gpu_layout
 
-        args = {"quant": quant, "seed": seed, "chunk_bits": chunk_bits}
-        compressed = codec.compress(
-            weight, method=method, sample_rows=sample_rows, align=align, code_bits=code_bits, **args
-        )
+        compressed = codec.compress(weight, fit=fit)
         # Raw rows have no codebooks: a forced code width applies to the compressed layout only.
+        raw_fit = dataclasses.replace(fit, method="raw", code_bits=None)
         table, decision = gpu_layout.for_gpu(
-            compressed, lambda: codec.compress(weight, method="raw", align=align, **args)
+            compressed, lambda: codec.compress(weight, fit=raw_fit)
         )
-        fit = {"method": method, "align": align, "sample_rows": sample_rows, "seed": seed}
         written = write_table(
             path,
             table,
             name=name,
             content_named=content_named,
-            meta={**fit, **(meta or {}), "gpu_layout": decision},
+            meta={**fit.meta(), **(meta or {}), "gpu_layout": decision},
         )
         if progress is not None:  # in one step: the whole table is compressed at once
             progress(table.num_rows)
@@ -356,13 +333,7 @@ def pack_table(
             writer.file,
             weight,
             name=name,
-            quant=quant,
-            method=method,
-            sample_rows=sample_rows,
-            seed=seed,
-            align=align,
-            chunk_bits=chunk_bits,
-            code_bits=code_bits,
+            fit=fit,
             meta=meta,
             progress=progress,
         )
