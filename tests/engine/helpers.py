@@ -29,14 +29,13 @@ FEATURES = {
 }
 
 
-def _int8_rowwise(rows: int, codes: int, seed: int) -> torch.Tensor:
+def int8_rowwise(rows: int, codes: int, rng: np.random.Generator) -> torch.Tensor:
     """fbgemm row-wise int8 rows: fp16 scale, fp16 bias, then ``codes`` uint8 codes."""
-    rng = np.random.default_rng(seed)
     header = np.stack(
         [rng.uniform(0.001, 0.01, rows), rng.uniform(-0.5, 0.0, rows)], axis=1
     ).astype(np.float16)
     body = rng.integers(0, 256, (rows, codes), dtype=np.uint8)
-    return torch.from_numpy(np.concatenate([header.view(np.uint8), body], axis=1).copy())
+    return torch.from_numpy(np.concatenate([header.view(np.uint8), body], axis=1))
 
 
 def source_tables(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -50,7 +49,7 @@ def source_tables(seed: int = 0) -> dict[str, torch.Tensor]:
         "emb_f32": f32,
         "emb_bf16": bf16,
         "emb_f16": f16,
-        "emb_q8": _int8_rowwise(300, 12, seed),
+        "emb_q8": int8_rowwise(300, 12, np.random.default_rng(seed)),
     }
 
 

@@ -8,28 +8,14 @@ import torch
 
 from ibpembed import reference
 from ibpembed.tables.importers import TableSet, TableSource
+from tests.engine.helpers import FEATURES as ENGINE_FEATURES
+from tests.engine.helpers import int8_rowwise
 
 SHARDS = 3
 
 # Awkward shapes, every dtype and a table with fewer rows than shards (left out of shard 0).
 # Two features share emb_f32, so a shard request can carry two parts of one table.
-FEATURES = {
-    "user": "emb_f32",
-    "user_hist": "emb_f32",
-    "item": "emb_bf16",
-    "ctx": "emb_f16",
-    "quant": "emb_q8",
-    "tiny": "emb_tiny",
-}
-
-
-def _int8_rowwise(rows: int, codes: int, rng: np.random.Generator) -> torch.Tensor:
-    """fbgemm row-wise int8 rows: fp16 scale, fp16 bias, then ``codes`` uint8 codes."""
-    header = np.stack(
-        [rng.uniform(0.001, 0.01, rows), rng.uniform(-0.5, 0.0, rows)], axis=1
-    ).astype(np.float16)
-    body = rng.integers(0, 256, (rows, codes), dtype=np.uint8)
-    return torch.from_numpy(np.concatenate([header.view(np.uint8), body], axis=1))
+FEATURES = {**ENGINE_FEATURES, "tiny": "emb_tiny"}
 
 
 def make_table_set(seed: int = 0) -> TableSet:
@@ -51,7 +37,7 @@ def make_table_set(seed: int = 0) -> TableSet:
             feature_names=("ctx",),
         ),
         TableSource(
-            "emb_q8", _int8_rowwise(300, 12, rng), quant="int8_rowwise", feature_names=("quant",)
+            "emb_q8", int8_rowwise(300, 12, rng), quant="int8_rowwise", feature_names=("quant",)
         ),
         TableSource("emb_tiny", torch.randn(2, 4, generator=gen), feature_names=("tiny",)),
     )
