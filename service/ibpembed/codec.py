@@ -233,11 +233,15 @@ class CompressedTable:
         return self.payload_bytes + self.index_bytes + self.metadata_bytes
 
     @property
+    def resident_payload_bytes(self) -> int:
+        """The whole buffer the payload views: the spare room a row update's spill buffer keeps
+        is resident too."""
+        return max(self.payload_bytes, self.payload.untyped_storage().nbytes())
+
+    @property
     def resident_bytes(self) -> int:
-        """``stored_bytes`` counting the whole buffer the payload views: the spare room a row
-        update's spill buffer keeps is resident too."""
-        payload = max(self.payload_bytes, self.payload.untyped_storage().nbytes())
-        return payload + self.index_bytes + self.metadata_bytes
+        """``stored_bytes`` with the payload's whole buffer (:attr:`resident_payload_bytes`)."""
+        return self.resident_payload_bytes + self.index_bytes + self.metadata_bytes
 
     @property
     def savings(self) -> float:

@@ -414,7 +414,7 @@ class TableStore:
         return {
             name: TableBytes(
                 t.raw_bytes,
-                t.resident_bytes - t.index_bytes - t.metadata_bytes,
+                t.resident_payload_bytes,
                 t.index_bytes,
                 t.metadata_bytes,
                 t.hot_bytes,
