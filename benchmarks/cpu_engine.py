@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The CPU lookup engine against an fbgemm-style control loop, in one process, without torch.
 
-    python -m benchmarks.cpu_engine [--gib 1] [--profile fp32|bf16r] [--csrc DIR ...] [--out DIR]
+    python -m benchmarks.cpu_engine [--gib 1] [--profile fp32|bf16r] [--alpha A] [--csrc DIR ...]
+                                    [--out DIR]
 
 Whole-process A/Bs of the engine swing by up to 2x on a shared host (BENCHMARKS.md), more than
 most changes to it are worth. This harness takes the process out: it compiles ``csrc/``'s lookup
@@ -10,8 +11,9 @@ engine with g++ (``at::parallel_for`` replaced by a serial loop, the ISA flags o
 shape of fbgemm's ``EmbeddingSpMDM``, what torchrec's CPU forward runs), ``lookup_pooled_cpu`` on
 the rows stored raw, and on the same rows compressed. The tables are DLRM-profile fp32 [N, 128]
 (``--profile bf16r``: bf16-rounded values), payloads on transparent huge pages as ibpembed's
-are; the ids are ``benchmarks.data.zipf_batches`` (B=512, Zipf 1.05, pooling 1..100), one
-thread. Read the ratios to the control: they hold where the host's absolute speed does not.
+are; the ids are ``benchmarks.data.zipf_batches`` (B=512, Zipf 1.05 or ``--alpha``, 0 for
+uniform ids; pooling 1..100), one thread. Read the ratios to the control: they hold where the
+host's absolute speed does not.
 
 Give ``--csrc`` several times (e.g. a worktree of another commit) to time several engines, their
 runs alternating round by round. Results: DIR/cpu_engine.json and DIR/cpu_engine.md. x86-64 with
@@ -130,7 +132,9 @@ def _write_table(table: codec.CompressedTable, directory: Path) -> None:
     (directory / "meta.txt").write_text(" ".join(map(str, meta)) + "\n")
 
 
-def write_inputs(directory: Path, gib: float, profile: str, batches: int, seed: int) -> dict:
+def write_inputs(
+    directory: Path, gib: float, profile: str, batches: int, seed: int, alpha: float
+) -> dict:
     """The raw and compressed tables and the lookup stream, as the harness reads them."""
     rows = max(int(gib * GIB) // (DIM * 4), 1)
     block = gather_block(rows, DIM, profile, seed)
@@ -139,7 +143,9 @@ def write_inputs(directory: Path, gib: float, profile: str, batches: int, seed: 
     compressed = codec.compress(raw_rows_view(raw))
     _write_table(raw, directory / "raw")
     _write_table(compressed, directory / "compressed")
-    stream = data.zipf_batches(rows, num_batches=batches, batch_size=BATCH_SIZE, seed=seed)
+    stream = data.zipf_batches(
+        rows, num_batches=batches, batch_size=BATCH_SIZE, alpha=alpha, seed=seed
+    )
     ids = torch.cat([b.ids for b in stream])
     offsets = [0]
     for batch in stream:
@@ -153,6 +159,7 @@ def write_inputs(directory: Path, gib: float, profile: str, batches: int, seed: 
         "chunk_bits": compressed.chunk_bits,
         "code_bits": compressed.code_bits,
         "lookups": int(ids.numel()),
+        "alpha": alpha,
     }
 
 
@@ -200,6 +207,10 @@ def summarize(timings: dict[str, list[dict]]) -> dict[str, dict]:
     return summary
 
 
+def _ids_name(alpha: float) -> str:
+    return "uniform" if alpha == 0 else f"Zipf {alpha:g}"
+
+
 def markdown(report: dict) -> str:
     t = report["table"]
     lines = [
@@ -207,7 +218,8 @@ def markdown(report: dict) -> str:
         f"{report['machine']}, CPU path {report['cpu_path']}): {t['rows']:,} x {DIM} "
         f"{report['profile']} rows ({t['table_gib']:.2f} GiB; compressed saves "
         f"{100 * t['savings']:.1f} %, W={t['chunk_bits']}, C={t['code_bits']}), "
-        f"{t['lookups']:,} Zipf lookups per pass, B={BATCH_SIZE}, one thread; best of "
+        f"{t['lookups']:,} {_ids_name(t.get('alpha', 1.05))} lookups per pass, B={BATCH_SIZE}, "
+        "one thread; best of "
         f"{report['reps']} passes per round, {report['rounds']} rounds. ns per lookup (range over "
         "rounds); ratios are medians of per-round ratios, above 1 = faster than the other.",
         "",
@@ -245,6 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         help="a csrc/ tree to build (repeatable; default: this checkout's)",
     )
+    parser.add_argument(
+        "--alpha", type=float, default=1.05, help="Zipf exponent of the ids (0: uniform)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -262,7 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             build = work / f"build{k}"
             build.mkdir()
             binaries[_label(tree)] = build_harness(tree.resolve(), build)
-        table = write_inputs(work / "inputs", args.gib, args.profile, args.batches, args.seed)
+        table = write_inputs(
+            work / "inputs", args.gib, args.profile, args.batches, args.seed, args.alpha
+        )
         timings = run_rounds(binaries, work / "inputs", args.rounds, args.reps)
     report = {
         **run_metadata(" ".join(["python -m benchmarks.cpu_engine", *(argv or sys.argv[1:])])),

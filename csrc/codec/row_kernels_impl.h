@@ -50,9 +50,8 @@ using LocalVector = std::vector<T, LocalAllocator<T>>;
   if (t.tier_dir != nullptr) __builtin_prefetch(t.tier_dir + 2 * (r >> 6), 0, 3);
 }
 
-// NOTE(codec): slot lines are prefetched into L2, not L1 (prefetcht1): a round's lines are more
-// than the L1 miss queue holds, and prefetcht0 measured slower side by side (a development
-// microbenchmark; benchmarks/codec.py times the engine as a whole).
+// Lines into L2 (prefetcht1), for rows that are likely in cache already (a repeat-cache row, a
+// tier row): cheap there, and they must not take the L1 miss queue from the decoder.
 [[gnu::always_inline]] inline void prefetch_lines(const uint8_t* begin, int64_t bytes) {
   const auto first = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{63};
   const auto end = reinterpret_cast<uintptr_t>(begin) + static_cast<uintptr_t>(bytes);
@@ -504,25 +503,34 @@ inline int64_t max_encoding_bytes(const TableView& t) {
 struct LocatedRow {
   const uint8_t* src;
   int64_t read_bytes;  // compressed: the slot plus kPayloadPad; raw: the row
-  bool compressed;
-  bool staged;         // compressed and too close to the payload's end to decode in place
+  bool compressed;     // then copied into the round's stage and decoded from there
   uint8_t* decode_to;  // compressed: the repeat-cache slot it fills, or null (round scratch)
 };
 
-// NOTE(codec): the decode loop issues hundreds of instructions per row, so out-of-order
-// execution cannot see the next row's loads and a row fetched from DRAM would miss line after
-// line. So rows move through a pipeline of rounds of S = kDecodeStageRows rows: index entries
-// are prefetched two rounds ahead; a row is located (index read, slot lines prefetched) one round
-// ahead; then a round's rows are decoded where they lie. Locating the next round is spread over
-// the decode loop, one row per row: a burst of a whole round's lines would overflow the core's
-// miss queue and stall.
+// This thread's stage for decode_rows (`bytes` of it), kept for its next calls: a lookup request
+// reads each of its tables in one small call.
+inline uint8_t* thread_stage(int64_t bytes) {
+  thread_local LocalVector<uint8_t> stage;
+  if (static_cast<int64_t>(stage.size()) < bytes) stage.resize(static_cast<size_t>(bytes));
+  return stage.data();
+}
+
+// NOTE(codec): rows move through a pipeline of rounds of S = kDecodeStageRows rows: index entries
+// are prefetched two rounds ahead, a row is located (its index read) one round ahead, and a round
+// starts by copying its compressed slots into an L1 stage, one tight loop of independent loads,
+// before it decodes them there. The decode loop issues hundreds of instructions per row, so
+// out-of-order execution cannot see the next row's loads, and a slot read from DRAM in place
+// missed line after line. Prefetching the slots a round ahead did not fix that: a software
+// prefetch holds an L1 fill buffer until its line arrives (~320 ns from DRAM on the Intel Xeon
+// VM), nine lines a row kept them all busy, and the decoder's own misses queued behind them. The
+// copy loop instead keeps many lines in flight and lets the L2 streamer fetch a slot's later
+// lines. Cold compressed lookups (2 GiB fp32, uniform ids, benchmarks.cpu_engine) went from
+// 330-370 to 200-215 ns; Zipf 1.05 lookups, whose rows are mostly cached, did not move. Raw rows
+// are read where they lie, without a prefetch either: 105-109 ns against 120-135 with one.
 //
 // NOTE(codec): a decoder may read up to `stride` bytes from a slot's start whatever its codes say
-// (max_encoding_bytes plus the vector decoders' window slack), so a compressed slot is decoded in
-// place only when that much lies inside the payload after it; the few slots nearer the end are
-// copied into a stage of that size first. Decoding in place rather than copying every compressed
-// slot into an L1 stage makes whole-table decodes 3-12 % faster (D = 16 and 128 fp32) and Zipf
-// lookups 0-5 % (development A/B, alternating builds, two rounds each).
+// (max_encoding_bytes plus the vector decoders' window slack): the stage gives every compressed
+// slot that much readable space, which also covers the slots at the payload's end.
 template <class RowDecoder>
 void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t* out,
                       const RowSink* sink) {
@@ -533,13 +541,12 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
   const int64_t slot_cap = t.unit_bytes * raw_units;
   const int64_t stride = std::max(slot_cap, max_encoding_bytes(t)) + kStageSlack;
   const int64_t payload_end = t.block_base[num_blocks(t.num_rows)];
-  LocalVector<uint8_t> stage;  // allocated by the first staged row (most calls have none)
+  uint8_t* const stage = thread_stage(S * stride);
   LocatedRow ring[2 * S];  // row i at i % 2S: this round's rows and the next round's
-  // Staged rows among this round's and the next round's: a pooled call walks a round's rows
-  // before decoding them only when some need staging (most calls have none). Skipping the walk
-  // made pooled lookups faster by 4-10 % on cached raw rows, ~30 % on cached compressed rows and
-  // 8 % on Zipf ids over a 1 GiB compressed table (development A/B).
-  int staged_rows[2] = {0, 0};
+  // Compressed rows among this round's and the next round's: a pooled call walks a round's rows
+  // before decoding them only when some need the stage (none on raw rows or repeats). Skipping
+  // the walk made pooled lookups of cached raw rows 4-10 % faster (development A/B).
+  int compressed_rows[2] = {0, 0};
   const uint8_t* rows[S];
   RepeatCache* repeats = sink != nullptr ? sink->repeats : nullptr;
   int64_t repeat_hits = 0;
@@ -556,7 +563,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
     if (slot != nullptr && slot->row == r) {  // an earlier row decodes it: read that
       slot->round = round;
       ++repeat_hits;
-      loc = LocatedRow{repeats->row_of(index), t.row_bytes, false, false, nullptr};
+      loc = LocatedRow{repeats->row_of(index), t.row_bytes, false, nullptr};
       prefetch_lines(loc.src, t.row_bytes);
       return;
     }
@@ -564,7 +571,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
       const int64_t tier = tier_slot(t, r);
       if (tier >= 0) {  // read like a raw row
         const uint8_t* copy = t.tier_rows + tier * t.tier_stride;
-        loc = LocatedRow{copy, t.row_bytes, false, false, nullptr};
+        loc = LocatedRow{copy, t.row_bytes, false, nullptr};
         prefetch_lines(copy, t.row_bytes);
         return;
       }
@@ -585,8 +592,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
                              "row's");
     }
     loc.src = t.payload + offset;
-    loc.staged = loc.compressed && offset > payload_end - stride;
-    staged_rows[round & 1] += loc.staged;
+    compressed_rows[round & 1] += loc.compressed;
     loc.decode_to = nullptr;
     if (loc.compressed && slot != nullptr && slot->round < round) {
       // No row of this round reads the slot: take it.
@@ -595,7 +601,6 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
       loc.decode_to = repeats->row_of(index);
     }
     loc.read_bytes = loc.compressed ? t.unit_bytes * units + kPayloadPad : t.row_bytes;
-    prefetch_lines(loc.src, loc.read_bytes);
   };
   for (int64_t i = 0; i < 2 * S && i < n; ++i) prefetch_index(t, ids[i]);
   for (int64_t i = 0; i < S && i < n; ++i) locate(i);
@@ -605,17 +610,15 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
     // The test sits in the loop header on purpose: the same test as an `if` around the loop
     // compiled to code that ran lookups of cached compressed rows 15-25 % slower (development
     // A/B, GCC 12).
-    for (int64_t i = begin; i < end && (sink == nullptr || staged_rows[parity] != 0); ++i) {
+    for (int64_t i = begin; i < end && (sink == nullptr || compressed_rows[parity] != 0); ++i) {
       const LocatedRow& loc = ring[i % (2 * S)];
-      if (loc.staged) {
-        if (stage.empty()) stage.resize(static_cast<size_t>(S * stride));
-        std::memcpy(stage.data() + (i - begin) * stride, loc.src,
-                    static_cast<size_t>(loc.read_bytes));
-      } else if (!loc.compressed && sink == nullptr) {
+      if (loc.compressed) {
+        std::memcpy(stage + (i - begin) * stride, loc.src, static_cast<size_t>(loc.read_bytes));
+      } else if (sink == nullptr) {
         std::memcpy(out + i * t.row_bytes, loc.src, static_cast<size_t>(t.row_bytes));
       }
     }
-    staged_rows[parity] = 0;  // its entries take the round after next
+    compressed_rows[parity] = 0;  // its entries take the round after next
     for (int64_t i = begin; i < end; ++i) {
       const LocatedRow loc = ring[i % (2 * S)];
       if (i + 2 * S < n) prefetch_index(t, ids[i + 2 * S]);
@@ -624,8 +627,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
         uint8_t* row = loc.decode_to != nullptr
                            ? loc.decode_to
                            : out + (sink == nullptr ? i : i - begin) * t.row_bytes;
-        const uint8_t* in = loc.staged ? stage.data() + (i - begin) * stride : loc.src;
-        const uint64_t end_bit = decode_row(t, in, row);
+        const uint64_t end_bit = decode_row(t, stage + (i - begin) * stride, row);
         if (end_bit > static_cast<uint64_t>(8 * (loc.read_bytes - kPayloadPad))) {
           throw_corrupt_table(ids[i], "its codes ask for more bits than its slot holds");
         }
