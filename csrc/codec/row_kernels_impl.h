@@ -503,7 +503,8 @@ inline int64_t max_encoding_bytes(const TableView& t) {
 struct LocatedRow {
   const uint8_t* src;
   int64_t read_bytes;  // compressed: the slot plus kPayloadPad; raw: the row
-  bool compressed;     // then copied into the round's stage and decoded from there
+  bool compressed;
+  bool staged;         // compressed and copied into the round's stage, decoded from there
   uint8_t* decode_to;  // compressed: the repeat-cache slot it fills, or null (round scratch)
 };
 
@@ -526,11 +527,16 @@ inline uint8_t* thread_stage(int64_t bytes) {
 // copy loop instead keeps many lines in flight and lets the L2 streamer fetch a slot's later
 // lines. Cold compressed lookups (2 GiB fp32, uniform ids, benchmarks.cpu_engine) went from
 // 330-370 to 200-215 ns; Zipf 1.05 lookups, whose rows are mostly cached, did not move. Raw rows
-// are read where they lie, without a prefetch either: 105-109 ns against 120-135 with one.
+// are read where they lie, without a prefetch either: 105-119 ns against 120-135.
+//
+// A row whose id follows the previous id is the exception: its lines are prefetched a round
+// ahead and a compressed one is decoded where it lies, since a run's slots are adjacent and
+// stream in. Whole-table decodes ran 20 % (D = 128 fp32) and 35 % (D = 16) slower with every
+// slot copied and nothing prefetched (development A/B, alternating builds).
 //
 // NOTE(codec): a decoder may read up to `stride` bytes from a slot's start whatever its codes say
-// (max_encoding_bytes plus the vector decoders' window slack): the stage gives every compressed
-// slot that much readable space, which also covers the slots at the payload's end.
+// (max_encoding_bytes plus the vector decoders' window slack), so a slot is decoded in place only
+// when that much lies inside the payload after it; the stage gives every other slot that much.
 template <class RowDecoder>
 void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t* out,
                       const RowSink* sink) {
@@ -543,10 +549,10 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
   const int64_t payload_end = t.block_base[num_blocks(t.num_rows)];
   uint8_t* const stage = thread_stage(S * stride);
   LocatedRow ring[2 * S];  // row i at i % 2S: this round's rows and the next round's
-  // Compressed rows among this round's and the next round's: a pooled call walks a round's rows
-  // before decoding them only when some need the stage (none on raw rows or repeats). Skipping
-  // the walk made pooled lookups of cached raw rows 4-10 % faster (development A/B).
-  int compressed_rows[2] = {0, 0};
+  // Staged rows among this round's and the next round's: a pooled call walks a round's rows
+  // before decoding them only when some need the stage (none on raw rows, repeats or runs).
+  // Skipping the walk made pooled lookups of cached raw rows 4-10 % faster (development A/B).
+  int staged_rows[2] = {0, 0};
   const uint8_t* rows[S];
   RepeatCache* repeats = sink != nullptr ? sink->repeats : nullptr;
   int64_t repeat_hits = 0;
@@ -563,7 +569,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
     if (slot != nullptr && slot->row == r) {  // an earlier row decodes it: read that
       slot->round = round;
       ++repeat_hits;
-      loc = LocatedRow{repeats->row_of(index), t.row_bytes, false, nullptr};
+      loc = LocatedRow{repeats->row_of(index), t.row_bytes, false, false, nullptr};
       prefetch_lines(loc.src, t.row_bytes);
       return;
     }
@@ -571,7 +577,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
       const int64_t tier = tier_slot(t, r);
       if (tier >= 0) {  // read like a raw row
         const uint8_t* copy = t.tier_rows + tier * t.tier_stride;
-        loc = LocatedRow{copy, t.row_bytes, false, nullptr};
+        loc = LocatedRow{copy, t.row_bytes, false, false, nullptr};
         prefetch_lines(copy, t.row_bytes);
         return;
       }
@@ -592,7 +598,11 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
                              "row's");
     }
     loc.src = t.payload + offset;
-    compressed_rows[round & 1] += loc.compressed;
+    loc.read_bytes = loc.compressed ? t.unit_bytes * units + kPayloadPad : t.row_bytes;
+    const bool run = i > 0 && ids[i - 1] == r - 1;
+    loc.staged = loc.compressed && !(run && offset <= payload_end - stride);
+    staged_rows[round & 1] += loc.staged;
+    if (run) prefetch_lines(loc.src, loc.read_bytes);
     loc.decode_to = nullptr;
     if (loc.compressed && slot != nullptr && slot->round < round) {
       // No row of this round reads the slot: take it.
@@ -600,7 +610,6 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
       ++repeat_takes;
       loc.decode_to = repeats->row_of(index);
     }
-    loc.read_bytes = loc.compressed ? t.unit_bytes * units + kPayloadPad : t.row_bytes;
   };
   for (int64_t i = 0; i < 2 * S && i < n; ++i) prefetch_index(t, ids[i]);
   for (int64_t i = 0; i < S && i < n; ++i) locate(i);
@@ -610,15 +619,15 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
     // The test sits in the loop header on purpose: the same test as an `if` around the loop
     // compiled to code that ran lookups of cached compressed rows 15-25 % slower (development
     // A/B, GCC 12).
-    for (int64_t i = begin; i < end && (sink == nullptr || compressed_rows[parity] != 0); ++i) {
+    for (int64_t i = begin; i < end && (sink == nullptr || staged_rows[parity] != 0); ++i) {
       const LocatedRow& loc = ring[i % (2 * S)];
-      if (loc.compressed) {
+      if (loc.staged) {
         std::memcpy(stage + (i - begin) * stride, loc.src, static_cast<size_t>(loc.read_bytes));
-      } else if (sink == nullptr) {
+      } else if (!loc.compressed && sink == nullptr) {
         std::memcpy(out + i * t.row_bytes, loc.src, static_cast<size_t>(t.row_bytes));
       }
     }
-    compressed_rows[parity] = 0;  // its entries take the round after next
+    staged_rows[parity] = 0;  // its entries take the round after next
     for (int64_t i = begin; i < end; ++i) {
       const LocatedRow loc = ring[i % (2 * S)];
       if (i + 2 * S < n) prefetch_index(t, ids[i + 2 * S]);
@@ -627,7 +636,8 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
         uint8_t* row = loc.decode_to != nullptr
                            ? loc.decode_to
                            : out + (sink == nullptr ? i : i - begin) * t.row_bytes;
-        const uint64_t end_bit = decode_row(t, stage + (i - begin) * stride, row);
+        const uint8_t* in = loc.staged ? stage + (i - begin) * stride : loc.src;
+        const uint64_t end_bit = decode_row(t, in, row);
         if (end_bit > static_cast<uint64_t>(8 * (loc.read_bytes - kPayloadPad))) {
           throw_corrupt_table(ids[i], "its codes ask for more bits than its slot holds");
         }

@@ -171,7 +171,8 @@ def test_ops_validate_raw_tensor_arguments(table) -> None:
 def _compressed_table(code_bits: int, row: int = 31) -> tuple[CompressedTable, int]:
     """A table of wide fp16 rows (many chunks: a slot of all-escape codes claims far more bits
     than it holds) and a row stored compressed: by default near the end of a block, in the middle
-    of the payload (decoded in place); row 63 is the payload's last (decoded from a stage)."""
+    of the payload (decoded in place after its predecessor, from a stage otherwise); row 63 is
+    the payload's last (always decoded from a stage)."""
     weight = (torch.randn(64, 2048) * 0.02).to(torch.float16)
     table = compress(weight, chunk_bits=16, code_bits=code_bits)
     assert bool(table.is_compressed(torch.tensor([row])))
@@ -181,8 +182,9 @@ def _compressed_table(code_bits: int, row: int = 31) -> tuple[CompressedTable, i
 @pytest.mark.parametrize("path", available_cpu_paths())
 @pytest.mark.parametrize("code_bits", [1, 4])
 @pytest.mark.parametrize("where", [31, 63])
+@pytest.mark.parametrize("after_its_predecessor", [False, True])
 def test_a_zeroed_slot_is_refused_not_read_past(
-    restore_path, path: str, code_bits: int, where: int
+    restore_path, path: str, code_bits: int, where: int, after_its_predecessor: bool
 ) -> None:
     table, row = _compressed_table(code_bits, where)
     _C.set_cpu_path(path)
@@ -192,7 +194,7 @@ def test_a_zeroed_slot_is_refused_not_read_past(
     )
     payload[start : start + table.unit_bytes * int(table.row_units[row])] = 0
     corrupted = dataclasses.replace(table, payload=payload)
-    ids = torch.tensor([0, row, 5])
+    ids = torch.tensor([row - 1 if after_its_predecessor else 0, row, 5])
     # All-zero codes escape every chunk: the exceptions they claim run far past the slot.
     match = rf"corrupted table: row {row}: its codes ask for more bits"
     with pytest.raises(ValueError, match=match):
