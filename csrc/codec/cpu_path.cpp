@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //
 // Picks the CPU path once, at load time, from a CPU-feature check (never at build time), with an
-// environment override. Having BMI2 does not make pdep fast: AMD before Zen 3 runs pdep/pext in
+// environment override; the same for the size above which decode_rows stages its rows. Having BMI2 does not make pdep fast: AMD before Zen 3 runs pdep/pext in
 // microcode, dozens of cycles per mask bit (published instruction tables; no such CPU was at hand
 // to measure), where the ref path's run-wise deposit takes a few cycles per run. So those CPUs
 // default to ref.
@@ -11,6 +11,8 @@
 #include <fstream>
 #include <stdexcept>
 #include <string>
+
+#include <unistd.h>
 
 #include "ibpembed/codec.h"
 
@@ -55,7 +57,38 @@ std::atomic<PatternLookup>& active_lookup() {
   return lookup;
 }
 
+int64_t initial_stage_min_bytes() {
+  const char* env = std::getenv("IBPEMBED_STAGE_MIN_BYTES");
+  if (env == nullptr || *env == '\0') return default_stage_min_bytes();
+  char* end = nullptr;
+  const long long bytes = std::strtoll(env, &end, 10);
+  if (end == env || *end != '\0' || bytes < 0) {
+    throw std::runtime_error(
+        std::string("IBPEMBED_STAGE_MIN_BYTES must be a byte count >= 0, got '") + env + "'");
+  }
+  return bytes;
+}
+
+std::atomic<int64_t>& active_stage_min_bytes() {
+  static std::atomic<int64_t> bytes{initial_stage_min_bytes()};
+  return bytes;
+}
+
 }  // namespace
+
+int64_t default_stage_min_bytes() {
+  for (const int level : {_SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {
+    const long bytes = sysconf(level);
+    if (bytes > 0) return bytes;
+  }
+  return int64_t{32} << 20;
+}
+
+int64_t stage_min_bytes() { return active_stage_min_bytes().load(std::memory_order_relaxed); }
+
+void set_stage_min_bytes(int64_t bytes) {
+  active_stage_min_bytes().store(bytes, std::memory_order_relaxed);
+}
 
 bool cpu_has_bmi2() {
 #if defined(__x86_64__) || defined(__i386__)

@@ -50,8 +50,9 @@ using LocalVector = std::vector<T, LocalAllocator<T>>;
   if (t.tier_dir != nullptr) __builtin_prefetch(t.tier_dir + 2 * (r >> 6), 0, 3);
 }
 
-// Lines into L2 (prefetcht1), for rows that are likely in cache already (a repeat-cache row, a
-// tier row): cheap there, and they must not take the L1 miss queue from the decoder.
+// Lines into L2 (prefetcht1), for rows that likely come from the cache (decode_rows' NOTE): a
+// round's lines are more than the L1 miss queue holds, and prefetcht0 measured slower side by
+// side (a development microbenchmark).
 [[gnu::always_inline]] inline void prefetch_lines(const uint8_t* begin, int64_t bytes) {
   const auto first = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{63};
   const auto end = reinterpret_cast<uintptr_t>(begin) + static_cast<uintptr_t>(bytes);
@@ -517,9 +518,10 @@ inline uint8_t* thread_stage(int64_t bytes) {
 }
 
 // NOTE(codec): rows move through a pipeline of rounds of S = kDecodeStageRows rows: index entries
-// are prefetched two rounds ahead, a row is located (its index read) one round ahead, and a round
-// starts by copying its compressed slots into an L1 stage, one tight loop of independent loads,
-// before it decodes them there. The decode loop issues hundreds of instructions per row, so
+// are prefetched two rounds ahead and a row is located (its index read) one round ahead. On a
+// table larger than the last-level cache (stage_min_bytes), a round then starts by copying its
+// compressed slots into an L1 stage, one tight loop of independent loads, before it decodes them
+// there. The decode loop issues hundreds of instructions per row, so
 // out-of-order execution cannot see the next row's loads, and a slot read from DRAM in place
 // missed line after line. Prefetching the slots a round ahead did not fix that: a software
 // prefetch holds an L1 fill buffer until its line arrives (~320 ns from DRAM on the Intel Xeon
@@ -529,10 +531,11 @@ inline uint8_t* thread_stage(int64_t bytes) {
 // 330-370 to 200-215 ns; Zipf 1.05 lookups, whose rows are mostly cached, did not move. Raw rows
 // are read where they lie, without a prefetch either: 105-119 ns against 120-135.
 //
-// A row whose id follows the previous id is the exception: its lines are prefetched a round
-// ahead and a compressed one is decoded where it lies, since a run's slots are adjacent and
-// stream in. Whole-table decodes ran 20 % (D = 128 fp32) and 35 % (D = 16) slower with every
-// slot copied and nothing prefetched (development A/B, alternating builds).
+// Smaller tables, and rows whose id follows the previous id, keep the prefetches: their lines
+// come from the cache, or stream in as a run's adjacent slots do, and each row is decoded where
+// it lies. Staged, a table of 50 MiB (in L3) ran 20 % slower and one of 256 MiB 7 % slower,
+// against 10 % faster at 1 GiB (uniform ids); whole-table decodes ran 20 % (D = 128 fp32) and
+// 35 % (D = 16) slower with every slot copied (development A/B, alternating builds).
 //
 // NOTE(codec): a decoder may read up to `stride` bytes from a slot's start whatever its codes say
 // (max_encoding_bytes plus the vector decoders' window slack), so a slot is decoded in place only
@@ -547,10 +550,11 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
   const int64_t slot_cap = t.unit_bytes * raw_units;
   const int64_t stride = std::max(slot_cap, max_encoding_bytes(t)) + kStageSlack;
   const int64_t payload_end = t.block_base[num_blocks(t.num_rows)];
+  const bool from_dram = payload_end > stage_min_bytes();
   uint8_t* const stage = thread_stage(S * stride);
   LocatedRow ring[2 * S];  // row i at i % 2S: this round's rows and the next round's
   // Staged rows among this round's and the next round's: a pooled call walks a round's rows
-  // before decoding them only when some need the stage (none on raw rows, repeats or runs).
+  // before decoding them only when some need the stage (most calls on cached tables have none).
   // Skipping the walk made pooled lookups of cached raw rows 4-10 % faster (development A/B).
   int staged_rows[2] = {0, 0};
   const uint8_t* rows[S];
@@ -599,10 +603,10 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
     }
     loc.src = t.payload + offset;
     loc.read_bytes = loc.compressed ? t.unit_bytes * units + kPayloadPad : t.row_bytes;
-    const bool run = i > 0 && ids[i - 1] == r - 1;
-    loc.staged = loc.compressed && !(run && offset <= payload_end - stride);
+    const bool prefetched = !from_dram || (i > 0 && ids[i - 1] == r - 1);
+    loc.staged = loc.compressed && !(prefetched && offset <= payload_end - stride);
     staged_rows[round & 1] += loc.staged;
-    if (run) prefetch_lines(loc.src, loc.read_bytes);
+    if (prefetched) prefetch_lines(loc.src, loc.read_bytes);
     loc.decode_to = nullptr;
     if (loc.compressed && slot != nullptr && slot->round < round) {
       // No row of this round reads the slot: take it.

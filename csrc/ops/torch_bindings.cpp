@@ -180,6 +180,17 @@ PYBIND11_MODULE(_C, module) {
         ibpembed::set_active_pattern_lookup(lookup);
       },
       "Switch the avx512 decoder's pattern lookup for this process (tests and benchmarks).");
+  module.def("stage_min_bytes", &ibpembed::stage_min_bytes,
+             "Payload bytes above which CPU lookups stage their rows instead of prefetching them.");
+  module.def("default_stage_min_bytes", &ibpembed::default_stage_min_bytes,
+             "stage_min_bytes when IBPEMBED_STAGE_MIN_BYTES is unset: the last-level cache's size.");
+  module.def(
+      "set_stage_min_bytes",
+      [](int64_t bytes) {
+        TORCH_CHECK_VALUE(bytes >= 0, "stage_min_bytes must be >= 0, got ", bytes);
+        ibpembed::set_stage_min_bytes(bytes);
+      },
+      "Set stage_min_bytes for this process (tests and benchmarks).");
   module.def("install_mapping_guard", &ibpembed::install_mapping_guard,
              "Install the SIGBUS handler of guarded table-file mappings (once per process).");
   module.def(

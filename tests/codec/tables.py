@@ -1,11 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Hypothesis strategies for codec tests: tables of every dtype built to hit edge cases."""
+"""Hypothesis strategies for codec tests: tables of every dtype built to hit edge cases; and the
+process settings a test may switch for a block."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 from hypothesis import strategies as st
+
+from ibpembed import _C
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int8)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -79,3 +85,15 @@ POOLED_CASES = {
     "weighted": st.booleans(),
     "seed": st.integers(0, 2**32 - 1),
 }
+
+
+@contextmanager
+def staged_reads(on: bool = True) -> Iterator[None]:
+    """Within the block, every table reads its rows the way tables larger than the last-level
+    cache do (codec.h's stage_min_bytes: staged, not prefetched; ``on=False``: no table does)."""
+    before = _C.stage_min_bytes()
+    _C.set_stage_min_bytes(0 if on else 2**62)
+    try:
+        yield
+    finally:
+        _C.set_stage_min_bytes(before)

@@ -15,6 +15,7 @@ import torch
 from ibpembed import _C, compress
 from ibpembed._ops import ops
 from ibpembed.codec import CompressedTable, available_cpu_paths
+from tests.codec.tables import staged_reads
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +172,9 @@ def test_ops_validate_raw_tensor_arguments(table) -> None:
 def _compressed_table(code_bits: int, row: int = 31) -> tuple[CompressedTable, int]:
     """A table of wide fp16 rows (many chunks: a slot of all-escape codes claims far more bits
     than it holds) and a row stored compressed: by default near the end of a block, in the middle
-    of the payload (decoded in place after its predecessor, from a stage otherwise); row 63 is
-    the payload's last (always decoded from a stage)."""
+    of the payload (decoded in place, or from a stage where the table's reads are staged and its
+    predecessor is not read just before it); row 63 is the payload's last (always decoded from a
+    stage)."""
     weight = (torch.randn(64, 2048) * 0.02).to(torch.float16)
     table = compress(weight, chunk_bits=16, code_bits=code_bits)
     assert bool(table.is_compressed(torch.tensor([row])))
@@ -183,8 +185,9 @@ def _compressed_table(code_bits: int, row: int = 31) -> tuple[CompressedTable, i
 @pytest.mark.parametrize("code_bits", [1, 4])
 @pytest.mark.parametrize("where", [31, 63])
 @pytest.mark.parametrize("after_its_predecessor", [False, True])
+@pytest.mark.parametrize("staged", [False, True])
 def test_a_zeroed_slot_is_refused_not_read_past(
-    restore_path, path: str, code_bits: int, where: int, after_its_predecessor: bool
+    restore_path, path: str, code_bits: int, where: int, after_its_predecessor: bool, staged: bool
 ) -> None:
     table, row = _compressed_table(code_bits, where)
     _C.set_cpu_path(path)
@@ -197,10 +200,11 @@ def test_a_zeroed_slot_is_refused_not_read_past(
     ids = torch.tensor([row - 1 if after_its_predecessor else 0, row, 5])
     # All-zero codes escape every chunk: the exceptions they claim run far past the slot.
     match = rf"corrupted table: row {row}: its codes ask for more bits"
-    with pytest.raises(ValueError, match=match):
-        corrupted.gather(ids)
-    with pytest.raises(ValueError, match=match):
-        corrupted.lookup(ids, torch.tensor([0, 3]))
+    with staged_reads(staged):
+        with pytest.raises(ValueError, match=match):
+            corrupted.gather(ids)
+        with pytest.raises(ValueError, match=match):
+            corrupted.lookup(ids, torch.tensor([0, 3]))
 
 
 @pytest.mark.parametrize("path", available_cpu_paths())

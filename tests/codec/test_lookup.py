@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 from ibpembed import _C, compress, cpu_path
 from ibpembed import reference as ref
 from ibpembed.codec import available_cpu_paths
-from tests.codec.tables import FLOAT_DTYPES, POOLED_CASES, make_table
+from tests.codec.tables import (
+    DTYPES,
+    FLOAT_DTYPES,
+    KINDS,
+    POOLED_CASES,
+    make_table,
+    same_bits,
+    staged_reads,
+)
 
 NUMPY_KIND = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -200,10 +208,11 @@ def test_pooled_is_sequential_fp32_bit_for_bit(dtype, dim, pooling, weighted, se
     weighted=st.booleans(),
     pooling=st.sampled_from(("sum", "mean")),
     path=st.sampled_from(available_cpu_paths()),
+    staged=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_repeated_ids_pool_to_the_bits_of_raw_rows(
-    dtype, dim, distinct, num_ids, hot, weighted, pooling, path, seed
+    dtype, dim, distinct, num_ids, hot, weighted, pooling, path, staged, seed
 ) -> None:
     # A pooled call decodes a repeated id once and reads its copy afterwards, from a
     # direct-mapped cache whose slots are contended: every row must still be the row its id
@@ -228,7 +237,8 @@ def test_repeated_ids_pool_to_the_bits_of_raw_rows(
     before = cpu_path()
     try:
         _C.set_cpu_path(path)  # every path runs the same pipeline, each with its own decoder
-        assert torch.equal(compressed.lookup(*args), raw.lookup(*args))
+        with staged_reads(staged):
+            assert torch.equal(compressed.lookup(*args), raw.lookup(*args))
     finally:
         _C.set_cpu_path(before)
 
@@ -247,10 +257,10 @@ def test_a_call_whose_repeat_cache_does_not_pay_drops_it_mid_call() -> None:
 
 @pytest.mark.parametrize("path", available_cpu_paths())
 def test_rows_staged_near_the_payload_end_pool_in_any_round(path: str) -> None:
-    # The payload's last rows are decoded from a stage (their decoder may read past the
-    # payload), and a pooled call walks a round only when it holds such a row: rounds of 32 ids
-    # with the last row in some rounds (either parity, first or last position) and not others
-    # must all pool the rows their ids name.
+    # On a table read in place, the payload's last rows are decoded from a stage (their decoder
+    # may read past the payload), and a pooled call walks a round only when it holds such a row:
+    # rounds of 32 ids with the last row in some rounds (either parity, first or last position)
+    # and not others must all pool the rows their ids name.
     rows = 300
     table = make_table(torch.float32, rows, 64, "trained_like", 3)
     compressed, raw = compress(table), compress(table, method="raw")
@@ -265,7 +275,48 @@ def test_rows_staged_near_the_payload_end_pool_in_any_round(path: str) -> None:
     before = cpu_path()
     try:
         _C.set_cpu_path(path)
-        assert torch.equal(compressed.lookup(*args), raw.lookup(*args))
-        assert torch.equal(compressed.gather(args[0]), raw.gather(args[0]))
+        with staged_reads(False):
+            assert torch.equal(compressed.lookup(*args), raw.lookup(*args))
+            assert torch.equal(compressed.gather(args[0]), raw.gather(args[0]))
+    finally:
+        _C.set_cpu_path(before)
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    dim=st.sampled_from((1, 3, 33, 128, 129)),
+    kind=st.sampled_from(KINDS),
+    rows=st.integers(1, 400),
+    runs=st.sampled_from((0.0, 0.5, 1.0)),
+    staged=st.booleans(),
+    path=st.sampled_from(available_cpu_paths()),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_staged_and_prefetched_reads_give_every_row_bit_for_bit(
+    dtype, dim, kind, rows, runs, staged, path, seed
+) -> None:
+    # Rows reach the decoder two ways (row_kernels_impl.h): copied into a stage (tables larger
+    # than the last-level cache, ids out of order) or read where they lie (smaller tables, runs
+    # of consecutive ids, the payload's end excepted). Ids that mix runs, jumps, repeats and the
+    # last rows must gather and pool to the raw rows' bits either way.
+    rng = np.random.default_rng(seed)
+    table = make_table(dtype, rows, dim, kind, seed)
+    num_ids = int(rng.integers(1, 300))
+    ids = rng.integers(0, rows, num_ids)
+    in_run = rng.random(num_ids) < runs
+    for i in range(1, num_ids):
+        if in_run[i]:
+            ids[i] = min(ids[i - 1] + 1, rows - 1)
+    offsets = np.concatenate([[0], np.sort(rng.integers(0, num_ids + 1, 5)), [num_ids]])
+    compressed, raw = compress(table), compress(table, method="raw")
+    ids_t, offsets_t = torch.from_numpy(ids), torch.from_numpy(offsets)
+    before = cpu_path()
+    try:
+        _C.set_cpu_path(path)
+        with staged_reads(staged):
+            assert same_bits(compressed.gather(ids_t), table[ids_t])
+            if dtype in FLOAT_DTYPES:  # NaN rows pool to NaN payloads: compare bits
+                pooled = compressed.lookup(ids_t, offsets_t)
+                assert same_bits(pooled, raw.lookup(ids_t, offsets_t))
     finally:
         _C.set_cpu_path(before)

@@ -194,6 +194,14 @@ const char* pattern_lookup_name(PatternLookup lookup);
 // The lookup named `name` ("gather", "tables"); false if there is none.
 bool pattern_lookup_from_name(const char* name, PatternLookup* lookup);
 
+// Tables whose payload is larger than this many bytes read their rows through decode_rows' stage,
+// without prefetches, except runs of consecutive ids (row_kernels_impl.h's NOTE): larger than the
+// last-level cache, a table's rows come mostly from DRAM. default_stage_min_bytes() is the
+// last-level cache's size (32 MiB where the OS does not say); IBPEMBED_STAGE_MIN_BYTES overrides.
+int64_t default_stage_min_bytes();
+int64_t stage_min_bytes();
+void set_stage_min_bytes(int64_t bytes);
+
 // ----------------------------------------------------------------------------------------------
 // Compress, in two passes over a row range so the caller can parallelise and allocate once:
 // plan_slots, a prefix sum of the slot sizes, then RowKernels::encode_rows.
