@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 //
 // Picks the CPU path once, at load time, from a CPU-feature check (never at build time), with an
-// environment override; the same for the size above which decode_rows stages its rows. Having BMI2 does not make pdep fast: AMD before Zen 3 runs pdep/pext in
-// microcode, dozens of cycles per mask bit (published instruction tables; no such CPU was at hand
-// to measure), where the ref path's run-wise deposit takes a few cycles per run. So those CPUs
-// default to ref.
+// environment override; the same for the table size above which decode_rows stages its rows.
+// Having BMI2 does not make pdep fast: AMD before Zen 3 runs pdep/pext in microcode, dozens of
+// cycles per mask bit (published instruction tables; no such CPU was at hand to measure), where
+// the ref path's run-wise deposit takes a few cycles per run. So those CPUs default to ref.
 #include <atomic>
 #include <cstdlib>
 #include <cstring>

@@ -521,13 +521,12 @@ inline uint8_t* thread_stage(int64_t bytes) {
 // are prefetched two rounds ahead and a row is located (its index read) one round ahead. On a
 // table larger than the last-level cache (stage_min_bytes), a round then starts by copying its
 // compressed slots into an L1 stage, one tight loop of independent loads, before it decodes them
-// there. The decode loop issues hundreds of instructions per row, so
-// out-of-order execution cannot see the next row's loads, and a slot read from DRAM in place
-// missed line after line. Prefetching the slots a round ahead did not fix that: a software
-// prefetch holds an L1 fill buffer until its line arrives (~320 ns from DRAM on the Intel Xeon
-// VM), nine lines a row kept them all busy, and the decoder's own misses queued behind them. The
-// copy loop instead keeps many lines in flight and lets the L2 streamer fetch a slot's later
-// lines. Cold compressed lookups (2 GiB fp32, uniform ids, benchmarks.cpu_engine) went from
+// there. The decode loop issues hundreds of instructions per row, so out-of-order execution
+// cannot see the next row's loads, and a slot read from DRAM in place missed line after line.
+// Prefetching the slots a round ahead did not fix that: a software prefetch holds an L1 fill
+// buffer until its line arrives (~320 ns from DRAM on the Intel Xeon VM), nine lines a row kept
+// them all busy, and the decoder's own misses queued behind them. The copy loop instead keeps
+// many lines in flight and lets the L2 streamer fetch a slot's later lines. Cold compressed lookups (2 GiB fp32, uniform ids, benchmarks.cpu_engine) went from
 // 330-370 to 200-215 ns; Zipf 1.05 lookups, whose rows are mostly cached, did not move. Raw rows
 // are read where they lie, without a prefetch either: 105-119 ns against 120-135.
 //
@@ -551,7 +550,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
   const int64_t stride = std::max(slot_cap, max_encoding_bytes(t)) + kStageSlack;
   const int64_t payload_end = t.block_base[num_blocks(t.num_rows)];
   const bool from_dram = payload_end > stage_min_bytes();
-  uint8_t* const stage = thread_stage(S * stride);
+  uint8_t* stage = nullptr;  // this thread's, taken by the first staged row
   LocatedRow ring[2 * S];  // row i at i % 2S: this round's rows and the next round's
   // Staged rows among this round's and the next round's: a pooled call walks a round's rows
   // before decoding them only when some need the stage (most calls on cached tables have none).
@@ -626,6 +625,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
     for (int64_t i = begin; i < end && (sink == nullptr || staged_rows[parity] != 0); ++i) {
       const LocatedRow& loc = ring[i % (2 * S)];
       if (loc.staged) {
+        if (stage == nullptr) stage = thread_stage(S * stride);
         std::memcpy(stage + (i - begin) * stride, loc.src, static_cast<size_t>(loc.read_bytes));
       } else if (!loc.compressed && sink == nullptr) {
         std::memcpy(out + i * t.row_bytes, loc.src, static_cast<size_t>(t.row_bytes));
