@@ -5,6 +5,7 @@
 // Having BMI2 does not make pdep fast: AMD before Zen 3 runs pdep/pext in microcode, dozens of
 // cycles per mask bit (published instruction tables; no such CPU was at hand to measure), where
 // the ref path's run-wise deposit takes a few cycles per run. So those CPUs default to ref.
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -57,9 +58,19 @@ std::atomic<PatternLookup>& active_lookup() {
   return lookup;
 }
 
-int64_t initial_stage_min_bytes() {
+const char* stage_min_bytes_override() {
   const char* env = std::getenv("IBPEMBED_STAGE_MIN_BYTES");
-  if (env == nullptr || *env == '\0') return default_stage_min_bytes();
+  return env == nullptr || *env == '\0' ? nullptr : env;
+}
+
+int64_t cache_bytes(int level, int64_t fallback) {
+  const long bytes = sysconf(level);
+  return bytes > 0 ? bytes : fallback;
+}
+
+int64_t initial_stage_min_bytes() {
+  const char* env = stage_min_bytes_override();
+  if (env == nullptr) return default_stage_min_bytes();
   char* end = nullptr;
   const long long bytes = std::strtoll(env, &end, 10);
   if (end == env || *end != '\0' || bytes < 0) {
@@ -77,11 +88,14 @@ std::atomic<int64_t>& active_stage_min_bytes() {
 }  // namespace
 
 int64_t default_stage_min_bytes() {
-  for (const int level : {_SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {
-    const long bytes = sysconf(level);
-    if (bytes > 0) return bytes;
-  }
-  return int64_t{32} << 20;
+  return cache_bytes(_SC_LEVEL3_CACHE_SIZE, cache_bytes(_SC_LEVEL2_CACHE_SIZE, int64_t{32} << 20));
+}
+
+void set_served_payload_bytes(int64_t bytes) {
+  if (stage_min_bytes_override() != nullptr) return;
+  const int64_t llc = default_stage_min_bytes();
+  set_stage_min_bytes(bytes > llc ? std::min(llc, cache_bytes(_SC_LEVEL2_CACHE_SIZE, int64_t{2} << 20))
+                                  : llc);
 }
 
 int64_t stage_min_bytes() { return active_stage_min_bytes().load(std::memory_order_relaxed); }

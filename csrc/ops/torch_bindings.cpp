@@ -191,6 +191,13 @@ PYBIND11_MODULE(_C, module) {
         ibpembed::set_stage_min_bytes(bytes);
       },
       "Set stage_min_bytes for this process (tests and benchmarks).");
+  module.def(
+      "set_served_payload_bytes",
+      [](int64_t bytes) {
+        TORCH_CHECK_VALUE(bytes >= 0, "served payload bytes must be >= 0, got ", bytes);
+        ibpembed::set_served_payload_bytes(bytes);
+      },
+      "Size stage_min_bytes for a process serving this many payload bytes from the CPU.");
   module.def("install_mapping_guard", &ibpembed::install_mapping_guard,
              "Install the SIGBUS handler of guarded table-file mappings (once per process).");
   module.def(

@@ -22,11 +22,13 @@ from ibpembed.layout import (
     num_chunks,
 )
 
-# The CPU path (IBPEMBED_CPU_PATH, or the CPU's fastest) and the avx512 decoder's pattern lookup
-# (IBPEMBED_PATTERN_LOOKUP) resolve on first use; resolve them now so that a bad value fails the
-# import, not a server's first lookup.
+# The CPU path (IBPEMBED_CPU_PATH, or the CPU's fastest), the avx512 decoder's pattern lookup
+# (IBPEMBED_PATTERN_LOOKUP) and the table size that stages reads (IBPEMBED_STAGE_MIN_BYTES)
+# resolve on first use; resolve them now so that a bad value fails the import, not a server's
+# first lookup.
 _C.cpu_path()
 _C.pattern_lookup()
+_C.stage_min_bytes()
 
 ops = torch.ops.ibpembed
 

@@ -77,6 +77,14 @@ def pattern_lookup() -> str:
     return _C.pattern_lookup()
 
 
+def serve_payload_bytes(nbytes: int) -> None:
+    """Tell CPU lookups how many payload bytes this process serves: beyond the last-level cache,
+    every table larger than the L2 cache copies its rows into a stage before decoding them
+    instead of prefetching them, as a table larger than the cache alone always does (DRAM reads
+    queue behind prefetches; docs/codec.md). ``IBPEMBED_STAGE_MIN_BYTES`` overrides both."""
+    _C.set_served_payload_bytes(nbytes)
+
+
 def available_cpu_paths() -> list[str]:
     """The CPU paths this machine runs, the default first (the path chosen when
     ``IBPEMBED_CPU_PATH`` is unset), then the others fastest first."""

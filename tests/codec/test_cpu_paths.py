@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ibpembed import _C, compress, cpu_path
 from ibpembed._ops import ops
-from ibpembed.codec import available_cpu_paths, pattern_lookup
+from ibpembed.codec import available_cpu_paths, pattern_lookup, serve_payload_bytes
 from tests.codec.tables import same_bits, tables
 
 FAST_PATHS = [
@@ -187,3 +187,45 @@ def test_fast_paths_size_rows_like_the_reference_path(
     finally:
         _C.set_cpu_path(before)
     assert all(torch.equal(a, b) for a, b in zip(sizes["ref"], sizes[path], strict=True))
+
+
+@pytest.fixture
+def restore_stage_min_bytes() -> Iterator[None]:
+    before = _C.stage_min_bytes()
+    yield
+    _C.set_stage_min_bytes(before)
+
+
+def test_stage_min_bytes_defaults_to_the_last_level_cache() -> None:
+    # getconf asks glibc's sysconf, as the extension does; Python's os.sysconf lacks the name.
+    got = subprocess.run(["getconf", "LEVEL3_CACHE_SIZE"], capture_output=True, text=True)
+    l3 = int(got.stdout) if got.returncode == 0 and got.stdout.strip().isdigit() else 0
+    if l3 <= 0:
+        pytest.skip("the OS does not report a last-level cache size")
+    assert _C.default_stage_min_bytes() == l3
+
+
+def test_a_process_serving_more_than_the_cache_stages_tables_past_l2(
+    restore_stage_min_bytes,
+) -> None:
+    llc = _C.default_stage_min_bytes()
+    serve_payload_bytes(llc + 1)
+    staged_above = _C.stage_min_bytes()
+    assert 0 < staged_above < llc
+    serve_payload_bytes(llc)
+    assert _C.stage_min_bytes() == llc
+    with pytest.raises(ValueError, match=">= 0"):
+        serve_payload_bytes(-1)
+
+
+def test_stage_min_bytes_env_override() -> None:
+    code = (
+        "from ibpembed import _C, codec; codec.serve_payload_bytes(2**40); "
+        "print(_C.stage_min_bytes())"
+    )
+    result = _path_in_subprocess("4096", code=code, variable="IBPEMBED_STAGE_MIN_BYTES")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "4096"  # the override wins over what the process serves
+    bad = _path_in_subprocess("lots", code="pass", variable="IBPEMBED_STAGE_MIN_BYTES")
+    assert bad.returncode != 0
+    assert "IBPEMBED_STAGE_MIN_BYTES must be a byte count >= 0, got 'lots'" in bad.stderr

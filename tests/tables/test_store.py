@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ibpembed import compress
+from ibpembed import _C, compress
 from ibpembed.tables import format as tf
 from ibpembed.tables import writer as tw
 from ibpembed.tables.importers import TableSet, TableSource
@@ -494,3 +494,17 @@ def test_accounting_counts_the_spill_areas_spare_room() -> None:
     assert sizes.stored == buffer >= table.payload_bytes + MIN_SPILL_BYTES
     assert sizes.total == sizes.stored + sizes.index + sizes.metadata + sizes.hot
     assert sizes.total == table.stored_bytes + (buffer - table.payload_bytes)
+
+
+def test_a_cpu_store_sizes_staged_reads_by_what_it_serves() -> None:
+    # Publishing tells CPU lookups how many payload bytes the process serves (codec.h's
+    # set_served_payload_bytes): a set within the last-level cache keeps the cache-sized rule.
+    before = _C.stage_min_bytes()
+    try:
+        _C.set_stage_min_bytes(0)
+        TableStore.from_tables(
+            {"t": compress(make_table(torch.float32, 64, 16, "trained_like", 0))}
+        )
+        assert _C.stage_min_bytes() == _C.default_stage_min_bytes()
+    finally:
+        _C.set_stage_min_bytes(before)

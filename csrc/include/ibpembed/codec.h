@@ -201,6 +201,11 @@ bool pattern_lookup_from_name(const char* name, PatternLookup* lookup);
 int64_t default_stage_min_bytes();
 int64_t stage_min_bytes();
 void set_stage_min_bytes(int64_t bytes);
+// Tables that fit the last-level cache alone but not together read from DRAM too: a process
+// serving more payload bytes than the cache in all stages every table larger than the L2 cache
+// (2 MiB where the OS does not say), otherwise only those larger than the cache. Does nothing
+// when IBPEMBED_STAGE_MIN_BYTES is set.
+void set_served_payload_bytes(int64_t bytes);
 
 // ----------------------------------------------------------------------------------------------
 // Compress, in two passes over a row range so the caller can parallelise and allocate once:

@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ibpembed import layout
-from ibpembed.codec import CompressedTable, CompressedTableSet
+from ibpembed.codec import CompressedTable, CompressedTableSet, serve_payload_bytes
 from ibpembed.errors import VersionNotHeld
 from ibpembed.tables import writer as tw
 from ibpembed.tables.manifest import ManifestEntry, RowRange, load_table_set_meta
@@ -266,6 +266,7 @@ class TableStore:
         )
         # Published snapshots still served on request, oldest first; the last is _current.
         self._kept: list[TableSnapshot] = [self._current]
+        self._size_staged_reads(tables)
         # The files mapped tables were read from, keyed by the memory each table reads (_mapping).
         self._files = MappedFiles()
         # Feature -> why the table serving it was withdrawn (its file changed under it).
@@ -351,6 +352,12 @@ class TableStore:
                 previous.placed[name] if kept else place_table(table, self.device, self._aliases)
             )
         return _frozen(placed)
+
+    def _size_staged_reads(self, tables: Mapping[str, CompressedTable]) -> None:
+        """CPU lookups copy rows into a stage rather than prefetch them once the tables they
+        serve outgrow the last-level cache (``codec.serve_payload_bytes``)."""
+        if self.device.type == "cpu":
+            serve_payload_bytes(sum(t.stored_bytes for t in tables.values()))
 
     # -- reading ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -455,6 +462,7 @@ class TableStore:
                 self._kept[-1] = snapshot
             else:
                 self._kept = [*self._kept, snapshot][-self._keep :]
+        self._size_staged_reads(tables)
 
     def reload(self, directory: str | os.PathLike[str] | None = None) -> bool:
         """Load a table set and publish it as the next version, all or nothing.
