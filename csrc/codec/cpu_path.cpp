@@ -94,8 +94,8 @@ int64_t default_stage_min_bytes() {
 void set_served_payload_bytes(int64_t bytes) {
   if (stage_min_bytes_override() != nullptr) return;
   const int64_t llc = default_stage_min_bytes();
-  set_stage_min_bytes(bytes > llc ? std::min(llc, cache_bytes(_SC_LEVEL2_CACHE_SIZE, int64_t{2} << 20))
-                                  : llc);
+  const int64_t l2 = cache_bytes(_SC_LEVEL2_CACHE_SIZE, int64_t{2} << 20);
+  set_stage_min_bytes(bytes > llc ? std::min(llc, l2) : llc);
 }
 
 int64_t stage_min_bytes() { return active_stage_min_bytes().load(std::memory_order_relaxed); }

@@ -526,9 +526,10 @@ inline uint8_t* thread_stage(int64_t bytes) {
 // Prefetching the slots a round ahead did not fix that: a software prefetch holds an L1 fill
 // buffer until its line arrives (~320 ns from DRAM on the Intel Xeon VM), nine lines a row kept
 // them all busy, and the decoder's own misses queued behind them. The copy loop instead keeps
-// many lines in flight and lets the L2 streamer fetch a slot's later lines. Cold compressed lookups (2 GiB fp32, uniform ids, benchmarks.cpu_engine) went from
-// 330-370 to 200-215 ns; Zipf 1.05 lookups, whose rows are mostly cached, did not move. Raw rows
-// are read where they lie, without a prefetch either: 105-119 ns against 120-135.
+// many lines in flight and lets the L2 streamer fetch a slot's later lines. Cold compressed
+// lookups (2 GiB fp32, uniform ids, benchmarks.cpu_engine) take 200-215 ns staged against
+// 330-370 prefetched; Zipf 1.05 lookups, whose rows are mostly cached, take the same either way.
+// Raw rows are read where they lie, without a prefetch either: 105-119 ns against 120-135.
 //
 // Smaller tables, and rows whose id follows the previous id, keep the prefetches: their lines
 // come from the cache, or stream in as a run's adjacent slots do, and each row is decoded where

@@ -181,9 +181,9 @@ PYBIND11_MODULE(_C, module) {
       },
       "Switch the avx512 decoder's pattern lookup for this process (tests and benchmarks).");
   module.def("stage_min_bytes", &ibpembed::stage_min_bytes,
-             "Payload bytes above which CPU lookups stage their rows instead of prefetching them.");
+             "Payload bytes above which CPU lookups stage rows instead of prefetching them.");
   module.def("default_stage_min_bytes", &ibpembed::default_stage_min_bytes,
-             "stage_min_bytes when IBPEMBED_STAGE_MIN_BYTES is unset: the last-level cache's size.");
+             "stage_min_bytes without IBPEMBED_STAGE_MIN_BYTES: the last-level cache's size.");
   module.def(
       "set_stage_min_bytes",
       [](int64_t bytes) {

@@ -88,12 +88,19 @@ POOLED_CASES = {
 
 
 @contextmanager
-def staged_reads(on: bool = True) -> Iterator[None]:
-    """Within the block, every table reads its rows the way tables larger than the last-level
-    cache do (codec.h's stage_min_bytes: staged, not prefetched; ``on=False``: no table does)."""
+def stage_min_bytes_kept() -> Iterator[None]:
+    """The process's stage_min_bytes (codec.h) as it was before the block, after it."""
     before = _C.stage_min_bytes()
-    _C.set_stage_min_bytes(0 if on else 2**62)
     try:
         yield
     finally:
         _C.set_stage_min_bytes(before)
+
+
+@contextmanager
+def staged_reads(on: bool = True) -> Iterator[None]:
+    """Within the block, every table reads its rows the way tables larger than the last-level
+    cache do (codec.h's stage_min_bytes: staged, not prefetched; ``on=False``: no table does)."""
+    with stage_min_bytes_kept():
+        _C.set_stage_min_bytes(0 if on else 2**62)
+        yield

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from ibpembed import _C, compress, cpu_path
 from ibpembed._ops import ops
 from ibpembed.codec import available_cpu_paths, pattern_lookup, serve_payload_bytes
-from tests.codec.tables import same_bits, tables
+from tests.codec.tables import same_bits, stage_min_bytes_kept, tables
 
 FAST_PATHS = [
     pytest.param(p, marks=pytest.mark.skipif(p not in available_cpu_paths(), reason=f"no {p}"))
@@ -189,13 +189,6 @@ def test_fast_paths_size_rows_like_the_reference_path(
     assert all(torch.equal(a, b) for a, b in zip(sizes["ref"], sizes[path], strict=True))
 
 
-@pytest.fixture
-def restore_stage_min_bytes() -> Iterator[None]:
-    before = _C.stage_min_bytes()
-    yield
-    _C.set_stage_min_bytes(before)
-
-
 def test_stage_min_bytes_defaults_to_the_last_level_cache() -> None:
     # getconf asks glibc's sysconf, as the extension does; Python's os.sysconf lacks the name.
     got = subprocess.run(["getconf", "LEVEL3_CACHE_SIZE"], capture_output=True, text=True)
@@ -205,17 +198,16 @@ def test_stage_min_bytes_defaults_to_the_last_level_cache() -> None:
     assert _C.default_stage_min_bytes() == l3
 
 
-def test_a_process_serving_more_than_the_cache_stages_tables_past_l2(
-    restore_stage_min_bytes,
-) -> None:
+def test_a_process_serving_more_than_the_cache_stages_tables_past_l2() -> None:
     llc = _C.default_stage_min_bytes()
-    serve_payload_bytes(llc + 1)
-    staged_above = _C.stage_min_bytes()
-    assert 0 < staged_above < llc
-    serve_payload_bytes(llc)
-    assert _C.stage_min_bytes() == llc
-    with pytest.raises(ValueError, match=">= 0"):
-        serve_payload_bytes(-1)
+    with stage_min_bytes_kept():
+        serve_payload_bytes(llc + 1)
+        staged_above = _C.stage_min_bytes()
+        assert 0 < staged_above < llc
+        serve_payload_bytes(llc)
+        assert _C.stage_min_bytes() == llc
+        with pytest.raises(ValueError, match=">= 0"):
+            serve_payload_bytes(-1)
 
 
 def test_stage_min_bytes_env_override() -> None:

@@ -23,7 +23,7 @@ from ibpembed.tables.manifest import MANIFEST, TableSetError, read_manifest
 from ibpembed.tables.pack import pack_table_set
 from ibpembed.tables.store import TableBytes, TableSnapshot, TableStore
 from ibpembed.tables.updates import MIN_SPILL_BYTES
-from tests.codec.tables import make_table
+from tests.codec.tables import make_table, stage_min_bytes_kept
 from tests.tables.helpers import (
     flip_bit,
     mapped_from,
@@ -499,12 +499,9 @@ def test_accounting_counts_the_spill_areas_spare_room() -> None:
 def test_a_cpu_store_sizes_staged_reads_by_what_it_serves() -> None:
     # Publishing tells CPU lookups how many payload bytes the process serves (codec.h's
     # set_served_payload_bytes): a set within the last-level cache keeps the cache-sized rule.
-    before = _C.stage_min_bytes()
-    try:
+    with stage_min_bytes_kept():
         _C.set_stage_min_bytes(0)
         TableStore.from_tables(
             {"t": compress(make_table(torch.float32, 64, 16, "trained_like", 0))}
         )
         assert _C.stage_min_bytes() == _C.default_stage_min_bytes()
-    finally:
-        _C.set_stage_min_bytes(before)
