@@ -9,7 +9,8 @@ most changes to it are worth. This harness takes the process out: it compiles ``
 engine with g++ (``at::parallel_for`` replaced by a serial loop, the ISA flags of setup.py) into
 ``benchmarks/cpu/engine_harness.cpp``, which times, alternating in one process, the control (the
 shape of fbgemm's ``EmbeddingSpMDM``, what torchrec's CPU forward runs), ``lookup_pooled_cpu`` on
-the rows stored raw, and on the same rows compressed. The tables are DLRM-profile fp32 [N, 128]
+the rows stored raw (read as ibpembed reads an all-raw table: on the lean path, without the
+index), and on the same rows compressed. The tables are DLRM-profile fp32 [N, 128]
 (``--profile bf16r``: bf16-rounded values), payloads on transparent huge pages as ibpembed's
 are; the ids are ``benchmarks.data.zipf_batches`` (B=512, Zipf 1.05 or ``--alpha``, 0 for
 uniform ids; pooling 1..100), one thread. Read the ratios to the control: they hold where the

@@ -182,8 +182,9 @@ SECTIONS = (
         "Without torch and Python in the way, how close is the lookup engine to the loop "
         "torchrec's CPU forward runs, on raw and on compressed rows?",
         "The three loops run in one process on the same huge-page rows and ids, round by round, "
-        "and must agree bit for bit. The raw-row gap to the control is the block index (one "
-        "slot-size read and the address arithmetic before the row), not the row work.",
+        "and must agree bit for bit. Raw rows are read as ibpembed reads an all-raw table: its "
+        "payload is a tier of every row, pooled on the lean path without the index; compressed "
+        "rows go through the index and the decoder.",
         (),
         ("--gib", "0.05", "--rounds", "1", "--reps", "1", "--batches", "2"),
     ),

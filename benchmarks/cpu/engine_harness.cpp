@@ -9,7 +9,8 @@
 // (each array as a little-endian .bin file, plus meta.txt), and one lookup stream (ids.bin,
 // offsets.bin: int64, offsets absolute). Each round times, best of REPS passes over the stream:
 // the control (fbgemm's EmbeddingSpMDM shape: eight prefetcht0 per row 16 ids ahead, 16 AVX2 adds
-// per row, accumulators in registers), then lookup_pooled_cpu on the raw table and on the
+// per row, accumulators in registers), then lookup_pooled_cpu on the raw table, read as ibpembed
+// reads an all-raw table (its payload a tier of every row, on the lean path), and on the
 // compressed one, BAGS_PER_CALL bags per call. The tables' payloads ask for transparent huge
 // pages, as ibpembed's do. Prints one JSON object per round (ns per lookup) and exits 1 if the
 // three disagree on any pooled sum's bits (they add the same values in the same order).
@@ -168,6 +169,12 @@ int main(int argc, char** argv) {
   if (raw.block_base[(raw.num_rows + 31) / 32] != raw.num_rows * kRowBytes) {
     fail("raw/ must store every row raw, back to back");
   }
+  // Read as the product reads an all-raw table (codec.py _raw_rows_as_tier): its payload is a
+  // tier of every row, taken by the lean path without the index.
+  TableView lean = raw;
+  lean.tier_rows = raw.payload;
+  lean.tier_stride = kRowBytes;
+  lean.tier_num_rows = raw.num_rows;
   const size_t out_size = (offsets.size() - 1) * kDim;
   std::vector<float> out_control(out_size), out_raw(out_size), out_compressed(out_size);
   const ibpembed::RowKernels& kernels = ibpembed::row_kernels(ibpembed::active_cpu_path());
@@ -175,7 +182,7 @@ int main(int argc, char** argv) {
     const double c = best_ns_per_lookup(
         [&] { control(raw.payload, ids, offsets, out_control.data()); }, reps, lookups);
     const double r = best_ns_per_lookup(
-        [&] { engine(kernels, raw, ids, offsets, bags_per_call, out_raw.data()); }, reps, lookups);
+        [&] { engine(kernels, lean, ids, offsets, bags_per_call, out_raw.data()); }, reps, lookups);
     const double k = best_ns_per_lookup(
         [&] { engine(kernels, compressed, ids, offsets, bags_per_call, out_compressed.data()); },
         reps, lookups);
