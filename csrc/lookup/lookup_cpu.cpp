@@ -87,18 +87,34 @@ void pool_rows_portable(DType dtype, const uint8_t* const* rows, const float* we
   }
 }
 
+void pool_bags_portable(DType dtype, const uint8_t* const* rows, const float* weights,
+                        const int64_t* offsets, int64_t num_bags, int64_t base, int64_t dim,
+                        float* out, const PrefetchAhead& ahead) {
+  pool_bags_by_runs(&pool_rows_portable, dtype, rows, weights, offsets, num_bags, base, dim, out,
+                    ahead);
+}
+
+// The bags from `bag` on that end by row `until` (ids first + [0, until)), bounded by bag_end.
+int64_t whole_bags_until(const int64_t* offsets, int64_t bag, int64_t bag_end, int64_t first,
+                         int64_t until) {
+  int64_t last = bag;
+  while (last < bag_end && offsets[last + 1] - first <= until) ++last;
+  return last - bag;
+}
+
 // One thread's share of a pooled lookup, fed a round of rows at a time by decode_rows. The
 // indices are walked in one pass that ignores bag boundaries, so short bags (pooling factor 1)
 // still keep the decode pipeline full; each round is cut into per-bag runs here.
 struct BagPooler {
-  PoolRowsFn pool_rows;
+  PoolLoops pool;
   DType dtype;
   int64_t dim;
   const int64_t* offsets;
   const float* weights;  // nullable; indexed like the ids
   float* out;
-  int64_t first;  // index of the thread's first id
-  int64_t bag;    // bag of the next id
+  int64_t first;    // index of the thread's first id
+  int64_t bag;      // bag of the next id
+  int64_t bag_end;  // the thread's bags end here
 
   static void consume(void* self, int64_t first, int64_t count, const uint8_t* const* rows) {
     auto& p = *static_cast<BagPooler*>(self);
@@ -106,8 +122,19 @@ struct BagPooler {
     for (int64_t k = 0; k < count;) {
       const int64_t idx = round_begin + k;
       while (p.offsets[p.bag + 1] <= idx) ++p.bag;  // skips empty bags
+      const int64_t whole =
+          idx == p.offsets[p.bag] ? whole_bags_until(p.offsets, p.bag, p.bag_end, round_begin, count)
+                                  : 0;
+      if (whole > 0) {
+        p.pool.bags(p.dtype, rows, p.weights != nullptr ? p.weights + round_begin : nullptr,
+                    p.offsets + p.bag, whole, round_begin, p.dim, p.out + p.bag * p.dim,
+                    PrefetchAhead{});
+        p.bag += whole;
+        k = p.offsets[p.bag] - round_begin;
+        continue;
+      }
       const int64_t run = std::min(count, p.offsets[p.bag + 1] - round_begin) - k;
-      p.pool_rows(p.dtype, rows + k, p.weights != nullptr ? p.weights + idx : nullptr, run, p.dim,
+      p.pool.rows(p.dtype, rows + k, p.weights != nullptr ? p.weights + idx : nullptr, run, p.dim,
                   p.out + p.bag * p.dim, PrefetchAhead{});
       k += run;
     }
@@ -154,7 +181,7 @@ TierBuffers& thread_tier_buffers(int64_t num_ids) {
 // Misses reach rows[] a round at a time from decode_rows (consume), and every id up to a
 // round's last miss is pooled before the round's rows go stale.
 struct LeanPooler {
-  PoolRowsFn pool_rows;
+  PoolLoops pool;
   DType dtype;
   int64_t dim;
   int64_t prefetch_bytes;  // lean_prefetch_bytes()
@@ -166,15 +193,27 @@ struct LeanPooler {
   int64_t first;  // index of the thread's first id
   int64_t n;
   int64_t bag;       // bag of the next id
+  int64_t bag_end;   // the thread's bags end here
   int64_t next = 0;  // the next id to pool, from first
 
   void pool_until(int64_t until) {
     while (next < until) {
       const int64_t idx = first + next;
       while (offsets[bag + 1] <= idx) ++bag;  // skips empty bags
+      const int64_t whole =
+          idx == offsets[bag] ? whole_bags_until(offsets, bag, bag_end, first, until) : 0;
+      if (whole > 0) {
+        pool.bags(dtype, rows, weights != nullptr ? weights + first : nullptr, offsets + bag,
+                  whole, first, dim, out + bag * dim,
+                  PrefetchAhead{rows + kTierAhead, std::max<int64_t>(0, n - kTierAhead),
+                                prefetch_bytes});
+        bag += whole;
+        next = offsets[bag] - first;
+        continue;
+      }
       const int64_t run = std::min(until, offsets[bag + 1] - first) - next;
       const int64_t ahead = std::max<int64_t>(0, std::min(run, n - next - kTierAhead));
-      pool_rows(dtype, rows + next, weights != nullptr ? weights + idx : nullptr, run, dim,
+      pool.rows(dtype, rows + next, weights != nullptr ? weights + idx : nullptr, run, dim,
                 out + bag * dim, PrefetchAhead{rows + next + kTierAhead, ahead, prefetch_bytes});
       next += run;
     }
@@ -226,15 +265,15 @@ void scale_mean(const int64_t* offsets, int64_t bag_begin, int64_t bag_end, int6
 
 }  // namespace
 
-PoolRowsFn select_pool_rows() {
+PoolLoops select_pool_loops() {
 #if defined(__x86_64__)
   // AVX-512F alone (accumulate_avx512.cpp's only flag), not the decoders' VBMI2 (cpu_has_avx512):
   // Skylake-SP and Cascade Lake hosts pool with 16 lanes too. __builtin_cpu_supports also checks
   // that the OS saves the AVX-512 state.
-  if (__builtin_cpu_supports("avx512f")) return &pool_rows_avx512;
-  if (__builtin_cpu_supports("avx2")) return &pool_rows_avx2;
+  if (__builtin_cpu_supports("avx512f")) return PoolLoops{&pool_rows_avx512, &pool_bags_avx512};
+  if (__builtin_cpu_supports("avx2")) return PoolLoops{&pool_rows_avx2, &pool_bags_avx2};
 #endif
-  return &pool_rows_portable;
+  return PoolLoops{&pool_rows_portable, &pool_bags_portable};
 }
 
 void gather_rows_cpu(const RowKernels& k, const TableView& t, const int64_t* indices, int64_t n,
@@ -256,7 +295,7 @@ void gather_rows_cpu(const RowKernels& k, const TableView& t, const int64_t* ind
 void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
                        const int64_t* indices, const int64_t* offsets, int64_t num_bags,
                        const float* per_sample_weights, Pooling pooling, float* out) {
-  static const PoolRowsFn pool_rows = select_pool_rows();
+  static const PoolLoops pool = select_pool_loops();
   const int64_t dim = pooled_dim(dtype, t.row_bytes);
   // Misses are read through the index alone: the decoder never looks at the tier again.
   TableView cold = t;
@@ -267,14 +306,15 @@ void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
     const int64_t first = offsets[bag_begin];
     const int64_t num_ids = offsets[bag_end] - first;
     if (t.tier_rows == nullptr) {
-      BagPooler pooler{pool_rows, dtype, dim, offsets, per_sample_weights, out, first, bag_begin};
+      BagPooler pooler{pool,  dtype, dim,       offsets, per_sample_weights,
+                       out,   first, bag_begin, bag_end};
       const RowSink sink{&BagPooler::consume, &pooler, thread_repeat_cache(num_ids, t.row_bytes)};
       uint8_t* round = thread_round_buffer(kDecodeStageRows * t.row_bytes);
       k.decode_rows(t, indices + first, num_ids, round, &sink);
     } else {
       TierBuffers& b = thread_tier_buffers(num_ids);
       resolve_tier(t, indices + first, num_ids, b);
-      LeanPooler pooler{pool_rows,
+      LeanPooler pooler{pool,
                         dtype,
                         dim,
                         lean_prefetch_bytes(dtype, t.row_bytes),
@@ -285,7 +325,8 @@ void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
                         b.miss_at.data(),
                         first,
                         num_ids,
-                        bag_begin};
+                        bag_begin,
+                        bag_end};
       if (!b.miss_ids.empty()) {
         const auto misses = static_cast<int64_t>(b.miss_ids.size());
         const RowSink sink{&LeanPooler::consume, &pooler,

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //
 // The SIMD pooling loop for fp32 and bf16 rows, written once over a vector policy V (lanes,
-// load/add/mul/broadcast) and included by exactly one ISA translation unit per policy
+// zero/load/add/mul/broadcast) and included by exactly one ISA translation unit per policy
 // (accumulate_avx2.cpp, accumulate_avx512.cpp), inside its anonymous namespace: every
 // instantiation keeps internal linkage, so the linker never hands one ISA's copy to a caller on a
 // CPU without it, after accumulate.h and ibpembed/numeric.h. Each element is multiplied then
@@ -78,5 +78,84 @@ void pool_rows_with(DType dtype, const uint8_t* const* rows, const float* weight
         prefetch_ahead(ahead, k);
         accumulate_row(dtype, rows[k], dim, weights != nullptr ? weights[k] : 1.0f, acc);
       }
+  }
+}
+
+// Whole bags of rows exactly kVecs vectors wide (dim == V::kLanes * kVecs, so a row is one
+// register block): a bag's accumulators start at +0.0 in registers and are stored once.
+// Prefetches as pool_block does, `ahead` indexed like rows.
+template <class V, DType kDType, int kVecs, bool kWeighted>
+void pool_bags_exact(const uint8_t* const* rows, const float* weights, const int64_t* offsets,
+                     int64_t num_bags, int64_t base, float* out, const PrefetchAhead& ahead) {
+  constexpr int64_t kDim = V::kLanes * kVecs;
+  const PrefetchAhead prefetch = ahead;  // a copy the stores to `out` cannot alias
+  int64_t k = offsets[0] - base;
+  for (int64_t j = 0; j < num_bags; ++j) {
+    typename V::Vec sum[kVecs];
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecs; ++v) sum[v] = V::zero();
+    for (const int64_t end = offsets[j + 1] - base; k < end; ++k) {
+      prefetch_ahead(prefetch, k);
+      const uint8_t* row = rows[k];
+      if constexpr (kWeighted) {
+        const typename V::Vec w = V::broadcast(weights[k]);
+#pragma GCC unroll 8
+        for (int v = 0; v < kVecs; ++v) {
+          sum[v] = V::add(sum[v], V::mul(w, V::template load<kDType>(row, V::kLanes * v)));
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int v = 0; v < kVecs; ++v) {
+          sum[v] = V::add(sum[v], V::template load<kDType>(row, V::kLanes * v));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecs; ++v) V::store_acc(out + j * kDim + V::kLanes * v, sum[v]);
+  }
+}
+
+template <class V, DType kDType, bool kWeighted>
+bool pool_bags_exact_width(const uint8_t* const* rows, const float* weights,
+                           const int64_t* offsets, int64_t num_bags, int64_t base, int64_t dim,
+                           float* out, const PrefetchAhead& ahead) {
+  switch (dim / V::kLanes * (dim % V::kLanes == 0)) {
+    case 8:
+      pool_bags_exact<V, kDType, 8, kWeighted>(rows, weights, offsets, num_bags, base, out, ahead);
+      return true;
+    case 4:
+      pool_bags_exact<V, kDType, 4, kWeighted>(rows, weights, offsets, num_bags, base, out, ahead);
+      return true;
+    case 2:
+      pool_bags_exact<V, kDType, 2, kWeighted>(rows, weights, offsets, num_bags, base, out, ahead);
+      return true;
+    case 1:
+      pool_bags_exact<V, kDType, 1, kWeighted>(rows, weights, offsets, num_bags, base, out, ahead);
+      return true;
+    default: return false;
+  }
+}
+
+// The whole-bag entry point of a vector policy: fp32 and bf16 rows of 1, 2, 4 or 8 vectors in
+// the loop above, every other width and dtype a bag at a time through pool_rows_with.
+template <class V>
+void pool_bags_with(DType dtype, const uint8_t* const* rows, const float* weights,
+                    const int64_t* offsets, int64_t num_bags, int64_t base, int64_t dim,
+                    float* out, const PrefetchAhead& ahead) {
+  bool done = false;
+  if (dtype == DType::kFloat32) {
+    done = weights != nullptr ? pool_bags_exact_width<V, DType::kFloat32, true>(
+                                    rows, weights, offsets, num_bags, base, dim, out, ahead)
+                              : pool_bags_exact_width<V, DType::kFloat32, false>(
+                                    rows, weights, offsets, num_bags, base, dim, out, ahead);
+  } else if (dtype == DType::kBFloat16) {
+    done = weights != nullptr ? pool_bags_exact_width<V, DType::kBFloat16, true>(
+                                    rows, weights, offsets, num_bags, base, dim, out, ahead)
+                              : pool_bags_exact_width<V, DType::kBFloat16, false>(
+                                    rows, weights, offsets, num_bags, base, dim, out, ahead);
+  }
+  if (!done) {
+    pool_bags_by_runs(&pool_rows_with<V>, dtype, rows, weights, offsets, num_bags, base, dim, out,
+                      ahead);
   }
 }

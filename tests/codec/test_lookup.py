@@ -166,12 +166,20 @@ def test_raw_and_compressed_rows_pool_to_the_same_bits(dtype: torch.dtype) -> No
 
 @given(
     dtype=st.sampled_from(FLOAT_DTYPES),
-    dim=st.sampled_from((1, 8, 64, 72, 129, 200)),
+    # 16-128: rows of 1, 2, 4 and 8 vectors, pooled whole bags at a time; the rest column block
+    # by column block.
+    dim=st.sampled_from((1, 8, 16, 32, 64, 72, 128, 129, 200)),
     pooling=st.sampled_from(("sum", "mean")),
     weighted=st.booleans(),
+    # bags longer than a decode round, or of 0-4 ids, many to a round
+    max_len=st.sampled_from((4, 150)),
+    # raw rows and tier rows take the lean path; a tier of some rows mixes it with decodes
+    storage=st.sampled_from(("compressed", "raw", "tier of every row", "tier of some rows")),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_pooled_is_sequential_fp32_bit_for_bit(dtype, dim, pooling, weighted, seed) -> None:
+def test_pooled_is_sequential_fp32_bit_for_bit(
+    dtype, dim, pooling, weighted, max_len, storage, seed
+) -> None:
     # lookup.h's contract: acc += w * value(row), one fp32 multiply then one fp32 add per element,
     # rows in bag order. numpy float32 array ops are exactly those IEEE operations, so the
     # vectorised kernel (accumulators in registers across a bag, bags cut by decode rounds,
@@ -179,9 +187,14 @@ def test_pooled_is_sequential_fp32_bit_for_bit(dtype, dim, pooling, weighted, se
     rng = np.random.default_rng(seed)
     table = make_table(dtype, 500, dim, "trained_like", seed)
     values = ref.row_values(table.view(torch.uint8).reshape(500, -1).numpy(), NUMPY_KIND[dtype])
-    ids, offsets, lengths = _batch(rng, 500, 30, 150)  # bags longer than a decode round
+    ids, offsets, lengths = _batch(rng, 500, 30 if max_len > 4 else 300, max_len)
     weights = rng.normal(size=len(ids)).astype(np.float32) if weighted else None
-    got = compress(table).lookup(
+    c = compress(table, method="raw") if storage == "raw" else compress(table)
+    if storage == "tier of every row":
+        c = c.with_hot_rows(torch.arange(500))
+    elif storage == "tier of some rows":
+        c = c.with_hot_rows(torch.from_numpy(rng.choice(500, 250, replace=False)))
+    got = c.lookup(
         torch.from_numpy(ids),
         torch.from_numpy(offsets),
         None if weights is None else torch.from_numpy(weights),
