@@ -43,7 +43,8 @@ using PoolBagsFn = void (*)(DType dtype, const uint8_t* const* rows, const float
                             float* out, const PrefetchAhead& ahead);
 
 // The part of `ahead` that a run of `count` rows starting at row `begin` reads.
-static inline PrefetchAhead prefetch_from(const PrefetchAhead& ahead, int64_t begin, int64_t count) {
+static inline PrefetchAhead prefetch_from(const PrefetchAhead& ahead, int64_t begin,
+                                          int64_t count) {
   const int64_t left = std::max<int64_t>(0, std::min(count, ahead.count - begin));
   return PrefetchAhead{left > 0 ? ahead.rows + begin : nullptr, left, ahead.bytes};
 }

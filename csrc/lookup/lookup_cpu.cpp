@@ -104,7 +104,8 @@ int64_t whole_bags_until(const int64_t* offsets, int64_t bag, int64_t bag_end, i
 
 // One thread's share of a pooled lookup, fed a round of rows at a time by decode_rows. The
 // indices are walked in one pass that ignores bag boundaries, so short bags (pooling factor 1)
-// still keep the decode pipeline full; each round is cut into per-bag runs here.
+// still keep the decode pipeline full; a round's whole bags are pooled here in one call, a bag
+// the round cuts a run at a time.
 struct BagPooler {
   PoolLoops pool;
   DType dtype;
@@ -122,9 +123,9 @@ struct BagPooler {
     for (int64_t k = 0; k < count;) {
       const int64_t idx = round_begin + k;
       while (p.offsets[p.bag + 1] <= idx) ++p.bag;  // skips empty bags
-      const int64_t whole =
-          idx == p.offsets[p.bag] ? whole_bags_until(p.offsets, p.bag, p.bag_end, round_begin, count)
-                                  : 0;
+      const int64_t whole = idx == p.offsets[p.bag]
+                                ? whole_bags_until(p.offsets, p.bag, p.bag_end, round_begin, count)
+                                : 0;
       if (whole > 0) {
         p.pool.bags(p.dtype, rows, p.weights != nullptr ? p.weights + round_begin : nullptr,
                     p.offsets + p.bag, whole, round_begin, p.dim, p.out + p.bag * p.dim,
@@ -177,7 +178,8 @@ TierBuffers& thread_tier_buffers(int64_t num_ids) {
 }
 
 // One thread's share of a pooled lookup on the lean path: rows[i] is id first + i's row, pooled
-// in index order, a bag run at a time, with the rows kTierAhead ids ahead prefetched meanwhile.
+// in index order (whole bags in one call, a bag cut by a pending miss a run at a time), with the
+// rows kTierAhead ids ahead prefetched meanwhile.
 // Misses reach rows[] a round at a time from decode_rows (consume), and every id up to a
 // round's last miss is pooled before the round's rows go stale.
 struct LeanPooler {
@@ -306,8 +308,8 @@ void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
     const int64_t first = offsets[bag_begin];
     const int64_t num_ids = offsets[bag_end] - first;
     if (t.tier_rows == nullptr) {
-      BagPooler pooler{pool,  dtype, dim,       offsets, per_sample_weights,
-                       out,   first, bag_begin, bag_end};
+      BagPooler pooler{
+          pool, dtype, dim, offsets, per_sample_weights, out, first, bag_begin, bag_end};
       const RowSink sink{&BagPooler::consume, &pooler, thread_repeat_cache(num_ids, t.row_bytes)};
       uint8_t* round = thread_round_buffer(kDecodeStageRows * t.row_bytes);
       k.decode_rows(t, indices + first, num_ids, round, &sink);
