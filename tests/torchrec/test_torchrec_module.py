@@ -933,6 +933,35 @@ def test_hot_rows_keep_outputs_and_stay_out_of_the_state_dict() -> None:
         ours.cache_hot_rows(traffic, budget=2.0)
 
 
+def test_hot_row_budgets_take_the_servers_spellings() -> None:
+    ebc = make_ebc(TABLES)
+    ours = CompressedEmbeddingBagCollection.from_ebc(ebc)
+    traffic = [random_kjt(ebc, 64, 9, seed=s) for s in range(4)]
+    kjt = random_kjt(ebc, 32, 9, seed=11)
+    before = ours(kjt).values()
+
+    # "savings": the largest tier that keeps each table within its raw bytes (none for the tiny
+    # tables that compression makes larger).
+    cached = ours.cache_hot_rows(traffic, budget="savings")
+    assert cached["t_wide"] > 0 and cached["t_mid"] > 0 and cached["t_small"] == 0
+    for r in ours.table_bytes():
+        assert r.hot_bytes == 0 or r.stored_bytes + r.hot_bytes <= r.raw_bytes, r
+    assert torch.equal(ours(kjt).values(), before)
+    # A share written as a percentage is the float share.
+    assert ours.cache_hot_rows(traffic, budget="50%") == ours.cache_hot_rows(traffic, budget=0.5)
+    # "all": every row, sampled or not, and no directory; a table stored all raw is read as
+    # such a tier already and gets no copy.
+    cached = ours.cache_hot_rows(traffic, budget="all")
+    for name, bag in ours.embedding_bags.items():
+        every = bag.num_embeddings if bag.compressed_table().compressed_rows else 0
+        assert cached[name] == every and bag.hot_dir.numel() == 0, name
+    assert torch.equal(ours(kjt).values(), before)
+    assert set(ours.cache_hot_rows(traffic, budget="off").values()) == {0}
+    for bad in ("0.05", "-1%", "lots", 2.0, True):
+        with pytest.raises(ValueError, match="budget"):
+            ours.cache_hot_rows(traffic, budget=bad)
+
+
 def test_hot_rows_are_what_the_forward_reads() -> None:
     """Tampered copies change the output: the test above cannot pass with copies ignored."""
     ebc = make_ebc(TABLES)

@@ -157,6 +157,13 @@ def rank_hot_rows(
     if not (math.isfinite(budget) and budget >= 0):
         raise ValueError(f"budget must be a finite share >= 0 of the raw bytes, got {budget}")
     capacity = capacity_rows(table.num_rows, table.row_bytes, int(budget * table.raw_bytes))
+    return top_hot_rows(table, recent_ids, capacity)
+
+
+def top_hot_rows(
+    table: CompressedTable, recent_ids: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, float]:
+    """:func:`rank_hot_rows` for a tier of at most ``capacity`` rows."""
     in_range = recent_ids[(recent_ids >= 0) & (recent_ids < table.num_rows)]
     ids, counts = torch.unique(in_range, return_counts=True)
     keep = table.is_compressed(ids)

@@ -26,9 +26,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ibpembed.codec import CompressedTable, compress
 from ibpembed.engine.tier import DEFAULT_BUDGET as DEFAULT_HOT_ROW_BUDGET
-from ibpembed.engine.tier import hot_row_ids
+from ibpembed.engine.tier import top_hot_rows
 from ibpembed.layout import DTYPE_CODES
 from ibpembed.tables.manifest import Manifest, load_table_set
+from ibpembed.tables.tier_budget import TableSize, TierBudget, capacity_rows
 from ibpembed.torchrec.bag import DATA_TYPES, POOLING_CODES, TORCH_DTYPES, CompressedEmbeddingBag
 from ibpembed.torchrec.report import TableReport
 
@@ -260,17 +261,22 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     @torch.jit.unused
     def cache_hot_rows(
-        self, batches: list[KeyedJaggedTensor], budget: float = DEFAULT_HOT_ROW_BUDGET
+        self, batches: list[KeyedJaggedTensor], budget: float | str = DEFAULT_HOT_ROW_BUDGET
     ) -> dict[str, int]:
         """Keep decoded copies of each table's most frequent rows in ``batches`` (a sample of
-        real traffic), within ``budget`` x the table's raw bytes, the server's policy
-        (``ibpembed.engine.tier``). CPU forwards then read those rows instead of decoding them;
-        outputs do not change. Call it again to re-rank; ``budget=0`` drops the tier.
+        real traffic), ranked as the server ranks them (``ibpembed.engine.tier``). CPU forwards
+        then read those rows instead of decoding them; outputs do not change. Call it again to
+        re-rank.
+
+        ``budget``: a share of each table's raw bytes (0.01 for 1 %; 0 drops the tier), or one
+        of the server's ``--hot-tier`` spellings (``ibpembed.tables.tier_budget``): ``"1%"``,
+        ``"savings"`` (the largest tier that keeps each table within its raw bytes),
+        ``"50%savings"``, ``"all"`` (every row, sampled or not), ``"256MiB"`` (for all the
+        tables, split by their raw bytes) or ``"off"``. ValueError for anything else.
 
         Returns the rows cached per table.
         """
-        if not 0.0 <= budget <= 1.0:
-            raise ValueError(f"budget must be in [0, 1], got {budget}")
+        capacities = self._hot_row_capacities(budget)
         seen: dict[str, list[Tensor]] = {name: [] for name in self._table_names}
         for kjt in batches:
             per_feature = kjt.to_dict()
@@ -284,9 +290,29 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             bag = self.embedding_bags[name]
             ids = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64)
             table = bag.compressed_table()
-            chosen = hot_row_ids(table, ids, budget) if budget > 0 else ids[:0]
+            rows = capacities[name]
+            if rows >= table.num_rows:
+                chosen = torch.arange(table.num_rows)
+            else:
+                chosen = top_hot_rows(table, ids, rows)[0] if rows > 0 else ids[:0]
             cached[name] = bag.set_hot_rows(chosen)
         return cached
+
+    def _hot_row_capacities(self, budget: float | str) -> dict[str, int]:
+        """The tier rows ``budget`` buys each table (cache_hot_rows)."""
+        tables = {name: self.embedding_bags[name].compressed_table() for name in self._table_names}
+        if isinstance(budget, str):
+            sizes = {name: TableSize.of(table) for name, table in tables.items()}
+            plans = TierBudget.parse(budget, setting="cache_hot_rows").plan(sizes)
+            return {name: plan.rows for name, plan in plans.items()}
+        if isinstance(budget, bool) or not isinstance(budget, int | float):
+            raise ValueError(f"budget must be a share or a --hot-tier spelling, got {budget!r}")
+        if not 0.0 <= budget <= 1.0:
+            raise ValueError(f"budget must be a share in [0, 1] of the raw bytes, got {budget}")
+        return {
+            name: capacity_rows(table.num_rows, table.row_bytes, int(budget * table.raw_bytes))
+            for name, table in tables.items()
+        }
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool every feature with its table; see the class docstring for the checks.
