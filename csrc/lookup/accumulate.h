@@ -89,7 +89,7 @@ void pool_bags_avx512(DType dtype, const uint8_t* const* rows, const float* weig
                       const int64_t* offsets, int64_t num_bags, int64_t base, int64_t dim,
                       float* out, const PrefetchAhead& ahead);
 
-// The widest loops the CPU runs, else the portable ones.
+// The loops pooled lookups run (lookup.h pool_loops_name: the widest the CPU runs by default).
 struct PoolLoops {
   PoolRowsFn rows;
   PoolBagsFn bags;

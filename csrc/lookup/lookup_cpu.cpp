@@ -6,8 +6,10 @@
 // to its tier row, tier rows are pooled straight from there, and only the misses go through
 // decode_rows. Inputs are validated by the caller.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "../ops/parallel.h"
@@ -265,17 +267,78 @@ void scale_mean(const int64_t* offsets, int64_t bag_begin, int64_t bag_end, int6
   }
 }
 
-}  // namespace
+struct NamedPoolLoops {
+  const char* name;
+  PoolLoops loops;
+  bool (*runs)();
+};
 
-PoolLoops select_pool_loops() {
+bool cpu_runs_avx512_pooling() {
 #if defined(__x86_64__)
   // AVX-512F alone (accumulate_avx512.cpp's only flag), not the decoders' VBMI2 (cpu_has_avx512):
   // Skylake-SP and Cascade Lake hosts pool with 16 lanes too. __builtin_cpu_supports also checks
   // that the OS saves the AVX-512 state.
-  if (__builtin_cpu_supports("avx512f")) return PoolLoops{&pool_rows_avx512, &pool_bags_avx512};
-  if (__builtin_cpu_supports("avx2")) return PoolLoops{&pool_rows_avx2, &pool_bags_avx2};
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
 #endif
-  return PoolLoops{&pool_rows_portable, &pool_bags_portable};
+}
+
+bool cpu_runs_avx2_pooling() {
+#if defined(__x86_64__)
+  return __builtin_cpu_supports("avx2");
+#else
+  return false;
+#endif
+}
+
+bool cpu_runs_portable_pooling() { return true; }
+
+// Widest first.
+constexpr NamedPoolLoops kPoolLoops[] = {
+    {"avx512", {&pool_rows_avx512, &pool_bags_avx512}, &cpu_runs_avx512_pooling},
+    {"avx2", {&pool_rows_avx2, &pool_bags_avx2}, &cpu_runs_avx2_pooling},
+    {"portable", {&pool_rows_portable, &pool_bags_portable}, &cpu_runs_portable_pooling},
+};
+constexpr int kNumPoolLoops = sizeof(kPoolLoops) / sizeof(kPoolLoops[0]);
+
+int widest_pool_loops() {
+  int i = 0;
+  while (!kPoolLoops[i].runs()) ++i;  // the portable loops always run
+  return i;
+}
+
+std::atomic<int>& active_pool_loops() {
+  static std::atomic<int> active{widest_pool_loops()};
+  return active;
+}
+
+}  // namespace
+
+PoolLoops select_pool_loops() {
+  return kPoolLoops[active_pool_loops().load(std::memory_order_relaxed)].loops;
+}
+
+const char* pool_loops_name() {
+  return kPoolLoops[active_pool_loops().load(std::memory_order_relaxed)].name;
+}
+
+std::vector<std::string> available_pool_loops() {
+  std::vector<std::string> names;
+  for (const NamedPoolLoops& set : kPoolLoops) {
+    if (set.runs()) names.emplace_back(set.name);
+  }
+  return names;
+}
+
+bool set_pool_loops(const std::string& name) {
+  for (int i = 0; i < kNumPoolLoops; ++i) {
+    if (name == kPoolLoops[i].name && kPoolLoops[i].runs()) {
+      active_pool_loops().store(i, std::memory_order_relaxed);
+      return true;
+    }
+  }
+  return false;
 }
 
 void gather_rows_cpu(const RowKernels& k, const TableView& t, const int64_t* indices, int64_t n,
@@ -297,7 +360,7 @@ void gather_rows_cpu(const RowKernels& k, const TableView& t, const int64_t* ind
 void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
                        const int64_t* indices, const int64_t* offsets, int64_t num_bags,
                        const float* per_sample_weights, Pooling pooling, float* out) {
-  static const PoolLoops pool = select_pool_loops();
+  const PoolLoops pool = select_pool_loops();
   const int64_t dim = pooled_dim(dtype, t.row_bytes);
   // Misses are read through the index alone: the decoder never looks at the tier again.
   TableView cold = t;

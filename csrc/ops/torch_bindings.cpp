@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "ibpembed/codec.h"
+#include "ibpembed/lookup.h"
 #include "ibpembed/numeric.h"
 #include "ibpembed/tier.h"
 #include "mapping_guard.h"
@@ -163,6 +164,18 @@ PYBIND11_MODULE(_C, module) {
         ibpembed::set_active_cpu_path(path);
       },
       "Switch the CPU codec path for this process (tests and benchmarks).");
+  module.def(
+      "pool_loops", [] { return std::string(ibpembed::pool_loops_name()); },
+      "The pooling loops pooled CPU lookups run: 'avx512', 'avx2' or 'portable'.");
+  module.def("available_pool_loops", &ibpembed::available_pool_loops,
+             "The pooling loops this CPU runs, widest (the default) first.");
+  module.def(
+      "set_pool_loops",
+      [](const std::string& name) {
+        TORCH_CHECK_VALUE(ibpembed::set_pool_loops(name), "pool loops must be one of this CPU's ",
+                          "(available_pool_loops()), got '", name, "'");
+      },
+      "Switch the pooling loops for this process (tests: every loop checked on one host).");
   module.def(
       "pattern_lookup",
       [] { return std::string(ibpembed::pattern_lookup_name(ibpembed::active_pattern_lookup())); },

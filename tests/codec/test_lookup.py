@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ibpembed import _C, compress, cpu_path
@@ -164,6 +164,7 @@ def test_raw_and_compressed_rows_pool_to_the_same_bits(dtype: torch.dtype) -> No
     assert torch.equal(compressed.lookup(*args), raw.lookup(*args))
 
 
+@settings(max_examples=200)  # small tables: 200 cases of this many axes take about 3 s
 @given(
     dtype=st.sampled_from(FLOAT_DTYPES),
     # 16-128: rows of 1, 2, 4 and 8 vectors, pooled whole bags at a time; the rest column block
@@ -175,14 +176,16 @@ def test_raw_and_compressed_rows_pool_to_the_same_bits(dtype: torch.dtype) -> No
     max_len=st.sampled_from((4, 150)),
     # raw rows and tier rows take the lean path; a tier of some rows mixes it with decodes
     storage=st.sampled_from(("compressed", "raw", "tier of every row", "tier of some rows")),
+    # every pooling loop this CPU runs, not only the widest it picks
+    loops=st.sampled_from(_C.available_pool_loops()),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_pooled_is_sequential_fp32_bit_for_bit(
-    dtype, dim, pooling, weighted, max_len, storage, seed
+    dtype, dim, pooling, weighted, max_len, storage, loops, seed
 ) -> None:
     # lookup.h's contract: acc += w * value(row), one fp32 multiply then one fp32 add per element,
     # rows in bag order. numpy float32 array ops are exactly those IEEE operations, so the
-    # vectorised kernel (accumulators in registers across a bag, bags cut by decode rounds,
+    # vectorised kernels (accumulators in registers across a bag, bags cut by decode rounds,
     # column blocks of 64 and 8 plus a scalar tail) must match bit for bit.
     rng = np.random.default_rng(seed)
     table = make_table(dtype, 500, dim, "trained_like", seed)
@@ -194,12 +197,17 @@ def test_pooled_is_sequential_fp32_bit_for_bit(
         c = c.with_hot_rows(torch.arange(500))
     elif storage == "tier of some rows":
         c = c.with_hot_rows(torch.from_numpy(rng.choice(500, 250, replace=False)))
-    got = c.lookup(
-        torch.from_numpy(ids),
-        torch.from_numpy(offsets),
-        None if weights is None else torch.from_numpy(weights),
-        pooling,
-    )
+    widest = _C.pool_loops()
+    try:
+        _C.set_pool_loops(loops)
+        got = c.lookup(
+            torch.from_numpy(ids),
+            torch.from_numpy(offsets),
+            None if weights is None else torch.from_numpy(weights),
+            pooling,
+        )
+    finally:
+        _C.set_pool_loops(widest)
     expected = np.zeros((len(lengths), dim), dtype=np.float32)
     for b in range(len(lengths)):
         for i in range(offsets[b], offsets[b + 1]):

@@ -18,6 +18,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "ibpembed/codec.h"
 #include "ibpembed/format.h"
@@ -32,5 +34,14 @@ void gather_rows_cpu(const RowKernels& k, const TableView& t, const int64_t* ind
 void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
                        const int64_t* indices, const int64_t* offsets, int64_t num_bags,
                        const float* per_sample_weights, Pooling pooling, float* out);
+
+// The pooling loops pooled lookups run: "avx512", "avx2" or "portable", the widest this CPU runs
+// unless set_pool_loops chose another. Every set gives the same bits; switching lets one host
+// check every loop the build ships (tests).
+const char* pool_loops_name();
+// The sets this CPU runs, widest first.
+std::vector<std::string> available_pool_loops();
+// Switches to the set called `name`; false (and no switch) when this CPU cannot run it.
+bool set_pool_loops(const std::string& name);
 
 }  // namespace ibpembed
