@@ -167,8 +167,8 @@ def test_raw_and_compressed_rows_pool_to_the_same_bits(dtype: torch.dtype) -> No
 @settings(max_examples=200)  # small tables: 200 cases of this many axes take about 3 s
 @given(
     dtype=st.sampled_from(FLOAT_DTYPES),
-    # 16-128: rows of 1, 2, 4 and 8 vectors, pooled whole bags at a time; the rest column block
-    # by column block.
+    # 8-128: rows of 1, 2, 4 or 8 vectors of AVX2 or AVX-512, whole bags pooled at a time; the
+    # rest column block by column block.
     dim=st.sampled_from((1, 8, 16, 32, 64, 72, 128, 129, 200)),
     pooling=st.sampled_from(("sum", "mean")),
     weighted=st.booleans(),
