@@ -273,31 +273,23 @@ struct NamedPoolLoops {
   bool (*runs)();
 };
 
-bool cpu_runs_avx512_pooling() {
 #if defined(__x86_64__)
-  // AVX-512F alone (accumulate_avx512.cpp's only flag), not the decoders' VBMI2 (cpu_has_avx512):
-  // Skylake-SP and Cascade Lake hosts pool with 16 lanes too. __builtin_cpu_supports also checks
-  // that the OS saves the AVX-512 state.
-  return __builtin_cpu_supports("avx512f");
-#else
-  return false;
+// AVX-512F alone (accumulate_avx512.cpp's only flag), not the decoders' VBMI2 (cpu_has_avx512):
+// Skylake-SP and Cascade Lake hosts pool with 16 lanes too. __builtin_cpu_supports also checks
+// that the OS saves the AVX-512 state.
+bool cpu_runs_avx512_pooling() { return __builtin_cpu_supports("avx512f"); }
+bool cpu_runs_avx2_pooling() { return __builtin_cpu_supports("avx2"); }
 #endif
-}
-
-bool cpu_runs_avx2_pooling() {
-#if defined(__x86_64__)
-  return __builtin_cpu_supports("avx2");
-#else
-  return false;
-#endif
-}
 
 bool cpu_runs_portable_pooling() { return true; }
 
-// Widest first.
+// Widest first. The x86 loops are named only where they are built: an aarch64 build has no
+// accumulate_avx*.cpp objects to link them from.
 constexpr NamedPoolLoops kPoolLoops[] = {
+#if defined(__x86_64__)
     {"avx512", {&pool_rows_avx512, &pool_bags_avx512}, &cpu_runs_avx512_pooling},
     {"avx2", {&pool_rows_avx2, &pool_bags_avx2}, &cpu_runs_avx2_pooling},
+#endif
     {"portable", {&pool_rows_portable, &pool_bags_portable}, &cpu_runs_portable_pooling},
 };
 constexpr int kNumPoolLoops = sizeof(kPoolLoops) / sizeof(kPoolLoops[0]);
