@@ -9,9 +9,28 @@
 // bits.
 #pragma once
 
+// sum[v] += weight * row's columns [d0 + V::kLanes * v, ...) for v < kVecs: one row into a block
+// of accumulators held in registers. Unweighted rows skip the multiply (by 1.0f, exact: the
+// same bits).
+template <class V, DType kDType, int kVecs, bool kWeighted>
+[[gnu::always_inline]] inline void add_row(typename V::Vec (&sum)[kVecs], const uint8_t* row,
+                                           float weight, int64_t d0) {
+  if constexpr (kWeighted) {
+    const typename V::Vec w = V::broadcast(weight);
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecs; ++v) {
+      sum[v] = V::add(sum[v], V::mul(w, V::template load<kDType>(row, d0 + V::kLanes * v)));
+    }
+  } else {
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecs; ++v) {
+      sum[v] = V::add(sum[v], V::template load<kDType>(row, d0 + V::kLanes * v));
+    }
+  }
+}
+
 // Columns [d0, d0 + V::kLanes * kVecs) of every row, the accumulators held in registers; the
-// first block of a run issues its prefetches, one row's lines per row pooled. Unweighted runs
-// skip the multiply (by 1.0f, exact: the same bits).
+// first block of a run issues its prefetches, one row's lines per row pooled.
 template <class V, DType kDType, int kVecs, bool kWeighted>
 void pool_block(const uint8_t* const* rows, const float* weights, int64_t count, int64_t d0,
                 float* acc, const PrefetchAhead& ahead) {
@@ -19,17 +38,7 @@ void pool_block(const uint8_t* const* rows, const float* weights, int64_t count,
   for (int v = 0; v < kVecs; ++v) sum[v] = V::load_acc(acc + d0 + V::kLanes * v);
   for (int64_t k = 0; k < count; ++k) {
     prefetch_ahead(ahead, k);
-    const uint8_t* row = rows[k];
-    if constexpr (kWeighted) {
-      const typename V::Vec w = V::broadcast(weights[k]);
-      for (int v = 0; v < kVecs; ++v) {
-        sum[v] = V::add(sum[v], V::mul(w, V::template load<kDType>(row, d0 + V::kLanes * v)));
-      }
-    } else {
-      for (int v = 0; v < kVecs; ++v) {
-        sum[v] = V::add(sum[v], V::template load<kDType>(row, d0 + V::kLanes * v));
-      }
-    }
+    add_row<V, kDType, kVecs, kWeighted>(sum, rows[k], kWeighted ? weights[k] : 1.0f, d0);
   }
   for (int v = 0; v < kVecs; ++v) V::store_acc(acc + d0 + V::kLanes * v, sum[v]);
 }
@@ -70,7 +79,8 @@ template <class V>
 void pool_rows_with(DType dtype, const uint8_t* const* rows, const float* weights, int64_t count,
                     int64_t dim, float* acc, const PrefetchAhead& ahead) {
   switch (dtype) {
-    case DType::kFloat32: return pool_simd<V, DType::kFloat32>(rows, weights, count, dim, acc, ahead);
+    case DType::kFloat32:
+      return pool_simd<V, DType::kFloat32>(rows, weights, count, dim, acc, ahead);
     case DType::kBFloat16:
       return pool_simd<V, DType::kBFloat16>(rows, weights, count, dim, acc, ahead);
     default:
@@ -96,30 +106,19 @@ void pool_bags_exact(const uint8_t* const* rows, const float* weights, const int
     for (int v = 0; v < kVecs; ++v) sum[v] = V::zero();
     for (const int64_t end = offsets[j + 1] - base; k < end; ++k) {
       prefetch_ahead(prefetch, k);
-      const uint8_t* row = rows[k];
-      if constexpr (kWeighted) {
-        const typename V::Vec w = V::broadcast(weights[k]);
-#pragma GCC unroll 8
-        for (int v = 0; v < kVecs; ++v) {
-          sum[v] = V::add(sum[v], V::mul(w, V::template load<kDType>(row, V::kLanes * v)));
-        }
-      } else {
-#pragma GCC unroll 8
-        for (int v = 0; v < kVecs; ++v) {
-          sum[v] = V::add(sum[v], V::template load<kDType>(row, V::kLanes * v));
-        }
-      }
+      add_row<V, kDType, kVecs, kWeighted>(sum, rows[k], kWeighted ? weights[k] : 1.0f, 0);
     }
 #pragma GCC unroll 8
     for (int v = 0; v < kVecs; ++v) V::store_acc(out + j * kDim + V::kLanes * v, sum[v]);
   }
 }
 
+// Whether dim is 1, 2, 4 or 8 vectors, which pool_bags_exact then pooled.
 template <class V, DType kDType, bool kWeighted>
 bool pool_bags_exact_width(const uint8_t* const* rows, const float* weights,
                            const int64_t* offsets, int64_t num_bags, int64_t base, int64_t dim,
                            float* out, const PrefetchAhead& ahead) {
-  switch (dim / V::kLanes * (dim % V::kLanes == 0)) {
+  switch (dim % V::kLanes == 0 ? dim / V::kLanes : 0) {
     case 8:
       pool_bags_exact<V, kDType, 8, kWeighted>(rows, weights, offsets, num_bags, base, out, ahead);
       return true;
@@ -136,24 +135,30 @@ bool pool_bags_exact_width(const uint8_t* const* rows, const float* weights,
   }
 }
 
+template <class V, DType kDType>
+bool pool_bags_simd(const uint8_t* const* rows, const float* weights, const int64_t* offsets,
+                    int64_t num_bags, int64_t base, int64_t dim, float* out,
+                    const PrefetchAhead& ahead) {
+  if (weights != nullptr) {
+    return pool_bags_exact_width<V, kDType, true>(rows, weights, offsets, num_bags, base, dim, out,
+                                                  ahead);
+  }
+  return pool_bags_exact_width<V, kDType, false>(rows, weights, offsets, num_bags, base, dim, out,
+                                                 ahead);
+}
+
 // The whole-bag entry point of a vector policy: fp32 and bf16 rows of 1, 2, 4 or 8 vectors in
 // the loop above, every other width and dtype a bag at a time through pool_rows_with.
 template <class V>
 void pool_bags_with(DType dtype, const uint8_t* const* rows, const float* weights,
                     const int64_t* offsets, int64_t num_bags, int64_t base, int64_t dim,
                     float* out, const PrefetchAhead& ahead) {
-  bool done = false;
-  if (dtype == DType::kFloat32) {
-    done = weights != nullptr ? pool_bags_exact_width<V, DType::kFloat32, true>(
-                                    rows, weights, offsets, num_bags, base, dim, out, ahead)
-                              : pool_bags_exact_width<V, DType::kFloat32, false>(
-                                    rows, weights, offsets, num_bags, base, dim, out, ahead);
-  } else if (dtype == DType::kBFloat16) {
-    done = weights != nullptr ? pool_bags_exact_width<V, DType::kBFloat16, true>(
-                                    rows, weights, offsets, num_bags, base, dim, out, ahead)
-                              : pool_bags_exact_width<V, DType::kBFloat16, false>(
-                                    rows, weights, offsets, num_bags, base, dim, out, ahead);
-  }
+  const bool done = (dtype == DType::kFloat32 &&
+                     pool_bags_simd<V, DType::kFloat32>(rows, weights, offsets, num_bags, base,
+                                                        dim, out, ahead)) ||
+                    (dtype == DType::kBFloat16 &&
+                     pool_bags_simd<V, DType::kBFloat16>(rows, weights, offsets, num_bags, base,
+                                                         dim, out, ahead));
   if (!done) {
     pool_bags_by_runs(&pool_rows_with<V>, dtype, rows, weights, offsets, num_bags, base, dim, out,
                       ahead);

@@ -29,7 +29,7 @@ from ibpembed.engine.tier import DEFAULT_BUDGET as DEFAULT_HOT_ROW_BUDGET
 from ibpembed.engine.tier import top_hot_rows
 from ibpembed.layout import DTYPE_CODES
 from ibpembed.tables.manifest import Manifest, load_table_set
-from ibpembed.tables.tier_budget import TableSize, TierBudget, capacity_rows
+from ibpembed.tables.tier_budget import TableSize, TierBudget
 from ibpembed.torchrec.bag import DATA_TYPES, POOLING_CODES, TORCH_DTYPES, CompressedEmbeddingBag
 from ibpembed.torchrec.report import TableReport
 
@@ -300,19 +300,19 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     def _hot_row_capacities(self, budget: float | str) -> dict[str, int]:
         """The tier rows ``budget`` buys each table (cache_hot_rows)."""
-        tables = {name: self.embedding_bags[name].compressed_table() for name in self._table_names}
         if isinstance(budget, str):
-            sizes = {name: TableSize.of(table) for name, table in tables.items()}
-            plans = TierBudget.parse(budget, setting="cache_hot_rows").plan(sizes)
-            return {name: plan.rows for name, plan in plans.items()}
-        if isinstance(budget, bool) or not isinstance(budget, int | float):
+            parsed = TierBudget.parse(budget, setting="cache_hot_rows")
+        elif isinstance(budget, bool) or not isinstance(budget, int | float):
             raise ValueError(f"budget must be a share or a --hot-tier spelling, got {budget!r}")
-        if not 0.0 <= budget <= 1.0:
+        elif not 0.0 <= budget <= 1.0:
             raise ValueError(f"budget must be a share in [0, 1] of the raw bytes, got {budget}")
-        return {
-            name: capacity_rows(table.num_rows, table.row_bytes, int(budget * table.raw_bytes))
-            for name, table in tables.items()
+        else:
+            parsed = TierBudget("raw", float(budget))
+        sizes = {
+            name: TableSize.of(self.embedding_bags[name].compressed_table())
+            for name in self._table_names
         }
+        return {name: plan.rows for name, plan in parsed.plan(sizes).items()}
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool every feature with its table; see the class docstring for the checks.
