@@ -414,8 +414,8 @@ std::vector<ChunkMasks> fit_codebook_widths(const SampleRows& sample, int w,
       for (const auto& run : runs) counts.push_back(run.first);
       bool deeper_may_win = false;
       for (size_t ci = 0; ci < code_bits.size(); ++ci) {
-        const int64_t covered =
-            top_k_sum(counts.data(), static_cast<int64_t>(counts.size()), codebook_size(code_bits[ci]));
+        const int64_t covered = top_k_sum(counts.data(), static_cast<int64_t>(counts.size()),
+                                          codebook_size(code_bits[ci]));
         const int64_t cost =
             static_cast<int64_t>(w - s) * n + static_cast<int64_t>(s) * (n - covered);
         if (cost < best_cost[ci]) {

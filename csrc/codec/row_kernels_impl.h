@@ -43,7 +43,8 @@ using LocalVector = std::vector<T, LocalAllocator<T>>;
 // side effect in __builtin_prefetch, marks an out-of-line helper whose body is only prefetches
 // `const`, and then deletes every call to it: from a976f39 until this note, prefetch_index
 // compiled to nothing (a conditional prefetch of a hot-row directory made it too big to be
-// inlined early), and lookups ran 25-35 % slower. tests/codec/test_isa_objects.py checks they are there.
+// inlined early), and lookups ran 25-35 % slower. tests/codec/test_isa_objects.py checks they
+// are there.
 [[gnu::always_inline]] inline void prefetch_index(const TableView& t, int64_t r) {
   __builtin_prefetch(t.row_units + r, 0, 3);
   __builtin_prefetch(t.block_base + r / kRowsPerBlock, 0, 3);
@@ -143,7 +144,8 @@ inline constexpr int kOneLoadBits = 57;
 template <int W>
 struct DecodePlan {
   static constexpr int kChunksPerGroup = 64 / W;
-  using Chunk = std::conditional_t<W == 16, uint16_t, std::conditional_t<W == 32, uint32_t, uint64_t>>;
+  using Chunk =
+      std::conditional_t<W == 16, uint16_t, std::conditional_t<W == 32, uint32_t, uint64_t>>;
 
   int code_bits;
   LocalVector<uint64_t> mask;

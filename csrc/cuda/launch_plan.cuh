@@ -40,8 +40,8 @@ inline Staging staging_with(int64_t buffer_bytes) {
 inline bool decode_rows() {
   const char* mode = std::getenv("IBPEMBED_CUDA_DECODE");
   const std::string_view m = mode != nullptr ? mode : "decode";
-  TORCH_CHECK(m == "decode" || m == "copy", "IBPEMBED_CUDA_DECODE must be 'decode' or 'copy', got '",
-              m, "'");
+  TORCH_CHECK(m == "decode" || m == "copy",
+              "IBPEMBED_CUDA_DECODE must be 'decode' or 'copy', got '", m, "'");
   return m == "decode";
 }
 

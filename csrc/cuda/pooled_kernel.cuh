@@ -9,9 +9,10 @@
 // Staging. The lanes of a warp resolve up to 32 of a bag's index entries at once (each lane one
 // row's slot offset and size), then the warp keeps kPooledStages - 1 rows in flight ahead of the
 // one it accumulates (a ring of staging buffers; the rows may lie in its next bags, of any part),
-// issuing only copies: a bag's rows are staged before they are accumulated, so a bag of L rows costs about L / kPooledStages PCIe round trips
-// instead of L. A row whose id repeats the previous row's (same table, stored compressed) is not
-// staged again: it is accumulated from the row buffer, which still holds its decoded bits.
+// issuing only copies: a bag's rows are staged before they are accumulated, so a bag of L rows
+// costs about L / kPooledStages PCIe round trips instead of L. A row whose id repeats the
+// previous row's (same table, stored compressed) is not staged again: it is accumulated from the
+// row buffer, which still holds its decoded bits.
 //
 // NOTE(cuda): ids are deliberately not sorted here. The CPU path accumulates each bag in index
 // order; doing the same, with every multiply and add rounded separately (__fmul_rn/__fadd_rn, no

@@ -14,11 +14,10 @@ namespace ibpembed::gpu {
 
 size_t sort_ids_temp_bytes(int64_t n, int bits) {
   size_t bytes = 0;
-  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int64_t*>(nullptr),
-                                                 static_cast<int64_t*>(nullptr),
-                                                 static_cast<const int64_t*>(nullptr),
-                                                 static_cast<int64_t*>(nullptr),
-                                                 static_cast<int>(n), 0, bits));
+  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, bytes, static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
+      static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr), static_cast<int>(n), 0,
+      bits));
   return bytes;
 }
 

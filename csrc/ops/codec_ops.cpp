@@ -135,8 +135,8 @@ at::Tensor ibp_slot_bytes_cpu(const at::Tensor& rows, int64_t chunk_bits, const 
   check_rows(rows);
   check_chunk_bits(chunk_bits);
   const int64_t row_bytes = rows.size(1);
-  const int code_bits =
-      check_masks(mask, bitval, chunks_per_row(row_bytes, static_cast<int>(chunk_bits)), chunk_bits);
+  const int num_chunks = chunks_per_row(row_bytes, static_cast<int>(chunk_bits));
+  const int code_bits = check_masks(mask, bitval, num_chunks, chunk_bits);
   TORCH_CHECK_VALUE(unit_bytes >= 1 && unit_bytes <= kMaxSlotUnit,
                     "the minimum slot unit must lie in [1, ", kMaxSlotUnit, "], got ", unit_bytes);
   const int64_t unit = slot_unit_bytes(row_bytes, unit_bytes);

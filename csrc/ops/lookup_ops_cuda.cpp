@@ -573,8 +573,9 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> pooled_tables(
   ErrorWord error = error_word(batch_device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(batch_device.index()).stream();
   const auto* device_entries =
-      tables->size() == 0 ? nullptr
-                          : reinterpret_cast<const PooledTable*>(tables->device_entries().data_ptr());
+      tables->size() == 0
+          ? nullptr
+          : reinterpret_cast<const PooledTable*>(tables->device_entries().data_ptr());
   // One launch per chunk width among the call's tables (a kernel decodes one width), each
   // holding up to kMaxPooledParts parts.
   for (const int width : {16, 32, 64}) {

@@ -144,8 +144,9 @@ PYBIND11_MODULE(_C, module) {
       pybind11::arg("row_bytes"), pybind11::arg("unit_bytes"), pybind11::arg("num_rows"),
       "The first table argument the ops' shape checks reject (op_checks.h check_table_shapes), "
       "as (argument, message); None when every check passes.");
-  module.def("cpu_path", [] { return std::string(ibpembed::cpu_path_name(ibpembed::active_cpu_path())); },
-             "The CPU codec path in use: 'avx512', 'bmi2' or 'ref'.");
+  module.def(
+      "cpu_path", [] { return std::string(ibpembed::cpu_path_name(ibpembed::active_cpu_path())); },
+      "The CPU codec path in use: 'avx512', 'bmi2' or 'ref'.");
   module.def("cpu_has_bmi2", &ibpembed::cpu_has_bmi2, "Whether this CPU reports BMI2.");
   module.def("cpu_has_avx512", &ibpembed::cpu_has_avx512,
              "Whether this CPU runs the AVX-512 path (BMI2, AVX-512 F/BW/VBMI/VBMI2).");

@@ -5,7 +5,7 @@
 // returns the kernel's result (>= 0) or -1 with the emulator's failure in `message`:
 //   0  well-formed collectives: a warp sum by shuffles, a ballot and a reduction     -> 0 = right
 //   1  lanes of a warp calling different collectives                               -> -1, divergent
-//   2  half a warp returning while the other half shuffles                          -> -1, divergent
+//   2  half a warp returning while the other half shuffles                         -> -1, divergent
 //   3  a staging buffer read before cp.async.wait_group retires its copy            -> poison byte
 //   4  the same read after the wait                                                 -> copied byte
 //   5  a cp.async from memory outside every device buffer of the launch            -> -1, outside
@@ -26,7 +26,8 @@ __global__ void collectives_kernel(int* wrong) {
   const unsigned odd = __ballot_sync(kFull, lane % 2);
   const unsigned sum = __reduce_add_sync(kFull, static_cast<unsigned>(lane));
   const int up = __shfl_up_sync(kFull, lane, 3);
-  const bool ok = v == 496 && odd == 0xaaaaaaaau && sum == 496 && up == (lane >= 3 ? lane - 3 : lane);
+  const bool ok =
+      v == 496 && odd == 0xaaaaaaaau && sum == 496 && up == (lane >= 3 ? lane - 3 : lane);
   if (!ok) atomicOr(wrong, 1);
 }
 

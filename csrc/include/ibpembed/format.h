@@ -98,7 +98,9 @@ IBP_HD int chunks_per_row(int64_t row_bytes, int chunk_bits) {
   return static_cast<int>((row_bytes + s - 1) / s);
 }
 
-IBP_HD constexpr uint64_t low_bits(int w) { return w >= 64 ? ~uint64_t{0} : ((uint64_t{1} << w) - 1); }
+IBP_HD constexpr uint64_t low_bits(int w) {
+  return w >= 64 ? ~uint64_t{0} : ((uint64_t{1} << w) - 1);
+}
 
 // Largest slot unit (alignment) a table may use: far past any useful alignment, and it bounds
 // the loop below for any min_align a caller passes.
