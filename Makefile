@@ -41,9 +41,10 @@ build:  ## rebuild ibpembed._C now (incremental)
 serve: $(BUILD_STAMP)  ## serve the embedded demo table set on 127.0.0.1:50051
 	$(VENV)/bin/ibpembed serve
 
-lint: $(DEPS_STAMP)  ## ruff check + ruff format --check
+lint: $(DEPS_STAMP)  ## ruff check + ruff format --check + mypy (the service and the client)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: $(BUILD_STAMP) lint  ## lint, then every test (tests/, benchmarks/tests/, reliability/tests/)
 	$(PY) -m pytest -q

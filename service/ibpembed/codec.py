@@ -554,6 +554,7 @@ def _as_offsets(offsets: torch.Tensor | None, lengths: torch.Tensor | None) -> t
         raise ValueError("pass exactly one of offsets or lengths")
     if offsets is not None:
         return _as_indices(offsets, "offsets")
+    assert lengths is not None  # exactly one of the two is given (checked above)
     lengths = _as_indices(lengths, "lengths")
     if bool((lengths < 0).any()):
         raise ValueError("lengths must be non-negative")

@@ -115,12 +115,11 @@ class Retrier:
         """A call succeeded (OK; as in gRPC, other final codes give nothing back)."""
         # Read without the lock first: the budget is full for almost every call of a healthy
         # client, and this runs after each of them.
-        if self._tokens is None or self._tokens >= self.policy.budget_tokens:
+        budget = self.policy.budget_tokens
+        if self._tokens is None or budget is None or self._tokens >= budget:
             return
         with self._lock:
-            self._tokens = min(
-                self.policy.budget_tokens, self._tokens + self.policy.budget_token_ratio
-            )
+            self._tokens = min(budget, self._tokens + self.policy.budget_token_ratio)
 
     def pause_before_retry(
         self, err: grpc.RpcError, attempt: int, deadline: float | None
@@ -130,10 +129,11 @@ class Retrier:
         if not self.policy.retryable(err):
             return None
         within_budget = True
-        if self._tokens is not None:
+        budget = self.policy.budget_tokens
+        if self._tokens is not None and budget is not None:
             with self._lock:
                 self._tokens = max(0.0, self._tokens - 1.0)
-                within_budget = self._tokens > self.policy.budget_tokens / 2
+                within_budget = self._tokens > budget / 2
         if not within_budget or attempt >= self.policy.max_attempts:
             return None
         pause = self.policy.backoff(attempt)

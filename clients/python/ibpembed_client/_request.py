@@ -15,12 +15,16 @@ from ibpembed_client.v1 import lookup_pb2 as pb
 
 Pooling = Literal["sum", "mean", "none"]
 OutputDType = Literal["float32", "float16", "bfloat16"]
-OUTPUT_DTYPES: dict[str, int] = {
+OUTPUT_DTYPES: dict[str, pb.DType] = {
     "float32": pb.DTYPE_FLOAT32,
     "float16": pb.DTYPE_FLOAT16,
     "bfloat16": pb.DTYPE_BFLOAT16,
 }
-POOLING: dict[str, int] = {"sum": pb.POOLING_SUM, "mean": pb.POOLING_MEAN, "none": pb.POOLING_NONE}
+POOLING: dict[str, pb.Pooling] = {
+    "sum": pb.POOLING_SUM,
+    "mean": pb.POOLING_MEAN,
+    "none": pb.POOLING_NONE,
+}
 
 # A routing hook: picks the server ("host:port") for a whole lookup request (e.g. by table, or
 # one of several replicas); None sends everything to the client's target. Tables sharded by row

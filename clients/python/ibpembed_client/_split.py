@@ -22,7 +22,7 @@ _NUMPY_DTYPES: dict[str, np.dtype] = dict(DTYPES.values())
 _POOLABLE_DTYPES = ("float32", "float16", "bfloat16")
 _POOLINGS = (pb.POOLING_UNSPECIFIED, pb.POOLING_SUM, pb.POOLING_MEAN, pb.POOLING_NONE)
 # Pooled output dtypes a server rounds its fp32 sums to, by name (the result's ``dtypes``).
-_OUTPUT_DTYPES = {
+_OUTPUT_DTYPES: dict[int, str] = {
     pb.DTYPE_UNSPECIFIED: "float32",
     pb.DTYPE_FLOAT32: "float32",
     pb.DTYPE_FLOAT16: "float16",
@@ -240,27 +240,28 @@ def merge_results(plan: SplitPlan, results: Mapping[int, LookupResult]) -> Looku
             merged.dtypes[feature.name] = table.dtype
         else:
             bags = feature.lengths.size
-            out = None
+            pooled: np.ndarray | None = None
             for part in sorted(feature.parts, key=lambda p: p.shard):
                 partial = results[part.shard][feature.name]
                 assert part.samples is not None  # pooled parts always list their samples
                 # Big batches usually have ids of every sample on every shard: whole-array
                 # copies and adds then replace the zero fill and the scatter.
                 whole = part.samples.size == bags
-                if out is None and whole:
-                    out = partial.copy()
+                if pooled is None and whole:
+                    pooled = partial.copy()
                     continue
-                if out is None:
-                    out = np.zeros((bags, table.pooled_dim), dtype=np.float32)
+                if pooled is None:
+                    pooled = np.zeros((bags, table.pooled_dim), dtype=np.float32)
                 if whole:
-                    out += partial
+                    pooled += partial
                 else:
-                    out[part.samples] += partial
-            if out is None:
-                out = np.zeros((bags, table.pooled_dim), dtype=np.float32)
+                    pooled[part.samples] += partial
+            if pooled is None:
+                pooled = np.zeros((bags, table.pooled_dim), dtype=np.float32)
             if plan.pooling == pb.POOLING_MEAN:  # as the kernels: rounded reciprocal, multiply
-                out *= (np.float32(1) / np.maximum(feature.lengths, 1).astype(np.float32))[:, None]
-            out = _round_pooled(out, plan.output_dtype)
+                lengths = np.maximum(feature.lengths, 1).astype(np.float32)
+                pooled *= (np.float32(1) / lengths)[:, None]
+            out = _round_pooled(pooled, plan.output_dtype)
             merged.dtypes[feature.name] = _OUTPUT_DTYPES[plan.output_dtype]
         merged.arrays[feature.name] = out
     return merged

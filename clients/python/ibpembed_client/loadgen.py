@@ -275,10 +275,13 @@ async def run_load(cfg: LoadConfig) -> dict:
 async def run_sweep(cfg: LoadConfig, values: Sequence[float]) -> list[dict]:
     """One :func:`run_load` per value, in order: the concurrency (``cfg.concurrency`` set) or
     the request rate (``cfg.rate`` set) of each step; each step warms up again."""
-    kind = "concurrency" if cfg.concurrency is not None else "rate"
     steps = []
     for value in values:
-        step = replace(cfg, **{kind: int(value) if kind == "concurrency" else float(value)})
+        step = (
+            replace(cfg, concurrency=int(value))
+            if cfg.concurrency is not None
+            else replace(cfg, rate=float(value))
+        )
         steps.append(await run_load(step))
     return steps
 

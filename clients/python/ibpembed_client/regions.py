@@ -96,7 +96,8 @@ class SharedMemoryRegion:
         """Copy ``data`` to byte ``offset`` (inputs for ``input_region`` lookups); returns the
         end offset."""
         if isinstance(data, np.ndarray):
-            data = np.ascontiguousarray(data)
+            # Its memoryview: numpy's stubs make an array a buffer from Python 3.12 on.
+            data = np.ascontiguousarray(data).data
         raw = memoryview(data).cast("B")
         end = offset + raw.nbytes
         if offset < 0 or end > self.size:

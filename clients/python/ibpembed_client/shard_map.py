@@ -132,9 +132,9 @@ class ShardMap:
     features: Mapping[str, str]
 
     def __post_init__(self) -> None:
-        for feature, table in self.features.items():
-            if table not in self.tables:
-                raise ValueError(f"feature '{feature}' maps to unknown table '{table}'")
+        for feature, table_name in self.features.items():
+            if table_name not in self.tables:
+                raise ValueError(f"feature '{feature}' maps to unknown table '{table_name}'")
         for table in self.tables.values():
             for r in table.ranges:
                 if not 0 <= r.shard < len(self.addresses):
@@ -220,8 +220,8 @@ class ShardMap:
         first: dict[str, tuple[int, TableInfo]] = {}
         ranges: dict[str, list[ShardRange]] = {}
         features: dict[str, str] = {}
-        for k, tables in enumerate(infos):
-            for info in tables:
+        for k, shard_tables in enumerate(infos):
+            for info in shard_tables:
                 seen = first.setdefault(info.name, (k, info))
                 shape = (info.num_rows, info.dim, info.dtype, info.quant)
                 other = (seen[1].num_rows, seen[1].dim, seen[1].dtype, seen[1].quant)

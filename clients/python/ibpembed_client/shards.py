@@ -352,6 +352,7 @@ class ShardedLookupClient:
             return {k: self._asking[k] for k in shards if k in self._asking}
 
     def _ask_one(self, shard: int) -> None:
+        answer: Sequence[int] | LookupServiceError
         try:
             answer = self._clients[shard].versions_held(timeout=VERSION_ASK_TIMEOUT_S)
         except Exception as err:  # kept, so the requests that need this shard say why
@@ -584,6 +585,7 @@ class AsyncShardedLookupClient:
         return {k: self._asking[k] for k in shards if k in self._asking}
 
     async def _ask_one(self, shard: int) -> None:
+        answer: Sequence[int] | LookupServiceError
         try:
             answer = await self._clients[shard].versions_held(timeout=VERSION_ASK_TIMEOUT_S)
         except Exception as err:  # kept, so the requests that need this shard say why

@@ -104,7 +104,7 @@ class Executor:
                 torch.from_numpy(request.ids),
                 torch.from_numpy(offsets),
                 None,
-                pooling,  # type: ignore[arg-type]
+                pooling,
             )
         except (IndexError, ValueError):  # an id out of range or a negative length
             return None

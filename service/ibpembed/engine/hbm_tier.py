@@ -53,7 +53,7 @@ def parse_form(form: str) -> TierForm:
     """``--hbm-tier-form``; ValueError naming the forms."""
     if form not in FORMS:
         raise ValueError(f"hbm tier form must be one of {', '.join(FORMS)}, got {form!r}")
-    return form  # type: ignore[return-value]
+    return form
 
 
 def _round16(n: int) -> int:

@@ -297,9 +297,10 @@ class _TableTier:
     def nbytes(self) -> int:
         """Host bytes of this state: the id buffer, the sketch and the target sets."""
         published = self.published
-        shared = published is None or published is self.residents
         sketch = self.sketch.nbytes if self.sketch is not None else 0
-        sets = self.residents.nbytes + (0 if shared else published.nbytes)
+        # A published set that is the target set itself is counted once.
+        extra = 0 if published is None or published is self.residents else published.nbytes
+        sets = self.residents.nbytes + extra
         return self.pending.ids.nbytes + sketch + sets
 
     def measure(self, ids: np.ndarray) -> bool:

@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 import grpc
 import torch
@@ -522,7 +522,9 @@ async def serve(config: ServerConfig, *, out: TextIO = sys.stdout) -> int:
     loop.add_signal_handler(signal.SIGHUP, server.request_reload)
     stopping = loop.create_task(stop.wait())
     try:
-        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        # Futures of different results: no common type but Any.
+        either: set[asyncio.Future[Any]] = {loading, stopping}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if loading.done():
             store, device = loading.result()  # a table set that does not load raises here
     except BaseException:

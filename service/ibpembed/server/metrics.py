@@ -68,7 +68,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import Any, cast
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
@@ -133,7 +133,10 @@ _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 def _pooling(request: object) -> str:
     """The pooling label of a request; undecodable messages (no ``pooling``) count as invalid."""
-    return _POOLING_NAMES.get(getattr(request, "pooling", None), _INVALID_POOLING)
+    pooling = getattr(request, "pooling", None)
+    if pooling is None:
+        return _INVALID_POOLING
+    return _POOLING_NAMES.get(pooling, _INVALID_POOLING)
 
 
 def _short(method: str) -> str:
@@ -283,7 +286,7 @@ class _KernelTally(Collector):
             "Ids looked up (repeats included).",
             labels=["table", "pooling"],
         )
-        decoded: collections.Counter[str] = collections.Counter()
+        decoded: collections.defaultdict[str, float] = collections.defaultdict(float)
         for (table, pooling), values in series:
             summed = latency.setdefault((pooling,), [0.0] * (len(values) - 2))
             for i, v in enumerate(values[:-2]):
@@ -413,7 +416,7 @@ class _HotTierCollector(Collector):
             "Looked-up ids {} the table's published hot tier (--hot-tier), counted by the"
             " tier's policy every second over the ids it buffered (a sample under heavy load)."
         )
-        families = {
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
             "hits": CounterMetricFamily(
                 f"{NAMESPACE}_hot_row_hits", doc.format("found in"), labels=["table"]
             ),
@@ -752,15 +755,17 @@ class ServerMetrics:
         self._inflight += 1
         return _short(method), _pooling(request)
 
-    def lookup_done(self, token: tuple[str, str], seconds: float, response: Any = None) -> None:
+    def lookup_done(self, token: object, seconds: float, response: Any = None) -> None:
         """Its answer (event loop); a LookupStream request's is counted by its code here."""
+        # The RPC observer hands back, unread, what lookup_started returned.
+        labels = cast(tuple[str, str], token)
         self._inflight -= 1
-        self._latency.observe(token, seconds)
+        self._latency.observe(labels, seconds)
         if response is not None:
             # Answers are serialized bytes; a failed request's is an Error message.
             failed = not isinstance(response, bytes) and response.HasField("error")
             code = _CODE_NAMES.get(response.error.code, "UNKNOWN") if failed else "OK"
-            self._requests.inc((token[0], code))
+            self._requests.inc((labels[0], code))
 
     def lookups_abandoned(self, count: int) -> None:
         """Requests of a failed or cancelled LookupStream left unanswered (event loop)."""

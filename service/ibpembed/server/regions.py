@@ -145,8 +145,12 @@ class Region:
         """``buffers`` back to back from byte ``start`` of the region (bounds checked by the
         caller against the region's size)."""
         position = self.info.offset + start
-        # Byte-shaped, so that lengths below are byte counts (a numpy array's len() is not).
-        pending = [b if isinstance(b, bytes) else memoryview(b).cast("B") for b in buffers]
+        # Byte-shaped, so that lengths below are byte counts (a numpy array's len() is not). An
+        # array goes through its .data: numpy's stubs make an array a buffer from Python 3.12 on.
+        pending = [
+            b if isinstance(b, bytes) else (b.data if isinstance(b, np.ndarray) else b).cast("B")
+            for b in buffers
+        ]
         while pending:
             batch = pending[:_IOV_MAX]
             try:

@@ -14,7 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Hashable
-from typing import Protocol
+from typing import Protocol, cast
 
 import grpc
 
@@ -23,6 +23,7 @@ from ibpembed.errors import (
     FailedPrecondition,
     InvalidArgument,
     ServiceError,
+    Unavailable,
     Unimplemented,
     VersionNotHeld,
 )
@@ -119,6 +120,14 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         self.observer = observer
         self.max_input_bytes = max_input_bytes
 
+    @property
+    def _engine(self) -> LookupEngine:
+        """The engine, for an RPC: the interceptor's gate turns every RPC away until the server
+        sets it, so this refuses one only on a servicer served without that gate."""
+        if self.engine is None:
+            raise Unavailable("server not accepting requests: the tables are still loading")
+        return self.engine
+
     def caller_of(self, context: grpc.aio.ServicerContext) -> str:
         """Who owns the regions a call registers (:mod:`ibpembed.server.identity`)."""
         return self.identities.of(context.invocation_metadata())
@@ -182,7 +191,9 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
             output_window=window_bytes,
         )
         try:
-            return await self.engine.lookup(features, options, then=encode, on_done=on_done)
+            response = await self._engine.lookup(features, options, then=encode, on_done=on_done)
+            # With ``then``, the engine returns its value: here the encoded response.
+            return cast(bytes, response)
         except asyncio.CancelledError:
             # The worker may still be running the lookup: its values must not land in a window
             # the client has taken back.
@@ -221,7 +232,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
                 if name in seen:
                     raise InvalidArgument(f"features[{i}].name", f"feature {name!r} repeated")
                 seen.add(name)
-        refused = self.engine.store.refused
+        refused = self._engine.store.refused
         if refused:
             for i, name in enumerate(names):
                 if name in refused:
@@ -231,7 +242,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     def _features_served(self) -> int:
         """The most features any held table-set version serves, withdrawn ones included (they
         are refused by name); counted once per set of versions and withdrawals."""
-        store = self.engine.store
+        store = self._engine.store
         key = (store.versions_held(), len(store.refused))
         if self._served[0] == key:
             return self._served[1]
@@ -363,8 +374,9 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     async def ListTables(
         self, request: pb.ListTablesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListTablesResponse:
-        descriptions = self.engine.describe()
-        held = self.engine.store.versions_held()
+        engine = self._engine
+        descriptions = engine.describe()
+        held = engine.store.versions_held()
         # The tables come from one snapshot; a reload since then is the next call's news, so the
         # version reported is theirs and nothing newer is listed as held.
         version = descriptions[0].version if descriptions else held[-1]
@@ -375,7 +387,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
     async def DescribeTable(
         self, request: pb.DescribeTableRequest, context: grpc.aio.ServicerContext
     ) -> pb.TableInfo:
-        return table_info(self.engine.describe(request.name)[0])
+        return table_info(self._engine.describe(request.name)[0])
 
     async def RegisterRegion(
         self, request: pb.RegisterRegionRequest, context: grpc.aio.ServicerContext
@@ -385,7 +397,7 @@ class EmbeddingLookupServicer(lookup_pb2_grpc.EmbeddingLookupServicer):
         if request.kind == pb.REGION_KIND_CUDA_IPC:
             raise Unimplemented(
                 "kind: CUDA_IPC regions need a server whose lookups run on a GPU (they open "
-                f"the frontend's cudaIpcMemHandle on it); this one runs on {self.engine.device}."
+                f"the frontend's cudaIpcMemHandle on it); this one runs on {self._engine.device}."
                 " Register a SYSTEM_SHM region instead"
             )
         self.regions.register(

@@ -109,5 +109,5 @@ def ensure_request_id(request: object) -> str:
     request_id = getattr(request, "request_id", "")
     if not request_id and hasattr(request, "request_id"):
         request_id = uuid.uuid4().hex
-        request.request_id = request_id  # type: ignore[attr-defined]
+        request.request_id = request_id
     return request_id

@@ -50,7 +50,7 @@ POOLING: dict[int, Pooling] = {
     pb.POOLING_MEAN: "mean",
     pb.POOLING_NONE: "none",
 }
-DTYPES: dict[torch.dtype, int] = {
+DTYPES: dict[torch.dtype, pb.DType] = {
     torch.float32: pb.DTYPE_FLOAT32,
     torch.float16: pb.DTYPE_FLOAT16,
     torch.bfloat16: pb.DTYPE_BFLOAT16,
@@ -151,12 +151,14 @@ def region_response_bytes(
     return b"".join(parts)
 
 
-def value_bytes(values: torch.Tensor) -> np.ndarray:
-    """The little-endian values of a contiguous tensor as a buffer (a numpy view, no copy:
-    ``bytes.join`` and ``os.pwritev`` take it as it is; its ``nbytes`` is its size)."""
+def value_bytes(values: torch.Tensor) -> memoryview:
+    """The little-endian values of a contiguous tensor as a buffer (a view of a numpy view, no
+    copy: ``bytes.join`` and ``os.pwritev`` take it as it is; its ``nbytes`` is its size)."""
     if values.dtype == torch.bfloat16:  # numpy has no bfloat16; the bits are what count
         values = values.view(torch.int16)
-    return values.numpy()
+    # The array's memoryview rather than the array: numpy's stubs make an array a buffer only
+    # from Python 3.12 on.
+    return values.numpy().data
 
 
 def lookup_response_bytes(
@@ -167,7 +169,7 @@ def lookup_response_bytes(
     """Serialized ``LookupResponse``: ``features`` are (name, ``DType`` value, values), the
     values' shape and little-endian bytes (any dtype; made contiguous) becoming the
     ``FeatureOutput``."""
-    parts: list[bytes | np.ndarray] = []
+    parts: list[bytes | memoryview] = []
     if request_id:
         encoded = request_id.encode()
         parts += [_length_delimited(_RESPONSE_REQUEST_ID, len(encoded)), encoded]
@@ -414,7 +416,7 @@ class OutputWindow:
                 f"{self.region.info.name!r}, the request allows [{self.start}, {self.end})",
             )
         self.region.check("output_region.name")  # again: the lookup may have taken a while
-        buffers: list[bytes | np.ndarray] = []
+        buffers: list[bytes | memoryview] = []
         position = self.start
         for offset, v, size in zip(offsets, values, sizes, strict=True):
             if offset > position:

@@ -149,6 +149,8 @@ def run_pack(args: argparse.Namespace) -> int:
             "merge": args.merge,
             "for_gpu": args.for_gpu,
         }
+        # (shard index or None for an unsharded set, the tables written)
+        shards: list[tuple[int | None, list[tw.PackedTable]]]
         if args.shards is None:
             shards = [(None, pack.pack_table_set(args.output, table_set, **pack_args))]
         else:
@@ -340,6 +342,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         return _fail("inspect", exc)
     summaries = [summarize(desc) for desc in result["tables"]]
+    columns: tuple[str, ...]  # the tier's columns may be added
     columns = ("table", "rows", "dim", "dtype", "raw_bytes", "stored_bytes", "savings")
     if args.hot_tier is not None:
         _add_tier(summaries, args.hot_tier)
@@ -366,7 +369,9 @@ def run_verify(args: argparse.Namespace) -> int:
     try:
         if args.path.is_dir():
             found = manifest.read_manifest(args.path)
-            targets = [(name, args.path / e.file, e) for name, e in found.tables.items()]
+            targets: list[tuple[str | None, Path, manifest.ManifestEntry | None]] = [
+                (name, args.path / e.file, e) for name, e in found.tables.items()
+            ]
         elif args.path.exists():
             targets = [(None, args.path, None)]
         else:  # no table to report on: an error line, as inspect gives
@@ -376,13 +381,15 @@ def run_verify(args: argparse.Namespace) -> int:
             error = _message(exc)
             print(json.dumps({"path": str(args.path), "ok": False, "error": error, "tables": []}))
         return _fail("verify", exc)
-    results = []
+    results: list[dict[str, Any]] = []
     for name, path, entry in targets:
+        # A set's table has both a name and an entry, a lone file neither.
         try:
-            if entry is not None:
+            if name is not None and entry is not None:
                 _set_file(args.path, name, entry)
             loaded = tf.verify_file(path)
-            if entry is not None:  # the checks a load makes: checksum, name, shape, row range
+            # The checks a load makes: checksum, name, shape, row range.
+            if name is not None and entry is not None:
                 manifest.check_entry(args.path / manifest.MANIFEST, name, entry, loaded)
         except (ValueError, OSError) as exc:
             error = _message(exc)

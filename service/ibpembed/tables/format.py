@@ -177,7 +177,8 @@ def dtype_code(dtype: torch.dtype, quant: str | None) -> int:
 def as_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
     flat = tensor.contiguous().view(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    # ndarray.data is the array's buffer: numpy types ndarray as a Buffer only on Python 3.12+.
+    return flat.numpy().data.cast("B")
 
 
 # File names hold at most 255 bytes (Linux file systems); a table's file adds 22 to its stem
@@ -593,6 +594,7 @@ def read_table(
             quant=header.quant,
         )
         check_index(path, table)
+        return TableFile(path=path, header=header, sections=sections, meta=meta, table=table)
     except BaseException:
         # Unmapped now, not when the traceback (whose frame holds the mapping) is freed: a
         # reload's outcome may keep its error. The tensors made so far export the mapping.
@@ -603,7 +605,6 @@ def read_table(
         raise
     finally:
         view.release()  # the tensors hold their own references to the mapping
-    return TableFile(path=path, header=header, sections=sections, meta=meta, table=table)
 
 
 def verify_file(path: str | os.PathLike[str]) -> TableFile:

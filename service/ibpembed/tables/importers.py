@@ -19,12 +19,17 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ibpembed import codec
+
+if TYPE_CHECKING:  # fbgemm is optional: imported where it is used
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+        IntNBitTableBatchedEmbeddingBagsCodegen,
+    )
 
 _EBC_KEY = re.compile(r"(?:^|\.)embedding_bags\.(?P<table>[^.]+)\.weight$")
 _POOLING_NAMES = {"SUM": "sum", "MEAN": "mean", "NONE": None}
@@ -311,7 +316,7 @@ def from_torchrec(module: torch.nn.Module, *, origin: str | None = None) -> Tabl
 
 
 def from_fbgemm(
-    tbe: torch.nn.Module,
+    tbe: IntNBitTableBatchedEmbeddingBagsCodegen,
     names: Sequence[str] | None = None,
     *,
     origin: str = "fbgemm",
@@ -459,10 +464,10 @@ def load_sources(
     files: list[Path] = []
     for entry in map(Path, paths):
         if entry.is_dir():
-            found = sorted(p for p in entry.iterdir() if p.suffix in _SOURCE_SUFFIXES)
-            if not found:
+            listed = sorted(p for p in entry.iterdir() if p.suffix in _SOURCE_SUFFIXES)
+            if not listed:
                 raise SourceError(f"{entry}: no {', '.join(_SOURCE_SUFFIXES)} files")
-            files.extend(found)
+            files.extend(listed)
         elif entry.exists():
             files.append(entry)
         else:

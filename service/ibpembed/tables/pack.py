@@ -69,9 +69,10 @@ def _unpublished_removed_on_error(directory: Path, written: list[tw.PackedTable]
         except TableSetError:
             # No manifest yet: nothing names these files. An unreadable one: leave them be.
             live = None if (directory / MANIFEST).exists() else set()
-        for packed in written if live is not None else ():
-            if packed.path.name not in live:
-                packed.path.unlink(missing_ok=True)
+        if live is not None:
+            for packed in written:
+                if packed.path.name not in live:
+                    packed.path.unlink(missing_ok=True)
         raise
 
 
@@ -149,7 +150,7 @@ def _entry(
     features: tuple[str, ...],
     rows: RowRange | None = None,
 ) -> ManifestEntry:
-    sharded = rows is not None and not rows.is_whole
+    row_start, total_rows = (0, None) if rows is None or rows.is_whole else (rows.start, rows.total)
     return ManifestEntry(
         file=packed.path.name,
         header_xxh3=f"{packed.header_xxh3:016x}",
@@ -159,8 +160,8 @@ def _entry(
         quant=packed.quant,
         pooling=pooling,
         feature_names=features,
-        row_start=rows.start if sharded else 0,
-        total_rows=rows.total if sharded else None,
+        row_start=row_start,
+        total_rows=total_rows,
     )
 
 
@@ -219,7 +220,7 @@ def pack_table_set(
     fit = dataclasses.replace(fit or codec.FitOptions(), **options)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    reports = []
+    reports: list[tw.PackedTable] = []
     entries: dict[str, ManifestEntry] = {}
     with _pack_lock(directory), _unpublished_removed_on_error(directory, reports):
         version = next_version(directory) if table_set_version is None else table_set_version
@@ -319,8 +320,8 @@ def save_table_set(
     row_ranges = row_ranges or {}
     meta = meta or {}
     by_table: dict[str, list[str]] = {name: [] for name in tables}
-    for feature, table in features.items():
-        by_table[table].append(feature)
+    for feature, owner in features.items():
+        by_table[owner].append(feature)
     reports = []
     entries: dict[str, ManifestEntry] = {}
     with _pack_lock(directory):

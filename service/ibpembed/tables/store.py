@@ -367,9 +367,10 @@ class TableStore:
         with self._lock:
             snapshot = self._current
             if version and version != snapshot.version:
-                snapshot = next((s for s in self._kept if s.version == version), None)
-                if snapshot is None:
+                kept = next((s for s in self._kept if s.version == version), None)
+                if kept is None:
                     raise VersionNotHeld(version, tuple(s.version for s in self._kept))
+                snapshot = kept
             self._holders[snapshot.version] = self._holders.get(snapshot.version, 0) + 1
         try:
             yield snapshot

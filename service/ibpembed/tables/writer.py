@@ -316,7 +316,7 @@ def pack_table(
         table, decision = gpu_layout.for_gpu(
             compressed, lambda: codec.compress(weight, fit=raw_fit)
         )
-        written = write_table(
+        packed = write_table(
             path,
             table,
             name=name,
@@ -326,7 +326,7 @@ def pack_table(
         if progress is not None:  # in one step: the whole table is compressed at once
             progress(table.num_rows)
         # The wall time of the whole pack, compression and layout included, as without for_gpu.
-        return dataclasses.replace(written, seconds=time.perf_counter() - start)
+        return dataclasses.replace(packed, seconds=time.perf_counter() - start)
     directory, final_path = _destination(path, name, content_named)
     with AtomicWriter(directory, file_stem(name)) as writer:
         written = _pack_into(

@@ -64,6 +64,19 @@ class CompressedEmbeddingBag(nn.Module):
     table : the compressed table; None builds an empty placeholder to ``load_state_dict`` into.
     """
 
+    # The buffers registered in __init__ (nn.Module's __getattr__ types them as Tensor | Module;
+    # TorchScript reads these annotations too, and they match what it infers).
+    payload: Tensor
+    block_base: Tensor
+    row_units: Tensor
+    bitmask: Tensor
+    mask: Tensor
+    bitval: Tensor
+    meta: Tensor
+    hot_ids: Tensor
+    hot_dir: Tensor
+    hot_rows: Tensor
+
     def __init__(
         self,
         num_embeddings: int,
@@ -172,8 +185,8 @@ class CompressedEmbeddingBag(nn.Module):
             super()._apply(fn, recurse)
         finally:
             self._buffers.update(host)
-        if not self._buffers["payload"].is_pinned():
-            self._buffers["payload"] = self._buffers["payload"].pin_memory()
+        if not self.payload.is_pinned():
+            self._buffers["payload"] = self.payload.pin_memory()
         return self
 
     @torch.jit.unused
@@ -329,8 +342,9 @@ def _table_problem(
             return "payload: must be contiguous"
         payload = torch.empty(payload.numel(), dtype=torch.uint8)
     table = CompressedTable(
-        payload=payload, chunk_bits=chunk_bits, num_rows=num_rows, dim=dim, dtype=dtype,
-        unit_bytes=unit_bytes, **host,
+        payload=payload, block_base=host["block_base"], row_units=host["row_units"],
+        bitmask=host["bitmask"], mask=host["mask"], bitval=host["bitval"], chunk_bits=chunk_bits,
+        num_rows=num_rows, dim=dim, dtype=dtype, unit_bytes=unit_bytes,
     )  # fmt: skip
     try:
         table.gather(torch.empty(0, dtype=torch.int64))  # checks the table, reads no row

@@ -251,7 +251,7 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         """Host bytes per table: dense torchrec weight vs everything the compressed table keeps."""
         report = []
         for name in self._table_names:
-            t = self.embedding_bags[name].compressed_table()
+            t = self._bag(name).compressed_table()
             report.append(
                 TableReport(
                     module, name, t.num_rows, t.dim, t.raw_bytes, t.stored_bytes, t.hot_bytes
@@ -287,7 +287,7 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                         seen[self._table_names[i]].append(ids)
         cached: dict[str, int] = {}
         for name, chunks in seen.items():
-            bag = self.embedding_bags[name]
+            bag = self._bag(name)
             ids = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64)
             table = bag.compressed_table()
             rows = capacities[name]
@@ -297,6 +297,12 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 chosen = top_hot_rows(table, ids, rows)[0] if rows > 0 else ids[:0]
             cached[name] = bag.set_hot_rows(chosen)
         return cached
+
+    def _bag(self, name: str) -> CompressedEmbeddingBag:
+        """Table ``name``'s module (ModuleDict hands out plain ``nn.Module``s)."""
+        bag = self.embedding_bags[name]
+        assert isinstance(bag, CompressedEmbeddingBag), "__init__ fills embedding_bags"
+        return bag
 
     def _hot_row_capacities(self, budget: float | str) -> dict[str, int]:
         """The tier rows ``budget`` buys each table (cache_hot_rows)."""
@@ -309,8 +315,7 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         else:
             parsed = TierBudget("raw", float(budget))
         sizes = {
-            name: TableSize.of(self.embedding_bags[name].compressed_table())
-            for name in self._table_names
+            name: TableSize.of(self._bag(name).compressed_table()) for name in self._table_names
         }
         return {name: plan.rows for name, plan in parsed.plan(sizes).items()}
 
@@ -349,6 +354,8 @@ class CompressedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         row_bytes: list[int] = []
         unit_bytes: list[int] = []
         for bag in self.embedding_bags.values():
+            # Narrows the ModuleDict's nn.Module for the type checker; TorchScript scripts it.
+            assert isinstance(bag, CompressedEmbeddingBag), "__init__ fills embedding_bags"
             if bag.chunk_bits == 0:
                 raise RuntimeError(
                     "CompressedEmbeddingBag has no table: build it with a CompressedTable or "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import numpy as np
@@ -290,7 +290,7 @@ class RemoteEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._embedding_names: list[str] = [
             n for names in get_embedding_names_by_table(configs) for n in names
         ]
-        self._pooling = "mean" if all(self._mean) else "sum"
+        self._pooling: Literal["sum", "mean"] = "mean" if all(self._mean) else "sum"
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
