@@ -258,8 +258,6 @@ class CodebookRowDecoder {
     }
     exception_start_ = pos;
     field_.assign(field.begin(), field.end());
-    free_mask_.resize(v);
-    for (int j = 0; j < v; ++j) free_mask_[j] = ~t.mask[j] & low_bits(32);
     escapes_.resize(static_cast<size_t>(v) + kLanes);  // a compress stores a whole vector
     build_code_extraction(c);
     // One window and one 4-byte read per lane suffice when every field fits 32 bits at any bit
@@ -358,7 +356,8 @@ class CodebookRowDecoder {
     for (int e = 0; e < num_escapes; ++e) {
       const uint32_t j = escapes[e];
       const uint64_t masked = Bmi2BitOps::deposit(read_stream_bits<32>(in, exception), t.mask[j]);
-      const uint64_t free = Bmi2BitOps::deposit(read_stream_bits<32>(in, field_[j]), free_mask_[j]);
+      const uint64_t free =
+          Bmi2BitOps::deposit(read_stream_bits<32>(in, field_[j]), ~t.mask[j] & low_bits(32));
       const auto chunk = static_cast<uint32_t>(masked | free);
       exception += 32 - free_count_[j];
       const int64_t at = 4 * static_cast<int64_t>(j);
@@ -412,8 +411,7 @@ class CodebookRowDecoder {
   }
 
   LocalVector<uint8_t> free_count_;
-  LocalVector<uint64_t> field_;      // each chunk's free field: its first stream bit
-  LocalVector<uint64_t> free_mask_;  // each chunk's free bits
+  LocalVector<uint64_t> field_;  // each chunk's free field: its first stream bit
   // A row's escaped chunks, in stream order. Scratch of the call: each thread decodes with its own
   // decoder (DecoderCache is per thread).
   mutable LocalVector<uint32_t> escapes_;
