@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from ibpembed.engine import LookupEngine
+from ibpembed.errors import ServiceError
 from ibpembed.server.servicer import EmbeddingLookupServicer
 from ibpembed.server.status import status_for
 from ibpembed_client import (
@@ -311,6 +312,15 @@ def test_a_stream_cancelled_as_its_answer_arrives_releases_the_slot():
         return engine.inflight, servicer.backlog.held
 
     assert asyncio.run(main()) == (0, 0)  # neither the slot nor the backlog place leaked
+
+
+def test_a_servicer_without_its_engine_answers_unavailable() -> None:
+    """Outside the server, whose gate turns RPCs away while the tables load, a servicer with no
+    engine yet refuses with UNAVAILABLE (a retryable code), not an AttributeError (INTERNAL)."""
+    servicer = EmbeddingLookupServicer(None)
+    with pytest.raises(ServiceError) as refused:
+        asyncio.run(servicer.ListTables(pb.ListTablesRequest(), None))
+    assert status_for(refused.value, "r")[0] == grpc.StatusCode.UNAVAILABLE
 
 
 async def _wait_idle(running: RunningServer) -> None:
