@@ -151,10 +151,12 @@ class HotRows:
 
     ids: torch.Tensor  # int64 [K], sorted, distinct: the rows in the tier
     # int64 [ceil(N / 64) * 2], a rank directory: per 64 rows a bit word (set = in the tier),
-    # then the tier rows before it, so row r sits at rows[count + popcount(lower bits)]; empty
-    # [0] when the tier holds every row (row r at rows[r]).
+    # then the slot of the word's first held row, so row r sits at rows[base + popcount(lower
+    # bits)]; empty [0] when the tier holds every row (row r at rows[r]). A fresh tier's bases
+    # count the rows before each word (row ids[k] at k); a row update moves the rows of each
+    # word it touches to slots past the others (tables/updates.py).
     directory: torch.Tensor
-    rows: torch.Tensor  # uint8 [K, row_bytes], row ids[k] at k
+    rows: torch.Tensor  # uint8 [slots >= K, row_bytes], the head of a buffer (see ``bytes``)
     # Share of the traffic sample that chose these rows which they served; 0 when unknown.
     # Lookup planning reads it (LookupEngine), decoding never does.
     coverage: float = 0.0
@@ -165,8 +167,21 @@ class HotRows:
 
     @property
     def bytes(self) -> int:
-        """Host memory of the tier: the decoded rows, their ids and the directory."""
-        return self.rows.numel() + 8 * (self.ids.numel() + self.directory.numel())
+        """Host memory of the tier: the decoded rows (with the buffer's spare slots, which row
+        updates fill), their ids and the directory."""
+        rows = self.rows.untyped_storage().nbytes() if self.rows.numel() else 0
+        return rows + 8 * (self.ids.numel() + self.directory.numel())
+
+    def slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64: the slot in ``rows`` of each of ``ids`` (rows the tier holds), read from the
+        directory as the ops read it (csrc/include/ibpembed/tier.h ``rank_slot``)."""
+        if self.directory.numel() == 0:
+            return ids.clone()
+        word = torch.div(ids, TIER_WORD_ROWS, rounding_mode="floor")
+        below = torch.searchsorted(self.ids, ids) - torch.searchsorted(
+            self.ids, word * TIER_WORD_ROWS
+        )
+        return self.directory[2 * word + 1] + below
 
 
 def tier_directory_bytes(num_rows: int) -> int:

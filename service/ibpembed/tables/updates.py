@@ -13,6 +13,13 @@ first update of a memory-mapped table, the table is compacted into a fresh buffe
 room (and its masks copied, so nothing of a mapped file stays referenced). Each update also copies
 the small index (about 1.4 bytes per row).
 
+A decoded tier (``HotRows``) is updated the same way, per 64-row word of its rank directory: the
+held rows of each word an updated row lies in are written, new bits in, to spare slots past every
+slot a published version reads, and the new version's directory (0.25 bytes per table row,
+copied) points that word there. An update then copies at most 64 tier rows per word it touches,
+not the tier, and successive versions share one buffer; when its spare slots run out, the tier
+is copied in row order into a fresh buffer with new ones.
+
 :class:`RowUpdates` builds the updated tables; publishing them is the caller's
 (:meth:`ibpembed.tables.store.TableStore.update_rows`).
 """
@@ -26,7 +33,7 @@ import torch
 
 from ibpembed import layout
 from ibpembed._ops import ops
-from ibpembed.codec import CompressedTable, HotRows
+from ibpembed.codec import TIER_WORD_ROWS, CompressedTable, HotRows
 from ibpembed.tables import _layout
 
 # Spare payload bytes a compaction reserves for later spills: this fraction of the payload, and
@@ -37,10 +44,12 @@ MIN_SPILL_BYTES = 1 << 16
 
 @dataclass(frozen=True, eq=False)
 class Spill:
-    """The buffer under ``table``'s payload; bytes past the payload's end are free."""
+    """The buffer under ``table``'s payload, bytes past the payload's end free, and the one
+    under its tier's rows (None without a tier), slots past the rows free."""
 
     table: CompressedTable
     buffer: torch.Tensor
+    tier: torch.Tensor | None = None
 
 
 class RowUpdates:
@@ -66,8 +75,7 @@ class RowUpdates:
         ids, rows = _check_update(old, ids, rows)
         if ids.numel() == 0:
             return None
-        table, buffer = _apply(old, ids, rows, self._spill.get(name))
-        return Spill(table, buffer)
+        return _apply(old, ids, rows, self._spill.get(name))
 
     def commit(self, name: str, update: Spill) -> None:
         """``update`` is published: later updates of ``name`` append to its spare area."""
@@ -77,8 +85,10 @@ class RowUpdates:
         """``new``, read from the same payload as ``old`` (other decoded tiers), replaced it."""
         spill = self._spill.get(name)
         if spill is not None and spill.table is old:
-            # Same payload: later row updates keep appending to its spare area.
-            self._spill[name] = Spill(new, spill.buffer)
+            # Same payload: later row updates keep appending to its spare area; a new tier
+            # lets the old one's buffer go.
+            tier = spill.tier if _heads(new.hot, spill.tier) else None
+            self._spill[name] = Spill(new, spill.buffer, tier)
 
     def forget(self, name: str) -> None:
         """Table ``name`` was replaced by one without these updates."""
@@ -91,8 +101,8 @@ class RowUpdates:
 
 def _apply(
     old: CompressedTable, ids: torch.Tensor, rows: torch.Tensor, spill: Spill | None
-) -> tuple[CompressedTable, torch.Tensor]:
-    """The table with the rows replaced, and the buffer under its payload."""
+) -> Spill:
+    """The table with the rows replaced, and the buffers under its payload and tier."""
     blocks = torch.unique(torch.div(ids, layout.ROWS_PER_BLOCK, rounding_mode="floor"))
     # Every row of the affected blocks, in order; only the table's last block can be short,
     # and it sorts last, so these rows form whole blocks of a small table of their own.
@@ -142,6 +152,8 @@ def _apply(
         # whole mapping (and the file's disk space, once a pack deletes it) alive.
         mask, bitval = old.mask.clone(), old.bitval.clone()
     new_end = int(block_base[-1])
+    spare = spill.tier if spill is not None and spill.table is old else None
+    hot, tier = _updated_tier(old, ids, rows, spare)
     table = dataclasses.replace(
         old,
         payload=buffer[: new_end + layout.PAYLOAD_PAD],
@@ -150,24 +162,72 @@ def _apply(
         bitmask=new_bitmask,
         mask=mask,
         bitval=bitval,
-        hot=_updated_hot_rows(old.hot, ids, rows),
+        hot=hot,
     )
-    return table, buffer
+    return Spill(table, buffer, tier)
 
 
-def _updated_hot_rows(hot: HotRows | None, ids: torch.Tensor, rows: torch.Tensor) -> HotRows | None:
-    """The decoded tier after rows ``ids`` (sorted) became ``rows``: tier rows take their new
-    bits (whether the row is now stored compressed or raw, the tier row is exact); the tier is
-    shared with the previous version unless one of its rows changed."""
+def _updated_tier(
+    old: CompressedTable, ids: torch.Tensor, rows: torch.Tensor, spare: torch.Tensor | None
+) -> tuple[HotRows | None, torch.Tensor | None]:
+    """``old``'s decoded tier after rows ``ids`` (sorted) became ``rows``, and the buffer under
+    its rows. Tier rows take their new bits (whether the row is now stored compressed or raw,
+    the tier row is exact); the tier is ``old``'s unless one of its rows changed. ``spare``: the
+    buffer the latest published version's tier rows head, if any, whose slots past them no
+    published version reads."""
+    hot = old.hot
     if hot is None:
-        return None
+        return None, None
     at = torch.searchsorted(hot.ids, ids).clamp(max=hot.count - 1)
-    cached = hot.ids[at] == ids
-    if not bool(cached.any()):
-        return hot
-    copies = hot.rows.clone()
-    copies[at[cached]] = rows.view(torch.uint8).reshape(ids.numel(), -1)[cached]
-    return dataclasses.replace(hot, rows=copies)
+    held = hot.ids[at] == ids
+    if not bool(held.any()):
+        return hot, spare if _heads(hot, spare) else None
+    changed = ids[held]
+    new_bits = rows.view(torch.uint8).reshape(ids.numel(), -1)[held]
+    words = torch.unique(torch.div(changed, TIER_WORD_ROWS, rounding_mode="floor"))
+    first = torch.searchsorted(hot.ids, words * TIER_WORD_ROWS)
+    counts = torch.searchsorted(hot.ids, (words + 1) * TIER_WORD_ROWS) - first
+    moved = hot.ids[_ranges(first, counts)]  # the held rows of those words, in row order
+    used = hot.rows.shape[0]
+    if spare is None or not _heads(hot, spare) or used + moved.numel() > spare.shape[0]:
+        return _compacted(old, hot, at[held], new_bits, moved.numel())
+    spare[used : used + moved.numel()] = hot.rows[hot.slots(moved)]
+    spare[used + torch.searchsorted(moved, changed)] = new_bits
+    directory = hot.directory if hot.directory.numel() else old.rank_directory(hot.ids)
+    directory = directory.clone()
+    directory[2 * words + 1] = used + torch.cumsum(counts, 0) - counts
+    rows_now = spare[: used + moved.numel()]
+    return dataclasses.replace(hot, directory=directory, rows=rows_now), spare
+
+
+def _heads(hot: HotRows | None, spare: torch.Tensor | None) -> bool:
+    """Whether ``hot``'s rows are the head of buffer ``spare``."""
+    return hot is not None and spare is not None and hot.rows.data_ptr() == spare.data_ptr()
+
+
+def _compacted(
+    old: CompressedTable, hot: HotRows, ranks: torch.Tensor, new_bits: torch.Tensor, moving: int
+) -> tuple[HotRows, torch.Tensor]:
+    """``hot`` copied in row order into a fresh buffer, the rows at ``ranks`` (in ``hot.ids``)
+    given ``new_bits``, with spare slots for later updates: a fraction of the tier, and at least
+    enough for a few updates that move ``moving`` rows."""
+    reserve = max(hot.count // SPILL_FRACTION, 8 * moving, TIER_WORD_ROWS)
+    # Read through the tier itself, which resolves any moved word, into a buffer that
+    # ibp_gather puts on huge pages like any tier's rows; the spare slots' contents are
+    # written before any version reads them.
+    ids = torch.cat([hot.ids, hot.ids[:1].expand(reserve)])
+    buffer = ops.ibp_gather(*old.op_args(), ids, hot.directory, hot.rows)
+    buffer[ranks] = new_bits
+    rows = buffer[: hot.count]
+    every = hot.count == old.num_rows
+    directory = hot.ids.new_empty(0) if every else old.rank_directory(hot.ids)
+    return dataclasses.replace(hot, directory=directory, rows=rows), buffer
+
+
+def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """int64: starts[i] + arange(counts[i]) for each i, concatenated."""
+    offsets = torch.cumsum(counts, 0) - counts
+    return torch.repeat_interleave(starts - offsets, counts) + torch.arange(int(counts.sum()))
 
 
 def _check_update(
