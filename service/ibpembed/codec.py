@@ -455,7 +455,9 @@ class CompressedTable:
         if ids.numel() == 0 or base._raw_rows_as_tier[1] is not None:
             return base
         directory = ids.new_empty(0) if ids.numel() == self.num_rows else self.rank_directory(ids)
-        rows = ops.ibp_gather(*self.op_args(), ids, None, None)
+        # Through the current tier: a refresh that keeps most rows copies them instead of
+        # decoding them again.
+        rows = ops.ibp_gather(*self.op_args(), ids, *self._tier_args())
         return dataclasses.replace(self, hot=HotRows(ids, directory, rows, coverage))
 
     def rank_directory(self, ids: torch.Tensor) -> torch.Tensor:
