@@ -41,10 +41,11 @@ build:  ## rebuild ibpembed._C now (incremental)
 serve: $(BUILD_STAMP)  ## serve the embedded demo table set on 127.0.0.1:50051
 	$(VENV)/bin/ibpembed serve
 
-lint: $(DEPS_STAMP)  ## ruff check + ruff format --check + mypy (the service and the client)
+lint: $(DEPS_STAMP)  ## ruff, mypy (the service and the client), clang-format --dry-run (C++, CUDA)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	git ls-files -z '*.cpp' '*.h' '*.cu' '*.cuh' | xargs -0 $(VENV)/bin/clang-format --dry-run -Werror
 
 test: $(BUILD_STAMP) lint  ## lint, then every test (tests/, benchmarks/tests/, reliability/tests/)
 	$(PY) -m pytest -q

@@ -138,8 +138,8 @@ double best_ns_per_lookup(const Pass& pass, int reps, int64_t lookups) {
   for (int r = 0; r < reps; ++r) {
     const auto start = std::chrono::steady_clock::now();
     pass();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-                              .count());
+    best = std::min(
+        best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   return best / static_cast<double>(lookups) * 1e9;
 }
@@ -187,8 +187,8 @@ int main(int argc, char** argv) {
         [&] { engine(kernels, compressed, ids, offsets, bags_per_call, out_compressed.data()); },
         reps, lookups);
     std::printf(
-        "{\"round\": %d, \"control_ns\": %.3f, \"raw_ns\": %.3f, \"compressed_ns\": %.3f}\n",
-        round, c, r, k);
+        "{\"round\": %d, \"control_ns\": %.3f, \"raw_ns\": %.3f, \"compressed_ns\": %.3f}\n", round,
+        c, r, k);
     std::fflush(stdout);
   }
   const size_t bytes = out_size * sizeof(float);

@@ -2,8 +2,8 @@
 //
 // torch.ops.ibpembed_bench.uva_gather(table, ids): registers the baseline of uva_gather.cu.
 // table is a pinned CPU uint8 [N, row_bytes] tensor (row_bytes a multiple of 16), ids a CUDA int64
-// tensor; the result is a CUDA uint8 [len(ids), row_bytes] tensor. Built by benchmarks/gpu_check with
-// torch.utils.cpp_extension.load on the GPU machine only.
+// tensor; the result is a CUDA uint8 [len(ids), row_bytes] tensor. Built by benchmarks/gpu_check
+// with torch.utils.cpp_extension.load on the GPU machine only.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -26,9 +26,9 @@ at::Tensor uva_gather(const at::Tensor& table, const at::Tensor& ids) {
                   table.scalar_type() == at::kByte && table.is_contiguous(),
               "table must be a pinned contiguous uint8 [N, row_bytes] CPU tensor");
   TORCH_CHECK(table.size(1) % 16 == 0, "row_bytes must be a multiple of 16");
-  TORCH_CHECK(ids.is_cuda() && ids.scalar_type() == at::kLong && ids.dim() == 1 &&
-                  ids.is_contiguous(),
-              "ids must be a contiguous 1-D int64 CUDA tensor");
+  TORCH_CHECK(
+      ids.is_cuda() && ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
+      "ids must be a contiguous 1-D int64 CUDA tensor");
   const c10::cuda::CUDAGuard guard(ids.device());
   void* alias = nullptr;
   C10_CUDA_CHECK(cudaHostGetDevicePointer(&alias, table.data_ptr(), 0));

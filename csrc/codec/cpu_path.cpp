@@ -192,9 +192,7 @@ PatternLookup default_pattern_lookup() {
 #endif
 }
 
-PatternLookup active_pattern_lookup() {
-  return active_lookup().load(std::memory_order_relaxed);
-}
+PatternLookup active_pattern_lookup() { return active_lookup().load(std::memory_order_relaxed); }
 
 void set_active_pattern_lookup(PatternLookup lookup) {
   active_lookup().store(lookup, std::memory_order_relaxed);

@@ -262,8 +262,8 @@ std::array<uint8_t, 64> rank_bits_conditional(const SampleRows& sample, int w, i
       const int32_t* parent_ones = ones.data() + static_cast<size_t>(g) * w;
       int32_t* out = next_ones.data() + static_cast<size_t>(derived) * w;
       for (int b = 0; b < w; ++b) {
-        out[b] = parent_ones[b] -
-                 (counted < 0 ? 0 : next_ones[static_cast<size_t>(counted) * w + b]);
+        out[b] =
+            parent_ones[b] - (counted < 0 ? 0 : next_ones[static_cast<size_t>(counted) * w + b]);
       }
     }
     ones.swap(next_ones);
@@ -422,8 +422,8 @@ std::vector<ChunkMasks> fit_codebook_widths(const SampleRows& sample, int w,
           best_cost[ci] = cost;
           best_s[ci] = s;
         }
-        deeper_may_win |= static_cast<int64_t>(w) * n - static_cast<int64_t>(max_s) * covered <
-                          best_cost[ci];
+        deeper_may_win |=
+            static_cast<int64_t>(w) * n - static_cast<int64_t>(max_s) * covered < best_cost[ci];
       }
       if (!deeper_may_win) break;
     }

@@ -164,9 +164,8 @@ class BytePatternTables {
     __m512i packed = _mm512_setzero_si512();
     for (int p = 0; p < pattern_bytes_; ++p) {
       for (int g = 0; g < tables_per_block_; ++g, table += 2) {
-        packed = _mm512_or_si512(
-            packed,
-            _mm512_maskz_permutex2var_epi8(table_bytes_[p][g], table[0].v, index, table[1].v));
+        packed = _mm512_or_si512(packed, _mm512_maskz_permutex2var_epi8(
+                                             table_bytes_[p][g], table[0].v, index, table[1].v));
       }
     }
     return deposit_.apply(_mm512_setzero_si512(), packed, b);
@@ -284,8 +283,8 @@ class CodebookRowDecoder {
       const int lanes = std::min(kLanes, v - first);
       blk.valid = static_cast<__mmask16>(low_bits(lanes));
       const int64_t row_left = t.row_bytes - kBlockBytes * static_cast<int64_t>(b);
-      blk.store_bytes = row_left >= kBlockBytes ? ~__mmask64{0}
-                                                : static_cast<__mmask64>(low_bits(row_left));
+      blk.store_bytes =
+          row_left >= kBlockBytes ? ~__mmask64{0} : static_cast<__mmask64>(low_bits(row_left));
       blk.code_byte = static_cast<int64_t>(first) * c / 8;  // 16 C bits per block: whole bytes
       blk.window[0] = static_cast<int64_t>(field[first] / 8);
       blk.window[1] = lanes > kLanes / 2 && !single_load_

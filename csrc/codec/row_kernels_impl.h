@@ -109,8 +109,8 @@ void encode_rows_w(const uint8_t* rows, int64_t n, int64_t row_bytes, const uint
       continue;
     }
     std::memset(scratch.data(), 0, static_cast<size_t>(dirty));
-    dirty = encode_row<W, Ops>(row, row_bytes, mask, bitval, code_bits, free.data(), v,
-                               scratch.data());
+    dirty =
+        encode_row<W, Ops>(row, row_bytes, mask, bitval, code_bits, free.data(), v, scratch.data());
     std::memcpy(dst, scratch.data(), static_cast<size_t>(dirty));
   }
 }
@@ -159,14 +159,16 @@ struct DecodePlan {
   LocalVector<uint32_t> run_begin;
   LocalVector<uint8_t> run_shift;
   LocalVector<uint64_t> run_mask;
-  LocalVector<uint32_t> field_offset;     // F_j = V * C + sum_{i<j} k_i
-  uint64_t exception_start;               // E = V * C + sum_j k_j
+  LocalVector<uint32_t> field_offset;  // F_j = V * C + sum_{i<j} k_i
+  uint64_t exception_start;            // E = V * C + sum_j k_j
   // Every group's free bits fit the 57 bits one unaligned 8-byte load holds at any bit shift
   // (true when each 8 bytes keep >= 7 invariant bits), so no group needs a 9th byte.
   bool groups_fit_one_load = true;
 
   explicit DecodePlan(const TableView& t)
-      : code_bits(t.code_bits), mask(t.mask, t.mask + t.num_chunks), free_count(t.num_chunks),
+      : code_bits(t.code_bits),
+        mask(t.mask, t.mask + t.num_chunks),
+        free_count(t.num_chunks),
         field_offset(t.num_chunks) {
     uint64_t pos = static_cast<uint64_t>(t.num_chunks) * static_cast<uint64_t>(code_bits);
     for (int j = 0; j < t.num_chunks; ++j) {
@@ -244,12 +246,19 @@ struct PlanView {
   const uint32_t* field_offset;
 
   explicit PlanView(const DecodePlan<W>& p)
-      : code_bits(p.code_bits), groups(static_cast<int>(p.group_offset.size())),
-        groups_fit_one_load(p.groups_fit_one_load), exception_start(p.exception_start),
-        mask(p.mask.data()), free_count(p.free_count.data()),
-        group_free_mask(p.group_free_mask.data()), group_bitval(p.group_bitval.data()),
-        codebook(p.codebook.data()), group_offset(p.group_offset.data()),
-        run_begin(p.run_begin.data()), run_shift(p.run_shift.data()), run_mask(p.run_mask.data()),
+      : code_bits(p.code_bits),
+        groups(static_cast<int>(p.group_offset.size())),
+        groups_fit_one_load(p.groups_fit_one_load),
+        exception_start(p.exception_start),
+        mask(p.mask.data()),
+        free_count(p.free_count.data()),
+        group_free_mask(p.group_free_mask.data()),
+        group_bitval(p.group_bitval.data()),
+        codebook(p.codebook.data()),
+        group_offset(p.group_offset.data()),
+        run_begin(p.run_begin.data()),
+        run_shift(p.run_shift.data()),
+        run_mask(p.run_mask.data()),
         field_offset(p.field_offset.data()) {}
 };
 
@@ -284,9 +293,9 @@ uint64_t decode_ibp_row(const PlanView<W>& plan, const TableView& t, const uint8
   // Chunks past the last whole group (rows whose width is not a multiple of 8 bytes).
   for (int j = groups * DecodePlan<W>::kChunksPerGroup; j < t.num_chunks; ++j) {
     const uint64_t free_mask = ~plan.mask[j] & low_bits(W);
-    store_chunk<W>(row, t.row_bytes, j,
-                   decode_field<Ops>(read_stream_bits<W>(in, plan.field_offset[j]), free_mask,
-                                     t.bitval[j]));
+    store_chunk<W>(
+        row, t.row_bytes, j,
+        decode_field<Ops>(read_stream_bits<W>(in, plan.field_offset[j]), free_mask, t.bitval[j]));
   }
   uint64_t pos = plan.exception_start;
   for (int base = 0; base < t.num_chunks; base += 64) {
@@ -311,7 +320,7 @@ uint64_t decode_ibp_row(const PlanView<W>& plan, const TableView& t, const uint8
 // patch pass. `escapes` holds V entries. Returns the stream bit where the encoding ends.
 template <int W, class Ops>
 uint64_t decode_coded_row(const PlanView<W>& plan, const TableView& t, const uint8_t* in,
-                      uint8_t* row, int32_t* escapes) {
+                          uint8_t* row, int32_t* escapes) {
   constexpr int kPerGroup = DecodePlan<W>::kChunksPerGroup;
   using Chunk = typename DecodePlan<W>::Chunk;
   const int c = plan.code_bits;
@@ -422,10 +431,9 @@ class DecoderCache {
     const size_t bytes = fresh.metadata.size() * sizeof(uint64_t);
     while (!entries_.empty() &&
            (entries_.size() >= kCapacity || metadata_bytes_ + bytes > kMetadataBudget)) {
-      auto oldest = std::min_element(entries_.begin(), entries_.end(),
-                                     [](const Entry& a, const Entry& b) {
-                                       return a.last_use < b.last_use;
-                                     });
+      auto oldest =
+          std::min_element(entries_.begin(), entries_.end(),
+                           [](const Entry& a, const Entry& b) { return a.last_use < b.last_use; });
       metadata_bytes_ -= oldest->metadata.size() * sizeof(uint64_t);
       std::swap(*oldest, entries_.back());
       entries_.pop_back();
@@ -554,7 +562,7 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
   const int64_t payload_end = t.block_base[num_blocks(t.num_rows)];
   const bool from_dram = payload_end > stage_min_bytes();
   uint8_t* stage = nullptr;  // this thread's, taken by the first staged row
-  LocatedRow ring[2 * S];  // row i at i % 2S: this round's rows and the next round's
+  LocatedRow ring[2 * S];    // row i at i % 2S: this round's rows and the next round's
   // Staged rows among this round's and the next round's: a pooled call walks a round's rows
   // before decoding them only when some need the stage (most calls on cached tables have none).
   // Skipping the walk made pooled lookups of cached raw rows 4-10 % faster (development A/B).
@@ -600,8 +608,9 @@ void decode_rows_with(const TableView& t, const int64_t* ids, int64_t n, uint8_t
     // into range.
     loc.compressed = units < raw_units;
     if (units > raw_units || offset < 0 || offset > payload_end - units * t.unit_bytes) {
-      throw_corrupt_table(r, "the index gives it a slot outside the payload or larger than a raw "
-                             "row's");
+      throw_corrupt_table(r,
+                          "the index gives it a slot outside the payload or larger than a raw "
+                          "row's");
     }
     loc.src = t.payload + offset;
     loc.read_bytes = loc.compressed ? t.unit_bytes * units + kPayloadPad : t.row_bytes;

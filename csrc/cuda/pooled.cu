@@ -13,8 +13,8 @@ void launch_pooled_w(const PooledArgs& a, const PooledShape& shape, cudaStream_t
   const Staging st = staging_with(shape.stage_bytes);
   const LaunchShape launch =
       plan_launch(pooled_kernel<W>, pooled_smem_per_warp(shape), a.bag_start[a.num_parts]);
-  pooled_kernel<W><<<launch.blocks, launch.warps_per_block * kWarpSize, launch.smem_bytes,
-                     stream>>>(a, st, shape);
+  const int threads = launch.warps_per_block * kWarpSize;
+  pooled_kernel<W><<<launch.blocks, threads, launch.smem_bytes, stream>>>(a, st, shape);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

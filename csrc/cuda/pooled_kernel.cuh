@@ -32,9 +32,9 @@ inline constexpr int kPooledStages = 4;
 // read when it is accumulated (kept in shared memory, not registers: kPooledStages of them).
 struct StageMeta {
   int64_t slot_bytes;
-  int64_t idx;       // position in ids
-  int64_t out_row;   // row of the part's output
-  int64_t bag_len;   // ids in the row's bag
+  int64_t idx;          // position in ids
+  int64_t out_row;      // row of the part's output
+  int64_t bag_len;      // ids in the row's bag
   uint64_t exceptions;  // exception_area_start() of the row's table
   int32_t part;
   int32_t shift;
@@ -124,9 +124,9 @@ __device__ __forceinline__ float accumulate(float acc, float weight, float v) {
 // acc[d] += weight * value(d) for this lane's d, reading the row's bytes from `words` starting at
 // bit `bitbase` (a decoded row at 0, or a raw slot at 8 * shift in its staging buffer). Values
 // widen exactly as on the CPU (numeric.h), in the same order of roundings.
-__device__ __forceinline__ void accumulate_row_bits(DType dtype, int64_t dim,
-                                                    const uint32_t* words, uint64_t bitbase,
-                                                    float weight, float* acc, int lane) {
+__device__ __forceinline__ void accumulate_row_bits(DType dtype, int64_t dim, const uint32_t* words,
+                                                    uint64_t bitbase, float weight, float* acc,
+                                                    int lane) {
   switch (dtype) {
     case DType::kFloat32:
       for (int64_t d = lane; d < dim; d += kWarpSize) {

@@ -99,9 +99,9 @@ __device__ __forceinline__ SlotSource tier_source(const DeviceTier& tier) {
 // and commits one cp.async group (also when nothing is copied, so every thread's group count
 // stays in step).
 __device__ __forceinline__ StagedRow stage_slot(const SlotSource& src, int64_t row_bytes,
-                                                int64_t offset, int64_t slot_bytes,
-                                                bool compressed, uint8_t* stage,
-                                                const Staging& st, int lane, int32_t* error) {
+                                                int64_t offset, int64_t slot_bytes, bool compressed,
+                                                uint8_t* stage, const Staging& st, int lane,
+                                                int32_t* error) {
   StagedRow s{slot_bytes, 0, compressed, false};
   const Window w = stage_window(offset, s.slot_bytes);
   s.shift = w.shift;
@@ -194,8 +194,8 @@ __device__ __forceinline__ StagedRow stage_row(const DeviceTable& dt, const Devi
       cp_async_commit();
       return StagedRow{0, 0, false, false};
     }
-    return stage_slot(tier_source(*tier), t.row_bytes, x.offset, x.slot_bytes, x.compressed,
-                      stage, st, lane, error);
+    return stage_slot(tier_source(*tier), t.row_bytes, x.offset, x.slot_bytes, x.compressed, stage,
+                      st, lane, error);
   }
   // row_units is padded to whole blocks of 32, so every lane may load its byte.
   const int64_t b = r >> 5;
@@ -243,8 +243,7 @@ __device__ __forceinline__ ResolvedRow resolve_row(const TableView& t, const Dev
 // stage_row() for a row a lane resolved: only the copies are left to issue.
 __device__ __forceinline__ StagedRow stage_resolved(const DeviceTable& dt, const DeviceTier* tier,
                                                     const ResolvedRow& x, uint8_t* stage,
-                                                    const Staging& st, int lane,
-                                                    int32_t* error) {
+                                                    const Staging& st, int lane, int32_t* error) {
   if (x.source == kRowOutOfRange || x.source == kRowBadSlot) {
     report(error, x.source == kRowOutOfRange ? kErrIndex : kErrTable, lane);
     cp_async_commit();

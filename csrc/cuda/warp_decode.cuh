@@ -128,9 +128,8 @@ IBP_HD LaneChunk lane_chunk(const uint32_t* words, int shift, const uint64_t* ma
   c.participates = code != 0;
   c.mask = mask[c.j];
   // A C-bit code is at most K, so a nonzero code always names an entry of the codebook.
-  c.bitval = c.participates
-                 ? bitval[static_cast<int64_t>(c.j) * codebook_size(code_bits) + code - 1]
-                 : 0;
+  c.bitval =
+      c.participates ? bitval[static_cast<int64_t>(c.j) * codebook_size(code_bits) + code - 1] : 0;
   // Bits of a (corrupt) mask above W are ignored here so lengths stay in [0, W] and every read
   // stays in bounds; check_table() reports such masks.
   c.free = W - popcount64(c.mask & low_bits(W));
@@ -165,7 +164,7 @@ IBP_HD uint64_t lane_decode(const uint32_t* words, int shift, uint64_t field, ui
                             const LaneChunk& c) {
   const uint64_t base = 8 * static_cast<uint64_t>(shift);
   const uint64_t x = decode_field<PortableBitOps>(read_staged_bits<W>(words, base + field),
-                                                 ~c.mask & low_bits(W), c.bitval);
+                                                  ~c.mask & low_bits(W), c.bitval);
   if (c.participates || !c.valid) return x;
   return patch_exception<PortableBitOps>(x, read_staged_bits<W>(words, base + exception), c.mask);
 }

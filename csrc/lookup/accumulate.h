@@ -53,8 +53,8 @@ static inline PrefetchAhead prefetch_from(const PrefetchAhead& ahead, int64_t be
 // whole-bag loop of their own. Static, like every helper here: each ISA's translation unit keeps
 // its own copy, so the linker never hands an AVX-512 build of it to a caller on a CPU without.
 static inline void pool_bags_by_runs(PoolRowsFn pool_rows, DType dtype, const uint8_t* const* rows,
-                                     const float* weights, const int64_t* offsets,
-                                     int64_t num_bags, int64_t base, int64_t dim, float* out,
+                                     const float* weights, const int64_t* offsets, int64_t num_bags,
+                                     int64_t base, int64_t dim, float* out,
                                      const PrefetchAhead& ahead) {
   for (int64_t j = 0; j < num_bags; ++j) {
     const int64_t begin = offsets[j] - base;
@@ -83,8 +83,8 @@ void pool_bags_avx2(DType dtype, const uint8_t* const* rows, const float* weight
 }
 
 // The AVX-512 loop (accumulate_avx512.cpp): the same, 16 lanes wide.
-void pool_rows_avx512(DType dtype, const uint8_t* const* rows, const float* weights,
-                      int64_t count, int64_t dim, float* acc, const PrefetchAhead& ahead);
+void pool_rows_avx512(DType dtype, const uint8_t* const* rows, const float* weights, int64_t count,
+                      int64_t dim, float* acc, const PrefetchAhead& ahead);
 void pool_bags_avx512(DType dtype, const uint8_t* const* rows, const float* weights,
                       const int64_t* offsets, int64_t num_bags, int64_t base, int64_t dim,
                       float* out, const PrefetchAhead& ahead);

@@ -41,8 +41,8 @@ void pool_rows_avx2(DType dtype, const uint8_t* const* rows, const float* weight
 }
 
 void pool_bags_avx2(DType dtype, const uint8_t* const* rows, const float* weights,
-                    const int64_t* offsets, int64_t num_bags, int64_t base, int64_t dim,
-                    float* out, const PrefetchAhead& ahead) {
+                    const int64_t* offsets, int64_t num_bags, int64_t base, int64_t dim, float* out,
+                    const PrefetchAhead& ahead) {
   pool_bags_with<Avx2>(dtype, rows, weights, offsets, num_bags, base, dim, out, ahead);
 }
 

@@ -36,8 +36,8 @@ struct Avx512 {
 
 }  // namespace
 
-void pool_rows_avx512(DType dtype, const uint8_t* const* rows, const float* weights,
-                      int64_t count, int64_t dim, float* acc, const PrefetchAhead& ahead) {
+void pool_rows_avx512(DType dtype, const uint8_t* const* rows, const float* weights, int64_t count,
+                      int64_t dim, float* acc, const PrefetchAhead& ahead) {
   pool_rows_with<Avx512>(dtype, rows, weights, count, dim, acc, ahead);
 }
 

@@ -207,10 +207,10 @@ struct LeanPooler {
       const int64_t whole =
           idx == offsets[bag] ? whole_bags_until(offsets, bag, bag_end, first, until) : 0;
       if (whole > 0) {
-        pool.bags(dtype, rows, weights != nullptr ? weights + first : nullptr, offsets + bag,
-                  whole, first, dim, out + bag * dim,
-                  PrefetchAhead{rows + kTierAhead, std::max<int64_t>(0, n - kTierAhead),
-                                prefetch_bytes});
+        pool.bags(
+            dtype, rows, weights != nullptr ? weights + first : nullptr, offsets + bag, whole,
+            first, dim, out + bag * dim,
+            PrefetchAhead{rows + kTierAhead, std::max<int64_t>(0, n - kTierAhead), prefetch_bytes});
         bag += whole;
         next = offsets[bag] - first;
         continue;
@@ -349,9 +349,9 @@ void gather_rows_cpu(const RowKernels& k, const TableView& t, const int64_t* ind
   });
 }
 
-void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
-                       const int64_t* indices, const int64_t* offsets, int64_t num_bags,
-                       const float* per_sample_weights, Pooling pooling, float* out) {
+void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype, const int64_t* indices,
+                       const int64_t* offsets, int64_t num_bags, const float* per_sample_weights,
+                       Pooling pooling, float* out) {
   const PoolLoops pool = select_pool_loops();
   const int64_t dim = pooled_dim(dtype, t.row_bytes);
   // Misses are read through the index alone: the decoder never looks at the tier again.
@@ -364,7 +364,8 @@ void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
     const int64_t num_ids = offsets[bag_end] - first;
     if (t.tier_rows == nullptr) {
       BagPooler pooler{
-          pool, dtype, dim, offsets, per_sample_weights, out, first, bag_begin, bag_end};
+          pool, dtype, dim, offsets, per_sample_weights, out, first, bag_begin, bag_end,
+      };
       const RowSink sink{&BagPooler::consume, &pooler, thread_repeat_cache(num_ids, t.row_bytes)};
       uint8_t* round = thread_round_buffer(kDecodeStageRows * t.row_bytes);
       k.decode_rows(t, indices + first, num_ids, round, &sink);
@@ -386,8 +387,7 @@ void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
                         bag_end};
       if (!b.miss_ids.empty()) {
         const auto misses = static_cast<int64_t>(b.miss_ids.size());
-        const RowSink sink{&LeanPooler::consume, &pooler,
-                           thread_repeat_cache(misses, t.row_bytes)};
+        const RowSink sink{&LeanPooler::consume, &pooler, thread_repeat_cache(misses, t.row_bytes)};
         uint8_t* round = thread_round_buffer(kDecodeStageRows * t.row_bytes);
         k.decode_rows(cold, b.miss_ids.data(), misses, round, &sink);
       }

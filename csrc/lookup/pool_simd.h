@@ -115,9 +115,9 @@ void pool_bags_exact(const uint8_t* const* rows, const float* weights, const int
 
 // Whether dim is 1, 2, 4 or 8 vectors, which pool_bags_exact then pooled.
 template <class V, DType kDType, bool kWeighted>
-bool pool_bags_exact_width(const uint8_t* const* rows, const float* weights,
-                           const int64_t* offsets, int64_t num_bags, int64_t base, int64_t dim,
-                           float* out, const PrefetchAhead& ahead) {
+bool pool_bags_exact_width(const uint8_t* const* rows, const float* weights, const int64_t* offsets,
+                           int64_t num_bags, int64_t base, int64_t dim, float* out,
+                           const PrefetchAhead& ahead) {
   switch (dim % V::kLanes == 0 ? dim / V::kLanes : 0) {
     case 8:
       pool_bags_exact<V, kDType, 8, kWeighted>(rows, weights, offsets, num_bags, base, out, ahead);
@@ -151,14 +151,13 @@ bool pool_bags_simd(const uint8_t* const* rows, const float* weights, const int6
 // the loop above, every other width and dtype a bag at a time through pool_rows_with.
 template <class V>
 void pool_bags_with(DType dtype, const uint8_t* const* rows, const float* weights,
-                    const int64_t* offsets, int64_t num_bags, int64_t base, int64_t dim,
-                    float* out, const PrefetchAhead& ahead) {
-  const bool done = (dtype == DType::kFloat32 &&
-                     pool_bags_simd<V, DType::kFloat32>(rows, weights, offsets, num_bags, base,
-                                                        dim, out, ahead)) ||
-                    (dtype == DType::kBFloat16 &&
-                     pool_bags_simd<V, DType::kBFloat16>(rows, weights, offsets, num_bags, base,
-                                                         dim, out, ahead));
+                    const int64_t* offsets, int64_t num_bags, int64_t base, int64_t dim, float* out,
+                    const PrefetchAhead& ahead) {
+  const bool done =
+      (dtype == DType::kFloat32 && pool_bags_simd<V, DType::kFloat32>(
+                                       rows, weights, offsets, num_bags, base, dim, out, ahead)) ||
+      (dtype == DType::kBFloat16 && pool_bags_simd<V, DType::kBFloat16>(
+                                        rows, weights, offsets, num_bags, base, dim, out, ahead));
   if (!done) {
     pool_bags_by_runs(&pool_rows_with<V>, dtype, rows, weights, offsets, num_bags, base, dim, out,
                       ahead);

@@ -58,8 +58,7 @@ std::vector<ChunkMasks> fit_positions_in_parallel(const at::Tensor& sample, int 
     for (size_t i = 0; i < part.size(); ++i) {
       if (joined.size() <= i) joined.emplace_back();
       joined[i].mask.insert(joined[i].mask.end(), part[i].mask.begin(), part[i].mask.end());
-      joined[i].bitval.insert(joined[i].bitval.end(), part[i].bitval.begin(),
-                              part[i].bitval.end());
+      joined[i].bitval.insert(joined[i].bitval.end(), part[i].bitval.begin(), part[i].bitval.end());
     }
   }
   return joined;
@@ -114,10 +113,9 @@ std::vector<at::Tensor> ibp_fit_codebooks_cpu(const at::Tensor& sample, int64_t 
     widths.push_back(static_cast<int>(c));
   }
   const int w = static_cast<int>(chunk_bits);
-  const std::vector<ChunkMasks> fitted =
-      fit_positions_in_parallel(sample, w, [&](const SampleRows& columns) {
-        return fit_codebook_widths(columns, w, widths);
-      });
+  const std::vector<ChunkMasks> fitted = fit_positions_in_parallel(
+      sample, w,
+      [&](const SampleRows& columns) { return fit_codebook_widths(columns, w, widths); });
   std::vector<at::Tensor> out;
   for (const ChunkMasks& f : fitted) {
     at::Tensor mask = at::empty({static_cast<int64_t>(f.mask.size())}, at::kLong);
@@ -166,8 +164,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ibp_compress_cpu(
   const int64_t row_bytes = rows.size(1);
   const int w = static_cast<int>(chunk_bits);
   const int code_bits = check_masks(mask, bitval, chunks_per_row(row_bytes, w), chunk_bits);
-  TORCH_CHECK_VALUE(unit_bytes == slot_unit_bytes(row_bytes, unit_bytes), "unit_bytes ",
-                    unit_bytes, " is not a valid slot unit for ", row_bytes, "-byte rows");
+  TORCH_CHECK_VALUE(unit_bytes == slot_unit_bytes(row_bytes, unit_bytes), "unit_bytes ", unit_bytes,
+                    " is not a valid slot unit for ", row_bytes, "-byte rows");
   const auto* m = reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>());
   const auto* b = reinterpret_cast<const uint64_t*>(bitval.data_ptr<int64_t>());
   const uint8_t* src = rows.data_ptr<uint8_t>();
@@ -178,8 +176,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ibp_compress_cpu(
   std::vector<uint8_t> compressed(n);
   uint8_t* units = row_units.data_ptr<uint8_t>();
   at::parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
-    plan_slots(k, src + begin * row_bytes, end - begin, row_bytes, m, b, w, code_bits,
-               unit_bytes, units + begin, compressed.data() + begin);
+    plan_slots(k, src + begin * row_bytes, end - begin, row_bytes, m, b, w, code_bits, unit_bytes,
+               units + begin, compressed.data() + begin);
   });
 
   at::Tensor block_base = at::empty({blocks + 1}, at::kLong);

@@ -18,8 +18,7 @@ namespace ibpembed {
 
 inline void check_cpu_contiguous(const at::Tensor& t, const char* name, at::ScalarType dtype) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK_VALUE(t.scalar_type() == dtype, name, " must be ", dtype, ", got ",
-                    t.scalar_type());
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
 

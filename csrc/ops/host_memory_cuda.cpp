@@ -51,17 +51,16 @@ void check_runtime(cudaError_t err, const char* what) {
 }  // namespace
 
 at::Tensor host_mapped_alias(const at::Tensor& host, bool read_only, int64_t device_index) {
-  TORCH_CHECK_VALUE(host.is_cpu() && host.scalar_type() == at::kByte && host.dim() == 1 &&
-                        host.is_contiguous(),
-                    "host_mapped_alias registers a contiguous 1-D uint8 CPU tensor");
+  TORCH_CHECK_VALUE(
+      host.is_cpu() && host.scalar_type() == at::kByte && host.dim() == 1 && host.is_contiguous(),
+      "host_mapped_alias registers a contiguous 1-D uint8 CPU tensor");
   TORCH_CHECK_VALUE(host.numel() > 0, "host_mapped_alias needs a non-empty buffer");
   // Whole storages only: a registration covers a range exactly once, and views of the buffer
   // are then views of its one alias (placement.py slices it).
-  TORCH_CHECK_VALUE(host.storage_offset() == 0 &&
-                        static_cast<size_t>(host.numel()) == host.storage().nbytes(),
-                    "host_mapped_alias takes a tensor over its whole storage (",
-                    host.storage().nbytes(), " bytes), got ", host.numel(), " bytes at offset ",
-                    host.storage_offset());
+  TORCH_CHECK_VALUE(
+      host.storage_offset() == 0 && static_cast<size_t>(host.numel()) == host.storage().nbytes(),
+      "host_mapped_alias takes a tensor over its whole storage (", host.storage().nbytes(),
+      " bytes), got ", host.numel(), " bytes at offset ", host.storage_offset());
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
   int can_map = 0;
   int read_only_supported = 0;

@@ -32,12 +32,9 @@ int64_t lines_touched(int64_t offset, int64_t size) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ibp_line_aware_cpu(const at::Tensor& payload,
-                                                                  const at::Tensor& block_base,
-                                                                  const at::Tensor& row_units,
-                                                                  int64_t row_bytes,
-                                                                  int64_t unit_bytes,
-                                                                  int64_t num_rows) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ibp_line_aware_cpu(
+    const at::Tensor& payload, const at::Tensor& block_base, const at::Tensor& row_units,
+    int64_t row_bytes, int64_t unit_bytes, int64_t num_rows) {
   check_cpu_contiguous(payload, "payload", at::kByte);
   check_cpu_contiguous(block_base, "block_base", at::kLong);
   check_cpu_contiguous(row_units, "row_units", at::kByte);

@@ -20,9 +20,9 @@ namespace {
 
 // Validates the six table tensors against the four ints and returns the decoder's view.
 TableView table_view(const at::Tensor& payload, const at::Tensor& block_base,
-                     const at::Tensor& row_units, const at::Tensor& bitmask,
-                     const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
-                     int64_t row_bytes, int64_t unit_bytes, int64_t num_rows) {
+                     const at::Tensor& row_units, const at::Tensor& bitmask, const at::Tensor& mask,
+                     const at::Tensor& bitval, int64_t chunk_bits, int64_t row_bytes,
+                     int64_t unit_bytes, int64_t num_rows) {
   check_cpu_contiguous(payload, "payload", at::kByte);
   check_cpu_contiguous(block_base, "block_base", at::kLong);
   check_cpu_contiguous(row_units, "row_units", at::kByte);
@@ -36,10 +36,10 @@ TableView table_view(const at::Tensor& payload, const at::Tensor& block_base,
   const int64_t* base = block_base.data_ptr<int64_t>();
   // Compared as `end <= numel - pad`: an end near 2^63 would wrap `end + pad` back into range
   // and make every slot bound of the decoders (row_kernels_impl.h) pass.
-  TORCH_CHECK_VALUE(base[0] == 0 && base[blocks] >= 0 &&
-                        base[blocks] <= payload.numel() - kPayloadPad,
-                    "payload holds ", payload.numel(), " bytes but the index ends at ",
-                    base[blocks], " (+", kPayloadPad, " pad)");
+  TORCH_CHECK_VALUE(
+      base[0] == 0 && base[blocks] >= 0 && base[blocks] <= payload.numel() - kPayloadPad,
+      "payload holds ", payload.numel(), " bytes but the index ends at ", base[blocks], " (+",
+      kPayloadPad, " pad)");
   return TableView{payload.data_ptr<uint8_t>(),
                    base,
                    row_units.data_ptr<uint8_t>(),
@@ -97,8 +97,8 @@ void check_tier_dir(const TableView& t) {
     const bool moved = base >= held && base <= slots && count <= slots - base;
     TORCH_CHECK_VALUE(base == before || moved, "tier_dir[", 2 * w + 1, "] puts word ", w,
                       "'s rows at slot ", static_cast<int64_t>(base), ": neither after the ",
-                      before, " rows before word ", w, " nor among the moved rows' slots [",
-                      held, ", ", slots, ")");
+                      before, " rows before word ", w, " nor among the moved rows' slots [", held,
+                      ", ", slots, ")");
     before += count;
   }
   const int tail = static_cast<int>(t.num_rows - kTierWordRows * (words - 1));
@@ -145,8 +145,8 @@ void check_offsets(const at::Tensor& offsets, int64_t nnz) {
   TORCH_CHECK_VALUE(o[n - 1] == nnz, "offsets[-1] must equal the number of indices (", nnz,
                     "), got ", o[n - 1]);
   for (int64_t b = 0; b + 1 < n; ++b) {
-    TORCH_CHECK_VALUE(o[b] <= o[b + 1], "offsets must be non-decreasing: offsets[", b, "] = ",
-                      o[b], " > offsets[", b + 1, "] = ", o[b + 1]);
+    TORCH_CHECK_VALUE(o[b] <= o[b + 1], "offsets must be non-decreasing: offsets[", b, "] = ", o[b],
+                      " > offsets[", b + 1, "] = ", o[b + 1]);
   }
 }
 
@@ -176,8 +176,7 @@ at::Tensor ibp_gather_cpu(const at::Tensor& payload, const at::Tensor& block_bas
                           const at::Tensor& row_units, const at::Tensor& bitmask,
                           const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
                           int64_t row_bytes, int64_t unit_bytes, int64_t num_rows,
-                          const at::Tensor& indices,
-                          const std::optional<at::Tensor>& tier_dir,
+                          const at::Tensor& indices, const std::optional<at::Tensor>& tier_dir,
                           const std::optional<at::Tensor>& tier_rows) {
   TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
                            row_bytes, unit_bytes, num_rows);
@@ -195,9 +194,8 @@ at::Tensor ibp_gather_cpu(const at::Tensor& payload, const at::Tensor& block_bas
 
 at::Tensor ibp_decompress_cpu(const at::Tensor& payload, const at::Tensor& block_base,
                               const at::Tensor& row_units, const at::Tensor& bitmask,
-                              const at::Tensor& mask, const at::Tensor& bitval,
-                              int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
-                              int64_t num_rows) {
+                              const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
+                              int64_t row_bytes, int64_t unit_bytes, int64_t num_rows) {
   return ibp_gather_cpu(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
                         row_bytes, unit_bytes, num_rows, at::arange(num_rows, at::kLong),
                         std::nullopt, std::nullopt);
@@ -209,9 +207,8 @@ at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& blo
                                 int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
                                 int64_t num_rows, const at::Tensor& indices,
                                 const at::Tensor& offsets,
-                                const std::optional<at::Tensor>& per_sample_weights,
-                                int64_t dtype, int64_t pooling,
-                                const std::optional<at::Tensor>& tier_dir,
+                                const std::optional<at::Tensor>& per_sample_weights, int64_t dtype,
+                                int64_t pooling, const std::optional<at::Tensor>& tier_dir,
                                 const std::optional<at::Tensor>& tier_rows) {
   TableView t = table_view(payload, block_base, row_units, bitmask, mask, bitval, chunk_bits,
                            row_bytes, unit_bytes, num_rows);
@@ -231,7 +228,6 @@ at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& blo
   return out;
 }
 
-
 // Pooled lookups of several tables over one CSR batch. Row k of `table_bags` (int64 [K, 3]) is
 // (set position, first bag, bag count): table k of the call is that set entry and pools bags
 // [first, first + count) of `offsets`, whose entries index `indices` (and `per_sample_weights`)
@@ -243,8 +239,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cpu(
     const c10::intrusive_ptr<TableSet>& tables, const at::Tensor& indices,
     const at::Tensor& offsets, const at::Tensor& table_bags,
     const std::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
-  TORCH_CHECK_VALUE(tables->device().is_cpu(), "this TableSet's tables are on ",
-                    tables->device(), ": pass indices and offsets on that device");
+  TORCH_CHECK_VALUE(tables->device().is_cpu(), "this TableSet's tables are on ", tables->device(),
+                    ": pass indices and offsets on that device");
   check_pooling(pooling);
   check_cpu_contiguous(table_bags, "table_bags", at::kLong);
   TORCH_CHECK_VALUE(table_bags.dim() == 2 && table_bags.size(1) == 3,
@@ -295,8 +291,10 @@ int64_t TableSet::add(const at::Tensor& payload, const at::Tensor& block_base,
                       const std::optional<at::Tensor>& tier_dir,
                       const std::optional<at::Tensor>& tier_rows) {
   const c10::Device device = block_base.device();
-  TORCH_CHECK_VALUE(entries_.empty() || device == device_, "a TableSet holds tables of one "
-                    "device: this one's are on ", device_, ", the new table's on ", device);
+  TORCH_CHECK_VALUE(entries_.empty() || device == device_,
+                    "a TableSet holds tables of one "
+                    "device: this one's are on ",
+                    device_, ", the new table's on ", device);
   if (device.is_cuda()) {
 #ifdef IBPEMBED_WITH_CUDA
     entries_.push_back(gpu::table_set_entry(payload, block_base, row_units, bitmask, mask, bitval,

@@ -46,9 +46,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <utility>
 #include <vector>
-#include <optional>
 
 #include "../cuda/kernels.h"
 #include "../cuda/warp_decode.cuh"
@@ -67,16 +67,15 @@ void check_device_tensor(const at::Tensor& t, const char* name, at::ScalarType d
                          const c10::Device& device) {
   TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device,
                     " (the device of the table's small tensors), got ", t.device());
-  TORCH_CHECK_VALUE(t.scalar_type() == dtype, name, " must be ", dtype, ", got ",
-                    t.scalar_type());
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
 
 // The pointer the kernels read the payload through.
 const uint8_t* payload_device_pointer(const at::Tensor& payload, const c10::Device& device) {
-  TORCH_CHECK_VALUE(payload.scalar_type() == at::kByte && payload.dim() == 1 &&
-                        payload.is_contiguous(),
-                    "payload must be a contiguous 1-D uint8 tensor");
+  TORCH_CHECK_VALUE(
+      payload.scalar_type() == at::kByte && payload.dim() == 1 && payload.is_contiguous(),
+      "payload must be a contiguous 1-D uint8 tensor");
   TORCH_CHECK_VALUE(payload.numel() >= kPayloadPad, "payload must carry its ", kPayloadPad,
                     " pad bytes");
   const auto* host = payload.data_ptr<uint8_t>();
@@ -101,17 +100,17 @@ const uint8_t* payload_device_pointer(const at::Tensor& payload, const c10::Devi
   for (const uint8_t* p : {host, last}) {
     cudaPointerAttributes attributes{};
     C10_CUDA_CHECK(cudaPointerGetAttributes(&attributes, p));
-    TORCH_CHECK_VALUE(attributes.type == cudaMemoryTypeHost,
-                      "payload byte ", p - host, " of ", payload.numel(),
+    TORCH_CHECK_VALUE(attributes.type == cudaMemoryTypeHost, "payload byte ", p - host, " of ",
+                      payload.numel(),
                       " is pageable host memory; the GPU reads the payload zero-copy, so all of "
                       "it must be pinned: payload.pin_memory() or cudaHostRegister over its "
                       "whole storage");
   }
   C10_CUDA_CHECK(cudaHostGetDevicePointer(&alias, const_cast<uint8_t*>(host), 0));
   C10_CUDA_CHECK(cudaHostGetDevicePointer(&last_alias, const_cast<uint8_t*>(last), 0));
-  TORCH_CHECK_VALUE(static_cast<uint8_t*>(last_alias) - static_cast<uint8_t*>(alias) ==
-                        payload.numel() - 1,
-                    "the payload spans more than one pinned range; pin or register it whole");
+  TORCH_CHECK_VALUE(
+      static_cast<uint8_t*>(last_alias) - static_cast<uint8_t*>(alias) == payload.numel() - 1,
+      "the payload spans more than one pinned range; pin or register it whole");
   return static_cast<const uint8_t*>(alias);
 }
 
@@ -123,7 +122,8 @@ DeviceTable device_table(const at::Tensor& payload, const at::Tensor& block_base
   const c10::Device device = block_base.device();
   TORCH_CHECK_VALUE(device.is_cuda(),
                     "the CUDA ops need the table's block_base, row_units, bitmask, mask and "
-                    "bitval on the GPU; block_base is on ", device);
+                    "bitval on the GPU; block_base is on ",
+                    device);
   check_device_tensor(block_base, "block_base", at::kLong, device);
   check_device_tensor(row_units, "row_units", at::kByte, device);
   check_device_tensor(bitmask, "bitmask", at::kInt, device);
@@ -132,19 +132,13 @@ DeviceTable device_table(const at::Tensor& payload, const at::Tensor& block_base
   const TableShape shape = check_table_shapes(block_base, row_units, bitmask, mask, bitval,
                                               chunk_bits, row_bytes, unit_bytes, num_rows);
   const uint8_t* data = payload_device_pointer(payload, device);
-  return DeviceTable{TableView{data,
-                               block_base.data_ptr<int64_t>(),
-                               row_units.data_ptr<uint8_t>(),
-                               bitmask.data_ptr<int32_t>(),
-                               reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>()),
-                               reinterpret_cast<const uint64_t*>(bitval.data_ptr<int64_t>()),
-                               num_rows,
-                               row_bytes,
-                               unit_bytes,
-                               static_cast<int>(chunk_bits),
-                               shape.chunks,
-                               shape.code_bits},
-                     payload.numel()};
+  return DeviceTable{
+      TableView{data, block_base.data_ptr<int64_t>(), row_units.data_ptr<uint8_t>(),
+                bitmask.data_ptr<int32_t>(),
+                reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>()),
+                reinterpret_cast<const uint64_t*>(bitval.data_ptr<int64_t>()), num_rows, row_bytes,
+                unit_bytes, static_cast<int>(chunk_bits), shape.chunks, shape.code_bits},
+      payload.numel()};
 }
 
 // Gathers of fewer ids than this skip the sort (IBPEMBED_CUDA_SORT_MIN_IDS, default 4096).
@@ -159,8 +153,7 @@ int64_t sort_min_ids() {
   char* end = nullptr;
   const long long parsed = std::strtoll(value, &end, 10);
   TORCH_CHECK_VALUE(end != nullptr && *end == '\0' && parsed >= 0,
-                    "IBPEMBED_CUDA_SORT_MIN_IDS must be a non-negative integer, got '", value,
-                    "'");
+                    "IBPEMBED_CUDA_SORT_MIN_IDS must be a non-negative integer, got '", value, "'");
   return parsed;
 }
 
@@ -214,17 +207,19 @@ void find_culprit(int32_t bits, const at::Tensor& indices, const at::Tensor& off
     TORCH_CHECK_VALUE(p[n - 1] == nnz, "offsets[-1] must equal the number of indices (", nnz,
                       "), got ", p[n - 1]);
     for (int64_t b = 0; b + 1 < n; ++b) {
-      TORCH_CHECK_VALUE(p[b] <= p[b + 1], "offsets must be non-decreasing: offsets[", b, "] = ",
-                        p[b], " > offsets[", b + 1, "] = ", p[b + 1]);
+      TORCH_CHECK_VALUE(p[b] <= p[b + 1], "offsets must be non-decreasing: offsets[", b,
+                        "] = ", p[b], " > offsets[", b + 1, "] = ", p[b + 1]);
     }
   }
 }
 
 [[noreturn]] void raise_table_error(int32_t bits) {
-  TORCH_CHECK_VALUE(false, "the compressed table is inconsistent (block_base, row_units or slot "
+  TORCH_CHECK_VALUE(false,
+                    "the compressed table is inconsistent (block_base, row_units or slot "
                     "sizes point outside the payload, mask has bits outside the chunk width, or a "
                     "bitval codebook entry has bits outside its position's mask): kernel error "
-                    "bits ", bits);
+                    "bits ",
+                    bits);
 }
 
 // Error reporting, synchronous (the default) or deferred (per thread: set_defer_errors).
@@ -239,8 +234,8 @@ void find_culprit(int32_t bits, const at::Tensor& indices, const at::Tensor& off
 thread_local bool t_defer_errors = false;
 
 struct StreamErrors {
-  at::Tensor device_word;     // int32 [1], ORed into by the kernels
-  int32_t* host_word;         // its copy after the last deferred call (page-locked)
+  at::Tensor device_word;         // int32 [1], ORed into by the kernels
+  int32_t* host_word;             // its copy after the last deferred call (page-locked)
   std::vector<Diagnose> pending;  // the calls since the last check
 };
 
@@ -336,9 +331,8 @@ at::Tensor gather(const DeviceTable& table, const DeviceTier& tier, const at::Te
   launch_gather(args, c10::cuda::getCurrentCUDAStream(device.index()).stream());
   const at::Tensor request = request_ids != nullptr ? *request_ids : at::Tensor();
   const int64_t rows = table.view.num_rows;
-  report(error, device, [request, rows](int32_t bits) {
-    find_culprit(bits, request, at::Tensor(), rows);
-  });
+  report(error, device,
+         [request, rows](int32_t bits) { find_culprit(bits, request, at::Tensor(), rows); });
   return out;
 }
 
@@ -395,8 +389,7 @@ void find_table_set_culprit(int32_t bits, const TableSet& tables, const at::Tens
       const int64_t first = calls[3 * k + 1];
       for (int64_t i = ob[first]; i < ob[first + calls[3 * k + 2]]; ++i) {
         TORCH_CHECK_INDEX(p[i] >= 0 && p[i] < rows, "index ", p[i], " at position ", i,
-                          " (table_bags[", k, "]) is out of range for a table of ", rows,
-                          " rows");
+                          " (table_bags[", k, "]) is out of range for a table of ", rows, " rows");
       }
     }
   }
@@ -429,23 +422,20 @@ at::Tensor ibp_gather_cuda(const at::Tensor& payload, const at::Tensor& block_ba
 
 at::Tensor ibp_decompress_cuda(const at::Tensor& payload, const at::Tensor& block_base,
                                const at::Tensor& row_units, const at::Tensor& bitmask,
-                               const at::Tensor& mask, const at::Tensor& bitval,
-                               int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
-                               int64_t num_rows) {
+                               const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
+                               int64_t row_bytes, int64_t unit_bytes, int64_t num_rows) {
   const c10::cuda::CUDAGuard guard(block_base.device());
   const DeviceTable table = device_table(payload, block_base, row_units, bitmask, mask, bitval,
                                          chunk_bits, row_bytes, unit_bytes, num_rows);
   // Undefined ids and perm: row i goes to output row i, with no index tensor at all.
-  return gather(table, kNoTier, at::Tensor(), at::Tensor(), num_rows, nullptr,
-                block_base.device());
+  return gather(table, kNoTier, at::Tensor(), at::Tensor(), num_rows, nullptr, block_base.device());
 }
 
 at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block_base,
                               const at::Tensor& row_units, const at::Tensor& bitmask,
-                              const at::Tensor& mask, const at::Tensor& bitval,
-                              int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
-                              int64_t num_rows, const at::Tensor& indices,
-                              const at::Tensor& offsets,
+                              const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
+                              int64_t row_bytes, int64_t unit_bytes, int64_t num_rows,
+                              const at::Tensor& indices, const at::Tensor& offsets,
                               const std::optional<at::Tensor>& per_sample_weights, int64_t dtype,
                               int64_t pooling, const std::optional<at::Tensor>& tier_dir,
                               const std::optional<at::Tensor>& tier_rows) {
@@ -461,8 +451,10 @@ at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block
   if (bags == 0) {
     // No bag for a kernel to check offsets[0] == nnz with: check it here (a one-element read).
     const int64_t only = offsets.item<int64_t>();
-    TORCH_CHECK_VALUE(only == 0 && indices.numel() == 0, "offsets[0] must be 0 and equal the "
-                      "number of indices (", indices.numel(), "), got ", only);
+    TORCH_CHECK_VALUE(only == 0 && indices.numel() == 0,
+                      "offsets[0] must be 0 and equal the "
+                      "number of indices (",
+                      indices.numel(), "), got ", only);
     return out;
   }
   ErrorWord error = error_word(device);
@@ -533,21 +525,22 @@ namespace {
 // lookup_pooled_tables on a GPU set, each table read through its HBM tier in `tiers` (a device
 // array parallel to the set, or nullptr: none).
 std::tuple<std::vector<at::Tensor>, at::Tensor> pooled_tables(
-    const c10::intrusive_ptr<TableSet>& tables, const DeviceTier* tiers,
-    const at::Tensor& indices, const at::Tensor& offsets, const at::Tensor& table_bags,
+    const c10::intrusive_ptr<TableSet>& tables, const DeviceTier* tiers, const at::Tensor& indices,
+    const at::Tensor& offsets, const at::Tensor& table_bags,
     const std::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
   const auto start = std::chrono::steady_clock::now();
   const c10::Device device = tables->device();
   TORCH_CHECK_VALUE(device.is_cuda() || tables->size() == 0,
                     "lookup_pooled_tables on a GPU needs a TableSet of GPU tables; this one's "
-                    "are on ", device);
+                    "are on ",
+                    device);
   check_pooling(pooling);
   TORCH_CHECK_VALUE(table_bags.is_cpu() && table_bags.scalar_type() == at::kLong &&
                         table_bags.is_contiguous() && table_bags.dim() == 2 &&
                         table_bags.size(1) == 3,
                     "table_bags must be a contiguous int64 CPU tensor [K, 3] (set position, first "
-                    "bag, bag count), got ", table_bags.scalar_type(), " ", table_bags.sizes(),
-                    " on ", table_bags.device());
+                    "bag, bag count), got ",
+                    table_bags.scalar_type(), " ", table_bags.sizes(), " on ", table_bags.device());
   const c10::Device batch_device = indices.device();
   const c10::cuda::CUDAGuard guard(batch_device);
   TORCH_CHECK_VALUE(tables->size() == 0 || batch_device == device, "indices must be on ", device,
@@ -567,8 +560,10 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> pooled_tables(
   }
   if (num_bags == 0) {
     const int64_t only = offsets.item<int64_t>();
-    TORCH_CHECK_VALUE(only == 0 && indices.numel() == 0, "offsets[0] must be 0 and equal the "
-                      "number of indices (", indices.numel(), "), got ", only);
+    TORCH_CHECK_VALUE(only == 0 && indices.numel() == 0,
+                      "offsets[0] must be 0 and equal the "
+                      "number of indices (",
+                      indices.numel(), "), got ", only);
   }
   ErrorWord error = error_word(batch_device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(batch_device.index()).stream();
@@ -655,10 +650,9 @@ DeviceTier device_tier(const at::Tensor& dir, const std::optional<at::Tensor>& s
     offsets = slot_offset->data_ptr<int64_t>();
   } else {  // decoded form: slot s at s * round16(row_bytes)
     const int64_t stride = round16(row_bytes);
-    TORCH_CHECK_VALUE((payload.numel() - kPayloadPad) / stride >= num_slots,
-                      "a decoded tier of ", num_slots, " slots of ", stride,
-                      " bytes needs a payload of ", num_slots, " * ", stride, " + ", kPayloadPad,
-                      " bytes, got ", payload.numel());
+    TORCH_CHECK_VALUE((payload.numel() - kPayloadPad) / stride >= num_slots, "a decoded tier of ",
+                      num_slots, " slots of ", stride, " bytes needs a payload of ", num_slots,
+                      " * ", stride, " + ", kPayloadPad, " bytes, got ", payload.numel());
   }
   TORCH_CHECK_VALUE(counters.dim() == 1 && counters.numel() == 2,
                     "tier counters must be int64 [2] (hits, misses), got ", counters.sizes());
@@ -676,16 +670,14 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_cuda(
     const c10::intrusive_ptr<TableSet>& tables, const at::Tensor& indices,
     const at::Tensor& offsets, const at::Tensor& table_bags,
     const std::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
-  return pooled_tables(tables, nullptr, indices, offsets, table_bags, per_sample_weights,
-                       pooling);
+  return pooled_tables(tables, nullptr, indices, offsets, table_bags, per_sample_weights, pooling);
 }
 
 at::Tensor ibp_gather_hbm_cuda(const at::Tensor& payload, const at::Tensor& block_base,
                                const at::Tensor& row_units, const at::Tensor& bitmask,
-                               const at::Tensor& mask, const at::Tensor& bitval,
-                               int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
-                               int64_t num_rows, const at::Tensor& indices,
-                               const at::Tensor& tier_dir,
+                               const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
+                               int64_t row_bytes, int64_t unit_bytes, int64_t num_rows,
+                               const at::Tensor& indices, const at::Tensor& tier_dir,
                                const std::optional<at::Tensor>& tier_slot_offset,
                                const at::Tensor& tier_payload, int64_t tier_slots,
                                const at::Tensor& tier_counters) {
@@ -708,15 +700,18 @@ int64_t TierSet::add(const c10::intrusive_ptr<TableSet>& tables,
                      const std::optional<at::Tensor>& slot_offset,
                      const std::optional<at::Tensor>& payload, int64_t num_slots,
                      const std::optional<at::Tensor>& counters) {
-  TORCH_CHECK_VALUE(!uploaded(), "a TierSet takes no tiers once uploaded (a publication is "
+  TORCH_CHECK_VALUE(!uploaded(),
+                    "a TierSet takes no tiers once uploaded (a publication is "
                     "read whole or not at all): build a new one");
   TORCH_CHECK_VALUE(!tables_ || tables_.get() == tables.get(),
                     "a TierSet's tiers all belong to the TableSet of its first add");
   const int64_t position = size();
   const TableSet::Entry& e = tables->at(position);  // the set's table of the same position
   const c10::Device device = tables->device();
-  TORCH_CHECK_VALUE(device.is_cuda(), "a TierSet is for a TableSet of GPU tables; this one's are "
-                    "on ", device);
+  TORCH_CHECK_VALUE(device.is_cuda(),
+                    "a TierSet is for a TableSet of GPU tables; this one's are "
+                    "on ",
+                    device);
   tables_ = tables;
   DeviceTier tier = kNoTier;
   if (dir.has_value()) {
@@ -754,8 +749,10 @@ std::tuple<std::vector<at::Tensor>, at::Tensor> lookup_pooled_tables_hbm_cuda(
     const c10::intrusive_ptr<TableSet>& tables, const c10::intrusive_ptr<TierSet>& tiers,
     const at::Tensor& indices, const at::Tensor& offsets, const at::Tensor& table_bags,
     const std::optional<at::Tensor>& per_sample_weights, int64_t pooling) {
-  TORCH_CHECK_VALUE(tiers->size() == tables->size(), "a TierSet has one tier (or none) per "
-                    "table of its TableSet: ", tiers->size(), " for ", tables->size(), " tables");
+  TORCH_CHECK_VALUE(tiers->size() == tables->size(),
+                    "a TierSet has one tier (or none) per "
+                    "table of its TableSet: ",
+                    tiers->size(), " for ", tables->size(), " tables");
   TORCH_CHECK_VALUE(tiers->size() == 0 || tiers->tables() == tables.get(),
                     "this TierSet was built for another TableSet (its residency maps are sized "
                     "for that set's tables)");

@@ -33,7 +33,7 @@ GuardedRange g_ranges[kMaxGuarded];
 std::atomic<int> g_slots_used{0};  // the handler scans [0, used)
 std::atomic<int64_t> g_faults{0};
 uintptr_t g_page_mask = 0;  // set before the handler is installed (sysconf is not signal-safe)
-struct sigaction g_previous {};
+struct sigaction g_previous{};
 std::mutex g_registry;  // registration only: the handler takes no lock
 
 // Async-signal-safe: atomics and mmap/sigaction system calls only.
@@ -65,7 +65,7 @@ void install_mapping_guard() {
   static bool installed = false;
   if (installed) return;
   g_page_mask = ~(static_cast<uintptr_t>(sysconf(_SC_PAGESIZE)) - 1);
-  struct sigaction action {};
+  struct sigaction action{};
   action.sa_sigaction = &on_sigbus;
   action.sa_flags = SA_SIGINFO;
   sigemptyset(&action.sa_mask);

@@ -36,12 +36,12 @@ class TableArgError : public c10::ValueError {
 
 // TORCH_CHECK_VALUE for table argument `arg`, raising TableArgError; the message is built only
 // on failure.
-#define IBP_CHECK_TABLE_ARG(cond, arg, ...)                                                  \
-  do {                                                                                       \
-    if (C10_UNLIKELY(!(cond))) {                                                             \
-      throw ::ibpembed::TableArgError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, \
-                                      arg, ::c10::str(__VA_ARGS__));                         \
-    }                                                                                        \
+#define IBP_CHECK_TABLE_ARG(cond, arg, ...)                                                       \
+  do {                                                                                            \
+    if (C10_UNLIKELY(!(cond))) {                                                                  \
+      throw ::ibpembed::TableArgError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, arg, \
+                                      ::c10::str(__VA_ARGS__));                                   \
+    }                                                                                             \
   } while (false)
 
 inline void check_chunk_bits(int64_t chunk_bits) {
@@ -53,13 +53,12 @@ inline void check_chunk_bits(int64_t chunk_bits) {
 inline int check_mask_shapes(const at::Tensor& mask, const at::Tensor& bitval, int64_t v) {
   IBP_CHECK_TABLE_ARG(mask.dim() == 1 && mask.numel() == v, "mask", "mask must have ", v,
                       " entries (one per chunk position), got shape ", mask.sizes());
-  const int code_bits = bitval.dim() == 1 ? code_bits_for(bitval.numel(), static_cast<int>(v))
-                                          : 0;
+  const int code_bits = bitval.dim() == 1 ? code_bits_for(bitval.numel(), static_cast<int>(v)) : 0;
   static_assert(kMaxCodeBits == 4, "the message below lists every valid codebook length");
   IBP_CHECK_TABLE_ARG(code_bits != 0, "bitval",
                       "bitval must have V * (2^C - 1) entries for V = ", v,
-                      " chunk positions and a code width C in [1, 4] (", v * codebook_size(1),
-                      ", ", v * codebook_size(2), ", ", v * codebook_size(3), " or ",
+                      " chunk positions and a code width C in [1, 4] (", v * codebook_size(1), ", ",
+                      v * codebook_size(2), ", ", v * codebook_size(3), " or ",
                       v * codebook_size(4), "), got shape ", bitval.sizes());
   return code_bits;
 }
@@ -141,10 +140,12 @@ inline void check_tier_shape(const std::optional<at::Tensor>& tier_dir,
                     "tier_dir and tier_rows go together: pass both or neither");
   if (!tier_dir.has_value()) return;
   const int64_t words = tier_dir_words(num_rows);
-  TORCH_CHECK_VALUE(tier_dir->dim() == 1 &&
-                        (tier_dir->numel() == 2 * words || tier_dir->numel() == 0),
-                    "tier_dir must have ", 2 * words, " entries (two per 64 rows) or none, got "
-                    "shape ", tier_dir->sizes());
+  TORCH_CHECK_VALUE(
+      tier_dir->dim() == 1 && (tier_dir->numel() == 2 * words || tier_dir->numel() == 0),
+      "tier_dir must have ", 2 * words,
+      " entries (two per 64 rows) or none, got "
+      "shape ",
+      tier_dir->sizes());
   TORCH_CHECK_VALUE(tier_rows->dim() == 2 && tier_rows->size(1) >= row_bytes,
                     "tier_rows must be [tier rows, >= ", row_bytes, "], got shape ",
                     tier_rows->sizes());

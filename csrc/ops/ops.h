@@ -40,12 +40,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ibp_compress_cpu(
     int64_t unit_bytes);
 
 // -- layout_ops.cpp: a table's slots relaid for a GPU's zero-copy reads (CPU only) -------------
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ibp_line_aware_cpu(const at::Tensor& payload,
-                                                                  const at::Tensor& block_base,
-                                                                  const at::Tensor& row_units,
-                                                                  int64_t row_bytes,
-                                                                  int64_t unit_bytes,
-                                                                  int64_t num_rows);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ibp_line_aware_cpu(
+    const at::Tensor& payload, const at::Tensor& block_base, const at::Tensor& row_units,
+    int64_t row_bytes, int64_t unit_bytes, int64_t num_rows);
 
 // -- lookup_ops.cpp: gathers and pooled lookups on the CPU -------------------------------------
 at::Tensor ibp_gather_cpu(const at::Tensor& payload, const at::Tensor& block_base,
@@ -56,18 +53,16 @@ at::Tensor ibp_gather_cpu(const at::Tensor& payload, const at::Tensor& block_bas
                           const std::optional<at::Tensor>& tier_rows);
 at::Tensor ibp_decompress_cpu(const at::Tensor& payload, const at::Tensor& block_base,
                               const at::Tensor& row_units, const at::Tensor& bitmask,
-                              const at::Tensor& mask, const at::Tensor& bitval,
-                              int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
-                              int64_t num_rows);
+                              const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
+                              int64_t row_bytes, int64_t unit_bytes, int64_t num_rows);
 at::Tensor lookup_pooled_cpu_op(const at::Tensor& payload, const at::Tensor& block_base,
                                 const at::Tensor& row_units, const at::Tensor& bitmask,
                                 const at::Tensor& mask, const at::Tensor& bitval,
                                 int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
                                 int64_t num_rows, const at::Tensor& indices,
                                 const at::Tensor& offsets,
-                                const std::optional<at::Tensor>& per_sample_weights,
-                                int64_t dtype, int64_t pooling,
-                                const std::optional<at::Tensor>& tier_dir,
+                                const std::optional<at::Tensor>& per_sample_weights, int64_t dtype,
+                                int64_t pooling, const std::optional<at::Tensor>& tier_dir,
                                 const std::optional<at::Tensor>& tier_rows);
 
 // Tables registered once for lookup_pooled_tables, validated as they are added.
@@ -92,11 +87,10 @@ class TableSet : public torch::CustomClassHolder {
 
   // Adds a table (the six tensors and four ints of lookup_pooled, its dtype code and the
   // optional decoded tier, whose directory is checked here in full); returns its position.
-  int64_t add(const at::Tensor& payload, const at::Tensor& block_base,
-              const at::Tensor& row_units, const at::Tensor& bitmask, const at::Tensor& mask,
-              const at::Tensor& bitval, int64_t chunk_bits, int64_t row_bytes,
-              int64_t unit_bytes, int64_t num_rows, int64_t dtype,
-              const std::optional<at::Tensor>& tier_dir,
+  int64_t add(const at::Tensor& payload, const at::Tensor& block_base, const at::Tensor& row_units,
+              const at::Tensor& bitmask, const at::Tensor& mask, const at::Tensor& bitval,
+              int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes, int64_t num_rows,
+              int64_t dtype, const std::optional<at::Tensor>& tier_dir,
               const std::optional<at::Tensor>& tier_rows);
 
   int64_t size() const { return static_cast<int64_t>(entries_.size()); }
@@ -139,15 +133,13 @@ at::Tensor ibp_gather_cuda(const at::Tensor& payload, const at::Tensor& block_ba
                            const std::optional<at::Tensor>& tier_rows);
 at::Tensor ibp_decompress_cuda(const at::Tensor& payload, const at::Tensor& block_base,
                                const at::Tensor& row_units, const at::Tensor& bitmask,
-                               const at::Tensor& mask, const at::Tensor& bitval,
-                               int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
-                               int64_t num_rows);
+                               const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
+                               int64_t row_bytes, int64_t unit_bytes, int64_t num_rows);
 at::Tensor lookup_pooled_cuda(const at::Tensor& payload, const at::Tensor& block_base,
                               const at::Tensor& row_units, const at::Tensor& bitmask,
-                              const at::Tensor& mask, const at::Tensor& bitval,
-                              int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
-                              int64_t num_rows, const at::Tensor& indices,
-                              const at::Tensor& offsets,
+                              const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
+                              int64_t row_bytes, int64_t unit_bytes, int64_t num_rows,
+                              const at::Tensor& indices, const at::Tensor& offsets,
                               const std::optional<at::Tensor>& per_sample_weights, int64_t dtype,
                               int64_t pooling, const std::optional<at::Tensor>& tier_dir,
                               const std::optional<at::Tensor>& tier_rows);
@@ -211,10 +203,9 @@ class TierSet : public torch::CustomClassHolder {
 // tier_counters (int64 [2]). tier_slot_offset absent: the decoded form.
 at::Tensor ibp_gather_hbm_cuda(const at::Tensor& payload, const at::Tensor& block_base,
                                const at::Tensor& row_units, const at::Tensor& bitmask,
-                               const at::Tensor& mask, const at::Tensor& bitval,
-                               int64_t chunk_bits, int64_t row_bytes, int64_t unit_bytes,
-                               int64_t num_rows, const at::Tensor& indices,
-                               const at::Tensor& tier_dir,
+                               const at::Tensor& mask, const at::Tensor& bitval, int64_t chunk_bits,
+                               int64_t row_bytes, int64_t unit_bytes, int64_t num_rows,
+                               const at::Tensor& indices, const at::Tensor& tier_dir,
                                const std::optional<at::Tensor>& tier_slot_offset,
                                const at::Tensor& tier_payload, int64_t tier_slots,
                                const at::Tensor& tier_counters);

@@ -27,8 +27,7 @@
 namespace ibpembed {
 
 TORCH_LIBRARY(ibpembed, m) {
-  m.def(
-      "ibp_fit(Tensor sample, int chunk_bits, str method, int code_bits=1) -> (Tensor, Tensor)");
+  m.def("ibp_fit(Tensor sample, int chunk_bits, str method, int code_bits=1) -> (Tensor, Tensor)");
   // The codebook fits of several code widths at once: [mask, bitval] per width, in order.
   m.def("ibp_fit_codebooks(Tensor sample, int chunk_bits, int[] code_bits) -> Tensor[]");
   m.def(
@@ -235,8 +234,8 @@ PYBIND11_MODULE(_C, module) {
              "instead of synchronising in every call.");
   module.def("check_cuda_errors", &ibpembed::gpu::check_errors,
              "Synchronise the current CUDA stream and raise what its deferred ops found.");
-  module.def("host_register_read_only_supported",
-             &ibpembed::gpu::host_register_read_only_supported, pybind11::arg("device_index"),
+  module.def("host_register_read_only_supported", &ibpembed::gpu::host_register_read_only_supported,
+             pybind11::arg("device_index"),
              "Whether the GPU takes cudaHostRegisterReadOnly registrations.");
 #endif
 }

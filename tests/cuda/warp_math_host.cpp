@@ -163,7 +163,8 @@ std::vector<uint8_t> emulate_decode(const Stage& s, const uint64_t* mask, const 
       c[lane] = lane_chunk<W>(s.words.data(), s.shift, mask, bitval, code_bits, g, lane, v);
       if (c[lane].valid != (j < v)) fail("lane validity", g, lane, v);
       if (c[lane].valid) {
-        const uint64_t want = codes[j] != 0 ? bitval[static_cast<int64_t>(j) * k + codes[j] - 1] : 0;
+        const uint64_t want =
+            codes[j] != 0 ? bitval[static_cast<int64_t>(j) * k + codes[j] - 1] : 0;
         if (c[lane].participates != (codes[j] != 0) || c[lane].bitval != want) {
           fail("lane code", code_bits, j, codes[j]);
         }
@@ -258,8 +259,8 @@ void test_rows(int64_t row_bytes, int code_bits) {
       const double escape = k < 2 ? 0.0 : (k < 6 ? 0.1 : 0.5);
       const std::vector<uint8_t> row =
           make_row<W>(mask.data(), bitval.data(), code_bits, v, row_bytes, escape);
-      const int64_t enc = compressed_row_bytes<W>(row.data(), row_bytes, mask.data(),
-                                                  bitval.data(), code_bits, free.data(), v);
+      const int64_t enc = compressed_row_bytes<W>(row.data(), row_bytes, mask.data(), bitval.data(),
+                                                  code_bits, free.data(), v);
       // The payload the slot lives in: any unit-aligned offset, zero pad after it.
       const int64_t offset = unit * static_cast<int64_t>(rng() % 64);
       const int64_t raw_slot = unit * units_for(row_bytes, unit);
@@ -288,9 +289,8 @@ void test_rows(int64_t row_bytes, int code_bits) {
           ++code_counts[code_bits][codes[j]];
         }
         const Stage s = stage_slot(payload, offset, comp_slot, stage_bytes);
-        const std::vector<uint8_t> got = emulate_decode<W>(s, mask.data(), bitval.data(),
-                                                           code_bits, codes, v, row_bytes,
-                                                           comp_slot);
+        const std::vector<uint8_t> got = emulate_decode<W>(s, mask.data(), bitval.data(), code_bits,
+                                                           codes, v, row_bytes, comp_slot);
         if (got != row) fail("compressed row", W, row_bytes, offset);
         ++cases;
         ++compressed_cases[code_bits];

@@ -318,9 +318,9 @@ inline void cp_async16(void* smem, const void* gmem) {
   if (dst < simt::self.smem || dst + 16 > simt::self.smem + simt::self.smem_bytes) {
     simt::fail("cp.async writes outside the block's shared memory");
   }
-  const bool readable = std::any_of(
-      simt::self.readable->begin(), simt::self.readable->end(),
-      [&](const simt::Region& r) { return src >= r.begin && src + 16 <= r.end; });
+  const bool readable =
+      std::any_of(simt::self.readable->begin(), simt::self.readable->end(),
+                  [&](const simt::Region& r) { return src >= r.begin && src + 16 <= r.end; });
   if (!readable) simt::fail("cp.async reads outside every device buffer of the launch");
   std::memset(dst, kCopyPoison, 16);
   simt::self.open.emplace_back(dst, src);

@@ -29,8 +29,7 @@ DeviceTable table_of(const uint8_t* payload, int64_t payload_bytes, const int64_
                      int64_t row_bytes, int64_t unit_bytes, int chunk_bits) {
   const int v = chunks_per_row(row_bytes, chunk_bits);
   return DeviceTable{TableView{payload, block_base, row_units, bitmask, mask, bitval, num_rows,
-                               row_bytes, unit_bytes, chunk_bits, v,
-                               code_bits_for(bitval_len, v)},
+                               row_bytes, unit_bytes, chunk_bits, v, code_bits_for(bitval_len, v)},
                      payload_bytes};
 }
 
@@ -91,17 +90,17 @@ int simt_gather(const uint8_t* payload, int64_t payload_bytes, const int64_t* bl
                 const int64_t* perm, int64_t n, uint8_t* out, int decode, int blocks, int warps,
                 int async, char* message, int message_len) {
   int32_t error = 0;
-  const DeviceTable table = table_of(payload, payload_bytes, block_base, row_units, bitmask, mask,
-                                     bitval, bitval_len, num_rows, row_bytes, unit_bytes,
-                                     chunk_bits);
+  const DeviceTable table =
+      table_of(payload, payload_bytes, block_base, row_units, bitmask, mask, bitval, bitval_len,
+               num_rows, row_bytes, unit_bytes, chunk_bits);
   const GatherArgs a{table, tier_or_none(tier), ids, perm, n, out, &error};
   const Staging st{stage_buffer_bytes(row_bytes, unit_bytes), async != 0};
   const int64_t per_warp = gather_smem_per_warp(st.buffer_bytes);
-  const std::string failure =
-      decode != 0 ? run(a, st, blocks, warps, per_warp, gather_kernel<16, true>,
-                        gather_kernel<32, true>, gather_kernel<64, true>)
-                  : run(a, st, blocks, warps, per_warp, gather_kernel<16, false>,
-                        gather_kernel<32, false>, gather_kernel<64, false>);
+  const std::string failure = decode != 0
+                                  ? run(a, st, blocks, warps, per_warp, gather_kernel<16, true>,
+                                        gather_kernel<32, true>, gather_kernel<64, true>)
+                                  : run(a, st, blocks, warps, per_warp, gather_kernel<16, false>,
+                                        gather_kernel<32, false>, gather_kernel<64, false>);
   return finish(failure, &error, message, message_len);
 }
 
@@ -117,11 +116,10 @@ int simt_pooled(int num_tables, const uint8_t* const* payload, const int64_t* pa
                 const uint64_t* const* bitval, const int64_t* bitval_len, const int64_t* num_rows,
                 const int64_t* row_bytes, const int64_t* unit_bytes, int chunk_bits,
                 const DeviceTier* tiers, const int* dtype, int single, int num_parts,
-                const int32_t* part_table,
-                const int64_t* first_bag, const int64_t* bag_count, float* const* out,
-                int pooling, const int64_t* ids, const int64_t* offsets, int64_t num_offset_bags,
-                int64_t nnz, const float* weights, int blocks, int warps, int async,
-                char* message, int message_len) {
+                const int32_t* part_table, const int64_t* first_bag, const int64_t* bag_count,
+                float* const* out, int pooling, const int64_t* ids, const int64_t* offsets,
+                int64_t num_offset_bags, int64_t nnz, const float* weights, int blocks, int warps,
+                int async, char* message, int message_len) {
   if (num_parts > kMaxPooledParts || (single != 0 && (num_tables != 1 || tiers != nullptr))) {
     std::snprintf(message, static_cast<size_t>(message_len), "bad launch");
     return -1;

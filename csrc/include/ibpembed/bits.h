@@ -104,9 +104,7 @@ struct PortableBitOps {
   IBP_HD_METHOD static uint64_t deposit(uint64_t src, uint64_t mask) {
     return deposit_runs(src, mask);
   }
-  IBP_HD_METHOD static uint64_t extract(uint64_t x, uint64_t mask) {
-    return extract_runs(x, mask);
-  }
+  IBP_HD_METHOD static uint64_t extract(uint64_t x, uint64_t mask) { return extract_runs(x, mask); }
 };
 
 // Read at least W valid bits of an LSB-first stream starting at bit `pos` (bits above W are

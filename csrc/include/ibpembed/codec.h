@@ -145,9 +145,8 @@ class CorruptTableError : public std::runtime_error {
 
 struct RowKernels {
   // comp_bytes[r] = compressed encoding size of row r in bytes (before slot rounding).
-  void (*size_rows)(const uint8_t* rows, int64_t num_rows, int64_t row_bytes,
-                    const uint64_t* mask, const uint64_t* bitval, int chunk_bits, int code_bits,
-                    int64_t* comp_bytes);
+  void (*size_rows)(const uint8_t* rows, int64_t num_rows, int64_t row_bytes, const uint64_t* mask,
+                    const uint64_t* bitval, int chunk_bits, int code_bits, int64_t* comp_bytes);
   // Writes row r at payload + offsets[r]: encoded if compressed[r], else verbatim.
   void (*encode_rows)(const uint8_t* rows, int64_t num_rows, int64_t row_bytes,
                       const uint64_t* mask, const uint64_t* bitval, int chunk_bits, int code_bits,

@@ -134,14 +134,14 @@ IBP_HD uint32_t sum_first_bytes(const uint8_t* block, int n) {
   // NOTE(codec): every lookup locates its row through this sum, and n is as random as the ids:
   // the SWAR loop below branches on n and mispredicts on most rows. psadbw (SSE2, part of
   // x86-64) sums the masked bytes without a branch.
-  const __m128i lo = _mm_and_si128(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(block)),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(kPrefixBytes + 32 - n)));
-  const __m128i hi = _mm_and_si128(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(kPrefixBytes + 48 - n)));
-  const __m128i sums = _mm_add_epi64(_mm_sad_epu8(lo, _mm_setzero_si128()),
-                                     _mm_sad_epu8(hi, _mm_setzero_si128()));
+  const __m128i lo =
+      _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)),
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(kPrefixBytes + 32 - n)));
+  const __m128i hi =
+      _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)),
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(kPrefixBytes + 48 - n)));
+  const __m128i sums =
+      _mm_add_epi64(_mm_sad_epu8(lo, _mm_setzero_si128()), _mm_sad_epu8(hi, _mm_setzero_si128()));
   return static_cast<uint32_t>(_mm_cvtsi128_si32(sums) +
                                _mm_cvtsi128_si32(_mm_unpackhi_epi64(sums, sums)));
 #else

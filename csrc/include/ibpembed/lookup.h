@@ -31,9 +31,9 @@ void gather_rows_cpu(const RowKernels& k, const TableView& t, const int64_t* ind
                      uint8_t* out);
 
 // Pooled lookup into out[num_bags, pooled_dim(dtype, row_bytes)] (fp32, overwritten).
-void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype,
-                       const int64_t* indices, const int64_t* offsets, int64_t num_bags,
-                       const float* per_sample_weights, Pooling pooling, float* out);
+void lookup_pooled_cpu(const RowKernels& k, const TableView& t, DType dtype, const int64_t* indices,
+                       const int64_t* offsets, int64_t num_bags, const float* per_sample_weights,
+                       Pooling pooling, float* out);
 
 // The pooling loops pooled lookups run: "avx512", "avx2" or "portable", the widest this CPU runs
 // unless set_pool_loops chose another. Every set gives the same bits; switching lets one host

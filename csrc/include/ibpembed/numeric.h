@@ -52,8 +52,7 @@ IBP_HD int64_t pooled_dim(DType dtype, int64_t row_bytes) {
 }
 
 // acc[d] += weight * value(row, d) for d < dim.
-IBP_HD void accumulate_row(DType dtype, const uint8_t* row, int64_t dim, float weight,
-                           float* acc) {
+IBP_HD void accumulate_row(DType dtype, const uint8_t* row, int64_t dim, float weight, float* acc) {
   switch (dtype) {
     case DType::kFloat32: {
       for (int64_t d = 0; d < dim; ++d) {
