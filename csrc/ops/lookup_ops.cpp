@@ -71,35 +71,26 @@ void attach_tier(TableView& t, const std::optional<at::Tensor>& tier_dir,
   if (tier_dir->numel() == 0) return;
   const int64_t words = tier_dir_words(t.num_rows);
   const auto* dir = reinterpret_cast<const uint64_t*>(tier_dir->data_ptr<int64_t>());
-  // The last word's rows end at the held rows' count, or past it where a row update moved
-  // them (tier.h): either way within the tier's slots.
-  const auto held = static_cast<int64_t>(dir[2 * words - 1]) + popcount64(dir[2 * words - 2]);
-  TORCH_CHECK_VALUE(held <= tier_rows->size(0), "tier_dir lists ", held,
-                    " tier rows but tier_rows holds ", tier_rows->size(0));
+  // The last word's rows end within the tier's slots, at the held rows' count in a tier as
+  // built (tier.h).
+  const auto end = static_cast<int64_t>(dir[2 * words - 1]) + popcount64(dir[2 * words - 2]);
+  TORCH_CHECK_VALUE(end <= tier_rows->size(0), "tier_dir's last word ends at slot ", end,
+                    " but tier_rows holds ", tier_rows->size(0), " rows");
   t.tier_dir = dir;
 }
 
-// Every word of a tier directory: its base is the rows of the words before it, or a row update
-// moved its rows to slots past all held rows' count and within the tier's (tier.h); and no bit
-// lies past the table's last row.
+// Every word of a tier directory: its rows lie within the tier's slots (where in them is the
+// tier's choice: tier.h), and no bit lies past the table's last row.
 void check_tier_dir(const TableView& t) {
   if (t.tier_dir == nullptr) return;
   const int64_t words = tier_dir_words(t.num_rows);
-  uint64_t held = 0;
-  for (int64_t w = 0; w < words; ++w) {
-    held += static_cast<uint64_t>(popcount64(t.tier_dir[2 * w]));
-  }
   const auto slots = static_cast<uint64_t>(t.tier_num_rows);
-  uint64_t before = 0;
   for (int64_t w = 0; w < words; ++w) {
     const uint64_t base = t.tier_dir[2 * w + 1];
     const auto count = static_cast<uint64_t>(popcount64(t.tier_dir[2 * w]));
-    const bool moved = base >= held && base <= slots && count <= slots - base;
-    TORCH_CHECK_VALUE(base == before || moved, "tier_dir[", 2 * w + 1, "] puts word ", w,
-                      "'s rows at slot ", static_cast<int64_t>(base), ": neither after the ",
-                      before, " rows before word ", w, " nor among the moved rows' slots [", held,
-                      ", ", slots, ")");
-    before += count;
+    TORCH_CHECK_VALUE(base <= slots && count <= slots - base, "tier_dir[", 2 * w + 1, "] puts the ",
+                      count, " rows of word ", w, " at slot ", static_cast<int64_t>(base),
+                      ", past the tier's ", slots, " slots");
   }
   const int tail = static_cast<int>(t.num_rows - kTierWordRows * (words - 1));
   TORCH_CHECK_VALUE(tail == kTierWordRows || (t.tier_dir[2 * words - 2] >> tail) == 0,

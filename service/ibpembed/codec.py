@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -41,6 +41,9 @@ from ibpembed.layout import (
 
 Method = Literal["ibpembed", "paper", "raw"]
 Pooling = Literal["sum", "mean"]
+
+# A decoded tier keeps this fraction of its rows as spare slots (tier_spare_rows).
+TIER_SPARE_FRACTION = 8
 
 # (chunk_bits, code_bits) layouts the fit compares, in classes of equal decode speed, fastest
 # first: wider chunks decode more bytes per step, and C = 1 (plain IBP) needs no codebook lookup
@@ -153,8 +156,8 @@ class HotRows:
     # int64 [ceil(N / 64) * 2], a rank directory: per 64 rows a bit word (set = in the tier),
     # then the slot of the word's first held row, so row r sits at rows[base + popcount(lower
     # bits)]; empty [0] when the tier holds every row (row r at rows[r]). A fresh tier's bases
-    # count the rows before each word (row ids[k] at k); a row update moves the rows of each
-    # word it touches to slots past the others (tables/updates.py).
+    # count the rows before each word (row ids[k] at k); a new version of it moves the words
+    # it changes to slots past the others (tables/tier_versions.py).
     directory: torch.Tensor
     rows: torch.Tensor  # uint8 [slots >= K, row_bytes], the head of a buffer (see ``bytes``)
     # Share of the traffic sample that chose these rows which they served; 0 when unknown.
@@ -167,8 +170,8 @@ class HotRows:
 
     @property
     def bytes(self) -> int:
-        """Host memory of the tier: the decoded rows (with the buffer's spare slots, which row
-        updates fill), their ids and the directory."""
+        """Host memory of the tier: the decoded rows (with the buffer's spare slots, which new
+        versions of the tier fill: tables/tier_versions.py), their ids and the directory."""
         rows = self.rows.untyped_storage().nbytes() if self.rows.numel() else 0
         return rows + 8 * (self.ids.numel() + self.directory.numel())
 
@@ -189,17 +192,47 @@ def tier_directory_bytes(num_rows: int) -> int:
     return 16 * layout.ceil_div(num_rows, TIER_WORD_ROWS)
 
 
+def tier_spare_rows(count: int) -> int:
+    """Spare slots a tier of ``count`` rows keeps, past its rows, for the words its next
+    versions change (row updates, refreshes: tables/tier_versions.py): an eighth of its rows."""
+    return count // TIER_SPARE_FRACTION
+
+
 def tier_bytes_for(num_rows: int, row_bytes: int, count: int) -> int:
     """Host bytes of a decoded tier of ``count`` rows of a table of ``num_rows`` rows (what
-    ``HotRows.bytes`` will be): the rows and their ids, plus the directory
-    (``tier_directory_bytes``) unless the tier holds every row (``count == num_rows``).
-    Prices any count >= 0, so that a caller may difference it."""
+    ``HotRows.bytes`` will be): the rows with their spare slots (``tier_spare_rows``) and their
+    ids, plus the directory (``tier_directory_bytes``) unless the tier holds every row
+    (``count == num_rows``). Prices any count >= 0, so that a caller may difference it."""
     if count < 0:
         raise ValueError(f"a tier holds at least 0 rows, got {count}")
     if count == 0:
         return 0
     directory = 0 if count == num_rows else tier_directory_bytes(num_rows)
-    return count * (row_bytes + 8) + directory
+    return count * (row_bytes + 8) + tier_spare_rows(count) * row_bytes + directory
+
+
+def tier_rows_within(
+    num_rows: int, row_bytes: int, budget_bytes: int, extra: Callable[[int], int] | None = None
+) -> int:
+    """The most rows (``num_rows`` at most) whose tier (``tier_bytes_for``), plus ``extra(rows)``
+    bytes if given (non-decreasing in the rows), costs at most ``budget_bytes``."""
+
+    def cost(rows: int) -> int:
+        return tier_bytes_for(num_rows, row_bytes, rows) + (extra(rows) if extra else 0)
+
+    if budget_bytes <= 0 or num_rows == 0:
+        return 0
+    # Every row needs no directory, so it may cost less than every row but one: tried first.
+    if cost(num_rows) <= budget_bytes:
+        return num_rows
+    low, high = 0, num_rows - 1  # low fits (or is 0), high + 1 does not
+    while low < high:
+        mid = (low + high + 1) // 2
+        if cost(mid) <= budget_bytes:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 @dataclass(frozen=True, eq=False)
@@ -298,11 +331,7 @@ class CompressedTable:
             raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        per_row = self.row_bytes + 8
-        if budget_bytes >= self.num_rows * per_row:
-            return self.num_rows
-        room = budget_bytes - tier_directory_bytes(self.num_rows)
-        return max(0, min(self.num_rows - 1, room // per_row))
+        return tier_rows_within(self.num_rows, self.row_bytes, budget_bytes)
 
     @property
     def poolable(self) -> bool:
@@ -447,18 +476,25 @@ class CompressedTable:
         lookup holding the old one keeps reading the old tier (build aside, publish by swapping).
         ``coverage``: see ``HotRows``. Its host memory: ``tier_bytes_for``.
         """
-        ids = _as_indices(ids, "ids")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
-            raise IndexError(f"hot row ids must lie in [0, {self.num_rows})")
-        ids = torch.unique(ids)  # sorted: the tier keeps rows in row order
+        ids = self.tier_selection(ids)
         base = self.without_hot_rows()
         if ids.numel() == 0 or base._raw_rows_as_tier[1] is not None:
             return base
         directory = ids.new_empty(0) if ids.numel() == self.num_rows else self.rank_directory(ids)
-        # Through the current tier: a refresh that keeps most rows copies them instead of
-        # decoding them again.
-        rows = ops.ibp_gather(*self.op_args(), ids, *self._tier_args())
+        # Read through the current tier: a rebuild that keeps most rows copies them instead of
+        # decoding them again. The spare slots past the rows (their contents written before any
+        # version reads them) come from the same call, on huge pages like the rows.
+        spare = ids[:1].expand(tier_spare_rows(ids.numel()))
+        buffer = ops.ibp_gather(*self.op_args(), torch.cat([ids, spare]), *self._tier_args())
+        rows = buffer[: ids.numel()]
         return dataclasses.replace(self, hot=HotRows(ids, directory, rows, coverage))
+
+    def tier_selection(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` as a tier's rows: int64, sorted, distinct (IndexError outside the table)."""
+        ids = _as_indices(ids, "ids")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
+            raise IndexError(f"hot row ids must lie in [0, {self.num_rows})")
+        return torch.unique(ids)  # sorted: a tier's words hold their rows in row order
 
     def rank_directory(self, ids: torch.Tensor) -> torch.Tensor:
         """The rank directory of a tier holding the sorted distinct ``ids`` (HotRows.directory,

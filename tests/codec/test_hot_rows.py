@@ -156,13 +156,18 @@ def test_tier_capacity_rows_and_bad_budgets() -> None:
     c = compress(make_table(torch.float32, 1000, 16, "trained_like", 2))
     per_row, directory = c.row_bytes + 8, tier_directory_bytes(1000)
     assert directory == 16 * 16
+    # Rows, their ids, the directory and a spare slot per eight rows.
+    assert tier_bytes_for(1000, c.row_bytes, 16) == directory + 16 * per_row + 2 * c.row_bytes
     assert c.tier_capacity_rows(0) == 0
     assert c.tier_capacity_rows(directory + per_row - 1) == 0
-    assert c.tier_capacity_rows(directory + 10 * per_row) == 10
-    assert c.tier_capacity_rows(1000 * per_row) == 1000  # every row: no directory needed
+    assert c.tier_capacity_rows(directory + 16 * per_row + 2 * c.row_bytes) == 16
+    assert c.tier_capacity_rows(directory + 16 * per_row + 2 * c.row_bytes - 1) == 15
+    every = 1000 * per_row + 125 * c.row_bytes  # every row: no directory needed
+    assert tier_bytes_for(1000, c.row_bytes, 1000) == every
+    assert c.tier_capacity_rows(every) == 1000
     assert c.tier_capacity_rows(10**15) == 1000  # clamped to the table
     # 999 rows and their directory cost more than every row without one: the budget buys all.
-    assert c.tier_capacity_rows(tier_bytes_for(1000, c.row_bytes, 997)) == 1000
+    assert c.tier_capacity_rows(tier_bytes_for(1000, c.row_bytes, 999)) == 1000
     for k in (0, 10, 500, 1000):
         budget = tier_bytes_for(1000, c.row_bytes, k)
         assert c.tier_capacity_rows(budget) == k
@@ -193,7 +198,7 @@ def test_ops_reject_an_inconsistent_tier() -> None:
         ops.ibp_gather(*c.op_args(), ids, tier.directory, None)
     with pytest.raises(ValueError, match="two per 64 rows"):
         ops.ibp_gather(*c.op_args(), ids, tier.directory[:-2], tier.rows)
-    with pytest.raises(ValueError, match="tier rows but tier_rows holds"):
+    with pytest.raises(ValueError, match="last word ends at slot 67 but tier_rows holds 66"):
         ops.ibp_gather(*c.op_args(), ids, tier.directory, tier.rows[1:])
     with pytest.raises(ValueError, match="tier holds every row"):
         ops.ibp_gather(*c.op_args(), ids, tier.directory[:0], tier.rows)
@@ -205,9 +210,8 @@ def test_ops_reject_an_inconsistent_tier() -> None:
         )
     handle = torch.classes.ibpembed.TableSet()
     miscounted = tier.directory.clone()
-    miscounted[3] += 1  # word 1's count; the total (checked per call) still matches
-    miscounted[1] -= 1
-    with pytest.raises(ValueError, match="rows before word"):
+    miscounted[3] += 60  # word 1's rows past the tier; the last word (checked per call) fits
+    with pytest.raises(ValueError, match="rows of word 1 at slot 82, past the tier's 67 slots"):
         handle.add(*c.op_args(), 0, miscounted, tier.rows)
     past = tier.directory.clone()
     past[6] = (past[6] ^ 1) | (1 << 20)  # row 192 out, row 212 of a 200-row table in

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Row updates of a table with a decoded tier: each version reads exactly its own rows through
-its tier, the versions share one tier buffer, and an update copies the rows of the directory
-words it touches, not the tier."""
+"""New versions of a decoded tier (row updates, refreshes): each version reads exactly its own
+rows through its tier, the versions share one tier buffer, and a new version copies the rows of
+the directory words it changes, not the tier (ibpembed.tables.tier_versions)."""
 
 from __future__ import annotations
 
@@ -39,36 +39,44 @@ def _check_version(table: CompressedTable, truth: torch.Tensor) -> None:
         assert same_bits(pooled, plain.lookup(ids, offsets))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     dtype=st.sampled_from(DTYPES),
     rows=st.sampled_from((1, 63, 64, 65, 200, 333)),
     dim=st.sampled_from((1, 3, 16, 33)),
     selection=st.sampled_from(("sparse", "dense", "all")),
-    update_sizes=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+    steps=st.lists(
+        st.tuples(st.sampled_from(("update", "refresh")), st.integers(1, 40)),
+        min_size=1,
+        max_size=10,
+    ),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_every_pinned_version_reads_its_own_rows(
-    dtype, rows, dim, selection, update_sizes, seed
-) -> None:
-    """Random updates of tier rows and others, every version kept pinned: each reads exactly
-    the rows it was published with, whether its tier's words were moved, appended or compacted
-    (small tiers run out of spare slots within a few updates)."""
+def test_every_pinned_version_reads_its_own_rows(dtype, rows, dim, selection, steps, seed) -> None:
+    """Random row updates (of tier rows and others) and refreshes (rows entering and leaving,
+    whole tiers and none), every version kept pinned: each reads exactly the rows it was
+    published with, whether its tier's words were moved, appended or compacted (small tiers run
+    out of spare slots within a few versions)."""
     rng = np.random.default_rng(seed)
-    values = make_table(dtype, rows, dim, "random_bits" if seed % 3 == 0 else "trained_like", seed)
+    kind = "random_bits" if seed % 3 == 0 else "trained_like"
+    values = make_table(dtype, rows, dim, kind, seed)
     tiered = compress(values).with_hot_rows(_tier_ids(rows, selection, rng))
-    store = TableStore({"t": tiered}, {"t": "t"}, keep_versions=len(update_sizes) + 1)
+    store = TableStore({"t": tiered}, {"t": "t"}, keep_versions=len(steps) + 1)
     truths = [values.clone()]
     with contextlib.ExitStack() as pinned:
         tables = [pinned.enter_context(store.acquire()).tables["t"]]
-        for size in update_sizes:
-            ids = torch.from_numpy(rng.choice(rows, min(size, rows), replace=False))
-            new_rows = make_table(
-                dtype, ids.numel(), dim, "random_bits", int(rng.integers(1 << 30))
-            )
-            truth = truths[-1].clone()
-            truth[ids] = new_rows
-            store.update_rows("t", ids, new_rows)
+        for step, size in steps:
+            truth = truths[-1]
+            if step == "update":
+                ids = torch.from_numpy(rng.choice(rows, min(size, rows), replace=False))
+                new_rows = make_table(dtype, ids.numel(), dim, "random_bits", int(rng.integers(9)))
+                truth = truth.clone()
+                truth[ids] = new_rows
+                store.update_rows("t", ids, new_rows)
+            else:
+                chosen = ("sparse", "dense", "all")[size % 3] if size % 5 else "none"
+                held = _tier_ids(rows, chosen, rng) if chosen != "none" else torch.arange(0)
+                store.set_hot_rows("t", held)
             truths.append(truth)
             tables.append(pinned.enter_context(store.acquire()).tables["t"])
         for table, truth in zip(tables, truths, strict=True):
@@ -100,16 +108,30 @@ def test_an_update_copies_the_words_it_touches_not_the_tier() -> None:
     _check_version(after, expected)
 
 
-def test_a_new_tier_lets_the_old_tier_buffer_go() -> None:
-    values = make_table(torch.float32, 4096, 16, "trained_like", 5)
-    store = TableStore({"t": compress(values).with_hot_rows(torch.arange(0, 4096, 2))}, {"t": "t"})
-    store.update_rows("t", torch.tensor([2]), torch.zeros(1, 16))
-    assert store._updates._spill["t"].tier is not None
-    store.set_hot_rows("t", torch.arange(0, 4096, 3))
-    assert store._updates._spill["t"].tier is None
+def test_a_refresh_copies_the_words_where_rows_enter_or_leave() -> None:
+    rows, dim = 8192, 32
+    values = make_table(torch.float32, rows, dim, "trained_like", 5)
+    store = TableStore({"t": compress(values)}, {"t": "t"})
+    store.set_hot_rows("t", torch.arange(0, rows, 4))  # the first tier: exact, no spare slots
+    store.set_hot_rows("t", torch.arange(0, rows, 3))  # the second: a fresh buffer with some
+    with store.acquire() as snap:
+        before = snap.tables["t"]
+    assert before.hot is not None and before.hot.bytes > before.hot.rows.nbytes
+    ids = torch.cat([torch.arange(0, rows, 3), torch.tensor([1000, 5000])]).unique()
+    ids = ids[ids != 3]  # rows 1000 and 5000 enter, 3 leaves: words 0, 15 and 78 change
+    store.set_hot_rows("t", ids)
+    with store.acquire() as snap:
+        after = snap.tables["t"]
+    assert after.hot is not None
+    assert after.hot.rows.data_ptr() == before.hot.rows.data_ptr()
+    moved = sum(int(((ids >= 64 * w) & (ids < 64 * (w + 1))).sum()) for w in (0, 15, 78))
+    assert after.hot.rows.shape[0] == before.hot.rows.shape[0] + moved
+    assert after.hot.ids.tolist() == ids.tolist()
+    _check_version(after, values)
+    _check_version(before, values)
 
 
-def test_table_sets_reject_a_moved_word_outside_the_tier() -> None:
+def test_table_sets_reject_a_word_outside_the_tier() -> None:
     values = make_table(torch.float32, 256, 16, "trained_like", 6)
     store = TableStore({"t": compress(values).with_hot_rows(torch.arange(0, 256, 2))}, {"t": "t"})
     store.update_rows("t", torch.tensor([2]), torch.zeros(1, 16))
@@ -122,9 +144,5 @@ def test_table_sets_reject_a_moved_word_outside_the_tier() -> None:
     beyond = hot.directory.clone()
     beyond[5] = hot.rows.shape[0] - 10  # word 2's 32 rows would end past the tier
     handle = torch.classes.ibpembed.TableSet()
-    with pytest.raises(ValueError, match=r"moved rows' slots"):
+    with pytest.raises(ValueError, match=r"rows of word 2 at slot \d+, past the tier's"):
         handle.add(*table.op_args(), table.dtype_code, beyond, hot.rows)
-    inside = hot.directory.clone()
-    inside[5] = 40  # inside the tier but neither in rank order nor past the held rows
-    with pytest.raises(ValueError, match=r"rows before word 2"):
-        handle.add(*table.op_args(), table.dtype_code, inside, hot.rows)

@@ -25,9 +25,10 @@ IBP_HD int64_t tier_dir_words(int64_t num_rows) {
 // the table (16 bytes, 0.25 per row), a bit word (bit r & 63 set: the tier holds row r) and the
 // slot of the word's first held row. A word's held rows sit at consecutive slots in row order,
 // so a held row's slot is that base plus the held rows below it in its word. In a tier as built,
-// the base counts the rows the words before it hold; a row update copies the rows of each word
-// it touches to slots past those (service/ibpembed/tables/updates.py) and points the word there,
-// so the versions before it keep reading theirs.
+// the base counts the rows the words before it hold; a new version of the tier (a row update, a
+// refresh) copies the rows of each word it changes to slots past those and points the word
+// there, so the versions before it keep reading theirs
+// (service/ibpembed/tables/tier_versions.py).
 struct RankSlot {
   bool held;
   uint64_t base;  // the word's base

@@ -18,9 +18,10 @@ rows either way: the policy only moves time and memory.
   target set is re-decided: a row seen lately enters when its estimated frequency beats the
   coldest resident's (residents win ties, so equal rows do not churn), which leaves.
 - **Publication** (every ``refresh_s``, first after FIRST_REFRESH_S; at once for ``all``): a
-  table whose target set changed gets a new tier built aside from the store's current version
-  (``TableStore.set_hot_rows``) and published with one snapshot swap. Lookups never wait for
-  it; a lookup holding an older snapshot reads that snapshot's tier.
+  table whose target set changed gets a new version of its tier, built aside from the store's
+  current version (``TableStore.set_hot_rows``: the directory words where rows enter or leave
+  rewritten, :mod:`ibpembed.tables.tier_versions`) and published with one snapshot swap.
+  Lookups never wait for it; a lookup holding an older snapshot reads that snapshot's tier.
 
 - **The gate** (:class:`HitRatioGate`, the host tier's; the HBM tier has none): a partial tier
   pays only where it serves enough lookups, since every lookup of a table with a tier pays a

@@ -54,6 +54,7 @@ import torch
 from ibpembed import layout
 from ibpembed.codec import CompressedTable, CompressedTableSet, serve_payload_bytes
 from ibpembed.errors import VersionNotHeld
+from ibpembed.tables import tier_versions
 from ibpembed.tables import writer as tw
 from ibpembed.tables.manifest import ManifestEntry, RowRange, load_table_set_meta
 from ibpembed.tables.mapped_files import MappedFiles
@@ -256,6 +257,7 @@ class TableStore:
             aliases = HostAliases(cuda_register(self.device))
         self._aliases = aliases
         self._updates = RowUpdates()
+        self._tiers = tier_versions.TierSpares()
         self._keep = keep_versions
         self._current = TableSnapshot(
             version,
@@ -521,6 +523,7 @@ class TableStore:
                 # "reuse" old tables.
                 self._publish(tables, manifest.features, shards, version=manifest.table_set_version)
                 self._updates.clear()
+                self._tiers.clear()
             if not unchanged:
                 # Files of tables no held version serves any more are not watched (nor kept).
                 self._watch_files(target, manifest.tables, fresh)
@@ -602,12 +605,15 @@ class TableStore:
             self._entries.pop(name, None)
             self._meta.pop(name, None)
             self._updates.forget(name)
+            self._tiers.forget(name)
 
     def set_hot_rows(self, table: str, ids: torch.Tensor, *, coverage: float = 0.0) -> int:
         """Keep decoded copies of rows ``ids`` of ``table`` for CPU lookups (replacing any
         earlier ones; empty ``ids`` drops them). Lookups return the same rows either way, so the
         snapshot keeps its version. Returns the number of rows cached (rows stored raw are
-        taken too: ``CompressedTable.with_hot_rows``). ``coverage``: see ``HotRows``.
+        taken too: ``CompressedTable.with_hot_rows``). A table with a tier gets a new version of
+        it, which rewrites only the directory words where rows enter or leave
+        (:mod:`ibpembed.tables.tier_versions`). ``coverage``: see ``HotRows``.
 
         Raises
         ------
@@ -620,9 +626,11 @@ class TableStore:
             current = self._current.tables
             if table not in current:
                 raise KeyError(f"unknown table '{table}'")
-            new = current[table].with_hot_rows(ids, coverage=coverage)
+            spare = self._tiers.spare(table, current[table])
+            new, tier = tier_versions.retiered(current[table], ids, coverage, spare)
             self._publish({**current, table: new}, self._current.features, same_rows=True)
             self._updates.republished(table, current[table], new)
+            self._tiers.commit(table, tier)
             return new.hot.count if new.hot is not None else 0
 
     def update_rows(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -645,13 +653,16 @@ class TableStore:
             current = self._current.tables
             if table not in current:
                 raise KeyError(f"unknown table '{table}'")
-            update = self._updates.prepare(table, current[table], ids, rows)
-            if update is None:  # no ids: nothing to publish
+            spare = self._tiers.spare(table, current[table])
+            prepared = self._updates.prepare(table, current[table], ids, rows, spare)
+            if prepared is None:  # no ids: nothing to publish
                 return
+            update, tier = prepared
             self._publish({**current, table: update.table}, self._current.features)
             # Recorded only once published: after a failed publish the next update starts again
             # from the published table, whose spare area this one's bytes are still part of.
             self._updates.commit(table, update)
+            self._tiers.commit(table, tier)
             self._entries.pop(table, None)  # it no longer matches its file (_pooling, _meta stay)
 
     def save(self, directory: str | os.PathLike[str]) -> list[tw.PackedTable]:

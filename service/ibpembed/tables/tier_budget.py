@@ -18,13 +18,15 @@ Accepted spellings (case and blanks do not matter):
 A budget that buys every row of a table (at least what ``all`` costs) is clamped to ``all`` for
 that table. Negative, empty or unparsable values raise ValueError naming the accepted forms.
 
-A budget covers everything the tier holds in host memory: its rows, their ids and directory and,
-for a tier that follows the traffic online, the admission policy's own state (a
+A budget covers everything the tier holds in host memory: its rows with their spare slots (an
+eighth of the rows, where the tier's next versions go: ``codec.tier_spare_rows``), their ids and
+directory and, for a tier that follows the traffic online, the admission policy's own state (a
 :data:`StateBytes` the policy passes in), so that ``savings`` keeps its promise.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -215,26 +217,5 @@ def capacity_rows(
 ) -> int:
     """Most rows (``num_rows`` at most) whose tier, with the policy's ``state`` for it, costs
     at most ``budget_bytes``."""
-    if budget_bytes <= 0 or num_rows == 0:
-        return 0
-
-    def cost(rows: int) -> int:
-        extra = state(num_rows, rows) if state is not None else 0
-        return tier_cost(num_rows, row_bytes, rows) + extra
-
-    # Every row needs no directory, so it may cost less than every row but one: tried first.
-    if cost(num_rows) <= budget_bytes:
-        return num_rows
-    if state is None:  # rows and ids, plus a fixed directory (codec.tier_bytes_for): solved
-        per_row = row_bytes + 8
-        fixed = codec.tier_directory_bytes(num_rows)
-        return min(num_rows - 1, max(budget_bytes - fixed, 0) // per_row)
-    # Below every row the cost only grows with the rows (a policy's state must not shrink).
-    low, high = 0, num_rows - 1  # low fits (or is 0), high + 1 does not
-    while low < high:
-        mid = (low + high + 1) // 2
-        if cost(mid) <= budget_bytes:
-            low = mid
-        else:
-            high = mid - 1
-    return low
+    extra = None if state is None else functools.partial(state, num_rows)
+    return codec.tier_rows_within(num_rows, row_bytes, budget_bytes, extra)

@@ -13,12 +13,8 @@ first update of a memory-mapped table, the table is compacted into a fresh buffe
 room (and its masks copied, so nothing of a mapped file stays referenced). Each update also copies
 the small index (about 1.4 bytes per row).
 
-A decoded tier (``HotRows``) is updated the same way, per 64-row word of its rank directory: the
-held rows of each word an updated row lies in are written, new bits in, to spare slots past every
-slot a published version reads, and the new version's directory (0.25 bytes per table row,
-copied) points that word there. An update then copies at most 64 tier rows per word it touches,
-not the tier, and successive versions share one buffer; when its spare slots run out, the tier
-is copied in row order into a fresh buffer with new ones.
+A decoded tier's rows take their new bits the same way, in spare slots of a buffer the versions
+share (:mod:`ibpembed.tables.tier_versions`).
 
 :class:`RowUpdates` builds the updated tables; publishing them is the caller's
 (:meth:`ibpembed.tables.store.TableStore.update_rows`).
@@ -33,8 +29,8 @@ import torch
 
 from ibpembed import layout
 from ibpembed._ops import ops
-from ibpembed.codec import TIER_WORD_ROWS, CompressedTable, HotRows
-from ibpembed.tables import _layout
+from ibpembed.codec import CompressedTable
+from ibpembed.tables import _layout, tier_versions
 
 # Spare payload bytes a compaction reserves for later spills: this fraction of the payload, and
 # at least enough for a few updates like the one that triggered it.
@@ -44,12 +40,10 @@ MIN_SPILL_BYTES = 1 << 16
 
 @dataclass(frozen=True, eq=False)
 class Spill:
-    """The buffer under ``table``'s payload, bytes past the payload's end free, and the one
-    under its tier's rows (None without a tier), slots past the rows free."""
+    """The buffer under ``table``'s payload; bytes past the payload's end are free."""
 
     table: CompressedTable
     buffer: torch.Tensor
-    tier: torch.Tensor | None = None
 
 
 class RowUpdates:
@@ -67,15 +61,24 @@ class RowUpdates:
         return name in self._spill
 
     def prepare(
-        self, name: str, old: CompressedTable, ids: torch.Tensor, rows: torch.Tensor
-    ) -> Spill | None:
-        """Table ``name`` (held as ``old``) with rows ``ids`` replaced by ``rows``, and the
-        buffer under its payload; None when ``ids`` is empty. Checks the arguments first
-        (TypeError, ValueError). Pass the result to :meth:`commit` once it is published."""
+        self,
+        name: str,
+        old: CompressedTable,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        tier_spare: torch.Tensor | None,
+    ) -> tuple[Spill, torch.Tensor | None] | None:
+        """Table ``name`` (held as ``old``) with rows ``ids`` replaced by ``rows``, with the
+        buffer under its payload, and the one under its tier's rows (``tier_spare``:
+        ``TierSpares.spare`` of ``old``); None when ``ids`` is empty. Checks the arguments first
+        (TypeError, ValueError). Pass the spill to :meth:`commit`, the tier's buffer to
+        ``TierSpares.commit``, once the table is published."""
         ids, rows = _check_update(old, ids, rows)
         if ids.numel() == 0:
             return None
-        return _apply(old, ids, rows, self._spill.get(name))
+        update = _apply(old, ids, rows, self._spill.get(name))
+        hot, tier = tier_versions.updated(old, ids, rows, tier_spare)
+        return Spill(dataclasses.replace(update.table, hot=hot), update.buffer), tier
 
     def commit(self, name: str, update: Spill) -> None:
         """``update`` is published: later updates of ``name`` append to its spare area."""
@@ -85,10 +88,8 @@ class RowUpdates:
         """``new``, read from the same payload as ``old`` (other decoded tiers), replaced it."""
         spill = self._spill.get(name)
         if spill is not None and spill.table is old:
-            # Same payload: later row updates keep appending to its spare area; a new tier
-            # lets the old one's buffer go.
-            tier = spill.tier if _heads(new.hot, spill.tier) else None
-            self._spill[name] = Spill(new, spill.buffer, tier)
+            # Same payload: later row updates keep appending to its spare area.
+            self._spill[name] = Spill(new, spill.buffer)
 
     def forget(self, name: str) -> None:
         """Table ``name`` was replaced by one without these updates."""
@@ -102,7 +103,8 @@ class RowUpdates:
 def _apply(
     old: CompressedTable, ids: torch.Tensor, rows: torch.Tensor, spill: Spill | None
 ) -> Spill:
-    """The table with the rows replaced, and the buffers under its payload and tier."""
+    """The table with the rows replaced (its tier still ``old``'s), and the buffer under its
+    payload."""
     blocks = torch.unique(torch.div(ids, layout.ROWS_PER_BLOCK, rounding_mode="floor"))
     # Every row of the affected blocks, in order; only the table's last block can be short,
     # and it sorts last, so these rows form whole blocks of a small table of their own.
@@ -152,8 +154,6 @@ def _apply(
         # whole mapping (and the file's disk space, once a pack deletes it) alive.
         mask, bitval = old.mask.clone(), old.bitval.clone()
     new_end = int(block_base[-1])
-    spare = spill.tier if spill is not None and spill.table is old else None
-    hot, tier = _updated_tier(old, ids, rows, spare)
     table = dataclasses.replace(
         old,
         payload=buffer[: new_end + layout.PAYLOAD_PAD],
@@ -162,72 +162,8 @@ def _apply(
         bitmask=new_bitmask,
         mask=mask,
         bitval=bitval,
-        hot=hot,
     )
-    return Spill(table, buffer, tier)
-
-
-def _updated_tier(
-    old: CompressedTable, ids: torch.Tensor, rows: torch.Tensor, spare: torch.Tensor | None
-) -> tuple[HotRows | None, torch.Tensor | None]:
-    """``old``'s decoded tier after rows ``ids`` (sorted) became ``rows``, and the buffer under
-    its rows. Tier rows take their new bits (whether the row is now stored compressed or raw,
-    the tier row is exact); the tier is ``old``'s unless one of its rows changed. ``spare``: the
-    buffer the latest published version's tier rows head, if any, whose slots past them no
-    published version reads."""
-    hot = old.hot
-    if hot is None:
-        return None, None
-    at = torch.searchsorted(hot.ids, ids).clamp(max=hot.count - 1)
-    held = hot.ids[at] == ids
-    if not bool(held.any()):
-        return hot, spare if _heads(hot, spare) else None
-    changed = ids[held]
-    new_bits = rows.view(torch.uint8).reshape(ids.numel(), -1)[held]
-    words = torch.unique(torch.div(changed, TIER_WORD_ROWS, rounding_mode="floor"))
-    first = torch.searchsorted(hot.ids, words * TIER_WORD_ROWS)
-    counts = torch.searchsorted(hot.ids, (words + 1) * TIER_WORD_ROWS) - first
-    moved = hot.ids[_ranges(first, counts)]  # the held rows of those words, in row order
-    used = hot.rows.shape[0]
-    if spare is None or not _heads(hot, spare) or used + moved.numel() > spare.shape[0]:
-        return _compacted(old, hot, at[held], new_bits, moved.numel())
-    spare[used : used + moved.numel()] = hot.rows[hot.slots(moved)]
-    spare[used + torch.searchsorted(moved, changed)] = new_bits
-    directory = hot.directory if hot.directory.numel() else old.rank_directory(hot.ids)
-    directory = directory.clone()
-    directory[2 * words + 1] = used + torch.cumsum(counts, 0) - counts
-    rows_now = spare[: used + moved.numel()]
-    return dataclasses.replace(hot, directory=directory, rows=rows_now), spare
-
-
-def _heads(hot: HotRows | None, spare: torch.Tensor | None) -> bool:
-    """Whether ``hot``'s rows are the head of buffer ``spare``."""
-    return hot is not None and spare is not None and hot.rows.data_ptr() == spare.data_ptr()
-
-
-def _compacted(
-    old: CompressedTable, hot: HotRows, ranks: torch.Tensor, new_bits: torch.Tensor, moving: int
-) -> tuple[HotRows, torch.Tensor]:
-    """``hot`` copied in row order into a fresh buffer, the rows at ``ranks`` (in ``hot.ids``)
-    given ``new_bits``, with spare slots for later updates: a fraction of the tier, and at least
-    enough for a few updates that move ``moving`` rows."""
-    reserve = max(hot.count // SPILL_FRACTION, 8 * moving, TIER_WORD_ROWS)
-    # Read through the tier itself, which resolves any moved word, into a buffer that
-    # ibp_gather puts on huge pages like any tier's rows; the spare slots' contents are
-    # written before any version reads them.
-    ids = torch.cat([hot.ids, hot.ids[:1].expand(reserve)])
-    buffer = ops.ibp_gather(*old.op_args(), ids, hot.directory, hot.rows)
-    buffer[ranks] = new_bits
-    rows = buffer[: hot.count]
-    every = hot.count == old.num_rows
-    directory = hot.ids.new_empty(0) if every else old.rank_directory(hot.ids)
-    return dataclasses.replace(hot, directory=directory, rows=rows), buffer
-
-
-def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """int64: starts[i] + arange(counts[i]) for each i, concatenated."""
-    offsets = torch.cumsum(counts, 0) - counts
-    return torch.repeat_interleave(starts - offsets, counts) + torch.arange(int(counts.sum()))
+    return Spill(table, buffer)
 
 
 def _check_update(
