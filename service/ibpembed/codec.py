@@ -192,10 +192,12 @@ def tier_directory_bytes(num_rows: int) -> int:
     return 16 * layout.ceil_div(num_rows, TIER_WORD_ROWS)
 
 
-def tier_spare_rows(count: int) -> int:
-    """Spare slots a tier of ``count`` rows keeps, past its rows, for the words its next
-    versions change (row updates, refreshes: tables/tier_versions.py): an eighth of its rows."""
-    return count // TIER_SPARE_FRACTION
+def tier_spare_rows(num_rows: int, count: int) -> int:
+    """Spare slots a tier of ``count`` rows of a table of ``num_rows`` keeps past its rows, for
+    the words its next versions change (row updates, refreshes: tables/tier_versions.py): an
+    eighth of its rows. A tier of every row has none as built: refreshes never change it, and
+    its first row update gives it some (priced by no budget: ``all`` has none to keep)."""
+    return 0 if count == num_rows else count // TIER_SPARE_FRACTION
 
 
 def tier_bytes_for(num_rows: int, row_bytes: int, count: int) -> int:
@@ -208,7 +210,8 @@ def tier_bytes_for(num_rows: int, row_bytes: int, count: int) -> int:
     if count == 0:
         return 0
     directory = 0 if count == num_rows else tier_directory_bytes(num_rows)
-    return count * (row_bytes + 8) + tier_spare_rows(count) * row_bytes + directory
+    spare = tier_spare_rows(num_rows, count) * row_bytes
+    return count * (row_bytes + 8) + spare + directory
 
 
 def tier_rows_within(
@@ -466,7 +469,9 @@ class CompressedTable:
         )
 
     # -- decoded tier ----------------------------------------------------------------------------
-    def with_hot_rows(self, ids: torch.Tensor, *, coverage: float = 0.0) -> CompressedTable:
+    def with_hot_rows(
+        self, ids: torch.Tensor, *, coverage: float = 0.0, spare_rows: int | None = None
+    ) -> CompressedTable:
         """This table with a decoded tier of rows ``ids`` for CPU lookups (replacing any earlier
         one): those rows are then read decoded, found without the index, in a lean loop. Rows
         stored raw are taken too (the tier spares them the index); ids covering every row give a
@@ -474,9 +479,15 @@ class CompressedTable:
         at one stride (its payload already serves as such a tier), gives a table without one.
         The payload and index are shared, not copied: the result is a new table object, so a
         lookup holding the old one keeps reading the old tier (build aside, publish by swapping).
-        ``coverage``: see ``HotRows``. Its host memory: ``tier_bytes_for``.
+        ``coverage``: see ``HotRows``. ``spare_rows``: slots past the rows for the tier's next
+        versions (tables/tier_versions.py; default ``tier_spare_rows``). Its host memory:
+        ``tier_bytes_for``.
         """
         ids = self.tier_selection(ids)
+        if spare_rows is None:
+            spare_rows = tier_spare_rows(self.num_rows, ids.numel())
+        elif spare_rows < 0:
+            raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
         base = self.without_hot_rows()
         if ids.numel() == 0 or base._raw_rows_as_tier[1] is not None:
             return base
@@ -484,7 +495,7 @@ class CompressedTable:
         # Read through the current tier: a rebuild that keeps most rows copies them instead of
         # decoding them again. The spare slots past the rows (their contents written before any
         # version reads them) come from the same call, on huge pages like the rows.
-        spare = ids[:1].expand(tier_spare_rows(ids.numel()))
+        spare = ids[:1].expand(spare_rows)
         buffer = ops.ibp_gather(*self.op_args(), torch.cat([ids, spare]), *self._tier_args())
         rows = buffer[: ids.numel()]
         return dataclasses.replace(self, hot=HotRows(ids, directory, rows, coverage))

@@ -162,7 +162,7 @@ def test_tier_capacity_rows_and_bad_budgets() -> None:
     assert c.tier_capacity_rows(directory + per_row - 1) == 0
     assert c.tier_capacity_rows(directory + 16 * per_row + 2 * c.row_bytes) == 16
     assert c.tier_capacity_rows(directory + 16 * per_row + 2 * c.row_bytes - 1) == 15
-    every = 1000 * per_row + 125 * c.row_bytes  # every row: no directory needed
+    every = 1000 * per_row  # every row: no directory, no spare slots until an update
     assert tier_bytes_for(1000, c.row_bytes, 1000) == every
     assert c.tier_capacity_rows(every) == 1000
     assert c.tier_capacity_rows(10**15) == 1000  # clamped to the table
@@ -180,6 +180,10 @@ def test_tier_capacity_rows_and_bad_budgets() -> None:
         c.tier_capacity_rows(1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="at least 0"):
         tier_bytes_for(1000, c.row_bytes, -1)
+    with pytest.raises(ValueError, match="spare_rows must be >= 0"):
+        c.with_hot_rows(torch.arange(5), spare_rows=-1)
+    spared = c.with_hot_rows(torch.arange(5), spare_rows=3).hot
+    assert spared is not None and spared.bytes == 8 * c.row_bytes + 8 * 5 + directory
 
 
 @pytest.mark.parametrize("bad", [[-1], [100], [3, 1000]])

@@ -147,7 +147,8 @@ def test_older_versions_count_what_they_hold_beside_a_shared_payload() -> None:
     store = TableStore({"t": compress(values)}, {"t": "t"}, keep_versions=2)
     store.update_rows("t", torch.tensor([100]), torch.zeros(1, 32))
     store.set_hot_rows("t", torch.arange(4096))
-    store.update_rows("t", torch.tensor([200]), torch.ones(1, 32))  # shares payload and tier
+    store.update_rows("t", torch.tensor([200]), torch.ones(1, 32))  # the tier gets spare slots
+    store.update_rows("t", torch.tensor([300]), torch.ones(1, 32))  # shares payload and tier
     with store.acquire(store.versions_held()[0]) as old, store.acquire() as new:
         o, n = old.tables["t"], new.tables["t"]
         assert o.payload.untyped_storage().data_ptr() == n.payload.untyped_storage().data_ptr()

@@ -89,7 +89,9 @@ def test_an_update_copies_the_words_it_touches_not_the_tier() -> None:
     store = TableStore(
         {"t": compress(values).with_hot_rows(torch.arange(rows))}, {"t": "t"}, keep_versions=2
     )
-    store.update_rows("t", torch.tensor([5]), torch.ones(1, dim))  # the first copies the tier
+    # A tier of every row is built without spare slots: its first update copies it into a
+    # buffer with some.
+    store.update_rows("t", torch.tensor([5]), torch.ones(1, dim))
     with store.acquire() as first:
         before = first.tables["t"]
     assert before.hot is not None
@@ -112,8 +114,7 @@ def test_a_refresh_copies_the_words_where_rows_enter_or_leave() -> None:
     rows, dim = 8192, 32
     values = make_table(torch.float32, rows, dim, "trained_like", 5)
     store = TableStore({"t": compress(values)}, {"t": "t"})
-    store.set_hot_rows("t", torch.arange(0, rows, 4))  # the first tier: exact, no spare slots
-    store.set_hot_rows("t", torch.arange(0, rows, 3))  # the second: a fresh buffer with some
+    store.set_hot_rows("t", torch.arange(0, rows, 3))  # built with an eighth of its rows spare
     with store.acquire() as snap:
         before = snap.tables["t"]
     assert before.hot is not None and before.hot.bytes > before.hot.rows.nbytes

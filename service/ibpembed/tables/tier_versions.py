@@ -13,8 +13,9 @@ may still hold or pin, keep reading their own slots of the same buffer, never wr
 
 A row update changes the words of the tier rows it updates (their new bits); a refresh, the
 words where rows enter or leave. Rows that leave stay in the buffer unread; when the spare slots
-(an eighth of the tier's rows, ``codec.tier_spare_rows``, priced in every tier budget) run out,
-the tier is built again in a fresh buffer, its rows copied from the old one.
+(an eighth of the tier's rows, ``codec.tier_spare_rows``, priced in every tier budget; a tier
+of every row gets them at its first row update) run out, the tier is built again in a fresh
+buffer, its rows copied from the old one.
 
 :class:`TierSpares` tracks, per table, the buffer whose spare slots its current version may
 append to; :func:`updated` and :func:`retiered` build the versions. The store publishes them
@@ -28,7 +29,7 @@ import dataclasses
 import torch
 
 from ibpembed._ops import ops
-from ibpembed.codec import TIER_WORD_ROWS, CompressedTable, HotRows
+from ibpembed.codec import TIER_SPARE_FRACTION, TIER_WORD_ROWS, CompressedTable, HotRows
 
 
 class TierSpares:
@@ -126,9 +127,11 @@ def retiered(
 
 
 def _rebuilt(old: CompressedTable, ids: torch.Tensor, coverage: float) -> HotRows | None:
-    """A tier of rows ``ids`` in a fresh buffer, read through ``old``'s tier; None where the
-    payload serves as a tier of every row (all its rows raw at one stride)."""
-    return old.with_hot_rows(ids, coverage=coverage).hot
+    """A tier of rows ``ids`` in a fresh buffer, read through ``old``'s tier, with spare slots
+    (a tier of every row too: it is being changed); None where the payload serves as a tier of
+    every row (all its rows raw at one stride)."""
+    spare = ids.numel() // TIER_SPARE_FRACTION
+    return old.with_hot_rows(ids, coverage=coverage, spare_rows=spare).hot
 
 
 def _buffer_of(hot: HotRows | None) -> torch.Tensor | None:
