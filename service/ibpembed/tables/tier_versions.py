@@ -86,7 +86,8 @@ def updated(
     moved = hot.ids[_word_rows(hot.ids, words)]
     used = hot.rows.shape[0]
     if spare is None or used + moved.numel() > spare.shape[0]:
-        rebuilt = _rebuilt(old, hot.ids, hot.coverage)
+        # Spare slots even for a tier of every row: it is being updated.
+        rebuilt = _rebuilt(old, hot.ids, hot.coverage, hot.count // TIER_SPARE_FRACTION)
         if rebuilt is not None:
             rebuilt.rows[at[held]] = new_bits  # not yet published: nothing reads it
         return rebuilt, _buffer_of(rebuilt)
@@ -126,12 +127,13 @@ def retiered(
     return dataclasses.replace(old, hot=new), spare
 
 
-def _rebuilt(old: CompressedTable, ids: torch.Tensor, coverage: float) -> HotRows | None:
-    """A tier of rows ``ids`` in a fresh buffer, read through ``old``'s tier, with spare slots
-    (a tier of every row too: it is being changed); None where the payload serves as a tier of
-    every row (all its rows raw at one stride)."""
-    spare = ids.numel() // TIER_SPARE_FRACTION
-    return old.with_hot_rows(ids, coverage=coverage, spare_rows=spare).hot
+def _rebuilt(
+    old: CompressedTable, ids: torch.Tensor, coverage: float, spare_rows: int | None = None
+) -> HotRows | None:
+    """A tier of rows ``ids`` in a fresh buffer, read through ``old``'s tier, with
+    ``spare_rows`` spare slots (``with_hot_rows``' default: ``codec.tier_spare_rows``); None
+    where the payload serves as a tier of every row (all its rows raw at one stride)."""
+    return old.with_hot_rows(ids, coverage=coverage, spare_rows=spare_rows).hot
 
 
 def _buffer_of(hot: HotRows | None) -> torch.Tensor | None:
