@@ -19,9 +19,9 @@ A budget that buys every row of a table (at least what ``all`` costs) is clamped
 that table. Negative, empty or unparsable values raise ValueError naming the accepted forms.
 
 A budget covers everything the tier holds in host memory: its rows with their spare slots (an
-eighth of the rows, where the tier's next versions go: ``codec.tier_spare_rows``), their ids and
-directory and, for a tier that follows the traffic online, the admission policy's own state (a
-:data:`StateBytes` the policy passes in), so that ``savings`` keeps its promise.
+eighth of a partial tier's rows, where its next versions go: ``codec.tier_spare_rows``), their
+ids and directory and, for a tier that follows the traffic online, the admission policy's own
+state (a :data:`StateBytes` the policy passes in), so that ``savings`` keeps its promise.
 """
 
 from __future__ import annotations
