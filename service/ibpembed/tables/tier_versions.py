@@ -93,7 +93,7 @@ def updated(
         return rebuilt, _buffer_of(rebuilt)
     spare[used : used + moved.numel()] = hot.rows[hot.slots(moved)]
     spare[used + torch.searchsorted(moved, changed)] = new_bits
-    directory = _directory_of(old, hot).clone()
+    directory = _directory_copy(old, hot)
     directory[2 * words + 1] = used + _starts(moved, words)
     return dataclasses.replace(hot, directory=directory, rows=spare[: used + moved.numel()]), spare
 
@@ -108,9 +108,9 @@ def retiered(
     if hot is None or ids.numel() == 0 or old.without_hot_rows()._raw_rows_as_tier[1] is not None:
         fresh = old.with_hot_rows(ids, coverage=coverage)  # a first tier, or none
         return fresh, _buffer_of(fresh.hot)
-    before = _directory_of(old, hot)
+    directory = _directory_copy(old, hot)
     after = old.rank_directory(ids)
-    words = torch.nonzero(before[0::2] != after[0::2]).flatten()  # rows enter or leave
+    words = torch.nonzero(directory[0::2] != after[0::2]).flatten()  # rows enter or leave
     if words.numel() == 0:
         return dataclasses.replace(old, hot=dataclasses.replace(hot, coverage=coverage)), spare
     moved = ids[_word_rows(ids, words)]
@@ -120,7 +120,6 @@ def retiered(
         return dataclasses.replace(old, hot=rebuilt), _buffer_of(rebuilt)
     # Rows the tier holds are copied from it, the others decoded.
     spare[used : used + moved.numel()] = ops.ibp_gather(*old.op_args(), moved, *old._tier_args())
-    directory = before.clone()
     directory[2 * words] = after[2 * words]
     directory[2 * words + 1] = used + _starts(moved, words)
     new = HotRows(ids, directory, spare[: used + moved.numel()], coverage)
@@ -147,9 +146,10 @@ def _buffer_of(hot: HotRows | None) -> torch.Tensor | None:
     )
 
 
-def _directory_of(table: CompressedTable, hot: HotRows) -> torch.Tensor:
-    """``hot``'s directory, made explicit for a tier of every row (which has none)."""
-    return hot.directory if hot.directory.numel() else table.rank_directory(hot.ids)
+def _directory_copy(table: CompressedTable, hot: HotRows) -> torch.Tensor:
+    """A copy of ``hot``'s directory for a new version to change, made explicit for a tier of
+    every row (which has none)."""
+    return hot.directory.clone() if hot.directory.numel() else table.rank_directory(hot.ids)
 
 
 def _word_rows(ids: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
